@@ -1,0 +1,43 @@
+# Two commands do all set-up on a fresh machine:
+#   make demo   the main job (dppo train with defaults)
+#   make test   create .venv, build the extension, run the test suite
+PYTHON ?= python3
+VENV   ?= .venv
+BIN    := $(VENV)/bin
+# torch 2.14.1 (a CUDA 13.0 build) lies in the local wheel cache on this project's machines.
+TORCH_SPEC ?= torch==2.14.1
+PYTEST_ARGS ?=
+
+BUILD_INPUTS := setup.py pyproject.toml $(wildcard csrc/*)
+
+.PHONY: all install build test demo bench clean
+
+all: install
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --upgrade "pip>=24" "setuptools>=64" wheel ninja
+	$(BIN)/python -m pip install "$(TORCH_SPEC)"
+
+# The stamp rebuilds the extension whenever setup.py or anything in csrc/ changes.
+$(VENV)/.installed: $(BIN)/python $(BUILD_INPUTS)
+	$(BIN)/python -m pip install --no-build-isolation -e ".[test]"
+	$(BIN)/python -m dppo.build_info
+	touch $@
+
+install: $(VENV)/.installed
+
+build: install
+
+test: install
+	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
+
+demo: install
+	HF_HUB_OFFLINE=1 $(BIN)/dppo train
+
+bench: install
+	$(BIN)/python benchmarks/snapshot_bench.py
+	$(BIN)/python benchmarks/cycle_bench.py
+
+clean:
+	rm -rf build dist *.egg-info dppo/*.so $(VENV)
