@@ -1,0 +1,63 @@
+"""Decoupled PPO algorithm core: pure tensor functions (fp32 math and results), no Ray, no I/O.
+
+Per-token tensors are (B, T) with a response_mask (B, T); masked-out positions may hold anything (NaN
+included) and never change a result. Metrics are dict[str, float] with verl-style keys.
+"""
+
+from dppo.algo._common import AlgoInputError, NonFiniteError, ShapeMismatchError, UnknownNameError
+from dppo.algo.advantages import (
+    ADVANTAGE_ESTIMATORS,
+    get_advantage_estimator,
+    grpo_advantages,
+    rloo_advantages,
+)
+from dppo.algo.kl import KL_PENALTIES, kl_loss, kl_penalty
+from dppo.algo.logprob import entropy_from_logits, log_probs_from_logits
+from dppo.algo.losses import (
+    LOSS_AGG_MODES,
+    POLICY_LOSSES,
+    agg_loss,
+    bypass_policy_loss,
+    entropy_bonus,
+    get_policy_loss,
+    policy_loss,
+    ppo_clip_bypass_loss,
+    reinforce_bypass_loss,
+)
+from dppo.algo.rollout_correction import (
+    RS_OPTIONS,
+    RolloutCorrectionConfig,
+    RolloutCorrectionConfigError,
+    compute_rollout_correction,
+    parse_rollout_rs_thresholds,
+)
+
+__all__ = [
+    "ADVANTAGE_ESTIMATORS",
+    "KL_PENALTIES",
+    "LOSS_AGG_MODES",
+    "POLICY_LOSSES",
+    "RS_OPTIONS",
+    "AlgoInputError",
+    "NonFiniteError",
+    "RolloutCorrectionConfig",
+    "RolloutCorrectionConfigError",
+    "ShapeMismatchError",
+    "UnknownNameError",
+    "agg_loss",
+    "bypass_policy_loss",
+    "compute_rollout_correction",
+    "entropy_bonus",
+    "entropy_from_logits",
+    "get_advantage_estimator",
+    "get_policy_loss",
+    "grpo_advantages",
+    "kl_loss",
+    "kl_penalty",
+    "log_probs_from_logits",
+    "parse_rollout_rs_thresholds",
+    "policy_loss",
+    "ppo_clip_bypass_loss",
+    "reinforce_bypass_loss",
+    "rloo_advantages",
+]

@@ -1,0 +1,125 @@
+"""Input checks, typed errors and one-sync metric extraction shared by the dppo.algo functions."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+
+# Log-ratios are clamped to this bound before exp (as verl does): exp(20) ~ 4.9e8 stays finite in fp32.
+LOG_RATIO_BOUND = 20.0
+
+
+class AlgoInputError(ValueError):
+    """A tensor passed to a dppo.algo function has a bad value."""
+
+
+class ShapeMismatchError(AlgoInputError):
+    """Two tensors that must share a shape do not."""
+
+
+class NonFiniteError(AlgoInputError):
+    """A NaN or inf sits at a position the mask marks as valid."""
+
+
+class UnknownNameError(ValueError):
+    """A registry lookup (loss, estimator, aggregation mode) got a name it does not know."""
+
+
+def lookup(registry: Mapping[str, Callable], name: str, what: str) -> Callable:
+    """Return registry[name], or raise UnknownNameError listing the valid names."""
+    try:
+        return registry[name]
+    except (KeyError, TypeError):
+        valid = ", ".join(repr(k) for k in registry)
+        raise UnknownNameError(f"unknown {what} {name!r}; valid names: {valid}") from None
+
+
+def check_tensor(name: str, value: object) -> torch.Tensor:
+    """Return value if it is a tensor, else raise TypeError naming the argument."""
+    if not isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor; got {type(value).__name__}")
+    return value
+
+
+def as_mask(name: str, mask: object) -> torch.Tensor:
+    """Return a bool view of a mask (bool, or numeric where nonzero means valid)."""
+    mask = check_tensor(name, mask)
+    return mask if mask.dtype == torch.bool else mask != 0
+
+
+def check_same_shape(ref_name: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
+    """Raise ShapeMismatchError naming both shapes if any tensor's shape differs from ref's."""
+    for name, t in tensors.items():
+        if t is None:
+            continue
+        check_tensor(name, t)
+        if t.shape != ref.shape:
+            raise ShapeMismatchError(
+                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
+                "they must be equal"
+            )
+
+
+class Checks:
+    """Deferred value checks whose flags travel in the same device->host copy as the metrics."""
+
+    def __init__(self, mask: torch.Tensor, mask_name: str = "response_mask"):
+        self.mask = mask
+        self.mask_name = mask_name
+        # (error type, message, bad positions (B, T), the checked values (B, T))
+        self._items: list[tuple[type[AlgoInputError], str, torch.Tensor, torch.Tensor]] = []
+
+    def finite(self, name: str, t: torch.Tensor) -> None:
+        """Flag NaN/inf in t at positions where the mask is valid."""
+        t = t.detach()
+        self._items.append((NonFiniteError, f"{name} is not finite", ~torch.isfinite(t) & self.mask, t))
+
+    def nonnegative(self, name: str, t: torch.Tensor) -> None:
+        """Flag negative values in t at positions where the mask is valid."""
+        t = t.detach()
+        self._items.append((AlgoInputError, f"{name} is negative", (t < 0) & self.mask, t))
+
+    def flags(self) -> list[torch.Tensor]:
+        """One 0-dim tensor per check: nonzero when the check failed."""
+        return [bad.any() for _, _, bad, _ in self._items]
+
+    def raise_failed(self, flag_values: Sequence[float]) -> None:
+        """Raise for the first failed check, naming the argument, the position and the value."""
+        for (exc, message, bad, t), flag in zip(self._items, flag_values):
+            if not flag:
+                continue
+            pos = tuple(torch.nonzero(bad)[0].tolist())
+            value = t[pos].item()
+            raise exc(f"{message}: value {value} at index {list(pos)} where {self.mask_name} is 1")
+
+
+def to_floats(
+    metrics: Mapping[str, torch.Tensor], checks: Checks | None = None
+) -> dict[str, float]:
+    """Copy 0-dim metric tensors (and check flags) to python floats in one device sync; raise on a failed check."""
+    values = [v.detach().float().reshape(()) for v in metrics.values()]
+    flags = [f.float() for f in checks.flags()] if checks is not None else []
+    if not values and not flags:
+        return {}
+    host = torch.stack(values + flags).tolist()
+    if checks is not None:
+        checks.raise_failed(host[len(values):])
+    return dict(zip(metrics.keys(), host[: len(values)]))
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of x over valid positions (0 when there are none); x must already be 0 where mask is 0."""
+    return x.sum() / mask.sum().clamp(min=1)
+
+
+def masked_max(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Max of x over valid positions (0 when there are none)."""
+    m = torch.where(mask, x, float("-inf")).amax() if x.numel() else x.new_zeros(())
+    return torch.where(mask.any(), m, 0.0)
+
+
+def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Min of x over valid positions (0 when there are none)."""
+    m = torch.where(mask, x, float("inf")).amin() if x.numel() else x.new_zeros(())
+    return torch.where(mask.any(), m, 0.0)

@@ -1,0 +1,111 @@
+"""Outcome-reward advantage estimators over prompt groups (GRPO, RLOO), broadcast over response tokens."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Hashable, Sequence
+
+import torch
+
+from dppo.algo._common import NonFiniteError, ShapeMismatchError, as_mask, check_tensor, lookup
+
+
+def _group_ids(group_index: torch.Tensor | Sequence[Hashable], device: torch.device) -> torch.Tensor:
+    """group_index as an int64 tensor (B,); a sequence of hashables (e.g. uid strings) is numbered in order."""
+    if isinstance(group_index, torch.Tensor):
+        if group_index.dtype == torch.bool or group_index.is_floating_point() or group_index.is_complex():
+            raise TypeError(f"group_index must be an integer tensor; got dtype {group_index.dtype}")
+        return group_index.to(device=device, dtype=torch.long)
+    numbering: dict[Hashable, int] = {}
+    ids = [numbering.setdefault(g, len(numbering)) for g in group_index]
+    return torch.tensor(ids, dtype=torch.long, device=device)
+
+
+def _check_inputs(scores, group_index, response_mask):
+    """Validate shapes and values; return scores (B,) fp32, group ids (B,) int64, mask (B, T) bool."""
+    scores = check_tensor("scores", scores)
+    mask = as_mask("response_mask", response_mask)
+    group = _group_ids(group_index, scores.device)
+    if scores.dim() != 1:
+        raise ShapeMismatchError(f"scores must have shape (B,); got shape {tuple(scores.shape)}")
+    if group.shape != scores.shape:
+        raise ShapeMismatchError(
+            f"group_index has shape {tuple(group.shape)} but scores has shape {tuple(scores.shape)}; they must be equal"
+        )
+    if mask.dim() != 2 or mask.shape[0] != scores.shape[0]:
+        raise ShapeMismatchError(
+            f"response_mask has shape {tuple(mask.shape)} but scores has shape {tuple(scores.shape)}; "
+            "response_mask must be (B, T) with B = len(scores)"
+        )
+    scores = scores.detach().float()
+    bad = ~torch.isfinite(scores)
+    if bool(bad.any()):
+        i = int(torch.nonzero(bad)[0])
+        raise NonFiniteError(f"scores is not finite: value {scores[i].item()} at index {i}")
+    return scores, group, mask
+
+
+def _group_stats(scores: torch.Tensor, group: torch.Tensor):
+    """Per-sequence group size, group mean and unbiased group std (0 for groups of one), each (B,)."""
+    _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)  # (B,), (G,)
+    counts_f = counts.to(scores.dtype)
+    sums = torch.zeros_like(counts_f).index_add_(0, inverse, scores)  # (G,)
+    mean = sums / counts_f  # (G,)
+    dev = scores - mean[inverse]  # (B,)
+    sq = torch.zeros_like(counts_f).index_add_(0, inverse, dev * dev)  # (G,)
+    std = (sq / (counts_f - 1).clamp(min=1)).sqrt()  # (G,), torch.std's unbiased estimator
+    return counts[inverse], mean[inverse], std[inverse]
+
+
+def _broadcast(seq_adv: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence advantages (B,) -> per-token (B, T), 0 at masked-out positions."""
+    return torch.where(mask, seq_adv[:, None], 0.0)
+
+
+def grpo_advantages(
+    scores: torch.Tensor,
+    group_index: torch.Tensor | Sequence[Hashable],
+    response_mask: torch.Tensor,
+    norm_by_std: bool = True,
+    eps: float = 1e-6,
+) -> torch.Tensor:
+    """GRPO advantages (B, T) fp32: (score - group mean) / (group std + eps), 0 for a group of one and at masked tokens.
+
+    scores (B,) is the outcome reward of each sequence; group_index (B,) names its prompt group (an integer
+    tensor, or any sequence of hashables such as uid strings); the std is unbiased (torch.std). With
+    norm_by_std=False the advantage is score - group mean (Dr. GRPO).
+    """
+    scores, group, mask = _check_inputs(scores, group_index, response_mask)
+    size, mean, std = _group_stats(scores, group)  # (B,) each
+    seq_adv = scores - mean
+    if norm_by_std:
+        seq_adv = seq_adv / (std + eps)
+    seq_adv = torch.where(size > 1, seq_adv, 0.0)
+    return _broadcast(seq_adv, mask)
+
+
+def rloo_advantages(
+    scores: torch.Tensor,
+    group_index: torch.Tensor | Sequence[Hashable],
+    response_mask: torch.Tensor,
+) -> torch.Tensor:
+    """RLOO advantages (B, T) fp32: score minus the mean score of the other members of its group (0 for a group of one).
+
+    Equal to n / (n - 1) * (score - group mean) for a group of n.
+    """
+    scores, group, mask = _check_inputs(scores, group_index, response_mask)
+    size, mean, _ = _group_stats(scores, group)  # (B,) each
+    n = size.to(scores.dtype)
+    loo_mean = (mean * n - scores) / (n - 1).clamp(min=1)  # mean of the other n - 1 scores
+    seq_adv = torch.where(size > 1, scores - loo_mean, 0.0)
+    return _broadcast(seq_adv, mask)
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": grpo_advantages,
+    "rloo": rloo_advantages,
+}
+
+
+def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
+    """Return the advantage estimator registered under name ('grpo', 'rloo')."""
+    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")

@@ -1,0 +1,192 @@
+"""Per-token log-probabilities and entropies from logits, computed in row chunks of bounded fp32 size.
+
+A full fp32 log-softmax of a (B, T, V) batch with V ~ 150k would need B*T*V*4 bytes at once (and autograd
+would keep it alive until backward). Here each function is a torch.autograd.Function that walks the rows
+in chunks of at most `chunk_bytes` of fp32 work, keeps only one fp32 number per row (the log-sum-exp)
+for backward, and recomputes the softmax chunk by chunk in backward. Inputs keep their dtype (bf16 stays
+bf16); the math is fp32 and the results are fp32.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from dppo.algo._common import ShapeMismatchError, check_tensor
+
+# fp32 working set per chunk. Each row of a chunk holds about three fp32 copies of width V at once
+# (the upcast logits, the exponentials, the gradient), which is what _rows_per_chunk divides by.
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+
+
+def _rows_per_chunk(vocab: int, chunk_bytes: int) -> int:
+    """Rows whose fp32 working set (3 copies of width vocab) fits in chunk_bytes; at least 1."""
+    return max(1, chunk_bytes // (3 * 4 * vocab))
+
+
+def _row_blocks(x: torch.Tensor) -> Iterator[torch.Tensor]:
+    """Yield (n, V) views covering x (..., V) in row-major order, without copying.
+
+    A slice such as logits[:, :-1] cannot be viewed as one (N, V) matrix, so it is split along its
+    leading dimension until each piece can.
+    """
+    try:
+        yield x.view(-1, x.shape[-1])
+    except RuntimeError:
+        for sub in x.unbind(0):
+            yield from _row_blocks(sub)
+
+
+def _row_chunks(x: torch.Tensor, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
+    """Yield (first flat row index, (n <= rows, V) view) over all rows of x (..., V)."""
+    offset = 0
+    for block in _row_blocks(x):
+        for start in range(0, block.shape[0], rows):
+            chunk = block[start : start + rows]
+            yield offset + start, chunk
+        offset += block.shape[0]
+
+
+def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
+    """chunk / temperature in fp32 (a new tensor unless chunk is fp32 and temperature is 1)."""
+    x = chunk.float()
+    return x / temperature if temperature != 1.0 else x
+
+
+class _LogProbFn(torch.autograd.Function):
+    """log softmax(logits / T)[label] per row, chunked; backward recomputes the softmax per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, temperature, rows):  # logits (..., V), labels (N,) -> (N,)
+        n_rows = labels.shape[0]
+        logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        for start, chunk in _row_chunks(logits, rows):
+            stop = start + chunk.shape[0]
+            x = _scaled_fp32(chunk, temperature)  # (n, V)
+            lse[start:stop] = torch.logsumexp(x, dim=-1)
+            picked = x.gather(-1, labels[start:stop, None]).squeeze(-1)  # (n,)
+            logp[start:stop] = picked - lse[start:stop]
+        ctx.save_for_backward(logits, labels, lse)
+        ctx.temperature, ctx.rows = temperature, rows
+        return logp
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_logp):  # (N,) -> d/dlogits (..., V)
+        logits, labels, lse = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_rows = grad.view(-1, logits.shape[-1])  # (N, V), contiguous
+        g_all = grad_logp.float()
+        for start, chunk in _row_chunks(logits, ctx.rows):
+            stop = start + chunk.shape[0]
+            g = g_all[start:stop, None]  # (n, 1)
+            p = torch.exp(_scaled_fp32(chunk, ctx.temperature) - lse[start:stop, None])  # softmax (n, V)
+            # d logp / d x = onehot(label) - softmax; d x / d logits = 1 / T
+            p.mul_(-g).scatter_add_(-1, labels[start:stop, None], g)
+            if ctx.temperature != 1.0:
+                p.div_(ctx.temperature)
+            grad_rows[start:stop] = p
+        return grad, None, None, None
+
+
+class _EntropyFn(torch.autograd.Function):
+    """Entropy of softmax(logits / T) per row, chunked; backward recomputes the softmax per chunk."""
+
+    @staticmethod
+    def forward(ctx, logits, temperature, rows):  # logits (..., V) -> (N,)
+        n_rows = logits.numel() // logits.shape[-1]
+        entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        for start, chunk in _row_chunks(logits, rows):
+            stop = start + chunk.shape[0]
+            x = _scaled_fp32(chunk, temperature)  # (n, V)
+            lse_c = torch.logsumexp(x, dim=-1)  # (n,)
+            p = torch.exp(x - lse_c[:, None])  # (n, V)
+            # H = -sum p log p = lse - sum p x
+            entropy[start:stop] = lse_c - (p * x).sum(-1)
+            lse[start:stop] = lse_c
+        ctx.save_for_backward(logits, lse, entropy)
+        ctx.temperature, ctx.rows = temperature, rows
+        return entropy
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_entropy):  # (N,) -> d/dlogits (..., V)
+        logits, lse, entropy = ctx.saved_tensors
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad_rows = grad.view(-1, logits.shape[-1])  # (N, V)
+        g_all = grad_entropy.float()
+        for start, chunk in _row_chunks(logits, ctx.rows):
+            stop = start + chunk.shape[0]
+            logp = _scaled_fp32(chunk, ctx.temperature) - lse[start:stop, None]  # (n, V), a new tensor
+            p = torch.exp(logp)  # (n, V)
+            # dH / dx_j = -p_j (log p_j + H); d x / d logits = 1 / T
+            logp.add_(entropy[start:stop, None]).mul_(p).mul_(-g_all[start:stop, None] / ctx.temperature)
+            grad_rows[start:stop] = logp
+        return grad, None, None
+
+
+def _check_logits(logits: object, temperature: float, chunk_bytes: int) -> torch.Tensor:
+    """Validate logits (..., V), the temperature and the chunk budget; return logits."""
+    logits = check_tensor("logits", logits)
+    if logits.dim() < 1 or logits.shape[-1] == 0:
+        raise ValueError(f"logits must have a non-empty last (vocabulary) dimension; got shape {tuple(logits.shape)}")
+    if not logits.is_floating_point():
+        raise TypeError(f"logits must be a floating-point tensor; got dtype {logits.dtype}")
+    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
+        raise TypeError(f"temperature must be a number; got {type(temperature).__name__}")
+    if not (math.isfinite(temperature) and temperature > 0):
+        raise ValueError(f"temperature must be finite and > 0; got {temperature}")
+    if not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
+        raise ValueError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
+    return logits
+
+
+def log_probs_from_logits(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor:
+    """Log-probability of each label under softmax(logits / temperature): fp32, shape of labels, differentiable.
+
+    logits (..., V) must already be aligned with labels (...), i.e. logits[..., t, :] predicts labels[..., t].
+    Equals log_softmax(logits.float() / temperature).gather(-1, labels) but never holds more than
+    chunk_bytes of fp32 work at once. Raises ShapeMismatchError (a ValueError) if labels.shape !=
+    logits.shape[:-1] and ValueError if a label lies outside [0, V).
+    """
+    logits = _check_logits(logits, temperature, chunk_bytes)
+    labels = check_tensor("labels", labels)
+    if labels.shape != logits.shape[:-1]:
+        raise ShapeMismatchError(
+            f"labels has shape {tuple(labels.shape)} but logits has shape {tuple(logits.shape)}; "
+            "labels must have the shape of logits without its last (vocabulary) dimension"
+        )
+    if labels.dtype == torch.bool or labels.is_floating_point() or labels.is_complex():
+        raise TypeError(f"labels must be an integer tensor; got dtype {labels.dtype}")
+    vocab = logits.shape[-1]
+    flat_labels = labels.reshape(-1).long()  # (N,)
+    if flat_labels.numel() and bool(((flat_labels < 0) | (flat_labels >= vocab)).any()):
+        lo, hi = flat_labels.min().item(), flat_labels.max().item()
+        raise ValueError(f"labels must lie in [0, {vocab}) (the vocabulary size); got values from {lo} to {hi}")
+    rows = _rows_per_chunk(vocab, chunk_bytes)
+    logp = _LogProbFn.apply(logits, flat_labels, float(temperature), rows)  # (N,)
+    return logp.view(labels.shape)
+
+
+def entropy_from_logits(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) over the last dimension: fp32, shape logits.shape[:-1], differentiable."""
+    logits = _check_logits(logits, temperature, chunk_bytes)
+    rows = _rows_per_chunk(logits.shape[-1], chunk_bytes)
+    entropy = _EntropyFn.apply(logits, float(temperature), rows)  # (N,)
+    return entropy.view(logits.shape[:-1])
