@@ -105,9 +105,10 @@ class _EntropyFn(torch.autograd.Function):
             stop = start + chunk.shape[0]
             x = _scaled_fp32(chunk, temperature)  # (n, V)
             lse_c = torch.logsumexp(x, dim=-1)  # (n,)
-            p = torch.exp(x - lse_c[:, None])  # (n, V)
-            # H = -sum p log p = lse - sum p x
-            entropy[start:stop] = lse_c - (p * x).sum(-1)
+            logp = x - lse_c[:, None]  # (n, V)
+            p = torch.exp(logp)  # (n, V)
+            # H = -sum p log p, as a batched dot product so no third (n, V) tensor is made
+            entropy[start:stop] = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
             lse[start:stop] = lse_c
         ctx.save_for_backward(logits, lse, entropy)
         ctx.temperature, ctx.rows = temperature, rows

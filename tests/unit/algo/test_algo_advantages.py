@@ -1,0 +1,97 @@
+"""Hand-computed GRPO and RLOO advantages, group handling and input errors."""
+
+import math
+
+import pytest
+import torch
+
+from dppo.algo import (
+    ADVANTAGE_ESTIMATORS,
+    NonFiniteError,
+    ShapeMismatchError,
+    UnknownNameError,
+    get_advantage_estimator,
+    grpo_advantages,
+    rloo_advantages,
+)
+
+# Group 0: scores (1, 0, 1); groups 1 and 2 hold one sequence each.
+SCORES = torch.tensor([1.0, 0.0, 1.0, 0.5, 2.0])
+GROUPS = torch.tensor([0, 0, 0, 1, 2])
+MASK = torch.tensor([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 0, 0], [0, 0, 0]])
+
+
+def per_seq(adv, mask=MASK):
+    """The value broadcast on each sequence's valid tokens; checks it is constant there and 0 elsewhere."""
+    mask = mask.bool()
+    assert adv.dtype == torch.float32 and adv.shape == mask.shape
+    assert torch.all(adv[~mask] == 0)
+    first = adv[:, 0]
+    assert torch.all(torch.where(mask, adv, first[:, None]) == first[:, None])
+    return first.tolist()
+
+
+def test_grpo_hand_computed():
+    # group 0: mean 2/3; deviations (1/3, -2/3, 1/3); unbiased var = (1/9 + 4/9 + 1/9) / 2 = 1/3; std = 0.57735
+    std = math.sqrt(1 / 3)
+    adv = grpo_advantages(SCORES, GROUPS, MASK)
+    expected = [(1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6), (1 / 3) / (std + 1e-6), 0.0, 0.0]
+    assert per_seq(adv)[:4] == pytest.approx(expected[:4], rel=1e-6)
+    assert adv[4].abs().sum() == 0  # empty response row: all masked
+
+
+def test_grpo_matches_torch_std_and_eps():
+    adv = grpo_advantages(SCORES, GROUPS, torch.ones(5, 1), eps=0.1)
+    g = SCORES[:3]
+    assert adv[:3, 0].tolist() == pytest.approx(((g - g.mean()) / (g.std() + 0.1)).tolist(), rel=1e-6)
+
+
+def test_grpo_without_std_normalization():
+    adv = grpo_advantages(SCORES, GROUPS, MASK, norm_by_std=False)
+    assert per_seq(adv) == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0.0, 0.0], abs=1e-7)
+
+
+def test_rloo_hand_computed():
+    # group 0: 1 - mean(0, 1) = 0.5; 0 - mean(1, 1) = -1; 1 - mean(1, 0) = 0.5; singletons 0
+    adv = rloo_advantages(SCORES, GROUPS, torch.ones(5, 2))
+    assert per_seq(adv, torch.ones(5, 2)) == pytest.approx([0.5, -1.0, 0.5, 0.0, 0.0], abs=1e-7)
+
+
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages])
+def test_identical_scores_and_singletons_give_zero(estimator):
+    adv = estimator(torch.tensor([3.0, 3.0, 3.0, 7.0]), torch.tensor([5, 5, 5, 9]), torch.ones(4, 2))
+    assert torch.equal(adv, torch.zeros(4, 2))
+
+
+@pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages])
+def test_group_ids_may_be_any_ints_or_hashables_in_any_order(estimator):
+    scores = torch.tensor([1.0, 4.0, 0.0, 2.0])
+    ref = estimator(scores[[0, 2, 1, 3]], torch.tensor([0, 0, 1, 1]), torch.ones(4, 1))[[0, 2, 1, 3]]
+    assert torch.equal(estimator(scores, torch.tensor([-7, 30, -7, 30]), torch.ones(4, 1)), ref)
+    assert torch.equal(estimator(scores, ["uid-a", "uid-b", "uid-a", "uid-b"], torch.ones(4, 1)), ref)
+
+
+def test_bf16_scores_and_float_mask_give_fp32():
+    adv = grpo_advantages(SCORES.bfloat16(), GROUPS.int(), MASK.float())
+    assert adv.dtype == torch.float32
+
+
+def test_registry():
+    assert get_advantage_estimator("grpo") is grpo_advantages
+    assert get_advantage_estimator("rloo") is rloo_advantages
+    assert set(ADVANTAGE_ESTIMATORS) == {"grpo", "rloo"}
+    with pytest.raises(UnknownNameError, match="unknown advantage estimator 'gae'; valid names: 'grpo', 'rloo'"):
+        get_advantage_estimator("gae")
+
+
+def test_input_errors():
+    with pytest.raises(NonFiniteError, match=r"scores is not finite: value nan at index 1"):
+        grpo_advantages(torch.tensor([1.0, float("nan")]), torch.tensor([0, 0]), torch.ones(2, 3))
+    with pytest.raises(ShapeMismatchError, match=r"group_index has shape \(3,\) but scores has shape \(2,\)"):
+        grpo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0, 1]), torch.ones(2, 3))
+    with pytest.raises(ShapeMismatchError, match=r"response_mask has shape \(3, 3\) but scores has shape \(2,\)"):
+        rloo_advantages(torch.tensor([1.0, 0.0]), torch.tensor([0, 0]), torch.ones(3, 3))
+    with pytest.raises(ShapeMismatchError, match=r"scores must have shape \(B,\); got shape \(2, 1\)"):
+        rloo_advantages(torch.ones(2, 1), torch.tensor([0, 0]), torch.ones(2, 3))
+    with pytest.raises(TypeError, match="group_index must be an integer tensor; got dtype torch.float32"):
+        grpo_advantages(torch.ones(2), torch.zeros(2), torch.ones(2, 3))

@@ -1,0 +1,65 @@
+"""Hand-computed k1, k2, k3 KL penalties and the KL loss term."""
+
+import math
+
+import pytest
+import torch
+
+from dppo.algo import NonFiniteError, UnknownNameError, kl_loss, kl_penalty
+
+NAN = float("nan")
+# log pi - log pi_ref per token: 1, -1, 0.5
+LOG_RATIO = [1.0, -1.0, 0.5]
+
+
+def inputs():
+    log_prob = torch.tensor([[-1.0, -2.0, -0.5, NAN]], requires_grad=True)
+    ref = log_prob.detach() - torch.tensor([LOG_RATIO + [0.0]])
+    mask = torch.tensor([[1, 1, 1, 0]])
+    return log_prob, ref, mask
+
+
+@pytest.mark.parametrize(
+    "kind, per_token, grad",
+    [
+        # k1 = x; d/dx = 1
+        ("k1", LOG_RATIO, [1.0, 1.0, 1.0]),
+        # k2 = x^2 / 2; d/dx = x
+        ("k2", [0.5, 0.5, 0.125], LOG_RATIO),
+        # k3 = e^-x - 1 + x; d/dx = 1 - e^-x
+        ("k3", [math.exp(-x) - 1 + x for x in LOG_RATIO], [1 - math.exp(-x) for x in LOG_RATIO]),
+        ("low_var_kl", [math.exp(-x) - 1 + x for x in LOG_RATIO], [1 - math.exp(-x) for x in LOG_RATIO]),
+    ],
+)
+def test_kl_penalty_values_and_gradients(kind, per_token, grad):
+    log_prob, ref, mask = inputs()
+    kl = kl_penalty(log_prob, ref, kind, response_mask=mask)
+    assert kl.dtype == torch.float32 and kl.shape == (1, 4)
+    assert kl[0, :3].tolist() == pytest.approx(per_token, rel=1e-6)
+    kl.sum().backward()
+    assert log_prob.grad[0, :3].tolist() == pytest.approx(grad, rel=1e-5)
+    assert log_prob.grad[0, 3] == 0  # the masked NaN never leaks
+
+
+def test_k3_is_clamped_at_10():
+    kl = kl_penalty(torch.tensor([[-20.0]]), torch.tensor([[0.0]]), "k3")  # e^20 - 1 - 20
+    assert kl.item() == 10.0
+
+
+def test_kl_loss_term_and_metrics():
+    log_prob, ref, mask = inputs()
+    term, m = kl_loss(log_prob, ref, mask, coef=0.5, kind="k2")
+    mean_k2 = (0.5 + 0.5 + 0.125) / 3
+    assert term.item() == pytest.approx(0.5 * mean_k2, rel=1e-6)
+    assert m == {"actor/kl_loss": pytest.approx(mean_k2, rel=1e-6), "actor/kl_coef": 0.5}
+
+
+def test_kl_errors():
+    log_prob, ref, mask = inputs()
+    with pytest.raises(UnknownNameError, match="unknown KL penalty kind 'k4'; valid names: 'k1', 'kl', 'k2'"):
+        kl_penalty(log_prob, ref, "k4")
+    ref[0, 1] = NAN
+    with pytest.raises(NonFiniteError, match=r"ref_log_prob is not finite: value nan at index \[0, 1\]"):
+        kl_penalty(log_prob, ref, response_mask=mask)
+    with pytest.raises(NonFiniteError, match="ref_log_prob"):
+        kl_loss(log_prob, ref, mask, coef=0.1)

@@ -1,0 +1,351 @@
+"""RolloutCorrectionConfig validation, the threshold parser, and hand-computed weights for every IS and RS mode.
+
+Inputs are built in log space: rollout_log_prob = 0 and old_log_prob = log r, so log r is exactly the fp32
+value of math.log(r) and a bound equal to r sits exactly on the boundary.
+"""
+
+import math
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from dppo.algo import (
+    RS_OPTIONS,
+    NonFiniteError,
+    RolloutCorrectionConfig,
+    RolloutCorrectionConfigError,
+    ShapeMismatchError,
+    compute_rollout_correction,
+    parse_rollout_rs_thresholds,
+)
+
+NAN = float("nan")
+M = None  # a masked-out position
+
+
+def logr_inputs(rows):
+    """Ratios per row (None = masked) -> old_log_prob (log r, NaN where masked), rollout_log_prob (0), mask."""
+    width = max(len(r) for r in rows)
+    rows = [list(r) + [M] * (width - len(r)) for r in rows]
+    old = torch.tensor([[NAN if r is M else math.log(r) for r in row] for row in rows])
+    rollout = torch.tensor([[NAN if r is M else 0.0 for r in row] for row in rows])
+    mask = torch.tensor([[r is not M for r in row] for row in rows])
+    return old, rollout, mask
+
+
+def weights_for(rows, **config):
+    old, rollout, mask = logr_inputs(rows)
+    weights, metrics = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(**config))
+    assert weights.dtype == torch.float32 and not weights.requires_grad
+    assert torch.all(weights[~mask] == 0)
+    return weights, metrics
+
+
+def expect(weights, rows):
+    """Compare weights with expected rows (None = masked, must be 0)."""
+    width = weights.shape[1]
+    full = [[0.0 if v is M else v for v in list(r) + [M] * (width - len(r))] for r in rows]
+    assert torch.allclose(weights, torch.tensor(full), rtol=1e-5, atol=1e-7), weights
+
+
+# ---------------------------------------------------------------------------------------------------
+# Importance weights
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_no_is_gives_weight_one_on_valid_tokens():
+    w, m = weights_for([[0.5, 3.0, M], [2.0]])
+    expect(w, [[1.0, 1.0, M], [1.0, M, M]])
+    assert m["rollout_corr/ess"] == pytest.approx(1.0)
+
+
+def test_token_is_truncated_at_u_with_metrics():
+    # r = [0.5, 1, 3 | 2, -] and an empty row; u = 2: w = [0.5, 1, 2 | 2] (r = 2 sits on u: not truncated)
+    w, m = weights_for([[0.5, 1.0, 3.0], [2.0], [M]], rollout_is="token", rollout_is_threshold=2.0)
+    expect(w, [[0.5, 1.0, 2.0], [2.0, M, M], [M, M, M]])
+    n = 4  # valid tokens
+    assert m["rollout_corr/weight_mean"] == pytest.approx((0.5 + 1 + 2 + 2) / n, rel=1e-6)
+    assert m["rollout_corr/weight_max"] == pytest.approx(2.0, rel=1e-6)
+    assert m["rollout_corr/weight_min"] == pytest.approx(0.5, rel=1e-6)
+    assert m["rollout_corr/weight_truncated_frac"] == pytest.approx(1 / n)  # only r = 3
+    assert m["rollout_corr/token_rejected_frac"] == 0.0
+    assert m["rollout_corr/seq_rejected_frac"] == 0.0
+    logs = [math.log(0.5), 0.0, math.log(3.0), math.log(2.0)]
+    assert m["rollout_corr/kl_k1"] == pytest.approx(-sum(logs) / n, abs=1e-6)
+    assert m["rollout_corr/kl_k3"] == pytest.approx(sum(math.exp(x) - 1 - x for x in logs) / n, rel=1e-5)
+    # ESS = (sum w)^2 / (n sum w^2) = 5.5^2 / (4 * (0.25 + 1 + 4 + 4))
+    assert m["rollout_corr/ess"] == pytest.approx(5.5**2 / (4 * 9.25), rel=1e-6)
+
+
+def test_sequence_is_is_the_product_of_ratios_truncated():
+    # row 0: 2 * 0.5 * 3 = 3 (under u = 5); row 1: 2 * 4 = 8 -> 5; row 2: 0.25
+    w, m = weights_for([[2.0, 0.5, 3.0], [2.0, 4.0], [0.25]], rollout_is="sequence", rollout_is_threshold=5.0)
+    expect(w, [[3.0, 3.0, 3.0], [5.0, 5.0, M], [0.25, M, M]])
+    assert m["rollout_corr/weight_truncated_frac"] == pytest.approx(2 / 6)  # the two tokens of row 1
+
+
+def test_sequence_is_never_overflows():
+    # 50 tokens at r = e^20 each: prod r = e^1000 would be inf in fp32; truncated at u = 2 instead.
+    old = torch.full((1, 50), 20.0)
+    w, m = compute_rollout_correction(
+        old, torch.zeros(1, 50), torch.ones(1, 50), RolloutCorrectionConfig(rollout_is="sequence")
+    )
+    assert torch.allclose(w, torch.full((1, 50), 2.0))
+    assert all(math.isfinite(v) for v in m.values())
+
+
+def test_token_is_band_zeroes_outside_inclusive_bounds():
+    # band [0.5, 2]: 0.4 and 2.1 fall outside (weight 0, counted as rejected); 0.5 and 2 sit on the bounds and stay
+    w, m = weights_for([[0.4, 0.5, 2.0, 2.1, 1.0]], rollout_is="token", rollout_is_threshold="0.5_2.0")
+    expect(w, [[0.0, 0.5, 2.0, 0.0, 1.0]])
+    assert m["rollout_corr/token_rejected_frac"] == pytest.approx(2 / 5)
+    assert m["rollout_corr/weight_truncated_frac"] == 0.0
+    assert m["rollout_corr/weight_min"] == 0.0
+
+
+def test_sequence_is_band_zeroes_whole_sequences():
+    # products: 3 (in [0.5, 4]), 8 (out), 0.5 (on the lower bound, in)
+    w, m = weights_for([[2.0, 0.5, 3.0], [2.0, 4.0], [0.5]], rollout_is="sequence", rollout_is_threshold="0.5_4")
+    expect(w, [[3.0, 3.0, 3.0], [0.0, 0.0, M], [0.5, M, M]])
+    assert m["rollout_corr/seq_rejected_frac"] == pytest.approx(1 / 3)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Rejection sampling: one case per option. With rollout_is=None kept tokens have weight 1.
+# ---------------------------------------------------------------------------------------------------
+
+E = math.e
+
+
+@pytest.mark.parametrize(
+    "option, threshold, rows, kept",
+    [
+        # token_k1: r in [lo, hi], bounds inclusive
+        ("token_k1", "0.5_2.0", [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),
+        ("token_k1", 2.0, [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),  # u = 2 means [1/2, 2]
+        # token_k2: (log r)^2 / 2 <= hi; log r = 1, -1, 1.5, 0 -> 0.5, 0.5, 1.125, 0
+        ("token_k2", 0.5, [[E, 1 / E, E**1.5, 1.0]], [[1, 1, 0, 1]]),
+        # token_k3: r - 1 - log r <= hi; log r = 0, 1, -1 -> 0, e - 2 = 0.718, 1/e = 0.368
+        ("token_k3", 0.5, [[1.0, E, 1 / E]], [[1, 0, 1]]),
+        # seq_sum_k1: prod r in [0.5, 2]: 4 (out), 1 (in), 2 (on the bound, in)
+        ("seq_sum_k1", "0.5_2", [[2.0, 2.0], [2.0, 0.5], [2.0, 1.0]], [[0, 0], [1, 1], [1, 1]]),
+        # seq_mean_k1: geometric mean over VALID tokens in [1/2, 2]: sqrt(4.5) = 2.12 (out; over T=3 it would be
+        # 4.5^(1/3) = 1.65, in), sqrt(4) = 2 (on the bound, in)
+        ("seq_mean_k1", 2.0, [[4.5, 1.0, M], [4.0, 1.0, M]], [[0, 0, 0], [1, 1, 0]]),
+        # seq_sum_k2: sum of (log r)^2 / 2 <= 1: 0.5 + 0.5 = 1 (on the bound, in), 1.5 (out)
+        ("seq_sum_k2", 1.0, [[E, E], [E, E, E]], [[1, 1, 0], [0, 0, 0]]),
+        # seq_mean_k2: mean over valid tokens <= 0.8: (2 + 0) / 2 = 1 (out; over T=3 it would be 0.67, in)
+        ("seq_mean_k2", 0.8, [[E**2, 1.0, M], [E, 1.0, M]], [[0, 0, 0], [1, 1, 0]]),
+        # seq_max_k2: max <= 0.5: max(0.5, 0.125) = 0.5 (on the bound, in), max(1.125, 0) (out)
+        ("seq_max_k2", 0.5, [[E, E**0.5], [E**1.5, 1.0]], [[1, 1], [0, 0]]),
+        # k3 of log r = (1, -1): (0.718, 0.368): sum 1.086, mean 0.543, max 0.718; row (1, 1): all 0
+        ("seq_sum_k3", 1.0, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
+        ("seq_sum_k3", 1.1, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
+        ("seq_mean_k3", 0.6, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
+        ("seq_mean_k3", 0.5, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
+        ("seq_max_k3", 0.7, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
+        ("seq_max_k3", 0.72, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
+    ],
+)
+def test_rejection_option(option, threshold, rows, kept):
+    w, m = weights_for(rows, rollout_rs=option, rollout_rs_threshold=threshold)
+    assert torch.equal(w, torch.tensor(kept, dtype=torch.float32))
+    old, _, mask = logr_inputs(rows)
+    kept_t = torch.tensor(kept, dtype=torch.bool)
+    assert m["rollout_corr/token_rejected_frac"] == pytest.approx((mask & ~kept_t).sum().item() / mask.sum().item())
+
+
+def test_every_rs_option_has_a_case():
+    tested = {"token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_sum_k2", "seq_mean_k2",
+              "seq_max_k2", "seq_sum_k3", "seq_mean_k3", "seq_max_k3"}  # fmt: skip
+    assert tested == set(RS_OPTIONS)
+
+
+def test_chained_options_must_all_pass_and_combine_with_is():
+    # token_k1 [0.5, 2] rejects the 3.0 token; seq_max_k2 <= 0.7 rejects row 1 (max k2 = (log 4)^2 / 2 = 0.96)
+    # but not row 0 (max k2 = (log 3)^2 / 2 = 0.60, from the token that token_k1 rejects).
+    rows = [[1.5, 3.0, 0.8], [4.0, 1.0], [1.2]]
+    w, m = weights_for(
+        rows, rollout_is="token", rollout_is_threshold=1.4,
+        rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.5_2.0,0.7",
+    )  # fmt: skip
+    expect(w, [[1.4, 0.0, 0.8], [0.0, 0.0, M], [1.2, M, M]])
+    assert m["rollout_corr/token_rejected_frac"] == pytest.approx(3 / 6)
+    assert m["rollout_corr/seq_rejected_frac"] == pytest.approx(1 / 3)  # row 0 keeps two tokens: not rejected
+    assert m["rollout_corr/weight_truncated_frac"] == pytest.approx(1 / 6)  # 1.5 -> 1.4
+    assert m["rollout_corr/ess"] == pytest.approx((1.4 + 0.8 + 1.2) ** 2 / (6 * (1.4**2 + 0.8**2 + 1.2**2)), rel=1e-5)
+
+
+def test_seq_rejected_frac_ignores_empty_sequences():
+    # rows 0 and 1 have tokens, row 2 is empty: 1 of 2 sequences rejected, not 1 of 3
+    w, m = weights_for([[4.0], [1.0], [M]], rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0)
+    expect(w, [[0.0], [1.0], [M]])
+    assert m["rollout_corr/seq_rejected_frac"] == pytest.approx(1 / 2)
+
+
+def test_all_masked_gives_zero_weights_and_zero_metrics():
+    old = torch.full((2, 3), NAN)
+    w, m = compute_rollout_correction(old, old, torch.zeros(2, 3), RolloutCorrectionConfig(rollout_is="token"))
+    assert torch.equal(w, torch.zeros(2, 3))
+    assert all(v == 0.0 for v in m.values())
+
+
+def test_log_ratio_is_clamped_to_20():
+    # log r = 50 would give r = e^50; clamped it is e^20, and kl_k1 reports -20
+    w, m = weights_for([[math.exp(50.0)]], rollout_is="token", rollout_is_threshold=1e12)
+    assert w.item() == pytest.approx(math.exp(20.0), rel=1e-5)
+    assert m["rollout_corr/kl_k1"] == pytest.approx(-20.0)
+
+
+def test_correction_input_errors():
+    old, rollout, mask = logr_inputs([[1.0, 2.0]])
+    cfg = RolloutCorrectionConfig()
+    with pytest.raises(ShapeMismatchError, match=r"rollout_log_prob has shape \(1, 1\) but response_mask has shape \(1, 2\)"):
+        compute_rollout_correction(old, rollout[:, :1], mask, cfg)
+    bad = rollout.clone()
+    bad[0, 1] = -float("inf")
+    with pytest.raises(NonFiniteError, match=r"rollout_log_prob is not finite: value -inf at index \[0, 1\]"):
+        compute_rollout_correction(old, bad, mask, cfg)
+    with pytest.raises(TypeError, match="config must be a RolloutCorrectionConfig"):
+        compute_rollout_correction(old, rollout, mask, {"rollout_is": "token"})
+
+
+def test_bf16_inputs_give_fp32_weights():
+    old, rollout, mask = logr_inputs([[0.5, 1.0, 3.0]])
+    w, _ = compute_rollout_correction(
+        old.bfloat16(), rollout.bfloat16(), mask, RolloutCorrectionConfig(rollout_is="token")
+    )
+    assert w.dtype == torch.float32
+    assert torch.allclose(w, torch.tensor([[0.5, 1.0, 2.0]]), rtol=1e-2)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Threshold parser
+# ---------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options, spec, expected",
+    [
+        ("token_k1", 2.0, {"token_k1": (0.5, 2.0)}),
+        ("token_k1", 4, {"token_k1": (0.25, 4.0)}),
+        ("token_k1", "2", {"token_k1": (0.5, 2.0)}),
+        ("token_k1", "0.5_3.0", {"token_k1": (0.5, 3.0)}),
+        ("token_k1", "1_1", {"token_k1": (1.0, 1.0)}),  # lo == hi is allowed
+        ("token_k1", 1, {"token_k1": (1.0, 1.0)}),
+        ("seq_mean_k1", "1e-1_1e1", {"seq_mean_k1": (0.1, 10.0)}),
+        ("token_k2", 0.5, {"token_k2": (None, 0.5)}),
+        ("seq_max_k3", "0.01", {"seq_max_k3": (None, 0.01)}),
+        ("token_k1,token_k2", 2.0, {"token_k1": (0.5, 2.0), "token_k2": (None, 2.0)}),  # one entry for all
+        ("token_k1,seq_max_k3", "0.5_2.0,0.01", {"token_k1": (0.5, 2.0), "seq_max_k3": (None, 0.01)}),
+        (" seq_sum_k1 , seq_sum_k3 ", " 1.5 , 0.2 ", {"seq_sum_k1": (1 / 1.5, 1.5), "seq_sum_k3": (None, 0.2)}),
+        (["seq_mean_k2", "token_k1"], "3,0.25_4", {"seq_mean_k2": (None, 3.0), "token_k1": (0.25, 4.0)}),
+    ],
+)
+def test_parse_rs_thresholds_valid(options, spec, expected):
+    got = parse_rollout_rs_thresholds(options, spec)
+    assert list(got) == list(expected)  # order follows the options
+    for name, (lo, hi) in expected.items():
+        assert got[name][1] == pytest.approx(hi)
+        assert got[name][0] == (None if lo is None else pytest.approx(lo))
+
+
+@pytest.mark.parametrize(
+    "options, spec, match",
+    [
+        ("token_k1", "3_2", r"for 'token_k1': lower bound 3.0 > upper bound 2.0"),
+        ("seq_sum_k1", "2.5_0.4", r"for 'seq_sum_k1': lower bound 2.5 > upper bound 0.4"),
+        ("token_k1", 0.5, r"for 'token_k1'.*u must be >= 1.*lower bound 2.0 > upper bound 0.5"),
+        ("token_k2", "0.5_2", r"for 'token_k2' must be one number.*got '0.5_2'"),
+        ("seq_max_k3", "0.1_1", r"for 'seq_max_k3' must be one number"),
+        ("token_k1,token_k2", "1,2,3", r"has 3 entries .* rollout_rs has 2 options"),
+        ("token_k1,token_k2,token_k3", "1,2", r"has 2 entries"),
+        ("token_k1", None, r"rollout_rs_threshold is required when rollout_rs is set"),
+        ("token_k1", "nan", r"for 'token_k1' must be finite and > 0; got 'nan'"),
+        ("token_k1", float("inf"), r"must be finite and > 0; got inf"),
+        ("token_k2", 0, r"for 'token_k2' must be finite and > 0; got 0"),
+        ("token_k2", -1.0, r"must be finite and > 0; got -1.0"),
+        ("token_k1", "0_2", r"\(lower bound\) must be finite and > 0; got '0'"),
+        ("token_k2", "abc", r"for 'token_k2' must be a number; got 'abc'"),
+        ("token_k2", "", r"must be a number; got ''"),
+        ("token_k2", True, r"must be a number or a string; got True"),
+        ("token_k2", [0.5], r"must be a number or a string; got \[0.5\]"),
+        ("token_k1", "0.5_2_3", r"must be a number or 'lo_hi'"),
+        ("token_k1", "_2", r"\(lower bound\) must be a number; got ''"),
+        ("token_k4", 2.0, r"rollout_rs must be None or a comma-chain of token_k1, .*; got 'token_k4'"),
+        ("seq_max_k1", 2.0, r"comma-chain of"),
+        ("token_k1,token_k1", 2.0, r"lists an option twice"),
+        ("", 2.0, r"comma-chain of"),
+        (3, 2.0, r"rollout_rs must be None or a comma-separated string"),
+    ],
+)
+def test_parse_rs_thresholds_invalid(options, spec, match):
+    with pytest.raises(RolloutCorrectionConfigError, match=match):
+        parse_rollout_rs_thresholds(options, spec)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Config
+# ---------------------------------------------------------------------------------------------------
+
+
+def test_config_defaults_are_verl_like():
+    cfg = RolloutCorrectionConfig()
+    assert (cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold) == (None, 2.0, None, None)
+    assert (cfg.bypass_mode, cfg.loss_type) == (False, "ppo_clip")
+    assert cfg.is_bounds == (None, 2.0) and dict(cfg.rs_bounds) == {}
+
+
+def test_config_parses_thresholds_and_canonicalizes_rs():
+    cfg = RolloutCorrectionConfig(
+        rollout_is="sequence", rollout_is_threshold="0.5_4", rollout_rs=["token_k1", " seq_max_k3"],
+        rollout_rs_threshold="2,0.1",
+    )  # fmt: skip
+    assert cfg.is_bounds == (0.5, 4.0)
+    assert cfg.rollout_rs == "token_k1,seq_max_k3"
+    assert dict(cfg.rs_bounds) == {"token_k1": (0.5, 2.0), "seq_max_k3": (None, 0.1)}
+    assert RolloutCorrectionConfig(rollout_is_threshold="3").is_bounds == (None, 3.0)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(rollout_is="tok"), "algorithm.rollout_correction.rollout_is must be one of None, 'token', 'sequence'; got 'tok'"),
+        (dict(rollout_is=True), "rollout_is must be one of .*; got True"),
+        (dict(rollout_is_threshold=0.0), "rollout_is_threshold must be finite and > 0; got 0.0"),
+        (dict(rollout_is_threshold="x"), "rollout_is_threshold must be a number; got 'x'"),
+        (dict(rollout_is_threshold="4_0.5"), "rollout_is_threshold: lower bound 4.0 > upper bound 0.5"),
+        (dict(rollout_is_threshold=None), "rollout_is_threshold must be a number; got None"),
+        (dict(rollout_rs="token_k1"), "rollout_rs_threshold is required"),
+        (dict(rollout_rs="token_k9", rollout_rs_threshold=2), "rollout_rs must be None or a comma-chain"),
+        (dict(bypass_mode="yes"), "algorithm.rollout_correction.bypass_mode must be a bool; got 'yes'"),
+        (dict(loss_type="ppo"), "loss_type must be one of 'ppo_clip', 'reinforce'; got 'ppo'"),
+        (dict(loss_type="reinforce"), "loss_type='reinforce' applies only in bypass mode"),
+    ],
+)
+def test_config_rejects_invalid_values(kwargs, match):
+    with pytest.raises(RolloutCorrectionConfigError, match=match):
+        RolloutCorrectionConfig(**kwargs)
+
+
+def test_config_from_dict_and_omegaconf():
+    section = OmegaConf.create(
+        {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05}
+    )
+    cfg = RolloutCorrectionConfig.from_dict(section)
+    assert cfg == RolloutCorrectionConfig(
+        rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05
+    )
+    assert dict(cfg.rs_bounds) == {"seq_mean_k3": (None, 0.05)}
+    with pytest.raises(RolloutCorrectionConfigError, match=r"unknown key\(s\) \['rollout_is_thresh'\].*valid keys: rollout_is,"):
+        RolloutCorrectionConfig.from_dict({"rollout_is_thresh": 2.0})
+
+
+def test_config_is_frozen_and_hashable():
+    cfg = RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold=2.0)
+    with pytest.raises(AttributeError):
+        cfg.rollout_is = "token"
+    with pytest.raises(TypeError):
+        cfg.rs_bounds["token_k2"] = (None, 1.0)
+    assert hash(cfg) == hash(RolloutCorrectionConfig(rollout_rs="token_k1", rollout_rs_threshold=2.0))
