@@ -1,0 +1,62 @@
+"""Token sampling with a KV cache: the rollout workers' generation loop (also used for greedy evaluation)."""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+
+
+def _cache_kwarg(model: torch.nn.Module) -> str:
+    """Name of the KV-cache argument of model.forward: 'cache' in transformers >= 5, else 'past_key_values'."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def _cache_of(output) -> object:
+    cache = getattr(output, "cache", None)
+    return cache if cache is not None else output.past_key_values
+
+
+@torch.no_grad()
+def sample_responses(
+    model: torch.nn.Module,
+    prompts: torch.Tensor,
+    max_new_tokens: int,
+    temperature: float,
+    generator: torch.Generator | None = None,
+    eos_token: int | None = None,
+    pad_token: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample responses (B, R) and their mask (B, R) for prompts (B, P) of equal length.
+
+    temperature 0 decodes greedily. A response ends after eos_token (kept, mask 1) or after
+    max_new_tokens tokens; positions after the end hold pad_token with mask 0. One prefill pass, then one
+    single-token pass per new token over the KV cache.
+    """
+    if max_new_tokens <= 0:
+        raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0; got {temperature}")
+    cache_kw = _cache_kwarg(model)
+    batch = prompts.shape[0]
+    responses = torch.full((batch, max_new_tokens), pad_token, dtype=torch.long, device=prompts.device)
+    mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=prompts.device)
+    done = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
+    out = model(input_ids=prompts, use_cache=True)
+    for t in range(max_new_tokens):
+        logits = out.logits[:, -1].float()  # (B, V)
+        if temperature > 0:
+            probs = torch.softmax(logits / temperature, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(1)  # (B,)
+        else:
+            token = logits.argmax(-1)
+        responses[:, t] = torch.where(done, pad_token, token)
+        mask[:, t] = ~done
+        if eos_token is not None:
+            done |= token == eos_token
+            if bool(done.all()):
+                break
+        if t + 1 < max_new_tokens:
+            out = model(input_ids=token[:, None], use_cache=True, **{cache_kw: _cache_of(out)})
+    return responses, mask

@@ -1,0 +1,94 @@
+"""The policy model: any transformers causal LM from a local directory, or a tiny Qwen2-style model built in code."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def tiny_model_config(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
+                      intermediate_size: int, max_position_embeddings: int = 256):  # fmt: skip
+    """A Qwen2Config for a small model over vocab_size tokens (untied embeddings)."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
+
+
+def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
+    """The policy, fp32 unless model_cfg.dtype says otherwise; same seed, same weights.
+
+    The model stays in eval mode (dropout off) even while it trains: log-probs must be a deterministic
+    function of the weights, or old and new log-probs of the PPO ratio would differ by dropout noise.
+
+    model_cfg.path: a local transformers model directory (AutoModelForCausalLM, no hub access);
+    otherwise the tiny Qwen2-style model of model_cfg's sizes over vocab_size tokens.
+    """
+    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
+
+    dtype = DTYPES[model_cfg.dtype]
+    if model_cfg.path is not None:
+        if not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
+        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True).to(dtype)
+        if model.config.vocab_size < vocab_size:
+            raise ValueError(
+                f"model at {model_cfg.path!r} has vocab_size {model.config.vocab_size}; the task needs {vocab_size}"
+            )
+    else:
+        config = tiny_model_config(vocab_size, model_cfg.hidden_size, model_cfg.num_hidden_layers,
+                                   model_cfg.num_attention_heads, model_cfg.intermediate_size)  # fmt: skip
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            model = Qwen2ForCausalLM(config).to(dtype)
+    model.config.use_cache = False  # training passes never need the KV cache
+    return model.eval()
+
+
+def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters and persistent buffers as detached CPU tensors (for the Ray object store)."""
+    return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None) -> torch.Tensor:
+    """Logits (B, S, V) of model on input_ids (B, S); with params, of model's graph run on those tensors instead.
+
+    params maps parameter names to tensors (e.g. SnapshotPool.view(k)); the live parameters are neither
+    read nor changed (torch.func.functional_call).
+    """
+    if params is None:
+        return model(input_ids=input_ids, use_cache=False).logits
+    return torch.func.functional_call(model, params, args=(), kwargs={"input_ids": input_ids, "use_cache": False}).logits
+
+
+def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int, temperature: float,
+                       micro_batch_size: int, params=None) -> torch.Tensor:  # fmt: skip
+    """log pi(response token | prefix) (B, R) fp32 for sequences input_ids (B, P + R), micro-batched.
+
+    Differentiable when called with grad enabled. The same function scores behavior, old and new
+    log-probs everywhere, so equal weights give bitwise-equal results on the CPU.
+    """
+    from dppo.algo import log_probs_from_logits
+
+    prompt_length = input_ids.shape[1] - response_length
+    labels = input_ids[:, prompt_length:]  # (B, R)
+    chunks = []
+    for start in range(0, input_ids.shape[0], micro_batch_size):
+        ids = input_ids[start : start + micro_batch_size]
+        logits = forward_logits(model, ids, params)[:, prompt_length - 1 : -1]  # (b, R, V) predicts labels
+        chunks.append(log_probs_from_logits(logits, labels[start : start + micro_batch_size], temperature))
+    return torch.cat(chunks) if len(chunks) > 1 else chunks[0]

@@ -1,0 +1,460 @@
+"""Typed configuration of `dppo train`: dataclasses (the schema and the docs), YAML defaults, CLI overrides.
+
+Every field has a docstring; `dppo train --help` prints them. Key names follow verl where verl has one
+(trainer.parameter_sync_step, algorithm.rollout_correction.bypass_mode, ...). load_config merges, in
+order, the dataclass schema, dppo/config/train.yaml, an optional user YAML file and `key=value`
+overrides, then validates every field and every cross-field rule, so a bad setting fails with a
+ConfigError naming the key and the value before any process or Ray cluster starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+DEFAULTS_YAML = Path(__file__).resolve().parent.parent / "config" / "train.yaml"
+
+TRAINER_MODES = ("separate_async", "sync")
+PROX_ANCHORS = ("cycle_start", "current")
+OFF_POLICY_STRATEGIES = ("drop", "wait")
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = ("float32", "bfloat16", "float16")
+
+
+class ConfigError(ValueError):
+    """A configuration key is unknown, has the wrong type, or has an impossible value."""
+
+
+def _require(ok: bool, key: str, value: object, expected: str) -> None:
+    """Raise ConfigError naming key, value and what was expected unless ok."""
+    if not ok:
+        raise ConfigError(f"{key}={value!r}: expected {expected}")
+
+
+def _positive(key: str, value: float) -> None:
+    _require(value > 0, key, value, "a value > 0")
+
+
+def _nonnegative(key: str, value: float) -> None:
+    _require(value >= 0, key, value, "a value >= 0")
+
+
+def _one_of(key: str, value: object, choices: tuple) -> None:
+    _require(value in choices, key, value, "one of " + ", ".join(repr(c) for c in choices))
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 40
+    """Global steps to train; one global step is one sync cycle of parameter_sync_step optimizer steps."""
+
+    parameter_sync_step: int = 4
+    """Optimizer steps (triggers) per sync cycle; rollout weights are refreshed at the end of each cycle."""
+
+    train_batch_size: int = 64
+    """Prompt groups consumed per global step; must be a multiple of parameter_sync_step."""
+
+    seed: int = 0
+    """Seed of the model init, prompt sampling and token sampling."""
+
+    output_dir: str = "outputs/dppo"
+    """Where metrics.jsonl, the plot, the summary and checkpoints/ are written."""
+
+    checkpoint_every: int = 10
+    """Write a checkpoint every this many global steps (0: never; the last step is always saved if > 0)."""
+
+    resume: bool = False
+    """Continue from the latest checkpoint in output_dir/checkpoints (start fresh if there is none)."""
+
+    mode: str = "separate_async"
+    """separate_async: rollout workers generate while the trainer trains; sync: rollout and training in lockstep."""
+
+    verify_old_log_prob: bool = False
+    """Debug: compare the old log-probs with those of a deep copy of the anchor weights (debug/old_log_prob_max_abs_diff)."""
+
+    eval_prompts: int = 256
+    """Held-out prompts scored with greedy decoding at the end (never sampled for training); 0 skips the eval."""
+
+    device: str = "auto"
+    """Trainer device: cpu, cuda or auto (cuda when available). Rollout workers generate on the CPU."""
+
+    num_threads: int = 1
+    """torch intra-op threads of the trainer process (rollout workers use rollout.num_threads)."""
+
+    progress_bar: bool = True
+    """Show a tqdm progress bar over global steps."""
+
+    def __post_init__(self) -> None:
+        _positive("trainer.total_steps", self.total_steps)
+        _positive("trainer.parameter_sync_step", self.parameter_sync_step)
+        _positive("trainer.train_batch_size", self.train_batch_size)
+        _nonnegative("trainer.checkpoint_every", self.checkpoint_every)
+        _one_of("trainer.mode", self.mode, TRAINER_MODES)
+        _nonnegative("trainer.eval_prompts", self.eval_prompts)
+        _one_of("trainer.device", self.device, DEVICES)
+        _positive("trainer.num_threads", self.num_threads)
+        _require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-3
+    """Adam learning rate."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    micro_batch_size: int = 256
+    """Sequences per forward/backward pass; gradients accumulate over the trigger's mini-batch."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_ratio_low."""
+
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_ratio_high."""
+
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant: for negative advantages the loss is capped at -clip_ratio_c * A."""
+
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (0: off)."""
+
+    kl_loss_coef: float = 0.0
+    """Weight of the KL penalty to the initial (reference) policy (0: off, no reference model kept)."""
+
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the penalty: k1/kl, k2/mse, k3/low_var_kl."""
+
+    def __post_init__(self) -> None:
+        _positive("actor.lr", self.lr)
+        _nonnegative("actor.weight_decay", self.weight_decay)
+        _positive("actor.micro_batch_size", self.micro_batch_size)
+        _nonnegative("actor.grad_clip", self.grad_clip)
+        _require(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "a value in [0, 1)")
+        _nonnegative("actor.clip_ratio_high", self.clip_ratio_high)
+        _require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "a value > 1")
+        from dppo.algo import KL_PENALTIES, LOSS_AGG_MODES
+
+        _one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_MODES))
+        _nonnegative("actor.entropy_coeff", self.entropy_coeff)
+        _nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
+        _one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
+
+
+@dataclass
+class RolloutCorrectionSection:
+    rollout_is: Optional[str] = None
+    """Importance weight pi_prox / pi_behav: null, token or sequence."""
+
+    rollout_is_threshold: Any = 2.0
+    """A number u (truncate the weight at u) or "lo_hi" (zero weights outside [lo, hi])."""
+
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2."""
+
+    rollout_rs_threshold: Any = None
+    """Bounds for rollout_rs (a number, "lo_hi", or one comma-separated entry per option)."""
+
+    bypass_mode: bool = False
+    """true: old log-probs := behavior log-probs (no recompute, no snapshot); false: Decoupled PPO."""
+
+    loss_type: str = "ppo_clip"
+    """Bypass-mode loss: ppo_clip or reinforce."""
+
+    def to_algo(self):
+        """The dppo.algo.RolloutCorrectionConfig these settings describe (validated there)."""
+        from dppo.algo import RolloutCorrectionConfig
+
+        return RolloutCorrectionConfig(**dataclasses.asdict(self))
+
+    def __post_init__(self) -> None:
+        from dppo.algo import RolloutCorrectionConfigError
+
+        try:
+            self.to_algo()
+        except RolloutCorrectionConfigError as err:
+            raise ConfigError(str(err)) from None
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo or rloo."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's score std (false: Dr. GRPO)."""
+
+    prox_anchor: str = "cycle_start"
+    """Proximal policy of the PPO ratio: cycle_start (weights at the start of the sync cycle, via a snapshot)
+    or current (AReaL: recomputed with the live weights before each optimizer step). Ignored in bypass mode."""
+
+    rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
+
+    def __post_init__(self) -> None:
+        from dppo.algo import ADVANTAGE_ESTIMATORS
+
+        _one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
+        _one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    """Rollout worker actors (each a CPU process with its own copy of the model)."""
+
+    n: int = 8
+    """Responses sampled per prompt (the group size of GRPO/RLOO)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the log-probs of the loss use the same temperature)."""
+
+    max_new_tokens: Optional[int] = None
+    """Response length limit; null: the task's answer length."""
+
+    groups_per_batch: int = 16
+    """Prompt groups a worker generates per batch; weights are reloaded between batches."""
+
+    num_threads: int = 1
+    """torch intra-op threads of each rollout worker."""
+
+    def __post_init__(self) -> None:
+        _positive("rollout.num_workers", self.num_workers)
+        _require(self.n >= 2, "rollout.n", self.n, "at least 2 (group advantages need two responses)")
+        _positive("rollout.temperature", self.temperature)
+        if self.max_new_tokens is not None:
+            _positive("rollout.max_new_tokens", self.max_new_tokens)
+        _positive("rollout.groups_per_batch", self.groups_per_batch)
+        _positive("rollout.num_threads", self.num_threads)
+
+
+@dataclass
+class ReplayConfig:
+    max_off_policy_threshold: int = 1
+    """Largest staleness (trainer version - sample version) a consumed group may have."""
+
+    max_off_policy_strategy: str = "wait"
+    """drop: discard groups older than the threshold; wait: pause rollout so no group gets that old."""
+
+    def __post_init__(self) -> None:
+        _nonnegative("replay.max_off_policy_threshold", self.max_off_policy_threshold)
+        _one_of("replay.max_off_policy_strategy", self.max_off_policy_strategy, OFF_POLICY_STRATEGIES)
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local directory of any transformers causal LM; null builds the tiny Qwen2-style model below."""
+
+    hidden_size: int = 64
+    """Tiny model: hidden size."""
+
+    num_hidden_layers: int = 2
+    """Tiny model: transformer layers."""
+
+    num_attention_heads: int = 4
+    """Tiny model: attention heads (also the key/value heads)."""
+
+    intermediate_size: int = 128
+    """Tiny model: MLP width."""
+
+    dtype: str = "float32"
+    """Parameter dtype of the trainer and the rollout workers."""
+
+    def __post_init__(self) -> None:
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            _positive(f"model.{key}", getattr(self, key))
+        _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
+                 f"a multiple of model.num_attention_heads={self.num_attention_heads}")  # fmt: skip
+        _one_of("model.dtype", self.dtype, DTYPES)
+        if self.path is not None:
+            _require(os.path.isdir(self.path), "model.path", self.path, "an existing local model directory")
+
+
+@dataclass
+class TaskConfig:
+    name: str = "copy"
+    """Task: copy, reverse, sort, one added with dppo.tasks.register_task, or module:function returning a Task."""
+
+    length: int = 5
+    """Digits per prompt."""
+
+    def __post_init__(self) -> None:
+        from dppo.tasks import TASKS, task_exists
+
+        _require(task_exists(self.name), "task.name", self.name,
+                 "a registered task (" + ", ".join(TASKS) + ") or an importable module:function")  # fmt: skip
+        _positive("task.length", self.length)
+
+
+@dataclass
+class SnapshotConfig:
+    device_budget_bytes: int = 0
+    """Device memory the snapshot pool may use for slots (0: host slots only)."""
+
+    def __post_init__(self) -> None:
+        _nonnegative("snapshot.device_budget_bytes", self.device_budget_bytes)
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    """Ray cluster address; null uses RAY_ADDRESS, or starts a local cluster if that is unset too."""
+
+    enabled: bool = True
+    """false: no Ray; the rollout runs inside the trainer process (trainer.mode=sync only; for tests and debugging)."""
+
+    num_cpus: Optional[int] = None
+    """CPUs a local Ray cluster may use (null: all)."""
+
+
+@dataclass
+class DppoConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        validate_combinations(self)
+
+    @property
+    def groups_per_trigger(self) -> int:
+        """Prompt groups each optimizer step consumes."""
+        return self.trainer.train_batch_size // self.trainer.parameter_sync_step
+
+
+def validate_combinations(cfg: DppoConfig) -> None:
+    """Cross-field rules; each error names the keys and values involved."""
+    t = cfg.trainer
+    if t.train_batch_size % t.parameter_sync_step:
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be a multiple of "
+            f"trainer.parameter_sync_step={t.parameter_sync_step} (each optimizer step takes an equal share)"
+        )
+    if not cfg.ray.enabled and t.mode != "sync":
+        raise ConfigError(f"ray.enabled=false runs the rollout in-process and needs trainer.mode=sync; got trainer.mode={t.mode!r}")
+    if t.verify_old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError(
+            "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
+            "algorithm.rollout_correction.bypass_mode=true does not recompute them"
+        )
+
+
+# ---------------------------------------------------------------------------------------------------
+# Loading
+# ---------------------------------------------------------------------------------------------------
+
+
+def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
+    """A one-line ConfigError naming the key and value OmegaConf rejected."""
+    key = getattr(err, "full_key", None)
+    msg = str(err).splitlines()[0]
+    if isinstance(err, KeyError):
+        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
+        valid = ", ".join(list_keys(prefix=parent, leaves_only=False))
+        return ConfigError(f"unknown config key {key!r}; valid keys{' under ' + repr(parent) if parent else ''}: {valid}")
+    if key:
+        return ConfigError(f"{key}: {msg}")
+    return ConfigError(msg)
+
+
+def _parse_overrides(overrides: list[str]):
+    """key=value strings -> an OmegaConf dotlist config; a malformed item raises ConfigError."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=20)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise _convert_omegaconf_error(err) from None
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None) -> DppoConfig:
+    """Schema <- shipped YAML defaults <- config_file <- key=value overrides, validated; raises ConfigError."""
+    layers = [OmegaConf.load(DEFAULTS_YAML)]
+    if config_file is not None:
+        if not os.path.isfile(config_file):
+            raise ConfigError(f"config file {str(config_file)!r} does not exist")
+        layers.append(OmegaConf.load(config_file))
+    layers.append(_parse_overrides(list(overrides)))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(DppoConfig), *layers)
+        return OmegaConf.to_object(merged)
+    except OmegaConfBaseException as err:
+        raise _convert_omegaconf_error(err) from None
+
+
+def to_dict(cfg: DppoConfig) -> dict:
+    """The config as plain nested dicts (for checkpoints and the run's config.yaml)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def to_yaml(cfg: DppoConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Documentation (for `dppo train --help`)
+# ---------------------------------------------------------------------------------------------------
+
+
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in the class body."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type = DppoConfig, prefix: str = "", defaults: Any = None) -> list[tuple[str, object, str]]:
+    """(dotted key, default, doc) for every leaf field, defaults taken from the shipped YAML."""
+    if defaults is None:
+        defaults = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DppoConfig), OmegaConf.load(DEFAULTS_YAML)))
+    docs = _field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(type(value), key + ".", value))
+        else:
+            rows.append((key, value, docs.get(f.name, "")))
+    return rows
+
+
+def list_keys(prefix: str = "", leaves_only: bool = True) -> list[str]:
+    """Config keys directly under prefix ('' for the sections); all leaves under it if leaves_only."""
+    rows = [key for key, _, _ in describe()]
+    if leaves_only:
+        return [k for k in rows if k.startswith(prefix)]
+    depth = prefix.count(".") + 1 if prefix else 0
+    start = prefix + "." if prefix else ""
+    return sorted({k.split(".")[depth] for k in rows if k.startswith(start)})
