@@ -1,0 +1,45 @@
+"""The main job: build the trainer from a config, train, and report where the outputs are.
+
+`python -m dppo.train [key=value ...]` is the same as `dppo train [key=value ...]`.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from dppo.trainer.base import RunResult
+from dppo.trainer.config import DppoConfig, to_yaml
+
+
+def run(cfg: DppoConfig, out=sys.stdout) -> RunResult:
+    """Train with cfg, print the summary and the output paths, and shut down a Ray cluster we started."""
+    from dppo.trainer.ppo import PPOTrainer
+
+    trainer = PPOTrainer(cfg)
+    (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
+    if trainer.resumed_from is not None:
+        print(f"resumed from {trainer.resumed_from} (global step {trainer.global_step})", file=out)
+    try:
+        result = trainer.fit()
+    finally:
+        if cfg.ray.enabled:
+            import ray
+
+            ray.shutdown()
+    print("\nsummary:", file=out)
+    print(result.summary_table(), file=out)
+    print(f"\nmetrics: {result.metrics_path}", file=out)
+    if result.plot_path is not None:
+        print(f"plot:    {result.plot_path}", file=out)
+    print(f"summary: {result.summary_path}", file=out)
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dppo.cli import main as cli_main
+
+    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
+
+
+if __name__ == "__main__":
+    sys.exit(main())

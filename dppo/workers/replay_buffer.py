@@ -1,0 +1,168 @@
+"""The replay buffer between rollout workers and the trainer, with staleness control.
+
+Staleness of a group = trainer version when it is consumed - version of the policy that generated it.
+Every group the trainer takes has staleness <= max_off_policy_threshold (eta): older groups are dropped.
+How rollout is throttled depends on the strategy:
+
+- wait: a worker may start generating only while the groups it would add keep every group consumable
+  in time: with B = groups consumed per version, granted-and-not-dropped groups stay below
+  (v + eta + 1) * B, v being the newest published version (the one the worker loads before it starts).
+  FIFO consumption then reaches each group by version v + eta, so with one worker nothing is dropped.
+- drop: workers generate freely up to (eta + 1) * B groups buffered or in flight; groups that are too
+  old by the time the trainer reaches them are dropped and counted.
+
+ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer is the Ray actor around it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from dppo.rollout import Group
+
+
+@dataclass
+class Ticket:
+    """A worker's permission to generate num_groups groups, with weights to load first (if newer)."""
+
+    num_groups: int
+    version: int  # the version the worker generates with after loading `weights`
+    weights: Any = None  # None: keep the current weights; else what ReplayBufferCore.publish got
+    stop: bool = False
+
+
+class ReplayBufferCore:
+    def __init__(self, max_off_policy_threshold: int, strategy: str, groups_per_version: int, start_version: int = 0):
+        if strategy not in ("drop", "wait"):
+            raise ValueError(f"replay.max_off_policy_strategy must be 'drop' or 'wait'; got {strategy!r}")
+        self.threshold = max_off_policy_threshold
+        self.strategy = strategy
+        self.groups_per_version = groups_per_version
+        self.groups: deque[Group] = deque()
+        self.version = start_version  # newest published trainer version
+        self.weights: Any = None
+        self.closed = False
+        # Groups granted so far, counted as if every version before start_version had been fully consumed.
+        self.granted = start_version * groups_per_version
+        self.in_flight = 0
+        self.dropped_total = 0
+        self._dropped_since_take = 0
+
+    # ---- trainer side ----------------------------------------------------------------------------
+
+    def publish(self, weights: Any, version: int) -> None:
+        """New weights for the workers; the trainer is now at this version."""
+        if version < self.version or (version == self.version and self.weights is not None):
+            raise ValueError(f"published version {version} is not newer than the current version {self.version}")
+        self.weights, self.version = weights, version
+
+    def take(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+        """Drop groups staler than the threshold, then pop num_groups (FIFO) with the number dropped since
+        the last take; None if fewer than num_groups fresh groups are buffered (nothing is popped)."""
+        kept = deque()
+        for g in self.groups:
+            if trainer_version - g.version > self.threshold:
+                self._drop()
+            else:
+                kept.append(g)
+        self.groups = kept
+        if len(self.groups) < num_groups:
+            return None
+        taken = [self.groups.popleft() for _ in range(num_groups)]
+        dropped, self._dropped_since_take = self._dropped_since_take, 0
+        return taken, dropped
+
+    def close(self) -> None:
+        """Stop the workers: every pending and later acquire gets a stop ticket."""
+        self.closed = True
+
+    # ---- worker side -----------------------------------------------------------------------------
+
+    def grantable(self) -> int:
+        """Groups a worker may start generating now (0: it must wait)."""
+        if self.strategy == "wait":
+            budget = (self.version + self.threshold + 1) * self.groups_per_version
+            return max(0, budget - (self.granted - self.dropped_total))
+        return max(0, (self.threshold + 1) * self.groups_per_version - len(self.groups) - self.in_flight)
+
+    def acquire(self, worker_version: int, num_groups: int) -> Ticket | None:
+        """A ticket for up to num_groups groups, a stop ticket once closed, or None if the worker must wait."""
+        if self.closed:
+            return Ticket(0, worker_version, stop=True)
+        if self.weights is None:
+            return None  # nothing published yet: no weights to generate with
+        granted = min(num_groups, self.grantable())
+        if granted == 0:
+            return None
+        self.granted += granted
+        self.in_flight += granted
+        weights = self.weights if self.version > worker_version else None
+        return Ticket(granted, self.version, weights)
+
+    def put(self, groups: list[Group]) -> None:
+        """Finished groups from a worker (the ones its last ticket granted)."""
+        self.in_flight -= len(groups)
+        self.groups.extend(groups)
+
+    def _drop(self) -> None:
+        self.dropped_total += 1
+        self._dropped_since_take += 1
+
+    def stats(self) -> dict[str, float]:
+        return {
+            "replay/size": float(len(self.groups)),
+            "replay/in_flight": float(self.in_flight),
+            "replay/dropped_total": float(self.dropped_total),
+        }
+
+
+class ReplayBufferActor:
+    """Ray actor around ReplayBufferCore: acquire and take wait (asynchronously) instead of returning None."""
+
+    def __init__(self, *args, **kwargs):
+        self.core = ReplayBufferCore(*args, **kwargs)
+        self._changed: asyncio.Condition | None = None
+
+    def _condition(self) -> asyncio.Condition:
+        if self._changed is None:  # created on the actor's event loop
+            self._changed = asyncio.Condition()
+        return self._changed
+
+    async def _notify(self) -> None:
+        async with self._condition():
+            self._condition().notify_all()
+
+    async def publish(self, weights: list, version: int) -> None:
+        """weights is [ObjectRef] (wrapped in a list so Ray passes the reference, not the tensors)."""
+        self.core.publish(weights, version)
+        await self._notify()
+
+    async def put(self, groups: list[Group]) -> None:
+        self.core.put(groups)
+        await self._notify()
+
+    async def close(self) -> None:
+        self.core.close()
+        await self._notify()
+
+    async def acquire(self, worker_version: int, num_groups: int) -> Ticket:
+        async with self._condition():
+            while (ticket := self.core.acquire(worker_version, num_groups)) is None:
+                await self._condition().wait()
+        return ticket
+
+    async def take(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
+        async with self._condition():
+            while True:
+                result = self.core.take(num_groups, trainer_version)
+                # Taken or dropped groups may have freed budget for waiting workers.
+                self._condition().notify_all()
+                if result is not None:
+                    return result
+                await self._condition().wait()
+
+    def stats(self) -> dict[str, float]:
+        return self.core.stats()

@@ -1,0 +1,87 @@
+"""Rollout workers: sample n responses per prompt with the behavior policy and score them.
+
+RolloutGenerator is the plain logic (a model copy, a prompt sampler, the sampling loop); the Ray actor
+RolloutWorkerActor only moves data: at each generation boundary it asks the replay buffer for a ticket,
+loads the newer weights the ticket carries (one object-store get), generates and hands the groups back.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from dppo.generation import sample_responses
+from dppo.models import build_model, response_log_probs
+from dppo.rollout import Group
+from dppo.tasks import PromptSampler, make_task
+
+
+class RolloutGenerator:
+    """One worker's model copy and sampling state; generate() returns scored groups."""
+
+    def __init__(self, cfg, worker_index: int, held_out: np.ndarray | None = None, seed_offset: int = 0):
+        self.task = make_task(cfg.task.name, cfg.task.length)
+        self.model = build_model(cfg.model, self.task.vocab_size, seed=cfg.trainer.seed)
+        self.model.requires_grad_(False)
+        # Distinct, reproducible streams per worker and per (re)start, so a resumed run draws new prompts.
+        seeds = np.random.SeedSequence([cfg.trainer.seed, worker_index, seed_offset]).generate_state(2)
+        self.prompts = PromptSampler(self.task, seeds[0], held_out)
+        self.generator = torch.Generator().manual_seed(int(seeds[1]))
+        self.n = cfg.rollout.n
+        self.temperature = cfg.rollout.temperature
+        self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.answer_length
+        self.micro_batch_size = cfg.actor.micro_batch_size
+        self.version = -1  # no weights loaded yet
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        self.model.load_state_dict(state_dict)
+        self.version = version
+
+    @torch.no_grad()
+    def generate(self, num_groups: int) -> list[Group]:
+        """num_groups fresh prompts, n sampled responses each, scored and tagged with the current version."""
+        if self.version < 0:
+            raise RuntimeError("RolloutGenerator.generate called before any weights were loaded")
+        prompts = torch.from_numpy(self.prompts.sample(num_groups)).repeat_interleave(self.n, 0)  # (G n, P)
+        responses, mask = sample_responses(
+            self.model, prompts, self.max_new_tokens, self.temperature, self.generator, self.task.eos_token
+        )  # (G n, R) each
+        # Behavior log-probs are re-scored with a full forward pass by the same function the trainer uses,
+        # so that pi_behav and pi_old agree bitwise when the weights agree.
+        behav_logp = response_log_probs(
+            self.model, torch.cat([prompts, responses], 1), responses.shape[1], self.temperature, self.micro_batch_size
+        )
+        scores = torch.from_numpy(self.task.rewards(prompts.numpy(), responses.numpy(), mask.numpy()))
+        return [
+            Group(prompts[i], responses[i : i + self.n], mask[i : i + self.n], behav_logp[i : i + self.n],
+                  scores[i : i + self.n], self.version)  # fmt: skip
+            for i in range(0, prompts.shape[0], self.n)
+        ]
+
+
+class RolloutWorkerActor:
+    """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
+
+    def __init__(self, cfg, worker_index: int, held_out: np.ndarray | None, seed_offset: int, buffer):
+        torch.set_num_threads(cfg.rollout.num_threads)
+        self.core = RolloutGenerator(cfg, worker_index, held_out, seed_offset)
+        self.buffer = buffer
+        self.groups_per_batch = cfg.rollout.groups_per_batch
+
+    def step(self, num_groups: int) -> int:
+        """One generation boundary: wait for a ticket, load newer weights, generate; groups made (0: stopped)."""
+        import ray
+
+        ticket = ray.get(self.buffer.acquire.remote(self.core.version, num_groups))
+        if ticket.stop:
+            return 0
+        if ticket.weights is not None:
+            self.core.load_weights(ray.get(ticket.weights[0]), ticket.version)
+        groups = self.core.generate(ticket.num_groups)
+        ray.get(self.buffer.put.remote(groups))
+        return len(groups)
+
+    def run(self) -> None:
+        """Separate-async mode: generate continuously until the buffer is closed."""
+        while self.step(self.groups_per_batch):
+            pass
