@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Hashable, Sequence
 
 import torch
@@ -74,6 +75,8 @@ def grpo_advantages(
     tensor, or any sequence of hashables such as uid strings); the std is unbiased (torch.std). With
     norm_by_std=False the advantage is score - group mean (Dr. GRPO).
     """
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise ValueError(f"eps must be finite and > 0 (it keeps a group of equal scores from dividing 0 by 0); got {eps!r}")
     scores, group, mask = _check_inputs(scores, group_index, response_mask)
     size, mean, std = _group_stats(scores, group)  # (B,) each
     seq_adv = scores - mean

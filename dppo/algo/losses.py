@@ -141,12 +141,15 @@ def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high
     log_ratio = (logp - prox_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
     ratio = torch.exp(log_ratio)  # (B, T), pi_theta / pi_prox
 
+    # Each clip is a branch chosen by a strict comparison, so that on a tie (e.g. r exactly on a clip
+    # bound) the unclipped term and its full gradient win; torch.maximum would split the gradient.
     pg_losses1 = -adv * ratio
     pg_losses2 = -adv * ratio.clamp(1.0 - low, 1.0 + high)
-    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)  # standard PPO clip
+    clipped = mask & (pg_losses2 > pg_losses1)  # (B, T)
+    clip_pg_losses1 = torch.where(clipped, pg_losses2, pg_losses1)  # standard PPO clip: the max of the two
     pg_losses3 = -adv * c
-    clip_pg_losses2 = torch.minimum(pg_losses3, clip_pg_losses1)  # dual clip: cap at -c * A
-    pg_losses = torch.where(adv < 0, clip_pg_losses2, clip_pg_losses1)  # (B, T)
+    clipped_lower = mask & (adv < 0) & (clip_pg_losses1 > pg_losses3)  # (B, T)
+    pg_losses = torch.where(clipped_lower, pg_losses3, clip_pg_losses1)  # dual clip: cap at -c * A for A < 0
     if weights is not None:
         pg_losses = pg_losses * torch.where(mask, weights.detach().float(), 0.0)
     # Denominators use response_mask, not the rejection mask: rejecting a token must not enlarge the
@@ -154,8 +157,6 @@ def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high
     pg_loss = agg_loss_unchecked(pg_losses, mask, mode)
 
     with torch.no_grad():
-        clipped = mask & (pg_losses2 > pg_losses1)
-        clipped_lower = mask & (adv < 0) & (clip_pg_losses1 > pg_losses3)
         metrics = {
             "actor/pg_loss": pg_loss.detach(),
             "actor/pg_clipfrac": masked_mean(clipped.float(), mask),

@@ -95,3 +95,6 @@ def test_input_errors():
         rloo_advantages(torch.ones(2, 1), torch.tensor([0, 0]), torch.ones(2, 3))
     with pytest.raises(TypeError, match="group_index must be an integer tensor; got dtype torch.float32"):
         grpo_advantages(torch.ones(2), torch.zeros(2), torch.ones(2, 3))
+    for eps in (0.0, -1e-6, float("nan")):
+        with pytest.raises(ValueError, match="eps must be finite and > 0"):
+            grpo_advantages(torch.ones(2), torch.zeros(2, dtype=torch.long), torch.ones(2, 3), eps=eps)
