@@ -76,7 +76,7 @@ def grpo_advantages(
     norm_by_std=False the advantage is score - group mean (Dr. GRPO).
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be finite and > 0 (it keeps a group of equal scores from dividing 0 by 0); got {eps!r}")
+        raise ValueError(f"eps must be finite and > 0 (so equal scores do not give 0 / 0); got {eps!r}")
     scores, group, mask = _check_inputs(scores, group_index, response_mask)
     size, mean, std = _group_stats(scores, group)  # (B,) each
     seq_adv = scores - mean

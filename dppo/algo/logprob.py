@@ -50,10 +50,12 @@ def _row_chunks(x: torch.Tensor, rows: int) -> Iterator[tuple[int, torch.Tensor]
         offset += block.shape[0]
 
 
-def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> torch.Tensor:
-    """chunk / temperature in fp32 (a new tensor unless chunk is fp32 and temperature is 1)."""
-    x = chunk.float()
-    return x / temperature if temperature != 1.0 else x
+def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> tuple[torch.Tensor, bool]:
+    """(chunk / temperature in fp32, whether that is a new tensor the caller may overwrite)."""
+    if chunk.dtype == torch.float32:
+        return (chunk, False) if temperature == 1.0 else (chunk / temperature, True)
+    x = chunk.float()  # the one upcast copy; scaled in place
+    return (x.div_(temperature) if temperature != 1.0 else x), True
 
 
 class _LogProbFn(torch.autograd.Function):
@@ -66,7 +68,7 @@ class _LogProbFn(torch.autograd.Function):
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         for start, chunk in _row_chunks(logits, rows):
             stop = start + chunk.shape[0]
-            x = _scaled_fp32(chunk, temperature)  # (n, V)
+            x, _ = _scaled_fp32(chunk, temperature)  # (n, V)
             lse[start:stop] = torch.logsumexp(x, dim=-1)
             picked = x.gather(-1, labels[start:stop, None]).squeeze(-1)  # (n,)
             logp[start:stop] = picked - lse[start:stop]
@@ -84,12 +86,18 @@ class _LogProbFn(torch.autograd.Function):
         for start, chunk in _row_chunks(logits, ctx.rows):
             stop = start + chunk.shape[0]
             g = g_all[start:stop, None]  # (n, 1)
-            p = torch.exp(_scaled_fp32(chunk, ctx.temperature) - lse[start:stop, None])  # softmax (n, V)
+            x, fresh = _scaled_fp32(chunk, ctx.temperature)  # (n, V)
+            # softmax (n, V), built in the gradient's own rows when they are fp32, else in x if x is a copy
+            if grad.dtype == torch.float32:
+                p = torch.sub(x, lse[start:stop, None], out=grad_rows[start:stop])
+            else:
+                p = x.sub_(lse[start:stop, None]) if fresh else x - lse[start:stop, None]
             # d logp / d x = onehot(label) - softmax; d x / d logits = 1 / T
-            p.mul_(-g).scatter_add_(-1, labels[start:stop, None], g)
+            p.exp_().mul_(-g).scatter_add_(-1, labels[start:stop, None], g)
             if ctx.temperature != 1.0:
                 p.div_(ctx.temperature)
-            grad_rows[start:stop] = p
+            if grad.dtype != torch.float32:
+                grad_rows[start:stop] = p
         return grad, None, None, None
 
 
@@ -103,7 +111,7 @@ class _EntropyFn(torch.autograd.Function):
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         for start, chunk in _row_chunks(logits, rows):
             stop = start + chunk.shape[0]
-            x = _scaled_fp32(chunk, temperature)  # (n, V)
+            x, _ = _scaled_fp32(chunk, temperature)  # (n, V)
             lse_c = torch.logsumexp(x, dim=-1)  # (n,)
             logp = x - lse_c[:, None]  # (n, V)
             p = torch.exp(logp)  # (n, V)
@@ -123,7 +131,8 @@ class _EntropyFn(torch.autograd.Function):
         g_all = grad_entropy.float()
         for start, chunk in _row_chunks(logits, ctx.rows):
             stop = start + chunk.shape[0]
-            logp = _scaled_fp32(chunk, ctx.temperature) - lse[start:stop, None]  # (n, V), a new tensor
+            x, fresh = _scaled_fp32(chunk, ctx.temperature)  # (n, V)
+            logp = x.sub_(lse[start:stop, None]) if fresh else x - lse[start:stop, None]  # (n, V), ours to overwrite
             p = torch.exp(logp)  # (n, V)
             # dH / dx_j = -p_j (log p_j + H); d x / d logits = 1 / T
             logp.add_(entropy[start:stop, None]).mul_(p).mul_(-g_all[start:stop, None] / ctx.temperature)
@@ -186,7 +195,7 @@ def entropy_from_logits(
     temperature: float = 1.0,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
 ) -> torch.Tensor:
-    """Entropy of softmax(logits / temperature) over the last dimension: fp32, shape logits.shape[:-1], differentiable."""
+    """Entropy of softmax(logits / temperature) over the last dim: fp32, shape logits.shape[:-1], differentiable."""
     logits = _check_logits(logits, temperature, chunk_bytes)
     rows = _rows_per_chunk(logits.shape[-1], chunk_bytes)
     entropy = _EntropyFn.apply(logits, float(temperature), rows)  # (N,)

@@ -102,7 +102,9 @@ def _split_options(options: str | Sequence[str]) -> tuple[str, ...]:
     elif isinstance(options, Sequence) and all(isinstance(o, str) for o in options):
         names = tuple(o.strip() for o in options)
     else:
-        raise RolloutCorrectionConfigError(f"{where} must be None or a comma-separated string of options; got {options!r}")
+        raise RolloutCorrectionConfigError(
+            f"{where} must be None or a comma-separated string of options; got {options!r}"
+        )
     valid = ", ".join(RS_OPTIONS)
     if not names or any(n not in RS_OPTIONS for n in names):
         raise RolloutCorrectionConfigError(f"{where} must be None or a comma-chain of {valid}; got {options!r}")

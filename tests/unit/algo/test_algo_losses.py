@@ -173,7 +173,8 @@ def test_policy_loss_bf16_inputs_give_fp32_loss():
 @pytest.mark.parametrize("bad", [NAN, float("inf"), -float("inf")])
 def test_policy_loss_rejects_non_finite_at_valid_positions(arg, bad):
     log_prob, old, adv, mask = ppo_inputs()
-    inputs = {"log_prob": log_prob.detach().clone(), "old_log_prob": old, "advantages": adv, "weights": torch.ones(1, 7)}
+    inputs = {"log_prob": log_prob.detach().clone(), "old_log_prob": old, "advantages": adv}
+    inputs["weights"] = torch.ones(1, 7)
     inputs[arg][0, 3] = bad
     with pytest.raises(NonFiniteError, match=rf"{arg} is not finite: value -?(nan|inf) at index \[0, 3\]"):
         policy_loss(inputs["log_prob"], inputs["old_log_prob"], inputs["advantages"], mask, weights=inputs["weights"])

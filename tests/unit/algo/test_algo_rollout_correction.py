@@ -201,7 +201,8 @@ def test_log_ratio_is_clamped_to_20():
 def test_correction_input_errors():
     old, rollout, mask = logr_inputs([[1.0, 2.0]])
     cfg = RolloutCorrectionConfig()
-    with pytest.raises(ShapeMismatchError, match=r"rollout_log_prob has shape \(1, 1\) but response_mask has shape \(1, 2\)"):
+    match = r"rollout_log_prob has shape \(1, 1\) but response_mask has shape \(1, 2\)"
+    with pytest.raises(ShapeMismatchError, match=match):
         compute_rollout_correction(old, rollout[:, :1], mask, cfg)
     bad = rollout.clone()
     bad[0, 1] = -float("inf")
@@ -292,7 +293,8 @@ def test_parse_rs_thresholds_invalid(options, spec, match):
 
 def test_config_defaults_are_verl_like():
     cfg = RolloutCorrectionConfig()
-    assert (cfg.rollout_is, cfg.rollout_is_threshold, cfg.rollout_rs, cfg.rollout_rs_threshold) == (None, 2.0, None, None)
+    assert (cfg.rollout_is, cfg.rollout_is_threshold) == (None, 2.0)
+    assert (cfg.rollout_rs, cfg.rollout_rs_threshold) == (None, None)
     assert (cfg.bypass_mode, cfg.loss_type) == (False, "ppo_clip")
     assert cfg.is_bounds == (None, 2.0) and dict(cfg.rs_bounds) == {}
 
@@ -311,7 +313,10 @@ def test_config_parses_thresholds_and_canonicalizes_rs():
 @pytest.mark.parametrize(
     "kwargs, match",
     [
-        (dict(rollout_is="tok"), "algorithm.rollout_correction.rollout_is must be one of None, 'token', 'sequence'; got 'tok'"),
+        (
+            dict(rollout_is="tok"),
+            "algorithm.rollout_correction.rollout_is must be one of None, 'token', 'sequence'; got 'tok'",
+        ),
         (dict(rollout_is=True), "rollout_is must be one of .*; got True"),
         (dict(rollout_is_threshold=0.0), "rollout_is_threshold must be finite and > 0; got 0.0"),
         (dict(rollout_is_threshold="x"), "rollout_is_threshold must be a number; got 'x'"),
@@ -338,7 +343,8 @@ def test_config_from_dict_and_omegaconf():
         rollout_is="token", rollout_is_threshold=2.0, rollout_rs="seq_mean_k3", rollout_rs_threshold=0.05
     )
     assert dict(cfg.rs_bounds) == {"seq_mean_k3": (None, 0.05)}
-    with pytest.raises(RolloutCorrectionConfigError, match=r"unknown key\(s\) \['rollout_is_thresh'\].*valid keys: rollout_is,"):
+    match = r"unknown key\(s\) \['rollout_is_thresh'\].*valid keys: rollout_is,"
+    with pytest.raises(RolloutCorrectionConfigError, match=match):
         RolloutCorrectionConfig.from_dict({"rollout_is_thresh": 2.0})
 
 
