@@ -268,7 +268,7 @@ class BaseTrainer:
         import json
 
         records = self.metrics.records
-        plot_path = plot_run(records, self.output_dir / "training_curves.png") if records else None
+        plot_path = plot_run(records, self.output_dir / "training_curves.png", evaluation) if records else None
         summary = summarize(records, evaluation, wall_s)
         summary_path = self.output_dir / "summary.json"
         summary_path.write_text(json.dumps({"evaluation": evaluation, "wall_s": wall_s,

@@ -53,13 +53,13 @@ def _one_of(key: str, value: object, choices: tuple) -> None:
 
 @dataclass
 class TrainerConfig:
-    total_steps: int = 40
+    total_steps: int = 60
     """Global steps to train; one global step is one sync cycle of parameter_sync_step optimizer steps."""
 
     parameter_sync_step: int = 4
     """Optimizer steps (triggers) per sync cycle; rollout weights are refreshed at the end of each cycle."""
 
-    train_batch_size: int = 64
+    train_batch_size: int = 128
     """Prompt groups consumed per global step; must be a multiple of parameter_sync_step."""
 
     seed: int = 0
@@ -157,8 +157,8 @@ class ActorConfig:
 
 @dataclass
 class RolloutCorrectionSection:
-    rollout_is: Optional[str] = None
-    """Importance weight pi_prox / pi_behav: null, token or sequence."""
+    rollout_is: Optional[str] = "token"
+    """Importance weight pi_prox / pi_behav (Decoupled PPO's behavior correction): null, token or sequence."""
 
     rollout_is_threshold: Any = 2.0
     """A number u (truncate the weight at u) or "lo_hi" (zero weights outside [lo, hi])."""

@@ -58,8 +58,8 @@ def tail_mean(records: list[dict], key: str, fraction: float = 0.1, head: bool =
     return sum(part) / len(part)
 
 
-def plot_run(records: list[dict], path: str | os.PathLike) -> Path:
-    """Reward and the per-step time breakdown over global steps, as a PNG."""
+def plot_run(records: list[dict], path: str | os.PathLike, evaluation: dict[str, float] | None = None) -> Path:
+    """Reward (and the final greedy eval reward) and the per-step time breakdown over global steps, as a PNG."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -68,8 +68,8 @@ def plot_run(records: list[dict], path: str | os.PathLike) -> Path:
     steps = [r["step"] for r in records]
     fig, (ax_reward, ax_time) = plt.subplots(2, 1, figsize=(8, 7), sharex=True)
     ax_reward.plot(steps, [r["critic/score/mean"] for r in records], label="mean sampled reward")
-    if any("eval/reward" in r for r in records):
-        ax_reward.axhline(records[-1].get("eval/reward", math.nan), ls="--", c="gray", label="greedy eval reward")
+    if evaluation and "eval/reward" in evaluation:
+        ax_reward.axhline(evaluation["eval/reward"], ls="--", c="gray", label="greedy eval reward (end)")
     ax_reward.set_ylabel("reward")
     ax_reward.set_ylim(0, 1.02)
     ax_reward.grid(alpha=0.3)

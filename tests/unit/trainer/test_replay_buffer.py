@@ -1,0 +1,113 @@
+"""Replay buffer: staleness accounting, the drop and wait strategies, weight hand-off, stop tickets."""
+
+import random
+
+import pytest
+import torch
+
+from dppo.rollout import Group
+from dppo.workers.replay_buffer import ReplayBufferCore
+
+
+def group(version: int) -> Group:
+    return Group(torch.zeros(3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool),
+                 torch.zeros(2, 4), torch.zeros(2), version)  # fmt: skip
+
+
+def test_no_ticket_before_weights_and_tickets_carry_newer_weights_only():
+    buf = ReplayBufferCore(1, "wait", groups_per_version=4)
+    assert buf.acquire(-1, 2) is None
+    buf.publish("w0", 0)
+    ticket = buf.acquire(-1, 2)
+    assert (ticket.num_groups, ticket.version, ticket.weights, ticket.stop) == (2, 0, "w0", False)
+    assert buf.acquire(0, 2).weights is None  # the worker already has version 0
+    with pytest.raises(ValueError, match="not newer"):
+        buf.publish("again", 0)
+
+
+def test_wait_strategy_budget_is_eta_plus_one_versions_ahead():
+    eta, per_version = 1, 4
+    buf = ReplayBufferCore(eta, "wait", groups_per_version=per_version)
+    buf.publish("w0", 0)
+    got = 0
+    while (ticket := buf.acquire(0, 3)) is not None:
+        got += ticket.num_groups
+        buf.put([group(0) for _ in range(ticket.num_groups)])
+    assert got == (eta + 1) * per_version  # generation with version 0 may run one version ahead, no more
+    assert buf.take(4, trainer_version=0)[0][0].version == 0
+    assert buf.acquire(0, 1) is None  # taking does not free budget; a new version does
+    buf.publish("w1", 1)
+    ticket = buf.acquire(0, 10)
+    assert (ticket.num_groups, ticket.version, ticket.weights) == (per_version, 1, "w1")
+
+
+def test_drop_strategy_drops_and_counts_stale_groups():
+    buf = ReplayBufferCore(1, "drop", groups_per_version=2)
+    buf.publish("w0", 0)
+    buf.acquire(-1, 4)
+    buf.put([group(0), group(0), group(0), group(0)])
+    buf.publish("w1", 1)
+    buf.publish("w2", 2)
+    assert buf.take(1, trainer_version=2) is None  # all four are 2 versions old: dropped, nothing to take
+    assert buf.stats()["replay/dropped_total"] == 4
+    buf.acquire(0, 2)
+    buf.put([group(2), group(1)])
+    taken, dropped = buf.take(2, trainer_version=2)
+    assert [g.version for g in taken] == [2, 1] and dropped == 4
+    assert buf.take(0, trainer_version=2) == ([], 0)  # the drop count was reported once
+
+
+def test_drop_strategy_caps_buffered_plus_in_flight():
+    buf = ReplayBufferCore(0, "drop", groups_per_version=3)
+    buf.publish("w", 0)
+    assert buf.acquire(-1, 10).num_groups == 3
+    assert buf.acquire(0, 1) is None
+    buf.put([group(0)] * 3)
+    buf.take(2, 0)
+    assert buf.acquire(0, 10).num_groups == 2
+
+
+def test_close_gives_stop_tickets():
+    buf = ReplayBufferCore(1, "wait", groups_per_version=2)
+    buf.publish("w", 0)
+    buf.close()
+    assert buf.acquire(0, 1).stop
+
+
+@pytest.mark.parametrize("strategy", ["wait", "drop"])
+@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_random_schedules_never_hand_out_a_group_staler_than_eta(strategy, workers, eta):
+    """Workers and trainer interleave at random; every consumed group has staleness <= eta, and with the wait
+    strategy and one worker (FIFO) nothing is ever dropped and the trainer never starves forever."""
+    rng = random.Random(eta * 10 + workers)
+    per_version, per_take = 8, 2
+    buf = ReplayBufferCore(eta, strategy, groups_per_version=per_version)
+    trainer_version, taken_in_version = 0, 0
+    buf.publish("w0", 0)
+    worker_versions = [-1] * workers
+    pending = [None] * workers  # (version, count) being generated
+    staleness = []
+    for _ in range(4000):
+        i = rng.randrange(workers + 1)
+        if i < workers:  # a worker finishes its batch or starts a new one
+            if pending[i] is not None:
+                version, count = pending[i]
+                buf.put([group(version) for _ in range(count)])
+                pending[i] = None
+            elif (ticket := buf.acquire(worker_versions[i], rng.randint(1, 5))) is not None:
+                if ticket.weights is not None:
+                    worker_versions[i] = ticket.version
+                pending[i] = (worker_versions[i], ticket.num_groups)
+        else:  # the trainer tries to take one trigger's groups
+            result = buf.take(per_take, trainer_version)
+            if result is not None:
+                staleness += [trainer_version - g.version for g in result[0]]
+                taken_in_version += per_take
+                if taken_in_version == per_version:
+                    trainer_version, taken_in_version = trainer_version + 1, 0
+                    buf.publish(f"w{trainer_version}", trainer_version)
+    assert trainer_version > 20, "the schedule must make progress"
+    assert max(staleness) <= eta
+    if strategy == "wait" and workers == 1:
+        assert buf.dropped_total == 0
