@@ -11,7 +11,7 @@ LOG_RATIO_BOUND = 20.0
 
 
 class AlgoInputError(ValueError):
-    """A tensor passed to a dppo.algo function has a bad value."""
+    """An argument passed to a dppo.algo function has a bad value (a tensor's contents, a coefficient...)."""
 
 
 class ShapeMismatchError(AlgoInputError):
@@ -22,8 +22,11 @@ class NonFiniteError(AlgoInputError):
     """A NaN or inf sits at a position the mask marks as valid."""
 
 
-class UnknownNameError(ValueError):
+class UnknownNameError(ValueError, KeyError):
     """A registry lookup (loss, estimator, aggregation mode) got a name it does not know."""
+
+    def __str__(self) -> str:  # KeyError.__str__ would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 def lookup(registry: Mapping[str, Callable], name: str, what: str) -> Callable:

@@ -7,7 +7,7 @@ from collections.abc import Callable, Hashable, Sequence
 
 import torch
 
-from dppo.algo._common import NonFiniteError, ShapeMismatchError, as_mask, check_tensor, lookup
+from dppo.algo._common import AlgoInputError, NonFiniteError, ShapeMismatchError, as_mask, check_tensor, lookup
 
 
 def _group_ids(group_index: torch.Tensor | Sequence[Hashable], device: torch.device) -> torch.Tensor:
@@ -76,7 +76,7 @@ def grpo_advantages(
     norm_by_std=False the advantage is score - group mean (Dr. GRPO).
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
-        raise ValueError(f"eps must be finite and > 0 (so equal scores do not give 0 / 0); got {eps!r}")
+        raise AlgoInputError(f"eps must be finite and > 0 (so equal scores do not give 0 / 0); got {eps!r}")
     scores, group, mask = _check_inputs(scores, group_index, response_mask)
     size, mean, std = _group_stats(scores, group)  # (B,) each
     seq_adv = scores - mean

@@ -7,7 +7,16 @@ from collections.abc import Callable
 
 import torch
 
-from dppo.algo._common import LOG_RATIO_BOUND, Checks, as_mask, check_same_shape, check_tensor, lookup, to_floats
+from dppo.algo._common import (
+    LOG_RATIO_BOUND,
+    AlgoInputError,
+    Checks,
+    as_mask,
+    check_same_shape,
+    check_tensor,
+    lookup,
+    to_floats,
+)
 from dppo.algo.losses import agg_loss_unchecked
 
 # verl clamps k3 to this bound so one outlier token cannot dominate the loss.
@@ -80,7 +89,7 @@ def kl_loss(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss term coef * agg(kl_penalty) to add to the policy loss, and {"actor/kl_loss", "actor/kl_coef"}."""
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-        raise ValueError(f"coef must be a finite number; got {coef!r}")
+        raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
     mask = as_mask("response_mask", response_mask)
     check_tensor("log_prob", log_prob)
     check_same_shape("response_mask", mask, log_prob=log_prob, ref_log_prob=ref_log_prob)

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-from dppo.algo._common import ShapeMismatchError, check_tensor
+from dppo.algo._common import AlgoInputError, ShapeMismatchError, check_tensor
 
 # fp32 working set per chunk. Each row of a chunk holds about three fp32 copies of width V at once
 # (the upcast logits, the exponentials, the gradient), which is what _rows_per_chunk divides by.
@@ -144,15 +144,15 @@ def _check_logits(logits: object, temperature: float, chunk_bytes: int) -> torch
     """Validate logits (..., V), the temperature and the chunk budget; return logits."""
     logits = check_tensor("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise ValueError(f"logits must have a non-empty last (vocabulary) dimension; got shape {tuple(logits.shape)}")
+        raise AlgoInputError(f"logits must have a non-empty last (vocabulary) dimension; got shape {tuple(logits.shape)}")
     if not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor; got dtype {logits.dtype}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):
         raise TypeError(f"temperature must be a number; got {type(temperature).__name__}")
     if not (math.isfinite(temperature) and temperature > 0):
-        raise ValueError(f"temperature must be finite and > 0; got {temperature}")
+        raise AlgoInputError(f"temperature must be finite and > 0; got {temperature}")
     if not (isinstance(chunk_bytes, int) and chunk_bytes > 0):
-        raise ValueError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
+        raise AlgoInputError(f"chunk_bytes must be a positive int; got {chunk_bytes!r}")
     return logits
 
 
@@ -183,7 +183,7 @@ def log_probs_from_logits(
     flat_labels = labels.reshape(-1).long()  # (N,)
     if flat_labels.numel() and bool(((flat_labels < 0) | (flat_labels >= vocab)).any()):
         lo, hi = flat_labels.min().item(), flat_labels.max().item()
-        raise ValueError(f"labels must lie in [0, {vocab}) (the vocabulary size); got values from {lo} to {hi}")
+        raise AlgoInputError(f"labels must lie in [0, {vocab}) (the vocabulary size); got values from {lo} to {hi}")
     rows = _rows_per_chunk(vocab, chunk_bytes)
     logp = _LogProbFn.apply(logits, flat_labels, float(temperature), rows)  # (N,)
     return logp.view(labels.shape)

@@ -16,6 +16,7 @@ import torch
 
 from dppo.algo._common import (
     LOG_RATIO_BOUND,
+    AlgoInputError,
     Checks,
     as_mask,
     check_same_shape,
@@ -79,7 +80,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     mask = as_mask("mask", mask)
     check_same_shape("mask", mask, loss_mat=loss_mat)
     if loss_mat.dim() != 2:
-        raise ValueError(f"loss_mat must have shape (B, T); got shape {tuple(loss_mat.shape)}")
+        raise AlgoInputError(f"loss_mat must have shape (B, T); got shape {tuple(loss_mat.shape)}")
     checks = Checks(mask, "mask")
     checks.finite("loss_mat", loss_mat)
     loss = agg_loss_unchecked(loss_mat.float(), mask, mode)
@@ -97,13 +98,13 @@ def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: flo
     for name, value in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high),
                         ("clip_ratio_c", clip_ratio_c)):  # fmt: skip
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise ValueError(f"{name} must be a finite number; got {value!r}")
+            raise AlgoInputError(f"{name} must be a finite number; got {value!r}")
     if not 0 <= clip_ratio_low < 1:
-        raise ValueError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0; got {clip_ratio_low}")
+        raise AlgoInputError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0; got {clip_ratio_low}")
     if clip_ratio_high < 0:
-        raise ValueError(f"clip_ratio_high must be >= 0; got {clip_ratio_high}")
+        raise AlgoInputError(f"clip_ratio_high must be >= 0; got {clip_ratio_high}")
     if clip_ratio_c <= 1:
-        raise ValueError(f"clip_ratio_c (dual clip) must be > 1; got {clip_ratio_c}")
+        raise AlgoInputError(f"clip_ratio_c (dual clip) must be > 1; got {clip_ratio_c}")
 
 
 def _check_loss_inputs(log_prob, old_name, old_log_prob, advantages, response_mask, weights=None):
@@ -280,7 +281,7 @@ def bypass_policy_loss(
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig; got {type(config).__name__}")
     if not config.bypass_mode:
-        raise ValueError(
+        raise AlgoInputError(
             "bypass_policy_loss needs algorithm.rollout_correction.bypass_mode=True; with bypass_mode=False "
             "recompute old_log_prob and use compute_rollout_correction + policy_loss"
         )
@@ -304,7 +305,7 @@ def entropy_bonus(
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss term -coef * agg(entropy) (add it to the policy loss to reward entropy) and {"actor/entropy": agg}."""
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-        raise ValueError(f"coef must be a finite number; got {coef!r}")
+        raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
     mask = as_mask("response_mask", response_mask)
     check_same_shape("response_mask", mask, entropy=entropy)
     checks = Checks(mask)

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dppo.algo import ShapeMismatchError, entropy_from_logits, log_probs_from_logits
+from dppo.algo import AlgoInputError, ShapeMismatchError, entropy_from_logits, log_probs_from_logits
 from dppo.algo.logprob import _rows_per_chunk
 
 
@@ -118,7 +118,7 @@ def test_input_errors():
         log_probs_from_logits(logits, labels[:, :8])
     bad = labels.clone()
     bad[1, 2] = 37
-    with pytest.raises(ValueError, match=r"labels must lie in \[0, 37\).*got values from 0 to 37"):
+    with pytest.raises(AlgoInputError, match=r"labels must lie in \[0, 37\).*got values from 0 to 37"):
         log_probs_from_logits(logits, bad)
     bad[1, 2] = -100  # an ignore index must not reach gather
     with pytest.raises(ValueError, match="from -100 to"):
@@ -128,7 +128,7 @@ def test_input_errors():
     with pytest.raises(TypeError, match="logits must be a floating-point tensor"):
         log_probs_from_logits(labels, labels[:, :1].squeeze(-1))
     for temperature in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ValueError, match="temperature must be finite and > 0"):
+        with pytest.raises(AlgoInputError, match="temperature must be finite and > 0"):
             log_probs_from_logits(logits, labels, temperature)
     with pytest.raises(ValueError, match="chunk_bytes must be a positive int; got 0"):
         entropy_from_logits(logits, chunk_bytes=0)

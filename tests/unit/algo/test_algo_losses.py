@@ -203,7 +203,7 @@ def test_policy_loss_rejects_negative_weights_and_bad_shapes():
 )
 def test_policy_loss_rejects_bad_clip_settings(kwargs, match):
     log_prob, old, adv, mask = ppo_inputs()
-    with pytest.raises(ValueError, match=match):
+    with pytest.raises(AlgoInputError, match=match):
         policy_loss(log_prob, old, adv, mask, **kwargs)
 
 
@@ -280,6 +280,9 @@ def test_policy_loss_registry():
     assert get_policy_loss("reinforce") is POLICY_LOSSES["reinforce"]
     with pytest.raises(UnknownNameError, match="unknown policy loss 'ppo'; valid names: 'ppo_clip', 'reinforce'"):
         get_policy_loss("ppo")
+    with pytest.raises(KeyError) as err:  # a failed lookup is also a KeyError, with an unquoted message
+        get_policy_loss("ppo")
+    assert isinstance(err.value, ValueError) and str(err.value).startswith("unknown policy loss 'ppo'")
 
 
 # ---------------------------------------------------------------------------------------------------
