@@ -125,12 +125,16 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         # The save at trigger 0 is asynchronous: the first optimizer step must not overwrite a weight
         # before the copy has read it.
         self._guard = self._pool.guard(optimizer)
-        self.reader_name = reader
-        self._reader = None if reader == "auto" else _lookup(SLOT_READERS, reader, "slot reader")
+        self.use_reader(reader)
 
     @property
     def pool(self):
         return self._pool
+
+    def use_reader(self, name: str) -> None:
+        """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read)."""
+        self._reader = None if name == "auto" else _lookup(SLOT_READERS, name, "slot reader")
+        self.reader_name = name
 
     def _choose_reader(self) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
         on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())

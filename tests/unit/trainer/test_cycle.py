@@ -1,0 +1,157 @@
+"""The sync cycle without Ray: which weights pi_old uses, that computing it never moves the live weights,
+that parameter_sync_step=1 takes no snapshot, and that a failure inside it leaves all state intact."""
+
+import copy
+
+import pytest
+import torch
+
+from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.prox import CycleStartOldLogProb
+
+pytest.importorskip("dppo.snapshot")
+
+
+def params_of(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def optimizer_state_of(optimizer):
+    return copy.deepcopy(optimizer.state_dict())
+
+
+def assert_params_equal(a, b):
+    assert a.keys() == b.keys()
+    for name in a:
+        assert torch.equal(a[name], b[name]), name
+
+
+def assert_optimizer_state_equal(a, b):
+    assert a["param_groups"] == b["param_groups"]
+    assert a["state"].keys() == b["state"].keys()
+    for index, tensors in a["state"].items():
+        for key, value in tensors.items():
+            assert torch.equal(value, b["state"][index][key]), (index, key)
+
+
+class ProbeTrainer(PPOTrainer):
+    """Records, around every old-log-prob computation, what an independent reference says it should be."""
+
+    def setup(self):
+        super().setup()
+        self.checks = []
+        strategy = self.old_log_prob
+        inner = strategy.compute
+
+        def compute(trigger, batch):
+            if trigger == 0:
+                self.anchor = copy.deepcopy(self.model)  # the cycle-start weights, independent of any snapshot
+            before = params_of(self.model)
+            logp = inner(trigger, batch)
+            after = params_of(self.model)
+            self.checks.append({
+                "step": self.global_step,
+                "trigger": trigger,
+                "equal_to_anchor": torch.equal(logp, self.score(self.anchor, batch)),
+                "live_unchanged": all(torch.equal(before[k], after[k]) for k in before),
+                "live_differs": not torch.equal(self.score(self.model, batch), logp),
+            })  # fmt: skip
+            return logp
+
+        strategy.compute = compute
+
+
+def cycle_cfg(small_cfg, ps, bypass, **extra):
+    return small_cfg(**{
+        "trainer.parameter_sync_step": ps,
+        "trainer.train_batch_size": 2 * ps,
+        "trainer.total_steps": 2,
+        "algorithm.rollout_correction.bypass_mode": bypass,
+        "actor.lr": 0.05,  # large steps: the live weights move visibly between triggers
+        **extra,
+    })  # fmt: skip
+
+
+@pytest.mark.parametrize("bypass", [False, True])
+@pytest.mark.parametrize("ps", [1, 2, 4])
+def test_old_log_probs_are_the_cycle_start_policy_bitwise(small_cfg, ps, bypass):
+    trainer = ProbeTrainer(cycle_cfg(small_cfg, ps, bypass))
+    trainer.fit()
+    assert [(c["step"], c["trigger"]) for c in trainer.checks] == [(s, k) for s in range(2) for k in range(ps)]
+    for check in trainer.checks:
+        assert check["equal_to_anchor"], check
+        assert check["live_unchanged"], check
+        if check["trigger"] > 0:
+            assert check["live_differs"], "the live weights must have moved, or the test proves nothing"
+
+
+@pytest.mark.parametrize("reader", ["view", "swap"])
+def test_each_slot_reader_gives_the_cycle_start_policy_bitwise(small_cfg, reader):
+    trainer = ProbeTrainer(cycle_cfg(small_cfg, 4, False))
+    trainer.old_log_prob.use_reader(reader)
+    trainer.fit()
+    assert len(trainer.checks) == 8
+    assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
+    assert trainer.old_log_prob.pool.stats()[reader]["count"] > 0  # the reader really went through the pool
+
+
+@pytest.mark.parametrize("ps", [2, 4])
+def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
+    trainer = ProbeTrainer(cycle_cfg(small_cfg, ps, False))
+    pool = trainer.old_log_prob.pool
+    assert trainer.old_log_prob.name == "cycle_start" and pool is not None
+    trainer.fit()
+    assert pool.stats()["save"]["count"] == 2
+
+
+@pytest.mark.parametrize("bypass, anchor", [(False, "cycle_start"), (True, "cycle_start"), (False, "current")])
+def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 1 if anchor == "cycle_start" and not bypass else 2, bypass,
+                                   **{"algorithm.prox_anchor": anchor}))  # fmt: skip
+    assert trainer.old_log_prob.pool is None
+    assert not isinstance(trainer.old_log_prob, CycleStartOldLogProb)
+
+
+@pytest.mark.parametrize("reader", ["view", "swap"])
+@pytest.mark.parametrize("fail_at", [0, 1, 3])
+def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg, reader, fail_at):
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.total_steps": 1}))
+    trainer.old_log_prob.use_reader(reader)
+    state = {}
+    inner = trainer.old_log_prob.compute
+
+    def boom(module, args, kwargs):
+        raise RuntimeError("injected failure in the pi_old forward pass")
+
+    def compute(trigger, batch):
+        if trigger == fail_at:
+            state["params"], state["optimizer"] = params_of(trainer.model), optimizer_state_of(trainer.optimizer)
+            trainer.model.register_forward_pre_hook(boom, with_kwargs=True)
+        return inner(trigger, batch)
+
+    trainer.old_log_prob.compute = compute
+    with pytest.raises(RuntimeError, match="injected failure"):
+        trainer.fit()
+    assert_params_equal(state["params"], params_of(trainer.model))
+    assert_optimizer_state_equal(state["optimizer"], optimizer_state_of(trainer.optimizer))
+    if fail_at > 0:
+        assert trainer.old_log_prob.reader_name == reader
+
+
+def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg):
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True}))
+    result = trainer.fit()
+    diffs = [r["debug/old_log_prob_max_abs_diff"] for r in result.records]
+    assert diffs == [0.0, 0.0]
+
+
+def test_metrics_of_a_cycle(small_cfg):
+    result = PPOTrainer(cycle_cfg(small_cfg, 2, False)).fit()
+    record = result.records[-1]
+    for key in ("step", "critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "staleness/mean",
+                "timing_s/step", "timing_s/gen_wait", "timing_s/old_log_prob", "timing_s/snapshot",
+                "timing_s/update_actor", "rollout_corr/weight_mean", "rollout_corr/kl_k1"):
+        assert key in record, key
+    assert record["step"] == 2 and record["version"] == 2
+    assert record["staleness/mean"] == 0.0 and record["staleness/max"] == 0.0  # sync: always the current version
+    assert record["timing_s/step"] >= record["timing_s/update_actor"] + record["timing_s/old_log_prob"]
