@@ -111,10 +111,12 @@ class _EntropyFn(torch.autograd.Function):
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         for start, chunk in _row_chunks(logits, rows):
             stop = start + chunk.shape[0]
-            x, _ = _scaled_fp32(chunk, temperature)  # (n, V)
+            x, fresh = _scaled_fp32(chunk, temperature)  # (n, V)
             lse_c = torch.logsumexp(x, dim=-1)  # (n,)
-            logp = x - lse_c[:, None]  # (n, V)
+            logp = x.sub_(lse_c[:, None]) if fresh else x - lse_c[:, None]  # (n, V)
             p = torch.exp(logp)  # (n, V)
+            # a -inf logit has p = 0 and must add 0 to H, not 0 * -inf = nan
+            logp.nan_to_num_(nan=torch.nan, posinf=torch.inf, neginf=0.0)
             # H = -sum p log p, as a batched dot product so no third (n, V) tensor is made
             entropy[start:stop] = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
             lse[start:stop] = lse_c
@@ -134,6 +136,7 @@ class _EntropyFn(torch.autograd.Function):
             x, fresh = _scaled_fp32(chunk, ctx.temperature)  # (n, V)
             logp = x.sub_(lse[start:stop, None]) if fresh else x - lse[start:stop, None]  # (n, V), ours to overwrite
             p = torch.exp(logp)  # (n, V)
+            logp.nan_to_num_(nan=torch.nan, posinf=torch.inf, neginf=0.0)  # p = 0 there: gradient 0, not nan
             # dH / dx_j = -p_j (log p_j + H); d x / d logits = 1 / T
             logp.add_(entropy[start:stop, None]).mul_(p).mul_(-g_all[start:stop, None] / ctx.temperature)
             grad_rows[start:stop] = logp
@@ -144,7 +147,9 @@ def _check_logits(logits: object, temperature: float, chunk_bytes: int) -> torch
     """Validate logits (..., V), the temperature and the chunk budget; return logits."""
     logits = check_tensor("logits", logits)
     if logits.dim() < 1 or logits.shape[-1] == 0:
-        raise AlgoInputError(f"logits must have a non-empty last (vocabulary) dimension; got shape {tuple(logits.shape)}")
+        raise AlgoInputError(
+            f"logits must have a non-empty last (vocabulary) dimension; got shape {tuple(logits.shape)}"
+        )
     if not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor; got dtype {logits.dtype}")
     if isinstance(temperature, bool) or not isinstance(temperature, (int, float)):

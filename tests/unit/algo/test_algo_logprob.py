@@ -57,6 +57,23 @@ def test_entropy_matches_reference_values_and_gradients(chunk_bytes, temperature
     assert torch.allclose(grad.float(), ref_grad.float(), atol=tol, rtol=0)
 
 
+def test_minus_inf_logits_are_zero_probability_not_nan():
+    # Some models mask unused vocabulary entries with -inf; those carry p = 0 and must not turn into nan.
+    logits, labels = make(seq=4, vocab=11)
+    logits[..., 7:] = -float("inf")
+    labels = labels % 7
+    logits.requires_grad_(True)
+    logp = log_probs_from_logits(logits, labels, chunk_bytes=100)
+    entropy = entropy_from_logits(logits, chunk_bytes=100)
+    finite = logits.detach()[..., :7].requires_grad_(True)  # the same distribution without the -inf entries
+    assert torch.allclose(logp, reference_logp(finite, labels), atol=1e-5)
+    assert torch.allclose(entropy, reference_entropy(finite), atol=1e-5)
+    (grad,) = torch.autograd.grad(logp.sum() + entropy.sum(), logits)
+    (ref_grad,) = torch.autograd.grad(reference_logp(finite, labels).sum() + reference_entropy(finite).sum(), finite)
+    assert torch.equal(grad[..., 7:], torch.zeros_like(grad[..., 7:]))
+    assert torch.allclose(grad[..., :7], ref_grad, atol=1e-5)
+
+
 def test_non_contiguous_logits_slice_is_handled_without_a_copy_of_the_whole_batch():
     # The usual call: logits[:, :-1] predicts input_ids[:, 1:]; the slice cannot be viewed as (N, V).
     logits, labels = make(seq=10)
