@@ -1,0 +1,81 @@
+// The CUDA path: saves on a dedicated device-to-host stream, loads on a dedicated host-to-device stream,
+// ordered against the caller's current stream with events (no host blocking), copies batched with
+// cudaMemcpyBatchAsync where the runtime has it. Compiled only in the CUDA build (DPPO_WITH_CUDA).
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <memory>
+#include <vector>
+
+#include "engine.h"
+
+namespace dppo {
+
+// Throws SnapshotError("<call> failed: <cudaGetErrorString>") unless err is cudaSuccess.
+void cuda_check(cudaError_t err, const char* call);
+
+class CudaEvent {
+ public:
+  explicit CudaEvent(bool timing);
+  ~CudaEvent();
+  CudaEvent(const CudaEvent&) = delete;
+  CudaEvent& operator=(const CudaEvent&) = delete;
+  cudaEvent_t get() const { return event_; }
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+class CudaStream {
+ public:
+  CudaStream();  // a non-blocking stream on the current device
+  ~CudaStream();
+  CudaStream(const CudaStream&) = delete;
+  CudaStream& operator=(const CudaStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+class CudaTicket : public Ticket {
+ public:
+  // `start` may be null (a marker on a stream: seconds() is 0).
+  CudaTicket(std::shared_ptr<CudaEvent> start, std::shared_ptr<CudaEvent> end);
+  bool ready() override;
+  void wait() override;
+  double seconds() override;
+  cudaEvent_t event() const { return end_->get(); }
+
+ private:
+  std::shared_ptr<CudaEvent> start_;
+  std::shared_ptr<CudaEvent> end_;
+};
+
+class CudaEngine : public Engine {
+ public:
+  explicit CudaEngine(int device_index);
+  ~CudaEngine() override;
+
+  bool is_cuda() const override { return true; }
+  std::unique_ptr<HostArena> new_arena(size_t bytes) override;
+  size_t arena_split_bytes() const override;
+  size_t piece_bytes() const override { return 0; }
+  bool overlaps_directions() const override { return true; }
+  TicketPtr copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) override;
+  void order_after(const std::vector<TicketPtr>& tickets) override;
+  TicketPtr mark_caller() override;
+
+ private:
+  cudaStream_t caller_stream() const;
+  void wait_on(cudaStream_t stream, const TicketPtr& ticket);
+  void issue_ranges(cudaStream_t stream, const std::vector<Range>& ranges);
+
+  int device_;
+  std::unique_ptr<CudaStream> save_;
+  std::unique_ptr<CudaStream> load_;
+  bool batch_ok_ = true;  // cleared if the driver refuses cudaMemcpyBatchAsync
+};
+
+}  // namespace dppo

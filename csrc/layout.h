@@ -1,0 +1,75 @@
+// The layout of one snapshot: which live tensors it holds and where each lives in a slot's storage.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "engine.h"
+
+namespace dppo {
+
+// Slot offsets of tensors are congruent to their live address modulo this (so runs of tensors that are
+// adjacent in live memory stay adjacent in the slot and copy as one range).
+constexpr size_t kAlignBytes = 256;
+
+struct Entry {
+  std::vector<std::string> names;  // tied names share one entry; names[0] is the first one given
+  at::Tensor live;                 // the live tensor itself (same TensorImpl as the parameter)
+  std::vector<int64_t> sizes;
+  std::vector<int64_t> strides;
+  at::ScalarType dtype;
+  at::Device device;
+  const void* data_ptr;  // live address recorded at construction
+  size_t nbytes;         // numel * itemsize
+  size_t offset;         // byte offset in a slot, tensor stored contiguously (row-major)
+  bool contiguous;       // copied as raw bytes (else through a strided tensor copy)
+};
+
+// Bytes that are adjacent both in live memory and in a slot: copied as one range.
+struct Run {
+  const uint8_t* live;
+  size_t offset;
+  size_t bytes;
+};
+
+class Layout {
+ public:
+  // Throws std::invalid_argument (bad input) or LayoutMismatchError (tensors on two devices).
+  Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+
+  const std::vector<Entry>& entries() const { return entries_; }
+  const std::vector<Run>& runs() const { return runs_; }
+  const std::vector<size_t>& strided() const { return strided_; }  // entry indices
+  at::Device device() const { return device_; }
+  size_t nbytes() const { return nbytes_; }            // the tensors' own bytes
+  size_t storage_bytes() const { return storage_bytes_; }  // bytes of one slot, padding included
+  // Entry index of a name (tied names give the same index). Throws UnknownNameError.
+  size_t find(const std::string& name) const;
+
+  // Throws LayoutMismatchError naming the first live tensor whose shape, strides, dtype, device or
+  // address changed since construction.
+  void check_live(const char* op) const;
+  // Bumps the autograd version counter of every live tensor (after a restore wrote them in place).
+  void bump_versions() const;
+
+  // Runs cut so that no piece crosses a multiple of `split` bytes of slot offset (0: none) or exceeds
+  // `piece` bytes (0: no limit).
+  std::vector<Run> pieces(size_t piece, size_t split) const;
+
+ private:
+  std::vector<Entry> entries_;
+  std::vector<Run> runs_;
+  std::vector<size_t> strided_;
+  std::unordered_map<std::string, size_t> index_;
+  at::Device device_{at::kCPU};
+  size_t nbytes_ = 0;
+  size_t storage_bytes_ = 0;
+};
+
+// Round `x` up to the next value congruent to `residue` modulo kAlignBytes.
+size_t align_congruent(size_t x, size_t residue);
+
+}  // namespace dppo

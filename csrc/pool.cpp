@@ -1,0 +1,629 @@
+#include "pool.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/Exception.h>
+
+#include <chrono>
+#include <cstdio>
+
+#include "errors.h"
+#ifdef DPPO_WITH_CUDA
+#include "cuda_engine.h"
+#endif
+
+namespace dppo {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+std::string hex64(uint64_t v) {
+  char buf[19];
+  std::snprintf(buf, sizeof(buf), "0x%016llx", static_cast<unsigned long long>(v));
+  return buf;
+}
+
+void wait_quietly(const TicketPtr& t) noexcept {
+  try {
+    if (t) t->wait();
+  } catch (...) {
+  }
+}
+
+}  // namespace
+
+bool cuda_compiled() {
+#ifdef DPPO_WITH_CUDA
+  return true;
+#else
+  return false;
+#endif
+}
+
+Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, PoolOptions options)
+    : options_(options), layout_(names, tensors), names_(names) {
+  if (options_.device_budget_bytes < 0) {
+    throw std::invalid_argument(cat("device_budget_bytes must be >= 0, got ", options_.device_budget_bytes));
+  }
+  if (options_.cpu_threads < 0) throw std::invalid_argument(cat("cpu_threads must be >= 0, got ", options_.cpu_threads));
+  if (options_.piece_bytes <= 0 || options_.swap_chunk_bytes <= 0) {
+    throw std::invalid_argument(cat("piece_bytes and swap_chunk_bytes must be > 0, got ", options_.piece_bytes, " and ",
+                                    options_.swap_chunk_bytes));
+  }
+  // The backend is chosen here, once, by the device of the tensors.
+  if (layout_.device().is_cuda()) {
+#ifdef DPPO_WITH_CUDA
+    engine_ = std::make_unique<CudaEngine>(layout_.device().index());
+#else
+    throw SnapshotError("the tensors are on CUDA but dppo._C was built without CUDA; rebuild it where nvcc is found "
+                        "(DPPO_FORCE_CUDA=1 makes a missing toolkit an error)");
+#endif
+  } else {
+    engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s);
+  }
+  pieces_ = layout_.pieces(engine_->piece_bytes(), engine_->arena_split_bytes());
+}
+
+Pool::~Pool() {
+  // Pending copies read or write memory this pool owns: let them finish before anything is freed.
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& f : in_flight_) wait_quietly(f.ticket);
+  for (auto& t : live_reads_) wait_quietly(t);
+  auto drain = [](const StoragePtr& s) {
+    if (!s) return;
+    for (auto& t : s->pending()) wait_quietly(t);
+  };
+  for (auto& [k, s] : slots_) drain(s.storage);
+  for (auto& s : free_host_) drain(s);
+  for (auto& s : retired_) drain(s);
+  drain(scratch_);
+  drain(staging_[0]);
+  drain(staging_[1]);
+}
+
+WorkerPool& Pool::workers() {
+  if (!workers_) {
+    const size_t n = options_.cpu_threads > 0 ? static_cast<size_t>(options_.cpu_threads) : default_cpu_threads();
+    workers_ = std::make_unique<WorkerPool>(n);
+  }
+  return *workers_;
+}
+
+void Pool::check_slot(int64_t slot, const char* op) {
+  if (slot < 0) throw std::invalid_argument(cat(op, ": slot must be >= 0, got ", slot));
+}
+
+void Pool::throw_empty(int64_t slot, const char* op) {
+  std::string filled;
+  for (auto& [k, s] : slots_) filled += (filled.empty() ? "" : ", ") + std::to_string(k);
+  throw EmptySlotError(cat(op, ": slot ", slot, " is empty (filled slots: [", filled, "])"));
+}
+
+Pool::Slot& Pool::get_slot(int64_t slot, const char* op) {
+  auto it = slots_.find(slot);
+  if (it == slots_.end()) throw_empty(slot, op);
+  return it->second;
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Storage management
+
+size_t Pool::count_bytes(bool device, bool with_staging) const {
+  size_t total = 0;
+  auto add = [&](const StoragePtr& s) {
+    if (s && s->on_device() == device) total += s->held_bytes();
+  };
+  for (auto& [k, s] : slots_) add(s.storage);
+  for (auto& s : free_host_) add(s);
+  for (auto& s : retired_) add(s);
+  add(scratch_);
+  if (with_staging) {
+    add(staging_[0]);
+    add(staging_[1]);
+  }
+  return total;
+}
+
+bool Pool::fits_device(size_t extra_bytes) const {
+  return engine_->is_cuda() && count_bytes(true, false) + extra_bytes <= static_cast<size_t>(options_.device_budget_bytes);
+}
+
+StoragePtr Pool::take_storage(bool device, const char* op, int64_t slot) {
+  if (device) return new_device_storage(layout_.storage_bytes());
+  reclaim();
+  if (!free_host_.empty()) {
+    StoragePtr s = std::move(free_host_.back());
+    free_host_.pop_back();
+    return s;
+  }
+  return new_host_storage(op, slot);
+}
+
+StoragePtr Pool::new_host_storage(const char* op, int64_t slot) {
+  const size_t page = page_bytes();
+  const size_t need = (layout_.storage_bytes() + page - 1) / page * page;
+  if (options_.max_host_bytes >= 0) {
+    const size_t held = count_bytes(false, false);
+    const size_t limit = static_cast<size_t>(options_.max_host_bytes);
+    if (held + need > limit) {
+      throw SnapshotMemoryError(cat(op, "(", slot, "): a new host arena needs ", need, " bytes but only ",
+                                    limit > held ? limit - held : 0, " are available (max_host_bytes=", limit, ", ", held,
+                                    " held); clear() unused slots or raise max_host_bytes"));
+    }
+  }
+  const auto t0 = Clock::now();
+  auto s = std::make_shared<Storage>();
+  try {
+    s->host = engine_->new_arena(layout_.storage_bytes());
+  } catch (const SnapshotMemoryError& e) {
+    throw SnapshotMemoryError(cat(op, "(", slot, "): ", e.what()));
+  }
+  s->bytes = layout_.storage_bytes();
+  counters_["arena_allocs"] += 1;
+  counters_["arena_alloc_bytes"] += static_cast<double>(s->host->bytes());
+  counters_["arena_alloc_seconds"] += since(t0);
+  return s;
+}
+
+StoragePtr Pool::new_device_storage(size_t bytes) {
+  auto s = std::make_shared<Storage>();
+  const auto opts = at::TensorOptions().dtype(at::kByte).device(layout_.device());
+  try {
+    s->device = at::empty({static_cast<int64_t>((bytes + 7) / 8 * 8)}, opts);
+  } catch (const c10::OutOfMemoryError& e) {
+    throw SnapshotMemoryError(cat("allocating ", bytes, " bytes of device memory failed: ", e.what_without_backtrace()));
+  }
+  s->bytes = bytes;
+  counters_["device_allocs"] += 1;
+  return s;
+}
+
+void Pool::let_go(StoragePtr storage) {
+  if (!storage) return;
+  storage->checksum.reset();
+  storage->checksum_due = false;
+  if (storage.use_count() == 1 && !storage->on_device()) {
+    free_host_.push_back(std::move(storage));  // its pending copies are waited on by its next writer
+  } else {
+    retired_.push_back(std::move(storage));  // referenced by views/streamers, or a device buffer still busy
+  }
+}
+
+void Pool::reclaim() {
+  std::vector<StoragePtr> keep;
+  for (auto& s : retired_) {
+    if (s.use_count() > 1) {
+      keep.push_back(std::move(s));
+    } else if (!s->on_device()) {
+      free_host_.push_back(std::move(s));
+    } else if (!s->idle()) {
+      keep.push_back(std::move(s));  // torch's allocator may hand the memory out again: wait for our streams
+    }
+  }
+  retired_ = std::move(keep);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Copies
+
+at::Tensor Pool::alias(const StoragePtr& storage, const Entry& entry, size_t offset, bool keep_alive) const {
+  const auto device = storage->on_device() ? layout_.device() : at::Device(at::kCPU);
+  const auto opts = at::TensorOptions().dtype(entry.dtype).device(device);
+  if (!keep_alive) return at::from_blob(storage->data() + offset, entry.sizes, opts);
+  // A view keeps the storage alive: a cleared or overwritten slot never hands its memory to another slot
+  // while a view of it exists (the pool copies on write instead).
+  return at::from_blob(storage->data() + offset, entry.sizes, [keep = storage](void*) {}, opts);
+}
+
+CopyJob Pool::job(Direction dir, const StoragePtr& storage, const std::vector<Run>& pieces, bool with_strided) const {
+  CopyJob j;
+  uint8_t* base = storage->data();
+  j.ranges.reserve(pieces.size());
+  for (const Run& p : pieces) {
+    if (dir == Direction::kSave) {
+      j.ranges.push_back({base + p.offset, p.live, p.bytes});
+    } else {
+      j.ranges.push_back({const_cast<uint8_t*>(p.live), base + p.offset, p.bytes});
+    }
+    j.bytes += p.bytes;
+  }
+  if (!with_strided) return j;
+  for (size_t idx : layout_.strided()) {
+    const Entry& e = layout_.entries()[idx];
+    at::Tensor region = alias(storage, e, e.offset, /*keep_alive=*/false);  // tickets guard it
+    at::Tensor live = e.live;
+    if (dir == Direction::kSave) {
+      j.tasks.emplace_back([region, live]() mutable {
+        at::NoGradGuard no_grad;
+        region.copy_(live, /*non_blocking=*/true);
+      });
+    } else {
+      j.tasks.emplace_back([region, live]() mutable {
+        at::NoGradGuard no_grad;
+        live.copy_(region, /*non_blocking=*/true);
+      });
+    }
+    j.bytes += e.nbytes;
+  }
+  return j;
+}
+
+TicketPtr Pool::issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted) {
+  const size_t bytes = job.bytes;
+  TicketPtr t = engine_->copy(dir, std::move(job), deps);
+  in_flight_.push_back({t, op, bytes, counted});
+  return t;
+}
+
+void Pool::save(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot, "save");
+  layout_.check_live("save");
+  prune();
+  auto it = slots_.find(slot);
+  // Overwrite in place unless views still read the old snapshot: then copy on write into another arena.
+  const bool in_place = it != slots_.end() && it->second.storage.use_count() == 1;
+  StoragePtr target = in_place ? it->second.storage : take_storage(fits_device(layout_.storage_bytes()), "save", slot);
+  TicketPtr t;
+  try {
+    t = issue(Direction::kSave, job(Direction::kSave, target, pieces_, true), target->pending(), "save");
+  } catch (...) {
+    if (in_place) slots_.erase(it);  // partly overwritten: never serve it
+    let_go(std::move(target));
+    throw;
+  }
+  target->write = t;
+  target->reads.clear();  // the new write waited for them; later writers wait for the write
+  target->checksum.reset();
+  target->checksum_due = options_.checksum;
+  live_reads_.push_back(t);
+  if (in_place) return;
+  if (it != slots_.end()) {
+    StoragePtr old = std::move(it->second.storage);
+    it->second.storage = std::move(target);
+    let_go(std::move(old));
+  } else {
+    slots_.emplace(slot, Slot{std::move(target)});
+  }
+}
+
+void Pool::load_from(const StoragePtr& storage, const char* op) {
+  std::vector<TicketPtr> deps = live_reads_;  // pending saves still read what this load overwrites
+  if (storage->write) deps.push_back(storage->write);
+  TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, op);
+  storage->reads.push_back(t);
+  engine_->order_after({t});
+  live_reads_.clear();  // the load waited for them, and the caller now waits for the load
+  layout_.bump_versions();
+}
+
+void Pool::restore(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot, "restore");
+  layout_.check_live("restore");
+  prune();
+  StoragePtr storage = get_slot(slot, "restore").storage;
+  verify(*storage, slot, "restore");
+  load_from(storage, "restore");
+}
+
+void Pool::clear(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot, "clear");
+  prune();
+  auto it = slots_.find(slot);
+  if (it == slots_.end()) throw_empty(slot, "clear");
+  StoragePtr storage = std::move(it->second.storage);
+  slots_.erase(it);
+  let_go(std::move(storage));
+}
+
+void Pool::fence() {
+  std::lock_guard<std::mutex> lock(mu_);
+  prune();
+  engine_->order_after(live_reads_);
+  if (!engine_->is_cuda()) live_reads_.clear();  // the host has waited for them
+}
+
+void Pool::synchronize() {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto& f : in_flight_) f.ticket->wait();
+  for (auto& t : live_reads_) t->wait();
+  auto drain = [](const StoragePtr& s) {
+    if (!s) return;
+    for (auto& t : s->pending()) t->wait();
+  };
+  for (auto& [k, s] : slots_) drain(s.storage);
+  for (auto& s : free_host_) drain(s);
+  for (auto& s : retired_) drain(s);
+  drain(scratch_);
+  drain(staging_[0]);
+  drain(staging_[1]);
+  prune();
+}
+
+// ---------------------------------------------------------------------------------------------------
+// swapped()
+
+void Pool::swap_in(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot, "swapped");
+  layout_.check_live("swapped");
+  prune();
+  if (swapped_) throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
+  StoragePtr storage = get_slot(slot, "swapped").storage;
+  verify(*storage, slot, "swapped");
+  // Device-tier slots swap through device scratch when the budget allows (device-to-device copies).
+  const bool device_scratch =
+      storage->on_device() && ((scratch_ && scratch_->on_device()) || fits_device(layout_.storage_bytes()));
+  if (scratch_ && scratch_->on_device() != device_scratch) let_go(std::move(scratch_));
+  if (!scratch_) scratch_ = take_storage(device_scratch, "swapped", slot);
+
+  if (engine_->overlaps_directions()) {
+    swap_chunked(storage, scratch_);
+  } else {
+    TicketPtr out = issue(Direction::kSave, job(Direction::kSave, scratch_, pieces_, true), scratch_->pending(), "swap", false);
+    std::vector<TicketPtr> deps = live_reads_;
+    deps.push_back(out);
+    if (storage->write) deps.push_back(storage->write);
+    TicketPtr in = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, "swap");
+    scratch_->write = out;
+    scratch_->reads.clear();
+    storage->reads.push_back(in);
+    engine_->order_after({in});
+  }
+  live_reads_.clear();
+  swapped_ = storage;
+  layout_.bump_versions();
+}
+
+// Chunk i of the live tensors goes to scratch on the save stream while chunk i of the slot comes in on the
+// load stream once chunk i has left, so both copy directions run at once.
+void Pool::swap_chunked(const StoragePtr& storage, const StoragePtr& scratch) {
+  std::vector<TicketPtr> out_deps = scratch->pending();
+  std::vector<TicketPtr> in_deps = live_reads_;
+  if (storage->write) in_deps.push_back(storage->write);
+  TicketPtr out, in;
+  auto exchange = [&](CopyJob out_job, CopyJob in_job, bool last) {
+    out = issue(Direction::kSave, std::move(out_job), out_deps, "swap", false);
+    out_deps.clear();
+    in_deps.push_back(out);
+    in = issue(Direction::kLoad, std::move(in_job), in_deps, "swap", last);
+    in_deps.clear();
+  };
+  const std::vector<Run> pieces =
+      layout_.pieces(static_cast<size_t>(options_.swap_chunk_bytes), engine_->arena_split_bytes());
+  const bool strided = !layout_.strided().empty();
+  if (strided) exchange(job(Direction::kSave, scratch, {}, true), job(Direction::kLoad, storage, {}, true), pieces.empty());
+  std::vector<Run> chunk;
+  size_t chunk_bytes = 0;
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    chunk.push_back(pieces[i]);
+    chunk_bytes += pieces[i].bytes;
+    const bool last = i + 1 == pieces.size();
+    if (chunk_bytes >= static_cast<size_t>(options_.swap_chunk_bytes) || last) {
+      exchange(job(Direction::kSave, scratch, chunk, false), job(Direction::kLoad, storage, chunk, false), last);
+      chunk.clear();
+      chunk_bytes = 0;
+    }
+  }
+  if (!out) return;  // nothing to copy (only empty tensors)
+  scratch->write = out;  // each stream runs in order: the last copies imply the earlier ones
+  scratch->reads.clear();
+  storage->reads.push_back(in);
+  engine_->order_after({in});
+}
+
+void Pool::swap_out() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!swapped_) throw SnapshotError("swapped(): exit without a matching enter");
+  StoragePtr storage = std::move(swapped_);
+  swapped_.reset();
+  layout_.check_live("swapped (exit: the live weights could not be put back)");
+  prune();
+  load_from(scratch_, "swap");
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Reads of a slot
+
+NamedTensors Pool::view(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot, "view");
+  prune();
+  const auto t0 = Clock::now();
+  StoragePtr storage = get_slot(slot, "view").storage;
+  verify(*storage, slot, "view");
+  if (storage->on_device()) {
+    if (storage->write) engine_->order_after({storage->write});  // kernels on the current stream see the save
+  } else {
+    settle(*storage, /*block=*/true);
+  }
+  std::vector<at::Tensor> by_entry(layout_.entries().size());
+  NamedTensors out;
+  out.reserve(names_.size());
+  for (const std::string& name : names_) {
+    const size_t idx = layout_.find(name);
+    if (!by_entry[idx].defined()) by_entry[idx] = alias(storage, layout_.entries()[idx], layout_.entries()[idx].offset, true);
+    out.emplace_back(name, by_entry[idx]);
+  }
+  OpStats& st = ops_["view"];
+  st.count += 1;
+  st.bytes += static_cast<double>(layout_.nbytes());
+  st.seconds += since(t0);
+  return out;
+}
+
+bool Pool::contains(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return slots_.count(slot) > 0;
+}
+
+std::vector<int64_t> Pool::slots() {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<int64_t> out;
+  for (auto& [k, s] : slots_) out.push_back(k);
+  return out;
+}
+
+std::string Pool::tier(int64_t slot) {
+  std::lock_guard<std::mutex> lock(mu_);
+  check_slot(slot, "tier");
+  return get_slot(slot, "tier").storage->on_device() ? "device" : "host";
+}
+
+std::vector<std::string> Pool::names() const { return names_; }
+
+// ---------------------------------------------------------------------------------------------------
+// Memory
+
+void Pool::reserve(int64_t n) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n < 0) throw std::invalid_argument(cat("reserve: n must be >= 0, got ", n));
+  prune();
+  reclaim();
+  size_t ready = free_host_.size();
+  for (auto& [k, s] : slots_) ready += s.storage.use_count() == 1 ? 1 : 0;
+  const size_t before = free_host_.size();
+  try {
+    for (; ready < static_cast<size_t>(n); ++ready) free_host_.push_back(new_host_storage("reserve", n));
+  } catch (...) {
+    counters_["arena_frees"] += static_cast<double>(free_host_.size() - before);
+    free_host_.resize(before);  // all or nothing
+    throw;
+  }
+}
+
+void Pool::release() {
+  std::lock_guard<std::mutex> lock(mu_);
+  prune();
+  reclaim();
+  auto free_now = [&](StoragePtr& s) {
+    if (!s) return;
+    for (auto& t : s->pending()) t->wait();
+    if (!s->on_device()) counters_["arena_frees"] += 1;
+    s.reset();
+  };
+  for (auto& s : free_host_) free_now(s);
+  free_host_.clear();
+  if (!swapped_) free_now(scratch_);
+  if (!streaming_) {
+    free_now(staging_[0]);
+    free_now(staging_[1]);
+  }
+}
+
+size_t Pool::host_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim();
+  return count_bytes(false, false);
+}
+
+size_t Pool::device_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  reclaim();
+  return count_bytes(true, true);
+}
+
+size_t Pool::staging_bytes() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return (staging_[0] ? staging_[0]->bytes : 0) + (staging_[1] ? staging_[1]->bytes : 0);
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Completion bookkeeping
+
+void Pool::settle(Storage& storage, bool block) {
+  if (!storage.write) return;
+  if (!block && !storage.write->ready()) return;
+  storage.write->wait();  // returns at once when ready; rethrows a failed copy
+  if (storage.checksum_due) {
+    const auto t0 = Clock::now();
+    storage.checksum = checksum_of(storage);
+    storage.checksum_due = false;
+    counters_["checksum_seconds"] += since(t0);
+  }
+  storage.write.reset();
+}
+
+void Pool::verify(Storage& storage, int64_t slot, const char* op) {
+  if (!options_.checksum) return;
+  settle(storage, /*block=*/true);
+  if (!storage.checksum) return;  // saved before checksums were due (cannot happen with checksum=True)
+  const auto t0 = Clock::now();
+  const uint64_t now = checksum_of(storage);
+  counters_["checksum_seconds"] += since(t0);
+  if (now != *storage.checksum) {
+    throw SnapshotError(cat(op, "(", slot, "): slot ", slot, " fails its checksum: saved ", hex64(*storage.checksum),
+                            ", now ", hex64(now), "; its bytes changed after the save, so nothing was copied"));
+  }
+}
+
+uint64_t Pool::checksum_of(const Storage& storage) {
+  if (storage.on_device()) {
+    at::Tensor host = storage.device.cpu();  // the save is complete: nothing writes the buffer now
+    return checksum_bytes(workers(), host.data_ptr<uint8_t>(), storage.bytes);
+  }
+  return checksum_bytes(workers(), storage.data(), storage.bytes);
+}
+
+void Pool::prune() {
+  std::vector<InFlight> still;
+  for (auto& f : in_flight_) {
+    if (!f.ticket->ready()) {
+      still.push_back(std::move(f));
+      continue;
+    }
+    OpStats& st = ops_[f.op];
+    st.count += f.counted ? 1 : 0;
+    st.bytes += static_cast<double>(f.bytes);
+    try {
+      st.seconds += f.ticket->seconds();
+    } catch (...) {
+      counters_["failed_copies"] += 1;
+    }
+  }
+  in_flight_ = std::move(still);
+  live_reads_.erase(std::remove_if(live_reads_.begin(), live_reads_.end(), [](const TicketPtr& t) { return t->ready(); }),
+                    live_reads_.end());
+  for (auto& [k, s] : slots_) {
+    settle(*s.storage, /*block=*/false);
+    s.storage->prune_reads();
+  }
+  reclaim();
+}
+
+std::map<std::string, std::map<std::string, double>> Pool::op_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  prune();
+  std::map<std::string, std::map<std::string, double>> out;
+  for (const char* op : {"save", "restore", "swap", "view", "stream"}) {
+    const OpStats& st = ops_[op];
+    out[op] = {{"count", static_cast<double>(st.count)},
+               {"bytes", st.bytes},
+               {"seconds", st.seconds},
+               {"gbps", st.seconds > 0 ? st.bytes / st.seconds / 1e9 : 0.0}};
+  }
+  return out;
+}
+
+std::map<std::string, double> Pool::counters() {
+  std::lock_guard<std::mutex> lock(mu_);
+  prune();
+  std::map<std::string, double> out;
+  for (const char* key : {"arena_allocs", "arena_alloc_bytes", "arena_alloc_seconds", "arena_frees", "device_allocs",
+                          "staging_allocs", "checksum_seconds", "failed_copies"}) {
+    out[key] = counters_[key];
+  }
+  out["host_bytes"] = static_cast<double>(count_bytes(false, false));
+  out["device_bytes"] = static_cast<double>(count_bytes(true, true));
+  out["free_arenas"] = static_cast<double>(free_host_.size());
+  out["retired_storages"] = static_cast<double>(retired_.size());
+  out["pending_copies"] = static_cast<double>(in_flight_.size());
+  out["slots"] = static_cast<double>(slots_.size());
+  return out;
+}
+
+}  // namespace dppo

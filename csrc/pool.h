@@ -1,0 +1,139 @@
+// SnapshotPool core: slots of weight snapshots, a free list of host arenas, the device tier, hazard
+// tracking between pending copies, checksums and stats. Copies themselves go through an Engine.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cpu_engine.h"
+#include "engine.h"
+#include "layout.h"
+#include "storage.h"
+
+namespace dppo {
+
+struct PoolOptions {
+  int64_t max_host_bytes = -1;       // < 0: no limit
+  int64_t device_budget_bytes = 0;   // device memory that slots may use (CUDA pools)
+  bool checksum = false;             // checksum every save, verify on restore/view/swapped/stream
+  int64_t cpu_threads = 0;           // 0: min(4, hardware threads)
+  int64_t piece_bytes = 4 << 20;     // CPU copies are split into pieces of this size
+  int64_t swap_chunk_bytes = 64 << 20;  // CUDA swapped(): granularity of the interleaved copies
+  double copy_delay_s = 0;           // testing aid: every CPU copy task first sleeps this long
+};
+
+using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
+
+struct OpStats {
+  int64_t count = 0;
+  double bytes = 0;
+  double seconds = 0;
+};
+
+class Streamer;
+
+class Pool {
+ public:
+  Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, PoolOptions options);
+  ~Pool();
+  Pool(const Pool&) = delete;
+  Pool& operator=(const Pool&) = delete;
+
+  void save(int64_t slot);
+  void restore(int64_t slot);
+  void clear(int64_t slot);
+  void fence();
+  void synchronize();
+  void swap_in(int64_t slot);
+  void swap_out();
+  NamedTensors view(int64_t slot);
+
+  bool contains(int64_t slot);
+  std::vector<int64_t> slots();
+  std::string tier(int64_t slot);
+  void reserve(int64_t n);
+  void release();
+
+  size_t nbytes() const { return layout_.nbytes(); }
+  size_t storage_bytes() const { return layout_.storage_bytes(); }
+  size_t host_bytes();
+  size_t device_bytes();
+  bool is_cuda() const { return engine_->is_cuda(); }
+  size_t staging_bytes();
+  std::vector<std::string> names() const;
+  std::map<std::string, std::map<std::string, double>> op_stats();
+  std::map<std::string, double> counters();
+
+ private:
+  friend class Streamer;
+  struct Slot {
+    StoragePtr storage;
+  };
+  struct InFlight {
+    TicketPtr ticket;
+    const char* op;
+    size_t bytes;
+    bool counted;
+  };
+
+  static void check_slot(int64_t slot, const char* op);
+  Slot& get_slot(int64_t slot, const char* op);
+  [[noreturn]] void throw_empty(int64_t slot, const char* op);
+
+  // Storage management.
+  size_t count_bytes(bool device, bool with_staging) const;
+  bool fits_device(size_t extra_bytes) const;
+  StoragePtr take_storage(bool device, const char* op, int64_t slot);
+  StoragePtr new_host_storage(const char* op, int64_t slot);
+  StoragePtr new_device_storage(size_t bytes);
+  void let_go(StoragePtr storage);
+  void reclaim();
+
+  // Copies between the live tensors and a storage.
+  CopyJob job(Direction dir, const StoragePtr& storage, const std::vector<Run>& pieces, bool with_strided) const;
+  // Issues a copy and tracks it for stats; `counted` says whether it counts as one call of `op`.
+  TicketPtr issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted = true);
+  void load_from(const StoragePtr& storage, const char* op);
+  void swap_chunked(const StoragePtr& slot_storage, const StoragePtr& scratch);
+
+  // Completion bookkeeping.
+  void prune();
+  void settle(Storage& storage, bool block);
+  void verify(Storage& storage, int64_t slot, const char* op);
+  uint64_t checksum_of(const Storage& storage);
+  at::Tensor alias(const StoragePtr& storage, const Entry& entry, size_t offset, bool keep_alive) const;
+  WorkerPool& workers();
+
+  std::mutex mu_;
+  PoolOptions options_;
+  Layout layout_;
+  std::vector<std::string> names_;  // in the order given
+  std::vector<Run> pieces_;          // layout runs cut for this engine
+  std::unique_ptr<WorkerPool> workers_;
+  std::unique_ptr<Engine> engine_;
+  std::map<int64_t, Slot> slots_;
+  std::vector<StoragePtr> free_host_;  // idle host arenas, ready for the next new slot
+  std::vector<StoragePtr> retired_;    // out of any slot but still referenced (views, streamers) or busy
+  StoragePtr scratch_;                 // swapped(): holds the live weights while a slot is swapped in
+  StoragePtr swapped_;                 // the slot storage currently swapped in (null when none)
+  StoragePtr staging_[2];              // streamers: device buffers of two steps
+  bool streaming_ = false;
+  std::vector<TicketPtr> live_reads_;  // pending saves (they read the live tensors)
+  std::vector<InFlight> in_flight_;
+  std::map<std::string, OpStats> ops_;
+  std::map<std::string, double> counters_;
+};
+
+}  // namespace dppo
+
+namespace dppo {
+// Whether this build of the extension compiled the CUDA engine.
+bool cuda_compiled();
+}  // namespace dppo

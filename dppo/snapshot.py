@@ -1,0 +1,360 @@
+"""Weight snapshots of a model, kept in exact-size (pinned, on CUDA) host arenas or on the device.
+
+The public face of the compiled engine in csrc/. A pool records the layout of a module's parameters (or of
+a mapping name -> tensor) once; each slot then holds one snapshot of all of them::
+
+    pool = SnapshotPool(model)
+    pool.save(0)                  # returns at once; the copy runs in the background
+    pool.guard(optimizer)         # optimizer.step() first waits for pending saves (pool.fence())
+    ...
+    pool.restore(0)               # later work sees slot 0 in the live parameters
+    with pool.swapped(0):         # live parameters hold slot 0 inside, and come back on exit
+        old_logp = model(batch)
+    params = pool.view(0)         # {name: tensor} on the slot's memory, for torch.func.functional_call
+
+Async contract: save() returns before its copy has finished. Anything that WRITES the live tensors after a
+save (an optimizer step, a restore) must come after pool.fence() (CUDA: the current stream waits; CPU: the
+host waits); pool.guard(optimizer) does it for optimizer steps, and restore()/swapped() do it themselves.
+Reading a slot (view, restore, swapped, streamer) waits for that slot's pending save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import numbers
+import weakref
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from dppo import _C
+from dppo._errors import (
+    EmptySlotError,
+    LayoutMismatchError,
+    SnapshotError,
+    SnapshotMemoryError,
+    UnknownTensorError,
+)
+
+__all__ = [
+    "EmptySlotError",
+    "LayoutMismatchError",
+    "SnapshotError",
+    "SnapshotMemoryError",
+    "SnapshotPool",
+    "Streamer",
+    "UnknownTensorError",
+]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor whose bytes a snapshot holds: a DTensor's local shard, else the tensor itself."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
+def _check_slot(slot: Any) -> int:
+    if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
+        raise TypeError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
+    slot = int(slot)
+    if slot < 0:
+        raise ValueError(f"slot must be >= 0, got {slot}")
+    return slot
+
+
+class SnapshotPool:
+    """Slots of weight snapshots of one module (or mapping of tensors), with one recorded layout.
+
+    Args:
+        module_or_mapping: an nn.Module (its named parameters, tied ones stored once) or a Mapping
+            name -> tensor. All tensors must be on one device (CPU or one CUDA device).
+        include_buffers: also snapshot the module's buffers (e.g. BatchNorm running statistics).
+        max_host_bytes: cap on the host memory of all arenas; a save that would need more raises
+            SnapshotMemoryError and leaves the pool as it was. None: no cap.
+        device_budget_bytes: device memory that slots may use (CUDA pools). A slot whose bytes fit the
+            remaining budget lives on the device (device-to-device copies); others on the host.
+        checksum: record a checksum of every save and verify it on every read of the slot
+            (restore/view/swapped/streamer); a mismatch raises SnapshotError and copies nothing.
+    """
+
+    def __init__(
+        self,
+        module_or_mapping: torch.nn.Module | Mapping[str, torch.Tensor],
+        *,
+        include_buffers: bool = False,
+        max_host_bytes: int | None = None,
+        device_budget_bytes: int = 0,
+        checksum: bool = False,
+        _cpu_threads: int = 0,
+        _piece_bytes: int = 4 << 20,
+        _swap_chunk_bytes: int = 64 << 20,
+        _copy_delay_s: float = 0.0,
+    ) -> None:
+        if max_host_bytes is not None and (isinstance(max_host_bytes, bool) or max_host_bytes < 0):
+            raise ValueError(f"max_host_bytes must be None or >= 0, got {max_host_bytes!r}")
+        if isinstance(device_budget_bytes, bool) or device_budget_bytes < 0:
+            raise ValueError(f"device_budget_bytes must be >= 0, got {device_budget_bytes!r}")
+        if isinstance(module_or_mapping, torch.nn.Module):
+            self._module: torch.nn.Module | None = module_or_mapping
+            self._mapping: Mapping[str, torch.Tensor] | None = None
+        elif isinstance(module_or_mapping, Mapping):
+            self._module, self._mapping = None, module_or_mapping
+        else:
+            raise TypeError(f"expected an nn.Module or a Mapping[str, Tensor], got {type(module_or_mapping).__name__}")
+        self._include_buffers = include_buffers
+        self._recorded = self._current()
+        for name, t in self._recorded:
+            if not isinstance(name, str):
+                raise TypeError(f"tensor names must be str, got {type(name).__name__} {name!r}")
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"'{name}' is a {type(t).__name__}, expected a torch.Tensor")
+        self._core = _C.Pool(
+            [name for name, _ in self._recorded],
+            [_local(t) for _, t in self._recorded],
+            max_host_bytes=-1 if max_host_bytes is None else int(max_host_bytes),
+            device_budget_bytes=int(device_budget_bytes),
+            checksum=bool(checksum),
+            cpu_threads=_cpu_threads,
+            piece_bytes=_piece_bytes,
+            swap_chunk_bytes=_swap_chunk_bytes,
+            copy_delay_s=_copy_delay_s,
+        )
+        self._guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
+
+    # ---- layout ------------------------------------------------------------------------------------
+    def _current(self) -> list[tuple[str, torch.Tensor]]:
+        if self._mapping is not None:
+            return list(self._mapping.items())
+        assert self._module is not None
+        named = list(self._module.named_parameters(remove_duplicate=False))
+        if self._include_buffers:
+            named += list(self._module.named_buffers(remove_duplicate=False))
+        return named
+
+    def _check_layout(self, op: str) -> None:
+        """The parameters are the same objects, under the same names, as when the pool was built.
+
+        (Shapes, dtypes, devices and storage of those objects are re-checked in C++.)
+        """
+        current = self._current()
+        if len(current) == len(self._recorded) and all(
+            name == rname and t is rt for (name, t), (rname, rt) in zip(current, self._recorded)
+        ):
+            return
+        recorded = dict(self._recorded)
+        now = dict(current)
+        for name, t in recorded.items():
+            if name not in now:
+                raise LayoutMismatchError(f"{op}: tensor '{name}' was removed since the pool was built")
+            if now[name] is not t:
+                raise LayoutMismatchError(
+                    f"{op}: tensor '{name}' was replaced since the pool was built (was object {id(t):#x} "
+                    f"{tuple(t.shape)} {t.dtype}, now {id(now[name]):#x} {tuple(now[name].shape)} {now[name].dtype})"
+                )
+        added = [name for name in now if name not in recorded]
+        raise LayoutMismatchError(f"{op}: tensors {added} were added since the pool was built")
+
+    # ---- snapshots ---------------------------------------------------------------------------------
+    def save(self, slot: int) -> None:
+        """Snapshots the live tensors into `slot` (overwriting it). Returns before the copy finishes."""
+        slot = _check_slot(slot)
+        self._check_layout("save")
+        self._core.save(slot)
+
+    def restore(self, slot: int) -> None:
+        """Copies `slot` into the live tensors; work queued afterwards (current stream / host) sees it."""
+        slot = _check_slot(slot)
+        self._check_layout("restore")
+        self._core.restore(slot)
+
+    def clear(self, slot: int) -> None:
+        """Empties `slot`; its arena goes back to the free list for the next new slot."""
+        self._core.clear(_check_slot(slot))
+
+    def fence(self) -> None:
+        """Orders later writes of the live tensors after all pending saves (CUDA: current stream waits)."""
+        self._core.fence()
+
+    def synchronize(self) -> None:
+        """Blocks the host until every copy of this pool has finished."""
+        self._core.synchronize()
+
+    def guard(self, optimizer: torch.optim.Optimizer) -> Any:
+        """Makes `optimizer.step()` call fence() first, so a step never races a pending save.
+
+        Idempotent per optimizer: a second call returns the same hook handle.
+        """
+        handle = self._guards.get(optimizer)
+        if handle is not None:
+            return handle
+        pool_ref = weakref.ref(self)
+
+        def _fence_before_step(_optimizer: Any, _args: Any, _kwargs: Any) -> None:
+            pool = pool_ref()
+            if pool is not None:
+                pool.fence()
+
+        handle = optimizer.register_step_pre_hook(_fence_before_step)
+        self._guards[optimizer] = handle
+        return handle
+
+    @contextlib.contextmanager
+    def swapped(self, slot: int) -> Iterator[SnapshotPool]:
+        """Inside the block the live tensors hold `slot`; on exit, normal or by exception, they are
+        bitwise what they were before. On CUDA the outgoing and incoming copies run at once, chunk by chunk.
+        """
+        slot = _check_slot(slot)
+        self._check_layout("swapped")
+        self._core.swap_in(slot)
+        try:
+            yield self
+        finally:
+            self._core.swap_out()
+
+    def view(self, slot: int) -> dict[str, torch.Tensor]:
+        """{name: tensor} aliasing the slot's memory (contiguous, original shapes); live tensors untouched.
+
+        For torch.func.functional_call. The views stay valid and unchanged even if the slot is later
+        overwritten or cleared (the pool then copies on write); writing through a view changes the slot.
+        """
+        return dict(self._core.view(_check_slot(slot)))
+
+    def streamer(self, slot: int, schedule: Sequence[Sequence[str]]) -> Streamer:
+        """A Streamer that hands out `slot`'s tensors step by step (see Streamer)."""
+        steps = [[str(name) for name in step] for step in schedule]
+        return Streamer(self._core.streamer(_check_slot(slot), steps))
+
+    # ---- verl-style names --------------------------------------------------------------------------
+    def save_model_to_cpu(self, slot: int) -> None:
+        self.save(slot)
+
+    def restore_model_from_cpu(self, slot: int) -> None:
+        self.restore(slot)
+
+    def clear_cpu_model(self, slot: int) -> None:
+        self.clear(slot)
+
+    # ---- state -------------------------------------------------------------------------------------
+    def __contains__(self, slot: object) -> bool:
+        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or int(slot) < 0:
+            return False
+        return self._core.contains(int(slot))
+
+    def __len__(self) -> int:
+        return len(self._core.slots())
+
+    @property
+    def slots(self) -> list[int]:
+        """Filled slots, sorted."""
+        return list(self._core.slots())
+
+    @property
+    def names(self) -> list[str]:
+        return list(self._core.names())
+
+    def tier(self, slot: int) -> str:
+        """'device' or 'host': where the slot's snapshot lives."""
+        return self._core.tier(_check_slot(slot))
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of one snapshot: the tensors' own bytes (tied tensors once), without padding."""
+        return self._core.nbytes
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes held now by all arenas (slots, free list, swap scratch, arenas kept alive by views)."""
+        return self._core.host_bytes
+
+    @property
+    def device_bytes(self) -> int:
+        """Device bytes held now (device-tier slots, device swap scratch, streaming buffers)."""
+        return self._core.device_bytes
+
+    def reserve(self, n: int) -> None:
+        """Allocates arenas now so that `n` slots can be filled without allocating (all or nothing)."""
+        if isinstance(n, bool) or not isinstance(n, numbers.Integral):
+            raise TypeError(f"n must be an int, got {type(n).__name__} {n!r}")
+        self._core.reserve(int(n))
+
+    def release(self) -> None:
+        """Frees idle memory: free-listed arenas, the swap scratch, the streaming buffers."""
+        self._core.release()
+
+    def stats(self) -> dict[str, Any]:
+        """Per op (save, restore, swap, view, stream): count, bytes, seconds, gbps of completed copies
+        (call synchronize() first for exact figures), plus arena/memory counters."""
+        out: dict[str, Any] = {op: dict(v) for op, v in self._core.op_stats().items()}
+        for op in out.values():
+            op["count"] = int(op["count"])
+            op["bytes"] = int(op["bytes"])
+        for key, value in self._core.counters().items():
+            out[key] = value if key.endswith("seconds") else int(value)
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"SnapshotPool({len(self._recorded)} tensors, nbytes={self.nbytes}, slots={self.slots}, "
+            f"host_bytes={self.host_bytes}, device_bytes={self.device_bytes})"
+        )
+
+
+class Streamer:
+    """Hands out one slot's tensors step by step for a forward pass over the snapshot (issue 5).
+
+    schedule: list of steps, each a list of tensor names (a name may appear in several steps). With CUDA
+    live weights and a host slot, each step is copied into one of two device staging buffers on the
+    engine's load stream, step i+2 as soon as step i is released, so the copies hide behind the compute.
+    Device-tier slots and CPU pools hand out views of the slot itself (no copies).
+
+        with pool.streamer(0, schedule) as st:
+            for i in range(st.steps):
+                params = st.acquire(i)   # kernels queued after this see step i
+                ...                      # run step i with `params`
+                st.release(i)            # step i's buffer may be refilled once those kernels ran
+
+    Tensors from acquire(i) are valid until release(i) (staged mode reuses their memory for step i+2).
+    """
+
+    def __init__(self, core: Any) -> None:
+        self._core = core
+
+    def begin(self) -> None:
+        self._core.begin()
+
+    def acquire(self, step: int) -> dict[str, torch.Tensor]:
+        return dict(self._core.acquire(_check_step(step)))
+
+    def release(self, step: int) -> None:
+        self._core.release(_check_step(step))
+
+    def end(self) -> None:
+        self._core.end()
+
+    def __enter__(self) -> Streamer:
+        self.begin()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.end()
+
+    @property
+    def steps(self) -> int:
+        return self._core.steps
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device bytes of the two staging buffers (2 x the largest step, aligned); 0 when zero-copy."""
+        return self._core.staging_bytes
+
+    @property
+    def mode(self) -> str:
+        """'staged' (host slot copied to device buffers), 'device' or 'host' (slot read in place)."""
+        return self._core.mode
+
+
+def _check_step(step: Any) -> int:
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+        raise TypeError(f"step must be an int, got {type(step).__name__} {step!r}")
+    return int(step)
