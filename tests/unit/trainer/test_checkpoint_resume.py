@@ -38,8 +38,6 @@ def test_keeps_the_newest_and_ignores_temporaries(tmp_path):
 
 @pytest.mark.parametrize("anchor", ["current", "cycle_start"])
 def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anchor):
-    if anchor == "cycle_start":
-        pytest.importorskip("dppo.snapshot")
     # The KL reference model is state too: it must be the run's initial weights after a resume.
     common = {"trainer.checkpoint_every": 2, "actor.kl_loss_coef": 0.1, "algorithm.prox_anchor": anchor}
     first = PPOTrainer(small_cfg(**{"trainer.total_steps": 3, **common}))

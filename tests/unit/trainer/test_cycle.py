@@ -9,8 +9,6 @@ import torch
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.prox import CycleStartOldLogProb
 
-pytest.importorskip("dppo.snapshot")
-
 
 def params_of(model):
     return {name: p.detach().clone() for name, p in model.named_parameters()}
