@@ -144,11 +144,25 @@ TicketPtr CpuEngine::copy(Direction /*dir*/, CopyJob job, const std::vector<Tick
   for (const auto& dep : deps) {
     if (dep) dep->wait();
   }
+  // One task per piece_bytes of copies: large ranges arrive cut to that size, small ones are grouped, so
+  // thousands of small tensors cost a few tasks rather than one each.
   std::vector<std::function<void()>> tasks;
-  tasks.reserve(job.ranges.size() + job.tasks.size());
+  std::vector<Range> group;
+  size_t group_bytes = 0;
+  auto flush = [&] {
+    if (group.empty()) return;
+    tasks.emplace_back([ranges = std::move(group)] {
+      for (const Range& r : ranges) std::memcpy(r.dst, r.src, r.bytes);
+    });
+    group = {};
+    group_bytes = 0;
+  };
   for (const Range& r : job.ranges) {
-    tasks.emplace_back([r] { std::memcpy(r.dst, r.src, r.bytes); });
+    group.push_back(r);
+    group_bytes += r.bytes;
+    if (group_bytes >= piece_bytes_) flush();
   }
+  flush();
   for (auto& task : job.tasks) tasks.push_back(std::move(task));
   if (copy_delay_s_ > 0) {
     const auto delay = std::chrono::duration<double>(copy_delay_s_);
