@@ -225,7 +225,7 @@ class RolloutConfig:
     max_new_tokens: Optional[int] = None
     """Response length limit; null: the task's answer length."""
 
-    groups_per_batch: int = 16
+    groups_per_batch: int = 32
     """Prompt groups a worker generates per batch; weights are reloaded between batches."""
 
     num_threads: int = 1
@@ -379,9 +379,14 @@ def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
 
 def _parse_overrides(overrides: list[str]):
     """key=value strings -> an OmegaConf dotlist config; a malformed item raises ConfigError."""
+    sections = None
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=20)")
+        key = item.split("=", 1)[0]
+        sections = sections if sections is not None else {k.rsplit(".", 1)[0] for k in list_keys()}
+        if key in sections:
+            raise ConfigError(f"{item!r}: {key} is a config section, not a value; set its keys ({key}.<name>=...)")
     try:
         return OmegaConf.from_dotlist(list(overrides))
     except OmegaConfBaseException as err:

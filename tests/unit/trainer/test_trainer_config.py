@@ -60,6 +60,8 @@ def test_overrides_are_typed_and_nested():
         (["trainer.verify_old_log_prob=true", "algorithm.rollout_correction.bypass_mode=true"], ["verify_old_log_prob", "bypass_mode"]),
         (["actor.loss_agg_mode=sum"], ["actor.loss_agg_mode", "sum", "token-mean"]),
         (["trainer.total_steps"], ["key=value"]),
+        (["trainer=3"], ["trainer is a config section"]),
+        (["algorithm.rollout_correction=x"], ["algorithm.rollout_correction is a config section"]),
     ],
 )
 def test_bad_settings_raise_config_error_naming_key_and_value(override, fragments):
