@@ -107,7 +107,7 @@ class TrainerConfig:
 @dataclass
 class ActorConfig:
     lr: float = 1e-3
-    """Adam learning rate."""
+    """AdamW learning rate."""
 
     weight_decay: float = 0.0
     """AdamW weight decay."""

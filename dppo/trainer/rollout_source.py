@@ -108,7 +108,14 @@ class RayRollout:
 
         if self.mode == "sync":
             self._generate_lockstep(num_groups)
-        return ray.get(self.buffer.take.remote(num_groups, trainer_version))
+        take = self.buffer.take.remote(num_groups, trainer_version)
+        if self._runs:
+            # A worker loop only ends early by failing: surface its error instead of waiting forever.
+            ready, _ = ray.wait([take, *self._runs], num_returns=1)
+            if take not in ready:
+                ray.get(ready)  # raises the worker's exception
+                raise RuntimeError("a rollout worker stopped before the trainer finished")
+        return ray.get(take)
 
     def _generate_lockstep(self, num_groups: int) -> None:
         import ray

@@ -136,3 +136,20 @@ def test_sync_mode_on_ray_is_lockstep(tmp_path):
     for r in records:
         assert r["staleness/mean"] == 0.0 and r["staleness/max"] == 0.0
         assert r["replay/size"] == 0.0 and r["replay/in_flight"] == 0.0  # nothing generated ahead
+
+
+def test_a_failing_rollout_worker_fails_the_run(tmp_path):
+    """An exception in a worker (here: the task's reward function) ends the run with that error, not a hang."""
+    (tmp_path / "broken_task_mod.py").write_text(
+        "from dppo.tasks import Task, digit_task\n"
+        "def make(length):\n"
+        "    good = digit_task('broken', length, lambda d: d)\n"
+        "    def reward_fn(prompts, responses, mask):\n"
+        "        raise ValueError('reward service unavailable')\n"
+        "    return Task('broken', good.prompt_fn, reward_fn, good.answer_length, good.vocab_size)\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{REPO}{os.pathsep}{tmp_path}", "RAY_ADDRESS": ""}
+    run = subprocess.run([sys.executable, "-m", "dppo.train", *overrides(tmp_path / "out", 2, "task.name=broken_task_mod:make")],
+                         cwd=REPO, env=env, capture_output=True, text=True, timeout=120, start_new_session=True)  # fmt: skip
+    assert run.returncode != 0
+    assert "reward service unavailable" in run.stderr
