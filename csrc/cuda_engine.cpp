@@ -144,6 +144,7 @@ void CudaEngine::issue_ranges(cudaStream_t stream, const std::vector<Range>& ran
       }
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources are read in stream order
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;    // saves run beside the forward pass
       size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
       const cudaError_t err =

@@ -1,0 +1,83 @@
+#!/usr/bin/env bash
+# GPU check of the snapshot engine, in one go, within 6 minutes:
+#   1. build dppo._C with the CUDA engine (in place, no network needed),
+#   2. run the CUDA tests (pytest -m cuda),
+#   3. run benchmarks/snapshot_bench.py on the GPU,
+#   4. run benchmarks/cycle_bench.py with its GPU sizes (once it exists),
+# and write every log and JSON file flat into one folder: $1, else $OUT, else bench_out/gpu_check.
+#
+# Python: .venv/bin/python if it imports a CUDA build of torch, else the system python3 if it does
+# (GPU machines with torch preinstalled), else a fresh .venv made the way the Makefile makes it.
+# Usage: bash benchmarks/gpu_check.sh [results_dir]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+RESULTS=${1:-${OUT:-$ROOT/bench_out/gpu_check}}
+mkdir -p "$RESULTS"
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+START=$(date +%s)
+declare -a SUMMARY=()
+FAILED=0
+
+has_cuda_torch() { "$1" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' >/dev/null 2>&1; }
+
+if [[ -x .venv/bin/python ]] && has_cuda_torch .venv/bin/python; then
+  PY=$ROOT/.venv/bin/python
+elif has_cuda_torch python3; then
+  PY=$(command -v python3)
+else
+  echo "no python with a CUDA build of torch: creating .venv as the Makefile does"
+  python3 -m venv .venv
+  .venv/bin/python -m pip install --upgrade "pip>=24" "setuptools>=64" wheel ninja pytest hypothesis
+  .venv/bin/python -m pip install "${TORCH_SPEC:-torch==2.14.1}"
+  PY=$ROOT/.venv/bin/python
+fi
+
+# step NAME LIMIT_S CMD...: runs CMD under a time limit, logs to $RESULTS/NAME.log, records the outcome.
+step() {
+  local name=$1 limit=$2
+  shift 2
+  local t0=$SECONDS rc=0
+  echo "=== $name (limit ${limit}s): $*"
+  timeout --kill-after=10 "$limit" "$@" >"$RESULTS/$name.log" 2>&1 || rc=$?
+  tail -n 25 "$RESULTS/$name.log"
+  local verdict=ok
+  if [[ $rc -eq 124 || $rc -eq 137 ]]; then verdict="TIMED OUT"; elif [[ $rc -ne 0 ]]; then verdict="FAILED (rc=$rc)"; fi
+  [[ $verdict == ok ]] || FAILED=1
+  SUMMARY+=("$(printf '%-16s %-18s %4ds' "$name" "$verdict" $((SECONDS - t0)))")
+}
+
+{
+  echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "python: $PY"
+  "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU visible")' || true
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv || true
+  nvcc --version 2>/dev/null | tail -n 2 || true
+  echo "cpus: $(nproc)"
+} >"$RESULTS/env.txt" 2>&1
+cat "$RESULTS/env.txt"
+
+export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0}
+step build 150 env DPPO_FORCE_CUDA=1 "$PY" setup.py build_ext --inplace
+# Every test file that carries the cuda marker (collecting the whole tree would import packages, such
+# as ray, that GPU images may lack).
+mapfile -t CUDA_TESTS < <(grep -rlE "pytest\.mark\.cuda|mark\.cuda\b" tests --include='test_*.py' | sort)
+step pytest_cuda 120 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs --continue-on-collection-errors "${CUDA_TESTS[@]}"
+step snapshot_bench 150 "$PY" benchmarks/snapshot_bench.py --out "$RESULTS/snapshot_bench.json"
+
+# ---- cycle benchmark (issue 5) -------------------------------------------------------------------
+# benchmarks/cycle_bench.py runs here with its GPU size set once it lands; keep the total under 6 min.
+if [[ -f benchmarks/cycle_bench.py ]]; then
+  step cycle_bench 120 "$PY" benchmarks/cycle_bench.py --gpu --out "$RESULTS/cycle_bench.json"
+else
+  SUMMARY+=("$(printf '%-16s %-18s' cycle_bench 'skipped (absent)')")
+fi
+# ---------------------------------------------------------------------------------------------------
+
+{
+  echo "gpu_check summary ($(($(date +%s) - START)) s total), results in $RESULTS"
+  printf '%s\n' "${SUMMARY[@]}"
+  grep -E "passed|failed|error" "$RESULTS/pytest_cuda.log" | tail -n 1 || true
+  grep -E "x pinned ceiling|verified" "$RESULTS/snapshot_bench.log" || true
+} | tee "$RESULTS/summary.txt"
+exit $FAILED
