@@ -101,6 +101,9 @@ class BaseTrainer:
         self.resumed_from: Path | None = None
         if cfg.trainer.resume:
             self._resume()
+        else:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed into it later
+            for stale in ckpt.list_checkpoints(self.checkpoint_dir):
+                stale.unlink()
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
                                   resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
         self.setup()

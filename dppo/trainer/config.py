@@ -72,7 +72,8 @@ class TrainerConfig:
     """Write a checkpoint every this many global steps (0: never; the last step is always saved if > 0)."""
 
     resume: bool = False
-    """Continue from the latest checkpoint in output_dir/checkpoints (start fresh if there is none)."""
+    """Continue from the latest checkpoint in output_dir/checkpoints (fresh if there is none); false starts
+    fresh and deletes the checkpoints and metrics an earlier run left in output_dir."""
 
     mode: str = "separate_async"
     """separate_async: rollout workers generate while the trainer trains; sync: rollout and training in lockstep."""

@@ -78,3 +78,16 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
 def test_resume_without_checkpoint_starts_fresh(small_cfg):
     trainer = PPOTrainer(small_cfg(**{"trainer.resume": True, "algorithm.prox_anchor": "current"}))
     assert trainer.resumed_from is None and trainer.global_step == 0
+
+
+def test_a_fresh_run_discards_an_earlier_runs_checkpoints(small_cfg):
+    cfg = small_cfg(**{"trainer.total_steps": 2, "trainer.checkpoint_every": 1, "algorithm.prox_anchor": "current"})
+    PPOTrainer(cfg).fit()
+    out = cfg.trainer.output_dir
+    assert [p.name for p in ckpt.list_checkpoints(f"{out}/checkpoints")] == ["step_00000001.pt", "step_00000002.pt"]
+    fresh = PPOTrainer(small_cfg(**{"trainer.total_steps": 1, "trainer.checkpoint_every": 1,
+                                    "algorithm.prox_anchor": "current"}))  # fmt: skip
+    assert ckpt.list_checkpoints(f"{out}/checkpoints") == []
+    fresh.fit()
+    assert [p.name for p in ckpt.list_checkpoints(f"{out}/checkpoints")] == ["step_00000001.pt"]
+    assert [r["step"] for r in read_metrics(f"{out}/metrics.jsonl")] == [1]
