@@ -38,7 +38,7 @@ from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = Path(__file__).parent
-CPU_SOURCES = ["bindings.cpp", "pool.cpp", "streamer.cpp", "layout.cpp", "host_arena.cpp", "cpu_engine.cpp"]
+CPU_SOURCES = ["bindings.cpp", "pool.cpp", "pool_memory.cpp", "streamer.cpp", "layout.cpp", "host_arena.cpp", "cpu_engine.cpp"]
 CUDA_SOURCES = ["cuda_engine.cpp"]
 
 

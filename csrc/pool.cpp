@@ -1,3 +1,5 @@
+// SnapshotPool core: save/restore/clear/fence/synchronize, swapped(), view(), and completion bookkeeping
+// (checksums, stats). Memory management lives in pool_memory.cpp.
 #include "pool.h"
 
 #include <ATen/core/grad_mode.h>
@@ -105,104 +107,6 @@ Pool::Slot& Pool::get_slot(int64_t slot, const char* op) {
   auto it = slots_.find(slot);
   if (it == slots_.end()) throw_empty(slot, op);
   return it->second;
-}
-
-// ---------------------------------------------------------------------------------------------------
-// Storage management
-
-size_t Pool::count_bytes(bool device, bool with_staging) const {
-  size_t total = 0;
-  auto add = [&](const StoragePtr& s) {
-    if (s && s->on_device() == device) total += s->held_bytes();
-  };
-  for (auto& [k, s] : slots_) add(s.storage);
-  for (auto& s : free_host_) add(s);
-  for (auto& s : retired_) add(s);
-  add(scratch_);
-  if (with_staging) {
-    add(staging_[0]);
-    add(staging_[1]);
-  }
-  return total;
-}
-
-bool Pool::fits_device(size_t extra_bytes) const {
-  return engine_->is_cuda() && count_bytes(true, false) + extra_bytes <= static_cast<size_t>(options_.device_budget_bytes);
-}
-
-StoragePtr Pool::take_storage(bool device, const char* op, int64_t slot) {
-  if (device) return new_device_storage(layout_.storage_bytes());
-  reclaim();
-  if (!free_host_.empty()) {
-    StoragePtr s = std::move(free_host_.back());
-    free_host_.pop_back();
-    return s;
-  }
-  return new_host_storage(op, slot);
-}
-
-StoragePtr Pool::new_host_storage(const char* op, int64_t slot) {
-  const size_t page = page_bytes();
-  const size_t need = (layout_.storage_bytes() + page - 1) / page * page;
-  if (options_.max_host_bytes >= 0) {
-    const size_t held = count_bytes(false, false);
-    const size_t limit = static_cast<size_t>(options_.max_host_bytes);
-    if (held + need > limit) {
-      throw SnapshotMemoryError(cat(op, "(", slot, "): a new host arena needs ", need, " bytes but only ",
-                                    limit > held ? limit - held : 0, " are available (max_host_bytes=", limit, ", ", held,
-                                    " held); clear() unused slots or raise max_host_bytes"));
-    }
-  }
-  const auto t0 = Clock::now();
-  auto s = std::make_shared<Storage>();
-  try {
-    s->host = engine_->new_arena(layout_.storage_bytes());
-  } catch (const SnapshotMemoryError& e) {
-    throw SnapshotMemoryError(cat(op, "(", slot, "): ", e.what()));
-  }
-  s->bytes = layout_.storage_bytes();
-  counters_["arena_allocs"] += 1;
-  counters_["arena_alloc_bytes"] += static_cast<double>(s->host->bytes());
-  counters_["arena_alloc_seconds"] += since(t0);
-  return s;
-}
-
-StoragePtr Pool::new_device_storage(size_t bytes) {
-  auto s = std::make_shared<Storage>();
-  const auto opts = at::TensorOptions().dtype(at::kByte).device(layout_.device());
-  try {
-    s->device = at::empty({static_cast<int64_t>((bytes + 7) / 8 * 8)}, opts);
-  } catch (const c10::OutOfMemoryError& e) {
-    throw SnapshotMemoryError(cat("allocating ", bytes, " bytes of device memory failed: ", e.what_without_backtrace()));
-  }
-  s->bytes = bytes;
-  counters_["device_allocs"] += 1;
-  return s;
-}
-
-void Pool::let_go(StoragePtr storage) {
-  if (!storage) return;
-  storage->checksum.reset();
-  storage->checksum_due = false;
-  if (storage.use_count() == 1 && !storage->on_device()) {
-    free_host_.push_back(std::move(storage));  // its pending copies are waited on by its next writer
-  } else {
-    retired_.push_back(std::move(storage));  // referenced by views/streamers, or a device buffer still busy
-  }
-}
-
-void Pool::reclaim() {
-  std::vector<StoragePtr> keep;
-  for (auto& s : retired_) {
-    if (s.use_count() > 1) {
-      keep.push_back(std::move(s));
-    } else if (!s->on_device()) {
-      free_host_.push_back(std::move(s));
-    } else if (!s->idle()) {
-      keep.push_back(std::move(s));  // torch's allocator may hand the memory out again: wait for our streams
-    }
-  }
-  retired_ = std::move(keep);
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -475,62 +379,6 @@ std::string Pool::tier(int64_t slot) {
 }
 
 std::vector<std::string> Pool::names() const { return names_; }
-
-// ---------------------------------------------------------------------------------------------------
-// Memory
-
-void Pool::reserve(int64_t n) {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (n < 0) throw std::invalid_argument(cat("reserve: n must be >= 0, got ", n));
-  prune();
-  reclaim();
-  size_t ready = free_host_.size();
-  for (auto& [k, s] : slots_) ready += s.storage.use_count() == 1 ? 1 : 0;
-  const size_t before = free_host_.size();
-  try {
-    for (; ready < static_cast<size_t>(n); ++ready) free_host_.push_back(new_host_storage("reserve", n));
-  } catch (...) {
-    counters_["arena_frees"] += static_cast<double>(free_host_.size() - before);
-    free_host_.resize(before);  // all or nothing
-    throw;
-  }
-}
-
-void Pool::release() {
-  std::lock_guard<std::mutex> lock(mu_);
-  prune();
-  reclaim();
-  auto free_now = [&](StoragePtr& s) {
-    if (!s) return;
-    for (auto& t : s->pending()) t->wait();
-    if (!s->on_device()) counters_["arena_frees"] += 1;
-    s.reset();
-  };
-  for (auto& s : free_host_) free_now(s);
-  free_host_.clear();
-  if (!swapped_) free_now(scratch_);
-  if (!streaming_) {
-    free_now(staging_[0]);
-    free_now(staging_[1]);
-  }
-}
-
-size_t Pool::host_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  reclaim();
-  return count_bytes(false, false);
-}
-
-size_t Pool::device_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  reclaim();
-  return count_bytes(true, true);
-}
-
-size_t Pool::staging_bytes() {
-  std::lock_guard<std::mutex> lock(mu_);
-  return (staging_[0] ? staging_[0]->bytes : 0) + (staging_[1] ? staging_[1]->bytes : 0);
-}
 
 // ---------------------------------------------------------------------------------------------------
 // Completion bookkeeping
