@@ -59,6 +59,19 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
     return model.eval()
 
 
+def model_from_config(hf_config, dtype: str) -> torch.nn.Module:
+    """An uninitialised-weights copy of a model's architecture from its transformers config (eval mode).
+
+    Rollout workers build their copy this way and then load the trainer's weights, so they need neither
+    model.path on their node nor the trainer's seed.
+    """
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_config(hf_config).to(DTYPES[dtype])
+    model.config.use_cache = False
+    return model.eval()
+
+
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers as detached CPU tensors (for the Ray object store)."""
     return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}

@@ -30,8 +30,11 @@ from dppo.rollout import TrainBatch
 ScoreFn = Callable[[torch.nn.Module, TrainBatch, "dict[str, torch.Tensor] | None"], torch.Tensor]
 
 
-class UnknownStrategyError(ValueError):
-    """A strategy or slot-reader name that is not registered."""
+class UnknownStrategyError(ValueError, KeyError):
+    """A strategy or slot-reader name that is not registered (the message lists the valid names)."""
+
+    def __str__(self) -> str:  # KeyError.__str__ would quote the message
+        return str(self.args[0]) if self.args else ""
 
 
 class OldLogProbStrategy:

@@ -18,10 +18,10 @@ from dppo.workers.rollout_worker import RolloutGenerator, RolloutWorkerActor
 class InProcessRollout:
     """trainer.mode=sync without Ray: generate each trigger's groups in this process, then take them."""
 
-    def __init__(self, cfg, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
+    def __init__(self, cfg, model_config, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
         self.buffer = ReplayBufferCore(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy,
                                        cfg.trainer.train_batch_size, start_version)  # fmt: skip
-        self.worker = RolloutGenerator(cfg, 0, held_out, seed_offset)
+        self.worker = RolloutGenerator(cfg, model_config, 0, held_out, seed_offset)
 
     def start(self) -> None:
         pass
@@ -77,7 +77,7 @@ class RayRollout:
     sync: the trainer asks the workers for exactly the groups of each trigger, then takes them.
     """
 
-    def __init__(self, cfg, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
+    def __init__(self, cfg, model_config, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
         import ray
 
         init_ray(cfg)
@@ -88,7 +88,7 @@ class RayRollout:
         )  # fmt: skip
         worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         self.workers = [
-            worker_cls.options(scheduling_strategy="SPREAD").remote(cfg, i, held_out, seed_offset, self.buffer)
+            worker_cls.options(scheduling_strategy="SPREAD").remote(cfg, model_config, i, held_out, seed_offset, self.buffer)
             for i in range(cfg.rollout.num_workers)
         ]
         self._runs: list = []
@@ -145,7 +145,7 @@ class RayRollout:
                 ray.kill(actor)
 
 
-def make_rollout(cfg, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
-    """The rollout source cfg asks for (ray.enabled, trainer.mode)."""
+def make_rollout(cfg, model_config, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
+    """The rollout source cfg asks for (ray.enabled, trainer.mode); model_config is the policy's HF config."""
     cls = RayRollout if cfg.ray.enabled else InProcessRollout
-    return cls(cfg, held_out, start_version, seed_offset)
+    return cls(cfg, model_config, held_out, start_version, seed_offset)

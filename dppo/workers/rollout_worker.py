@@ -11,7 +11,7 @@ import numpy as np
 import torch
 
 from dppo.generation import sample_responses
-from dppo.models import build_model, response_log_probs
+from dppo.models import model_from_config, response_log_probs
 from dppo.rollout import Group
 from dppo.tasks import PromptSampler, make_task
 
@@ -19,10 +19,10 @@ from dppo.tasks import PromptSampler, make_task
 class RolloutGenerator:
     """One worker's model copy and sampling state; generate() returns scored groups."""
 
-    def __init__(self, cfg, worker_index: int, held_out: np.ndarray | None = None, seed_offset: int = 0):
+    def __init__(self, cfg, model_config, worker_index: int, held_out: np.ndarray | None = None, seed_offset: int = 0):
+        """model_config: the trainer model's transformers config; the weights arrive with the first ticket."""
         self.task = make_task(cfg.task.name, cfg.task.length)
-        self.model = build_model(cfg.model, self.task.vocab_size, seed=cfg.trainer.seed)
-        self.model.requires_grad_(False)
+        self.model = model_from_config(model_config, cfg.model.dtype).requires_grad_(False)
         # Distinct, reproducible streams per worker and per (re)start, so a resumed run draws new prompts.
         seeds = np.random.SeedSequence([cfg.trainer.seed, worker_index, seed_offset]).generate_state(2)
         self.prompts = PromptSampler(self.task, seeds[0], held_out)
@@ -62,9 +62,9 @@ class RolloutGenerator:
 class RolloutWorkerActor:
     """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
 
-    def __init__(self, cfg, worker_index: int, held_out: np.ndarray | None, seed_offset: int, buffer):
+    def __init__(self, cfg, model_config, worker_index: int, held_out: np.ndarray | None, seed_offset: int, buffer):
         torch.set_num_threads(cfg.rollout.num_threads)
-        self.core = RolloutGenerator(cfg, worker_index, held_out, seed_offset)
+        self.core = RolloutGenerator(cfg, model_config, worker_index, held_out, seed_offset)
         self.buffer = buffer
         self.groups_per_batch = cfg.rollout.groups_per_batch
 

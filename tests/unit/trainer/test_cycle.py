@@ -153,3 +153,13 @@ def test_metrics_of_a_cycle(small_cfg):
     assert record["step"] == 2 and record["version"] == 2
     assert record["staleness/mean"] == 0.0 and record["staleness/max"] == 0.0  # sync: always the current version
     assert record["timing_s/step"] >= record["timing_s/update_actor"] + record["timing_s/old_log_prob"]
+
+
+def test_unknown_reader_and_strategy_names_list_the_valid_ones(small_cfg):
+    from dppo.trainer.prox import UnknownStrategyError, make_old_log_prob
+
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 2, False))
+    with pytest.raises(UnknownStrategyError, match="'fast'.*view, swap"):
+        trainer.old_log_prob.use_reader("fast")
+    with pytest.raises(KeyError, match="bypass, current, cycle_start"):
+        make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg, name="nope")

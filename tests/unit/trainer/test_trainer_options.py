@@ -34,3 +34,23 @@ def test_option_runs_a_cycle(small_cfg, options):
     if "rollout.max_new_tokens" in options:
         assert record["response_length/mean"] == options["rollout.max_new_tokens"]
     assert 0.0 <= result.evaluation["eval/reward"] <= 1.0
+
+
+@pytest.mark.parametrize("arch", ["llama", "gpt2"])
+def test_any_local_causal_lm_directory(small_cfg, tmp_path, arch):
+    """model.path takes any transformers causal LM saved on disk; workers rebuild it from its config."""
+    import torch
+    from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
+
+    if arch == "llama":
+        config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+    else:
+        config = GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2, n_positions=64)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / arch)
+    trainer = PPOTrainer(small_cfg(**{"model.path": str(tmp_path / arch), "trainer.total_steps": 1}))
+    assert trainer.model.config.model_type == arch
+    result = trainer.fit()
+    assert math.isfinite(result.records[0]["actor/pg_loss"])
+    assert result.records[0]["rollout_corr/kl_k1"] == pytest.approx(0.0, abs=1e-6)  # sync: behavior == old policy
