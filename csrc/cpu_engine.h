@@ -59,6 +59,9 @@ class WorkerPool {
   std::vector<std::thread> threads_;
 };
 
+// memcpy, with non-temporal stores for large copies on x86-64 (see cpu_engine.cpp).
+void copy_bytes(void* dst, const void* src, size_t bytes);
+
 // Worker count for CPU pools: min(4, hardware threads).
 size_t default_cpu_threads();
 
