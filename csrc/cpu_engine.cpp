@@ -3,6 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
+#include <unistd.h>
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -82,13 +84,21 @@ void WorkerPool::loop() {
   }
 }
 
-void copy_bytes(void* dst, const void* src, size_t bytes) {
+size_t stream_threshold_bytes() {
+  static const size_t threshold = [] {
+    const long l3 = sysconf(_SC_LEVEL3_CACHE_SIZE);
+    return l3 > 0 ? static_cast<size_t>(l3) / 2 : size_t{32} << 20;
+  }();
+  return threshold;
+}
+
+void copy_bytes(void* dst, const void* src, size_t bytes, bool stream) {
 #if defined(__SSE2__)
-  // Large copies bypass the caches with non-temporal stores: no read-for-ownership of the destination
-  // and no eviction of the working set, which is what lets a single huge memcpy beat the same bytes
-  // copied in cache-sized pieces with plain stores (libc switches only above a much larger threshold).
+  // Copies of jobs larger than the cache bypass it with non-temporal stores: no read-for-ownership of
+  // the destination and no eviction of the working set, which is what lets one huge memcpy beat the
+  // same bytes copied in pieces with plain stores (libc streams only above a far larger size).
   constexpr size_t kStreamMinBytes = size_t{256} << 10;
-  if (bytes >= kStreamMinBytes) {
+  if (stream && bytes >= kStreamMinBytes) {
     auto* d = static_cast<uint8_t*>(dst);
     const auto* s = static_cast<const uint8_t*>(src);
     const size_t head = (16 - reinterpret_cast<uintptr_t>(d) % 16) % 16;
@@ -109,6 +119,7 @@ void copy_bytes(void* dst, const void* src, size_t bytes) {
     return;
   }
 #endif
+  (void)stream;
   std::memcpy(dst, src, bytes);
 }
 
@@ -183,10 +194,11 @@ TicketPtr CpuEngine::copy(Direction /*dir*/, CopyJob job, const std::vector<Tick
   std::vector<std::function<void()>> tasks;
   std::vector<Range> group;
   size_t group_bytes = 0;
+  const bool stream = job.bytes >= stream_threshold_bytes();
   auto flush = [&] {
     if (group.empty()) return;
-    tasks.emplace_back([ranges = std::move(group)] {
-      for (const Range& r : ranges) copy_bytes(r.dst, r.src, r.bytes);
+    tasks.emplace_back([ranges = std::move(group), stream] {
+      for (const Range& r : ranges) copy_bytes(r.dst, r.src, r.bytes, stream);
     });
     group = {};
     group_bytes = 0;

@@ -59,8 +59,10 @@ class WorkerPool {
   std::vector<std::thread> threads_;
 };
 
-// memcpy, with non-temporal stores for large copies on x86-64 (see cpu_engine.cpp).
-void copy_bytes(void* dst, const void* src, size_t bytes);
+// memcpy; with `stream`, large copies use non-temporal stores on x86-64 (see cpu_engine.cpp).
+void copy_bytes(void* dst, const void* src, size_t bytes, bool stream);
+// Jobs of at least this many bytes (half the L3 cache) stream past the caches.
+size_t stream_threshold_bytes();
 
 // Worker count for CPU pools: min(4, hardware threads).
 size_t default_cpu_threads();
