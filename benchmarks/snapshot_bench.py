@@ -10,7 +10,8 @@ For each layout (a ~1 GiB transformer-shaped model in ~300 tensors, plus a few s
 - dppo:      SnapshotPool.save(0) until the copy is complete, and restore(0); also how long save()
              blocks its caller and a full swapped() round trip
 
-Warm-up first, then the median of --repeats runs; CPU timed with perf_counter, GPU with CUDA events.
+Warm-up first, then the median of --repeats runs, the methods timed round-robin so that load from other
+processes falls on all of them alike; CPU timed with perf_counter, GPU with CUDA events.
 Prints a table (GB/s, ratios to the ceiling and to baseline1) and writes JSON (--out).
 Targets (issue 2): dppo >= 0.8x ceiling and >= 2x baseline1 on the CPU; >= 0.9x the pinned ceiling on a GPU.
 """
@@ -74,35 +75,19 @@ def make_tensors(shapes: dict[str, tuple[int, ...]], device: torch.device) -> di
 
 
 # ---- timing ------------------------------------------------------------------------------------------
-class Timer:
-    """Times fn() on the host clock (CPU) or with CUDA events around it (GPU); median after warm-up."""
-
-    def __init__(self, device: torch.device, warmup: int, repeats: int) -> None:
-        self.cuda = device.type == "cuda"
-        self.warmup, self.repeats = warmup, repeats
-
-    def once(self, fn: Callable[[], None]) -> float:
-        if self.cuda:
-            torch.cuda.synchronize()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            return start.elapsed_time(end) / 1e3
-        t0 = time.perf_counter()
+def timed(fn: Callable[[], None], cuda: bool) -> float:
+    """Seconds that fn() takes: CUDA events around it on a GPU, the host clock on the CPU."""
+    if cuda:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
         fn()
-        return time.perf_counter() - t0
-
-    def median(self, fn: Callable[[], None], setup: Callable[[], None] | None = None) -> list[float]:
-        times = []
-        for i in range(self.warmup + self.repeats):
-            if setup is not None:
-                setup()
-            t = self.once(fn)
-            if i >= self.warmup:
-                times.append(t)
-        return times
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
 
 
 def sync(device: torch.device) -> None:
@@ -110,31 +95,34 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
-# ---- methods -----------------------------------------------------------------------------------------
-def bench_ceiling(tensors, device, timer) -> dict[str, list[float]]:
+# ---- methods: each returns {op: fn} to time -----------------------------------------------------------
+def ceiling_ops(tensors, device) -> dict[str, Callable[[], None]]:
     """One copy of all the bytes between two preallocated flat buffers.
 
-    CPU: the faster of one libc memcpy and one torch copy_ (torch's is slower at some sizes);
-    GPU: one pinned device-to-host / host-to-device copy, i.e. the copy-engine bandwidth.
+    CPU: the faster of one libc memcpy and one torch copy_ (torch's is slower at some sizes), chosen per
+    op in the warm-up; GPU: one pinned device-to-host / host-to-device copy (the copy-engine bandwidth).
     """
     total = sum(t.numel() for t in tensors.values())
     src = torch.empty(total, dtype=torch.bfloat16, device=device).uniform_(-1, 1)
     host = torch.empty(total, dtype=torch.bfloat16, pin_memory=device.type == "cuda").fill_(0.5)
-    out = {
-        "save": timer.median(lambda: host.copy_(src, non_blocking=True)),
-        "restore": timer.median(lambda: src.copy_(host, non_blocking=True)),
+    ops = {
+        "save": lambda: host.copy_(src, non_blocking=True),
+        "restore": lambda: src.copy_(host, non_blocking=True),
     }
     if device.type == "cpu":
         nbytes = total * 2
-        for op, (dst, srcp) in {"save": (host, src), "restore": (src, host)}.items():
-            memcpy = timer.median(lambda: ctypes.memmove(dst.data_ptr(), srcp.data_ptr(), nbytes))
-            if statistics.median(memcpy) < statistics.median(out[op]):
-                out[op] = memcpy
-    del src, host
-    return out
+        memcpy = {
+            "save": lambda: ctypes.memmove(host.data_ptr(), src.data_ptr(), nbytes),
+            "restore": lambda: ctypes.memmove(src.data_ptr(), host.data_ptr(), nbytes),
+        }
+        for op in ops:
+            fast = min((ops[op], memcpy[op]), key=lambda fn: min(timed(fn, False) for _ in range(3)))
+            ops[op] = fast
+    return ops
 
 
-def bench_baseline1(tensors, device, timer) -> dict[str, list[float]]:
+def baseline1_ops(tensors, device) -> dict[str, Callable[[], None]]:
+    """The reference scheme: fresh pageable copies per parameter, `.to(device)` + `copy_` back."""
     saved: dict[str, torch.Tensor] = {}
 
     def save() -> None:
@@ -148,12 +136,12 @@ def bench_baseline1(tensors, device, timer) -> dict[str, list[float]]:
             p.copy_(saved[n].to(device))
         sync(device)
 
-    out = {"save": timer.median(save), "restore": timer.median(restore)}
-    saved.clear()
-    return out
+    save()
+    return {"save": save, "restore": restore}
 
 
-def bench_baseline2(tensors, device, timer) -> dict[str, list[float]]:
+def baseline2_ops(tensors, device) -> dict[str, Callable[[], None]]:
+    """Per-parameter preallocated (pinned on a GPU) buffers, copy_(non_blocking=True) + synchronize."""
     pin = device.type == "cuda"
     saved = {n: torch.empty(p.shape, dtype=p.dtype, pin_memory=pin) for n, p in tensors.items()}
 
@@ -167,62 +155,66 @@ def bench_baseline2(tensors, device, timer) -> dict[str, list[float]]:
             p.copy_(saved[n], non_blocking=True)
         sync(device)
 
-    out = {"save": timer.median(save), "restore": timer.median(restore)}
-    del saved
-    return out
+    return {"save": save, "restore": restore}
 
 
-def bench_dppo(tensors, device, timer) -> tuple[dict[str, list[float]], dict]:
-    expected = {n: t.clone() for n, t in list(tensors.items())[:3]}
-    pool = SnapshotPool(tensors)
-    pool.reserve(1)  # arena allocation (and pinning) stays out of the steady state
-
+def dppo_ops(tensors, device, pool: SnapshotPool, call_s: list[float]) -> dict[str, Callable[[], None]]:
     def save() -> None:
-        pool.save(0)
-        if device.type == "cuda":
-            pool.fence()  # the timing event waits for the copy on the GPU
-        else:
-            pool.synchronize()
-
-    call_s: list[float] = []
-
-    def save_call() -> None:  # how long save() blocks its caller
         t0 = time.perf_counter()
         pool.save(0)
-        call_s.append(time.perf_counter() - t0)
-        pool.synchronize()
+        call_s.append(time.perf_counter() - t0)  # how long save() blocks its caller
+        if device.type == "cuda":
+            pool.fence()  # the end event waits for the copy on the GPU
+        else:
+            pool.synchronize()
 
     def swap() -> None:
         with pool.swapped(0):
             pass
 
-    out = {"save": timer.median(save), "restore": timer.median(lambda: pool.restore(0)), "swap": timer.median(swap)}
-    for _ in range(timer.repeats):
-        save_call()
-    out["save_call"] = call_s
-    for t in tensors.values():  # check the snapshot really round-trips
-        t.add_(1)
-    pool.restore(0)
-    sync(device)
-    verified = all(torch.equal(tensors[n], e) for n, e in expected.items())
-    stats = pool.stats()
-    info = {"verified": verified, "host_bytes": pool.host_bytes, "nbytes": pool.nbytes,
-            "arena_allocs": stats["arena_allocs"], "arena_alloc_seconds": stats["arena_alloc_seconds"]}
-    del pool
-    return out, info
+    pool.reserve(1)  # arena allocation (and pinning) stays out of the steady state
+    pool.save(0)
+    with pool.swapped(0):  # and so does the swap scratch
+        pass
+    return {"save": save, "restore": lambda: pool.restore(0), "swap": swap}
 
 
 # ---- driver ------------------------------------------------------------------------------------------
-def run_layout(name: str, device: torch.device, timer: Timer) -> dict:
+def run_layout(name: str, device: torch.device, warmup: int, repeats: int) -> dict:
+    """Times every method's ops round-robin (a repeat of each in turn), so that load from other
+    processes on a shared machine falls on all methods alike."""
     tensors = make_tensors(LAYOUTS[name](), device)
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
-    times = {
-        "ceiling": bench_ceiling(tensors, device, timer),
-        "baseline1": bench_baseline1(tensors, device, timer),
-        "baseline2": bench_baseline2(tensors, device, timer),
+    expected = {n: t.clone() for n, t in list(tensors.items())[:3]}
+    pool = SnapshotPool(tensors)
+    call_s: list[float] = []
+    methods = {
+        "ceiling": ceiling_ops(tensors, device),
+        "baseline1": baseline1_ops(tensors, device),
+        "baseline2": baseline2_ops(tensors, device),
+        "dppo": dppo_ops(tensors, device, pool, call_s),
     }
-    times["dppo"], info = bench_dppo(tensors, device, timer)
-    del tensors
+    times: dict[str, dict[str, list[float]]] = {m: {op: [] for op in ops} for m, ops in methods.items()}
+    for rep in range(warmup + repeats):
+        for method, ops in methods.items():
+            for op, fn in ops.items():
+                t = timed(fn, device.type == "cuda")
+                if rep >= warmup:
+                    times[method][op].append(t)
+    times["dppo"]["save_call"] = call_s[warmup:]
+    for t in tensors.values():  # the snapshot really round-trips
+        t.add_(1)
+    pool.restore(0)
+    sync(device)
+    stats = pool.stats()
+    info = {
+        "verified": all(torch.equal(tensors[n], e) for n, e in expected.items()),
+        "host_bytes": pool.host_bytes,
+        "nbytes": pool.nbytes,
+        "arena_allocs": stats["arena_allocs"],
+        "arena_alloc_seconds": stats["arena_alloc_seconds"],
+    }
+    del methods, pool, tensors
     return {"layout": name, "tensors": len(LAYOUTS[name]()), "bytes": nbytes, "times_s": times, "dppo": info}
 
 
@@ -289,7 +281,6 @@ def main(argv: list[str] | None = None) -> int:
     else:
         layouts = ["transformer-1g", "one-256m", "one-16m", "small-4096x16k"]
     repeats = 3 if args.quick else args.repeats
-    timer = Timer(device, args.warmup, repeats)
 
     meta = {
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
@@ -304,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in layouts:
         t0 = time.perf_counter()
-        results.append(run_layout(name, device, timer))
+        results.append(run_layout(name, device, args.warmup, repeats))
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
     meta["loadavg_after"] = os.getloadavg()
     all_rows = [r for res in results for r in rows(res)]
