@@ -27,27 +27,53 @@ def _rows_per_chunk(vocab: int, chunk_bytes: int) -> int:
     return max(1, chunk_bytes // (3 * 4 * vocab))
 
 
-def _row_blocks(x: torch.Tensor) -> Iterator[torch.Tensor]:
-    """Yield (n, V) views covering x (..., V) in row-major order, without copying.
+def _rows_viewable(x: torch.Tensor) -> bool:
+    """Whether x (..., V) can be viewed as (N, V): its leading dims nest (size-1 dims do not matter).
 
-    A slice such as logits[:, :-1] cannot be viewed as one (N, V) matrix, so it is split along its
-    leading dimension until each piece can.
+    Checked by hand because a failing x.view() raises, which costs more than a small chunk's math.
     """
-    try:
-        yield x.view(-1, x.shape[-1])
-    except RuntimeError:
-        for sub in x.unbind(0):
-            yield from _row_blocks(sub)
+    if x.numel() == 0 or x.dim() <= 2:
+        return True
+    expected = None  # the stride the next (outer) non-trivial leading dim must have
+    for size, stride in zip(reversed(x.shape[:-1]), reversed(x.stride()[:-1])):
+        if size == 1:
+            continue
+        if expected is not None and stride != expected:
+            return False
+        expected = stride * size
+    return True
+
+
+def _rows_source(logits: torch.Tensor, rows: int) -> torch.Tensor:
+    """What forward chunks and saves for backward: logits itself, or, when it cannot be viewed as (N, V)
+    but fits one chunk, one (N, V) copy of it, so backward walks that copy instead of copying again."""
+    if _rows_viewable(logits) or logits.numel() // logits.shape[-1] > rows:
+        return logits
+    return logits.reshape(-1, logits.shape[-1])
 
 
 def _row_chunks(x: torch.Tensor, rows: int) -> Iterator[tuple[int, torch.Tensor]]:
-    """Yield (first flat row index, (n <= rows, V) view) over all rows of x (..., V)."""
-    offset = 0
-    for block in _row_blocks(x):
-        for start in range(0, block.shape[0], rows):
-            chunk = block[start : start + rows]
-            yield offset + start, chunk
-        offset += block.shape[0]
+    """Yield (first flat row index, (n <= rows, V) tensor) over all rows of x (..., V), in row-major order.
+
+    Views where x allows it. A slice such as logits[:, P - 1 : -1] cannot be viewed as one (N, V) matrix;
+    then each chunk is a run of whole leading indices, reshaped on its own (which copies only that chunk),
+    and a leading index holding more than `rows` rows is walked one level down.
+    """
+    vocab = x.shape[-1]
+    if _rows_viewable(x):
+        flat = x.view(-1, vocab)
+        for start in range(0, flat.shape[0], rows):
+            yield start, flat[start : start + rows]
+        return
+    per_index = x[0].numel() // vocab  # rows under one leading index (> 0: x is not empty, or it were viewable)
+    if per_index <= rows:
+        step = rows // per_index
+        for i in range(0, x.shape[0], step):
+            yield i * per_index, x[i : i + step].reshape(-1, vocab)
+        return
+    for i in range(x.shape[0]):
+        for start, chunk in _row_chunks(x[i], rows):
+            yield i * per_index + start, chunk
 
 
 def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> tuple[torch.Tensor, bool]:
@@ -66,21 +92,22 @@ class _LogProbFn(torch.autograd.Function):
         n_rows = labels.shape[0]
         logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        for start, chunk in _row_chunks(logits, rows):
+        source = _rows_source(logits, rows)
+        for start, chunk in _row_chunks(source, rows):
             stop = start + chunk.shape[0]
             x, _ = _scaled_fp32(chunk, temperature)  # (n, V)
             lse[start:stop] = torch.logsumexp(x, dim=-1)
             picked = x.gather(-1, labels[start:stop, None]).squeeze(-1)  # (n,)
             logp[start:stop] = picked - lse[start:stop]
-        ctx.save_for_backward(logits, labels, lse)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.save_for_backward(source, labels, lse)
+        ctx.temperature, ctx.rows, ctx.shape = temperature, rows, logits.shape
         return logp
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp):  # (N,) -> d/dlogits (..., V)
         logits, labels, lse = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad = torch.empty(ctx.shape, dtype=logits.dtype, device=logits.device)
         grad_rows = grad.view(-1, logits.shape[-1])  # (N, V), contiguous
         g_all = grad_logp.float()
         for start, chunk in _row_chunks(logits, ctx.rows):
@@ -109,7 +136,8 @@ class _EntropyFn(torch.autograd.Function):
         n_rows = logits.numel() // logits.shape[-1]
         entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
         lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        for start, chunk in _row_chunks(logits, rows):
+        source = _rows_source(logits, rows)
+        for start, chunk in _row_chunks(source, rows):
             stop = start + chunk.shape[0]
             x, fresh = _scaled_fp32(chunk, temperature)  # (n, V)
             lse_c = torch.logsumexp(x, dim=-1)  # (n,)
@@ -120,15 +148,15 @@ class _EntropyFn(torch.autograd.Function):
             # H = -sum p log p, as a batched dot product so no third (n, V) tensor is made
             entropy[start:stop] = -torch.bmm(p[:, None, :], logp[:, :, None]).view(-1)
             lse[start:stop] = lse_c
-        ctx.save_for_backward(logits, lse, entropy)
-        ctx.temperature, ctx.rows = temperature, rows
+        ctx.save_for_backward(source, lse, entropy)
+        ctx.temperature, ctx.rows, ctx.shape = temperature, rows, logits.shape
         return entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_entropy):  # (N,) -> d/dlogits (..., V)
         logits, lse, entropy = ctx.saved_tensors
-        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        grad = torch.empty(ctx.shape, dtype=logits.dtype, device=logits.device)
         grad_rows = grad.view(-1, logits.shape[-1])  # (N, V)
         g_all = grad_entropy.float()
         for start, chunk in _row_chunks(logits, ctx.rows):
