@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 import torch
 
@@ -78,14 +79,20 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None) -> torch.Tensor:
-    """Logits (B, S, V) of model on input_ids (B, S); with params, of model's graph run on those tensors instead.
+    """Logits (B, S, V) of model on input_ids (B, S); with params, of model's graph run on other weights.
 
-    params maps parameter names to tensors (e.g. SnapshotPool.view(k)); the live parameters are neither
-    read nor changed (torch.func.functional_call).
+    params: None (the model's own weights); a Mapping name -> tensor (e.g. SnapshotPool.view(k)), run with
+    torch.func.functional_call; or an object whose substitute(model) context manager puts other weights
+    into the model for one forward pass (dppo.trainer.streaming.StreamedWeights). Either way the live
+    parameters are neither read nor changed.
     """
+    kwargs = {"input_ids": input_ids, "use_cache": False}
     if params is None:
-        return model(input_ids=input_ids, use_cache=False).logits
-    return torch.func.functional_call(model, params, args=(), kwargs={"input_ids": input_ids, "use_cache": False}).logits
+        return model(**kwargs).logits
+    if isinstance(params, Mapping):
+        return torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
+    with params.substitute(model):
+        return model(**kwargs).logits
 
 
 def response_logits(logits: torch.Tensor, prompt_length: int) -> torch.Tensor:

@@ -306,8 +306,17 @@ class SnapshotConfig:
     device_budget_bytes: int = 0
     """Device memory the snapshot pool may use for slots (0: host slots only)."""
 
+    strategy: str = "auto"
+    """How triggers k >= 1 score with the cycle-start snapshot: auto (fastest that fits), view
+    (functional_call over the slot in place: CPU weights or a device-tier slot), stream (layer by layer
+    from a host slot, prefetched behind the compute), swap (pool.swapped), or reference (verl v1's
+    blocking save/restore/restore, for comparison only)."""
+
     def __post_init__(self) -> None:
+        from dppo.trainer.prox import SNAPSHOT_STRATEGIES
+
         _nonnegative("snapshot.device_budget_bytes", self.device_budget_bytes)
+        _one_of("snapshot.strategy", self.strategy, SNAPSHOT_STRATEGIES)
 
 
 @dataclass

@@ -4,16 +4,16 @@
     current      AReaL's prox_anchor=current: recompute with the live weights before each optimizer step.
                  Also used for cycle_start when parameter_sync_step == 1 (slot 0 would never be read).
     cycle_start  Decoupled PPO: every trigger uses the weights of the cycle start. Trigger 0 saves the live
-                 weights into snapshot slot 0 (asynchronously; pool.guard fences the first optimizer step
-                 on that copy) and scores with the live weights; trigger k >= 1 scores with slot 0 through
-                 a slot reader, leaving the live weights as they were.
+                 weights into snapshot slot 0 asynchronously, concurrently with its own old-log-prob forward
+                 pass over the live weights (both only read them; pool.guard fences the first optimizer step
+                 on the copy); trigger k >= 1 scores with slot 0 through a slot reader (view, stream or swap,
+                 see dppo.trainer.slot_readers) chosen by snapshot.strategy, leaving the live weights alone.
+    cycle_start_reference
+                 snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking per-parameter
+                 pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
 
-Slot readers (SLOT_READERS) say how trigger k >= 1 reads slot 0: "view" runs torch.func.functional_call
-over pool.view(0) (the live weights are never touched); "swap" runs inside `with pool.swapped(0)`.
-"auto" picks view where the slot's tensors can feed the model directly (CPU weights, or a device-tier
-slot) and swap otherwise. New readers register in SLOT_READERS; new strategies in
-OLD_LOG_PROB_STRATEGIES. An exception in any strategy propagates and leaves the live weights and the
-optimizer state as they were.
+New readers register in SLOT_READERS; new strategies in OLD_LOG_PROB_STRATEGIES. An exception in any
+strategy propagates and leaves the live weights and the optimizer state as they were.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from collections.abc import Callable
 import torch
 
 from dppo.rollout import TrainBatch
+from dppo.trainer.slot_readers import SLOT_READERS, choose_reader, stream_of
 
 # score(module, batch, params) -> log pi (B, R) fp32 without grad; params None means module's own weights.
 ScoreFn = Callable[[torch.nn.Module, TrainBatch, "dict[str, torch.Tensor] | None"], torch.Tensor]
@@ -42,6 +43,7 @@ class OldLogProbStrategy:
 
     name = ""
     anchor: str | None = None  # whose weights pi_old is: "cycle_start", "current", or None (behavior policy)
+    moved_bytes = 0  # weight bytes copied by snapshot work so far (saves, swaps, streamed steps, restores)
 
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, cfg):
         self.model, self.optimizer, self.score, self.cfg = model, optimizer, score, cfg
@@ -82,33 +84,6 @@ class CurrentOldLogProb(OldLogProbStrategy):
         return self.score(self.model, batch, None)
 
 
-# ---------------------------------------------------------------------------------------------------
-# Reading slot 0 at triggers k >= 1
-# ---------------------------------------------------------------------------------------------------
-
-
-def read_view(strategy: CycleStartOldLogProb, batch: TrainBatch) -> torch.Tensor:
-    """functional_call over the slot's tensors: no copy of the live weights, nothing to put back."""
-    return strategy.score(strategy.model, batch, strategy.pool.view(0))
-
-
-def read_swap(strategy: CycleStartOldLogProb, batch: TrainBatch) -> torch.Tensor:
-    """Swap slot 0 into the live tensors around the forward pass; the pool swaps them back, also on error."""
-    start = time.perf_counter()
-    with strategy.pool.swapped(0):
-        forward_start = time.perf_counter()
-        logp = strategy.score(strategy.model, batch, None)
-        forward_s = time.perf_counter() - forward_start
-    strategy.snapshot_s += time.perf_counter() - start - forward_s  # the two swaps
-    return logp
-
-
-SLOT_READERS: dict[str, Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]] = {
-    "view": read_view,
-    "swap": read_swap,
-}
-
-
 def _lookup(registry: dict, name: str, what: str):
     try:
         return registry[name]
@@ -120,7 +95,7 @@ class CycleStartOldLogProb(OldLogProbStrategy):
     name = "cycle_start"
     anchor = "cycle_start"
 
-    def __init__(self, model, optimizer, score, cfg, reader: str = "auto"):
+    def __init__(self, model, optimizer, score, cfg, reader: str | None = None):
         super().__init__(model, optimizer, score, cfg)
         from dppo.snapshot import SnapshotPool
 
@@ -128,20 +103,26 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         # The save at trigger 0 is asynchronous: the first optimizer step must not overwrite a weight
         # before the copy has read it.
         self._guard = self._pool.guard(optimizer)
-        self.use_reader(reader)
+        self.stream = None  # the StreamedWeights of the stream reader, traced at its first read
+        self.stream_error: str | None = None  # why the model cannot be streamed, once a trace has failed
+        self.use_reader(reader or cfg.snapshot.strategy)
 
     @property
     def pool(self):
         return self._pool
+
+    @property
+    def device_type(self) -> str:
+        """Where the live weights are: "cpu" or "cuda"."""
+        return next(self.model.parameters()).device.type
 
     def use_reader(self, name: str) -> None:
         """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read)."""
         self._reader = None if name == "auto" else _lookup(SLOT_READERS, name, "slot reader")
         self.reader_name = name
 
-    def _choose_reader(self) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
-        on_cpu = all(p.device.type == "cpu" for p in self.model.parameters())
-        name = "view" if on_cpu or self._pool.tier(0) == "device" else "swap"
+    def _choose_reader(self, batch: TrainBatch) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
+        name = choose_reader(self.device_type, self._pool.tier(0), streamable=lambda: stream_of(self, batch) is not None)
         self.reader_name = name
         return SLOT_READERS[name]
 
@@ -150,11 +131,12 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             start = time.perf_counter()
             self._pool.save(0)  # returns at once; the copy reads the weights while the forward pass below runs
             self.snapshot_s += time.perf_counter() - start
+            self.moved_bytes += self._pool.nbytes
             return self.score(self.model, batch, None)
         if 0 not in self._pool:
             raise RuntimeError(f"trigger {trigger}: snapshot slot 0 is empty; trigger 0 of the cycle must run first")
         if self._reader is None:
-            self._reader = self._choose_reader()
+            self._reader = self._choose_reader(batch)
         return self._reader(self, batch)
 
     def close(self) -> None:
@@ -166,11 +148,67 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             self._pool.clear(0)
 
 
+class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
+    """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
+
+    Trigger 0: blocking per-parameter pageable save of the live weights into a dict slot, then the forward
+    pass. Trigger k >= 1: save the live weights into a temporary dict, restore slot 0 into the live
+    parameters (per-parameter .to(device) + copy_), the forward pass, restore the live weights, clear the
+    temporary dict: three full weight transfers, none overlapped with anything.
+    """
+
+    name = "cycle_start_reference"
+    anchor = "cycle_start"
+
+    def __init__(self, model, optimizer, score, cfg):
+        super().__init__(model, optimizer, score, cfg)
+        self._slot: dict[str, torch.Tensor] | None = None
+        self._nbytes = sum(p.nbytes for p in model.parameters())
+
+    def _save(self) -> dict[str, torch.Tensor]:
+        self.moved_bytes += self._nbytes
+        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+
+    @torch.no_grad()
+    def _restore(self, state: dict[str, torch.Tensor]) -> None:
+        self.moved_bytes += self._nbytes
+        for name, p in self.model.named_parameters():
+            p.copy_(state[name].to(p.device))
+
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
+        start = time.perf_counter()
+        if trigger == 0:
+            self._slot = self._save()
+            self.snapshot_s += time.perf_counter() - start
+            return self.score(self.model, batch, None)
+        if self._slot is None:
+            raise RuntimeError(f"trigger {trigger}: the reference slot 0 is empty; trigger 0 of the cycle must run first")
+        live = self._save()
+        forward_s = 0.0
+        try:
+            self._restore(self._slot)
+            forward_start = time.perf_counter()
+            logp = self.score(self.model, batch, None)
+            forward_s = time.perf_counter() - forward_start
+        finally:
+            self._restore(live)
+            live.clear()
+            self.snapshot_s += time.perf_counter() - start - forward_s
+        return logp
+
+    def close(self) -> None:
+        self._slot = None
+
+
 OLD_LOG_PROB_STRATEGIES: dict[str, type[OldLogProbStrategy]] = {
     "bypass": BypassOldLogProb,
     "current": CurrentOldLogProb,
     "cycle_start": CycleStartOldLogProb,
+    "cycle_start_reference": ReferenceCycleStartOldLogProb,
 }
+
+# Values of snapshot.strategy: a slot reader, "auto" (choose_reader) or "reference" (cycle_start_reference).
+SNAPSHOT_STRATEGIES = ("auto", *SLOT_READERS, "reference")
 
 
 def select_strategy_name(cfg) -> str:
@@ -179,7 +217,7 @@ def select_strategy_name(cfg) -> str:
         return "bypass"
     if cfg.algorithm.prox_anchor == "current" or cfg.trainer.parameter_sync_step == 1:
         return "current"
-    return "cycle_start"
+    return "cycle_start_reference" if cfg.snapshot.strategy == "reference" else "cycle_start"
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -205,6 +243,10 @@ class VerifiedOldLogProb(OldLogProbStrategy):
     @property
     def pool(self):
         return self.inner.pool
+
+    @property
+    def moved_bytes(self) -> int:
+        return self.inner.moved_bytes
 
     def take_snapshot_s(self) -> float:
         return self.inner.take_snapshot_s()

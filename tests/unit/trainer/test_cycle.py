@@ -83,14 +83,21 @@ def test_old_log_probs_are_the_cycle_start_policy_bitwise(small_cfg, ps, bypass)
             assert check["live_differs"], "the live weights must have moved, or the test proves nothing"
 
 
-@pytest.mark.parametrize("reader", ["view", "swap"])
-def test_each_slot_reader_gives_the_cycle_start_policy_bitwise(small_cfg, reader):
-    trainer = ProbeTrainer(cycle_cfg(small_cfg, 4, False))
-    trainer.old_log_prob.use_reader(reader)
+@pytest.mark.parametrize("strategy", ["auto", "view", "swap", "stream", "reference"])
+def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, strategy):
+    trainer = ProbeTrainer(cycle_cfg(small_cfg, 4, False, **{"snapshot.strategy": strategy}))
     trainer.fit()
     assert len(trainer.checks) == 8
     assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
-    assert trainer.old_log_prob.pool.stats()[reader]["count"] > 0  # the reader really went through the pool
+    if strategy == "reference":
+        assert trainer.old_log_prob.name == "cycle_start_reference" and trainer.old_log_prob.pool is None
+    else:  # the reader really went through the pool
+        reader = {"auto": "view"}.get(strategy, strategy)  # auto on the CPU: the slot in place
+        assert trainer.old_log_prob.reader_name == reader
+        if reader == "stream":  # on the CPU the streamer copies nothing, so the pool counts no stream op
+            assert trainer.old_log_prob.stream.passes == 12  # 2 cycles x 3 triggers x 2 micro-batches of <= 5
+        else:
+            assert trainer.old_log_prob.pool.stats()[reader]["count"] > 0
 
 
 @pytest.mark.parametrize("ps", [2, 4])
@@ -110,11 +117,10 @@ def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
     assert not isinstance(trainer.old_log_prob, CycleStartOldLogProb)
 
 
-@pytest.mark.parametrize("reader", ["view", "swap"])
+@pytest.mark.parametrize("strategy", ["view", "swap", "stream", "reference"])
 @pytest.mark.parametrize("fail_at", [0, 1, 3])
-def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg, reader, fail_at):
-    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.total_steps": 1}))
-    trainer.old_log_prob.use_reader(reader)
+def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg, strategy, fail_at):
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.total_steps": 1, "snapshot.strategy": strategy}))
     state = {}
     inner = trainer.old_log_prob.compute
 
@@ -132,8 +138,8 @@ def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg
         trainer.fit()
     assert_params_equal(state["params"], params_of(trainer.model))
     assert_optimizer_state_equal(state["optimizer"], optimizer_state_of(trainer.optimizer))
-    if fail_at > 0:
-        assert trainer.old_log_prob.reader_name == reader
+    if fail_at > 0 and strategy != "reference":
+        assert trainer.old_log_prob.reader_name == strategy
 
 
 def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg):
@@ -159,7 +165,7 @@ def test_unknown_reader_and_strategy_names_list_the_valid_ones(small_cfg):
     from dppo.trainer.prox import UnknownStrategyError, make_old_log_prob
 
     trainer = PPOTrainer(cycle_cfg(small_cfg, 2, False))
-    with pytest.raises(UnknownStrategyError, match="'fast'.*view, swap"):
+    with pytest.raises(UnknownStrategyError, match="'fast'.*view, swap, stream"):
         trainer.old_log_prob.use_reader("fast")
-    with pytest.raises(KeyError, match="bypass, current, cycle_start"):
+    with pytest.raises(KeyError, match="bypass, current, cycle_start, cycle_start_reference"):
         make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg, name="nope")

@@ -48,6 +48,7 @@ def test_overrides_are_typed_and_nested():
         (["trainer.mode=turbo"], ["trainer.mode", "turbo", "separate_async"]),
         (["algorithm.adv_estimator=ppo"], ["algorithm.adv_estimator", "ppo", "grpo"]),
         (["algorithm.prox_anchor=middle"], ["algorithm.prox_anchor", "middle"]),
+        (["snapshot.strategy=fast"], ["snapshot.strategy", "fast", "'auto', 'view', 'swap', 'stream', 'reference'"]),
         (["replay.max_off_policy_strategy=keep"], ["replay.max_off_policy_strategy", "keep"]),
         (["rollout.n=1"], ["rollout.n=1"]),
         (["task.name=nosuchtask"], ["task.name", "nosuchtask", "copy"]),

@@ -1,0 +1,146 @@
+"""snapshot.strategy: which reader auto picks for a device and a slot tier, what each strategy copies, the
+trigger-0 save overlapping the forward pass (fenced before the first optimizer step), and the fallbacks."""
+
+from __future__ import annotations
+
+import functools
+import time
+
+import pytest
+import torch
+
+import dppo.snapshot
+from dppo.rollout import TrainBatch
+from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.prox import CycleStartOldLogProb, ReferenceCycleStartOldLogProb, make_old_log_prob
+from dppo.trainer.slot_readers import choose_reader
+
+
+@pytest.mark.parametrize("device, tier, streamable, expected", [
+    ("cpu", "host", True, "view"),       # CPU weights: the host slot feeds the model in place
+    ("cpu", "host", False, "view"),
+    ("cuda", "device", True, "view"),    # the slot fits snapshot.device_budget_bytes: zero transfers
+    ("cuda", "device", False, "view"),
+    ("cuda", "host", True, "stream"),    # host slot, CUDA weights: stream it layer by layer
+    ("cuda", "host", False, "swap"),     # ... unless the model's forward pass cannot be split into blocks
+])  # fmt: skip
+def test_auto_picks_the_fastest_reader_that_fits(device, tier, streamable, expected):
+    asked = []
+
+    def can_stream():
+        asked.append(True)
+        return streamable
+
+    assert choose_reader(device, tier, can_stream) == expected
+    assert bool(asked) == (device == "cuda" and tier == "host")  # tracing is paid for only when it decides
+
+
+def strategy_cfg(small_cfg, ps=4, **extra):
+    return small_cfg(**{"trainer.parameter_sync_step": ps, "trainer.train_batch_size": 2 * ps,
+                        "trainer.total_steps": 1, "actor.lr": 0.05, **extra})  # fmt: skip
+
+
+def read_embedding_outside_its_block(model):
+    """Make the model's forward pass read the embedding weight before any block runs (so it cannot stream)."""
+
+    def hook(module, args):
+        module.model.embed_tokens.weight.sum()
+
+    model.register_forward_pre_hook(hook)
+
+
+class _FakeTierPool:
+    """A real pool whose tier(0) answers what a CUDA pool with a given device budget would."""
+
+    def __init__(self, pool, tier):
+        self._pool, self._tier = pool, tier
+
+    def tier(self, slot):
+        return self._tier
+
+    def __contains__(self, slot):
+        return slot in self._pool
+
+    def __getattr__(self, name):
+        return getattr(self._pool, name)
+
+
+@pytest.mark.parametrize("tier, model_streamable, expected", [
+    ("device", True, "view"), ("host", True, "stream"), ("host", False, "swap")])  # fmt: skip
+def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeypatch, tier, model_streamable, expected):
+    monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
+    trainer = PPOTrainer(strategy_cfg(small_cfg))
+    strategy = trainer.old_log_prob
+    strategy._pool = _FakeTierPool(strategy.pool, tier)
+    if not model_streamable:  # a parent reads a block's weight directly: no block order exists
+        read_embedding_outside_its_block(trainer.model)
+    trainer.fit()
+    assert strategy.reader_name == expected
+    assert (strategy.stream is not None and strategy.stream.passes == 6) == (expected == "stream")  # 3 triggers x 2 micro-batches
+    if expected == "swap":
+        assert "outside every block" in strategy.stream_error
+
+
+def test_explicit_stream_on_a_model_that_cannot_stream_warns_and_swaps(small_cfg):
+    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream"}))
+    read_embedding_outside_its_block(trainer.model)
+    with pytest.warns(RuntimeWarning, match="cannot be streamed .*using 'swap'"):
+        trainer.fit()
+    assert trainer.old_log_prob.reader_name == "swap"
+    assert trainer.old_log_prob.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
+
+
+def test_view_with_a_host_slot_and_cuda_weights_is_a_clear_error(small_cfg, monkeypatch):
+    monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
+    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "view"}))
+    with pytest.raises(ValueError, match=r"snapshot.strategy=view needs slot 0 where the model computes.*'cuda'"):
+        trainer.fit()
+
+
+@pytest.mark.parametrize("strategy, copies_per_cycle", [
+    ("auto", 1),            # trigger 0's save; triggers 1..3 read the host slot in place
+    ("view", 1),
+    ("stream", 1),          # CPU: the streamer hands out views of the slot
+    ("swap", 1 + 3 * 3),    # + per trigger k >= 1: live -> scratch, slot -> live, scratch -> live
+    ("reference", 1 + 3 * 3),  # + per trigger k >= 1: save live, restore slot 0, restore live
+])  # fmt: skip
+def test_weight_bytes_each_strategy_moves_in_a_cycle(small_cfg, strategy, copies_per_cycle):
+    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": strategy}))
+    nbytes = sum(p.nbytes for p in trainer.model.parameters())
+    trainer.fit()
+    assert trainer.old_log_prob.moved_bytes == copies_per_cycle * nbytes
+
+
+def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(small_cfg, monkeypatch):
+    delay_s = 0.4  # every CPU copy task of the engine first sleeps this long
+    monkeypatch.setattr(dppo.snapshot, "SnapshotPool", functools.partial(dppo.snapshot.SnapshotPool, _copy_delay_s=delay_s))
+    trainer = PPOTrainer(strategy_cfg(small_cfg))
+    strategy = trainer.old_log_prob
+    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
+    ids = torch.randint(0, trainer.task.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
+    batch = TrainBatch(ids, torch.ones(8, 4, dtype=torch.bool), torch.zeros(8, 4), torch.zeros(8),
+                       torch.arange(8), torch.zeros(8, dtype=torch.long))  # fmt: skip
+    start = time.perf_counter()
+    strategy.compute(0, batch)  # save(0) + the forward pass over the live weights
+    assert time.perf_counter() - start < delay_s, "the save must not block the old-log-prob forward pass"
+    with torch.no_grad():
+        for p in trainer.model.parameters():
+            p.grad = torch.ones_like(p)
+    trainer.optimizer.step()  # pool.guard: waits for the pending save before it writes a weight
+    slot = strategy.pool.view(0)
+    for name, value in before.items():
+        assert torch.equal(slot[name], value), name
+        assert not torch.equal(dict(trainer.model.named_parameters())[name], value), name
+    trainer.close()
+
+
+def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(small_cfg):
+    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"}))
+    assert isinstance(trainer.old_log_prob, ReferenceCycleStartOldLogProb)
+    trainer = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"}))
+    assert trainer.old_log_prob.name == "current"
+    trainer = PPOTrainer(strategy_cfg(small_cfg))
+    assert isinstance(trainer.old_log_prob, CycleStartOldLogProb) and trainer.old_log_prob.reader_name == "auto"
+    strategy = make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg, name="cycle_start_reference")
+    with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):
+        strategy.compute(2, None)
