@@ -1,0 +1,428 @@
+"""How much does Decoupled PPO's weight snapshot add to a sync cycle of the real trainer step, against bypass mode and against the reference (verl v1) scheme?
+
+One run times whole sync cycles of dppo's own PPOTrainer step (the trainer's begin_cycle, train_trigger and
+end_cycle: old log-probs, advantages, rollout correction, loss, backward, fused AdamW step; no Ray, no
+rollout wait or weight publish) on synthetic batches with fixed seeds, for parameter_sync_step in
+{1, 2, 4, 8}, a few model sizes (random weights from a Qwen2 config) and these modes:
+
+    bypass               algorithm.rollout_correction.bypass_mode=true: no old-log-prob forward, no snapshot
+    recompute-only       algorithm.prox_anchor=current: the same old-log-prob forward passes as the decoupled
+                         modes, over the live weights, and no snapshot work at all
+    decoupled-auto       snapshot.strategy=auto (the default): trigger 0's save overlaps its forward pass;
+                         k >= 1 reads slot 0 in place (CPU, device tier) or streams it layer by layer (GPU)
+    decoupled-swap       snapshot.strategy=swap: k >= 1 swaps slot 0 in and out around the forward pass
+    decoupled-reference  snapshot.strategy=reference: blocking per-parameter pageable copies, as in verl v1
+
+Figures per (size, parameter_sync_step, mode), medians of --repeats cycles after a warm-up, all modes of a
+configuration interleaved over the same model and optimizer (so load from other processes falls on all):
+    cycle_s               one sync cycle
+    old_log_prob_s        the old-log-prob computations of the cycle (strategy.compute)
+    overhead_vs_bypass_s  cycle(mode) - cycle(bypass): the snapshot AND the extra old-log-prob forward passes
+    exposed_snapshot_s    cycle(mode) - cycle(recompute-only): what the snapshot work adds that the same
+                          forward passes without any snapshot do not; the targets are judged on this
+    moved_mb              weight bytes the snapshot work copies per cycle (saves, swaps, streamed steps)
+
+Targets (issue 5), judged at the largest size, summed over parameter_sync_step in {2, 4, 8} (at 1 there
+is no snapshot):
+    CPU: exposed_snapshot(decoupled-auto) <= 25% of exposed_snapshot(decoupled-reference)
+    GPU: exposed_snapshot(decoupled-auto) <= 10% of cycle(bypass), with a host slot
+Checks: the old log-probs of every decoupled mode (and of the stream and view readers) equal each other and
+a deep copy of the cycle-start weights (bitwise on the CPU, within 1e-6 on a GPU); on a GPU, the streamed
+pass's peak extra device memory is at most two steps' (layers') bytes plus alignment.
+Prints a table and writes JSON (--out). Defaults finish in under 3 minutes on a 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import platform
+import statistics
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import torch
+
+from dppo.rollout import TrainBatch
+from dppo.trainer.config import load_config
+from dppo.trainer.ppo import PPOTrainer
+
+# name -> (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size) of the Qwen2-style model
+SIZES = {
+    "tiny": (32, 2, 2, 64),  # smoke tests
+    "1m": (128, 4, 2, 512),
+    "13m": (320, 8, 5, 1280),
+    "53m": (576, 10, 9, 2304),
+    "94m": (768, 10, 12, 3072),
+    "0.4b": (1024, 24, 16, 4096),
+    "1.2b": (2048, 24, 16, 5632),
+    "2.5b": (2560, 32, 20, 6912),
+}
+CPU_SIZES, GPU_SIZES = ["1m", "13m", "53m"], ["0.4b", "1.2b"]
+# per trigger: sequences (all in one micro-batch), responses per prompt (rollout.n), prompt and response tokens
+CPU_BATCH, GPU_BATCH = (2, 2, 4, 4), (48, 4, 64, 64)
+MODES = {
+    "bypass": {"algorithm.rollout_correction.bypass_mode": True},
+    "recompute-only": {"algorithm.prox_anchor": "current"},
+    "decoupled-auto": {"snapshot.strategy": "auto"},
+    "decoupled-swap": {"snapshot.strategy": "swap"},
+    "decoupled-reference": {"snapshot.strategy": "reference"},
+}
+# The old-log-prob check also covers the readers auto does not pick on this device.
+CHECKED = ["decoupled-auto", "decoupled-view", "decoupled-stream", "decoupled-swap", "decoupled-reference"]
+CHECK_OVERRIDES = {
+    "decoupled-view": {"snapshot.strategy": "view", "snapshot.device_budget_bytes": 1 << 40},  # GPU: a device-tier slot
+    "decoupled-stream": {"snapshot.strategy": "stream"},
+}
+CHECK_LR = 1e-2  # large steps, so that the live weights visibly leave the cycle-start weights within the check
+ALIGN_BYTES = 256  # the engine's staging alignment (csrc/layout.h kAlignBytes)
+MB = 1e6
+
+
+# ---- trainers ----------------------------------------------------------------------------------------
+def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_dir: str, batch: tuple[int, int, int, int]):
+    hidden, layers, heads, inter = SIZES[size]
+    sequences, group_size, _, response = batch
+    overrides = {
+        "trainer.parameter_sync_step": ps,
+        "trainer.train_batch_size": ps * sequences // group_size,
+        "trainer.output_dir": out_dir,
+        "trainer.mode": "sync",
+        "trainer.device": device,
+        "trainer.eval_prompts": 0,
+        "trainer.checkpoint_every": 0,
+        "trainer.progress_bar": False,
+        "ray.enabled": False,
+        "rollout.n": group_size,
+        "rollout.max_new_tokens": response,
+        "actor.micro_batch_size": sequences,
+        "actor.lr": 1e-5,
+        "model.hidden_size": hidden,
+        "model.num_hidden_layers": layers,
+        "model.num_attention_heads": heads,
+        "model.intermediate_size": inter,
+        "model.dtype": "bfloat16" if device == "cuda" else "float32",
+        "snapshot.device_budget_bytes": 0,  # host slots: the GPU target is stated for them
+        **mode_overrides,
+    }
+    return load_config([f"{k}={v}" for k, v in overrides.items()])
+
+
+def mode_trainer(base: PPOTrainer, cfg) -> PPOTrainer:
+    """A trainer for cfg's algorithm settings sharing base's model, optimizer and task (PPOTrainer.setup())."""
+    trainer = copy.copy(base)
+    trainer.cfg = cfg
+    trainer.setup()
+    return trainer
+
+
+def synthetic_batches(vocab: int, batch: tuple[int, int, int, int], count: int, device: torch.device) -> list[TrainBatch]:
+    """count trigger batches: random tokens, all response tokens valid, 0/1 rewards, plausible behavior log-probs."""
+    sequences, group_size, prompt, response = batch
+    gen = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(count):
+        out.append(TrainBatch(
+            input_ids=torch.randint(0, vocab, (sequences, prompt + response), generator=gen),
+            response_mask=torch.ones(sequences, response, dtype=torch.bool),
+            behav_logp=(-torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(sequences, response, generator=gen)).clamp(max=0),
+            scores=torch.randint(0, 2, (sequences,), generator=gen).float(),
+            group_index=torch.arange(sequences) // group_size,
+            versions=torch.zeros(sequences // group_size, dtype=torch.long),
+        ).to(device))  # fmt: skip
+    return out
+
+
+# ---- timing ------------------------------------------------------------------------------------------
+class Clock:
+    """Host clock on the CPU; CUDA events on the current stream on a GPU."""
+
+    def __init__(self, cuda: bool) -> None:
+        self.cuda = cuda
+
+    def start(self):
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    def seconds(self, start, stop) -> float:
+        return start.elapsed_time(stop) / 1e3 if self.cuda else stop - start
+
+
+class OldLogProbTimer:
+    """Wraps trainer.old_log_prob.compute and sums its time over a cycle."""
+
+    def __init__(self, trainer: PPOTrainer, clock: Clock) -> None:
+        self.clock, self.spans = clock, []
+        self.inner = trainer.old_log_prob.compute
+        trainer.old_log_prob.compute = self
+
+    def __call__(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
+        start = self.clock.start()
+        out = self.inner(trigger, batch)
+        self.spans.append((start, self.clock.start()))
+        return out
+
+    def take_s(self) -> float:
+        total = sum(self.clock.seconds(a, b) for a, b in self.spans)
+        self.spans.clear()
+        return total
+
+
+def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Clock) -> float:
+    """One sync cycle of the trainer's own hooks (as BaseTrainer.run_cycle, minus rollout fetch and publish)."""
+    if clock.cuda:
+        torch.cuda.synchronize()
+    start = clock.start()
+    trainer.begin_cycle()
+    for k in range(ps):
+        trainer.local_trigger_step = k
+        trainer.train_trigger(batches[k])
+    trainer.end_cycle()
+    stop = clock.start()
+    if clock.cuda:
+        torch.cuda.synchronize()
+    return clock.seconds(start, stop)
+
+
+# ---- the old-log-prob check ----------------------------------------------------------------------------
+def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], cuda: bool) -> dict:
+    """One 3-trigger cycle per CHECKED mode from the same weights and optimizer state; the old log-probs of
+    every trigger compared with those of a deep copy of the cycle-start weights. On a GPU also measures the
+    streamed pass's peak extra device memory (over the same forward pass on the live weights)."""
+    model, optimizer = base.model, base.optimizer
+    start_model = {k: v.clone() for k, v in model.state_dict().items()}
+    start_optim = copy.deepcopy(optimizer.state_dict())
+    anchor = copy.deepcopy(model)
+    expected = [base.score(anchor, b) for b in batches[:3]]
+    del anchor
+    worst, equal, live_moved, memory = 0.0, True, True, {}
+    for mode in CHECKED:
+        model.load_state_dict(start_model)
+        optimizer.load_state_dict(start_optim)
+        trainer = mode_trainer(base, make_cfg(3, {**MODES.get(mode, {}), **CHECK_OVERRIDES.get(mode, {}),
+                                                  "actor.lr": CHECK_LR}))  # fmt: skip
+        if cuda and mode == "decoupled-stream":
+            memory = stream_memory(trainer, batches)
+        got = []
+        inner = trainer.old_log_prob.compute
+
+        def capture(trigger, batch, inner=inner, got=got):
+            logp = inner(trigger, batch)
+            got.append(logp.clone())
+            return logp
+
+        trainer.old_log_prob.compute = capture
+        run_cycle(trainer, 3, batches, Clock(False))
+        if cuda and mode == "decoupled-stream":
+            memory["staging_bytes"] = trainer.old_log_prob.stream.streamer.staging_bytes
+        live_moved &= not torch.equal(base.score(model, batches[2]), expected[2])  # else the check proves nothing
+        trainer.close()
+        for logp, want in zip(got, expected, strict=True):
+            equal &= torch.equal(logp, want)
+            worst = max(worst, float((logp - want).abs().max()))
+    model.load_state_dict(start_model)
+    optimizer.load_state_dict(start_optim)
+    ok = (equal if not cuda else worst <= 1e-6) and live_moved
+    return {"modes": CHECKED, "bitwise_equal": equal, "max_abs_diff": worst, "live_moved": live_moved, "ok": ok,
+            "memory": memory}  # fmt: skip
+
+
+def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
+    """Peak device memory of one streamed old-log-prob pass minus that of the same pass on the live weights."""
+    strategy = trainer.old_log_prob
+    strategy.compute(0, batches[0])  # fills slot 0
+    strategy.compute(1, batches[1])  # traces the schedule and allocates the staging buffers
+
+    def peak(fn) -> int:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        fn()
+        torch.cuda.synchronize()
+        return torch.cuda.max_memory_allocated() - before
+
+    strategy.pool.release()  # the staging buffers count as extra: let the streamed pass allocate them again
+    streamed = peak(lambda: strategy.compute(1, batches[1]))
+    strategy.pool.clear(0)
+    live = peak(lambda: trainer.score(trainer.model, batches[1]))
+    steps = strategy.stream.schedule.steps
+    sizes = dict(trainer.model.named_parameters(remove_duplicate=False))
+    largest = max(sum(sizes[n].nbytes for n in step) for step in steps)
+    limit = 2 * largest + 2 * ALIGN_BYTES * (1 + max(len(s) for s in steps))
+    return {"extra_peak_bytes": streamed - live, "two_steps_bytes": 2 * largest, "limit_bytes": limit,
+            "ok": streamed - live <= limit}  # fmt: skip
+
+
+# ---- one size ----------------------------------------------------------------------------------------
+def run_size(size: str, args, device: torch.device) -> dict:
+    cuda = device.type == "cuda"
+    batch = GPU_BATCH if cuda else CPU_BATCH
+    clock = Clock(cuda)
+    with tempfile.TemporaryDirectory() as out_dir:
+        def make_cfg(ps, overrides):
+            return trainer_config(size, ps, overrides, device.type, out_dir, batch)
+
+        built = time.perf_counter()
+        base = PPOTrainer(make_cfg(2, MODES["bypass"]), rollout=_NoRollout())
+        params = sum(p.numel() for p in base.model.parameters())
+        nbytes = sum(p.nbytes for p in base.model.parameters())
+        batches = synthetic_batches(base.task.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
+        print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, built in {time.perf_counter() - built:.1f} s]",
+              flush=True)  # fmt: skip
+        check = check_old_log_probs(base, make_cfg, batches, cuda)
+        rows = []
+        for ps in args.ps:
+            trainers = {mode: mode_trainer(base, make_cfg(ps, overrides)) for mode, overrides in MODES.items()}
+            timers = {mode: OldLogProbTimer(t, clock) for mode, t in trainers.items()}
+            cycles = {mode: [] for mode in MODES}
+            logp_s = {mode: [] for mode in MODES}
+            moved = {mode: 0 for mode in MODES}
+            for mode, trainer in trainers.items():  # warm-up: arenas, staging buffers, the stream trace
+                run_cycle(trainer, min(ps, 2), batches, clock)
+                timers[mode].take_s()
+            for rep in range(args.repeats):
+                order = list(MODES)[rep % len(MODES):] + list(MODES)[: rep % len(MODES)]  # rotate who goes first
+                for mode in order:
+                    before = trainers[mode].old_log_prob.moved_bytes
+                    cycles[mode].append(run_cycle(trainers[mode], ps, batches, clock))
+                    logp_s[mode].append(timers[mode].take_s())
+                    moved[mode] = trainers[mode].old_log_prob.moved_bytes - before
+            readers = {mode: reader_of(t.old_log_prob) for mode, t in trainers.items()}
+            for trainer in trainers.values():
+                trainer.close()
+            del trainers, timers
+            rows.extend(size_rows(size, params, ps, cycles, logp_s, moved, readers))
+            print(f"  ps={ps}: " + ", ".join(f"{m} {statistics.median(c):.3f}s" for m, c in cycles.items()), flush=True)
+        base.close()
+        del base
+    return {"size": size, "params": params, "bytes": nbytes, "check": check, "rows": rows}
+
+
+def reader_of(strategy) -> str:
+    """What computed the old log-probs at triggers k >= 1: a slot reader, or the strategy itself."""
+    if strategy.name == "cycle_start_reference":
+        return "reference"
+    return getattr(strategy, "reader_name", strategy.name)
+
+
+class _NoRollout:
+    """The benchmark feeds batches itself; the trainer's rollout is never used."""
+
+
+def size_rows(size, params, ps, cycles, logp_s, moved, readers) -> list[dict]:
+    med = {mode: statistics.median(c) for mode, c in cycles.items()}
+    return [{
+        "size": size, "params": params, "ps": ps, "mode": mode, "reader": readers[mode],
+        "cycle_s": med[mode], "old_log_prob_s": statistics.median(logp_s[mode]),
+        "overhead_vs_bypass_s": med[mode] - med["bypass"], "exposed_snapshot_s": med[mode] - med["recompute-only"],
+        "moved_mb": moved[mode] / MB, "cycles_s": cycles[mode],
+    } for mode in cycles]  # fmt: skip
+
+
+# ---- report ------------------------------------------------------------------------------------------
+def print_table(rows: list[dict]) -> None:
+    head = (f"{'size':<5} {'ps':>2} {'mode':<20} {'reader':<9} {'cycle s':>8} {'old-logp s':>10} "
+            f"{'vs bypass s':>11} {'exposed snap s':>14} {'moved MB':>9}")  # fmt: skip
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['size']:<5} {r['ps']:>2} {r['mode']:<20} {r['reader']:<9} {r['cycle_s']:>8.3f} "
+              f"{r['old_log_prob_s']:>10.3f} {r['overhead_vs_bypass_s']:>+11.3f} {r['exposed_snapshot_s']:>+14.3f} "
+              f"{r['moved_mb']:>9.0f}")  # fmt: skip
+
+
+def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
+    """(line, passed) per target; ratios at the largest size, summed over parameter_sync_step >= 2."""
+    largest = max(results, key=lambda r: r["params"])
+    rows = [r for r in largest["rows"] if r["ps"] >= 2]
+
+    def total(mode: str, key: str) -> float:
+        return sum(r[key] for r in rows if r["mode"] == mode)
+
+    auto = total("decoupled-auto", "exposed_snapshot_s")
+    out = []
+    if cuda:
+        bypass = total("bypass", "cycle_s")
+        ratio = auto / bypass
+        out.append((f"GPU target, {largest['size']}: exposed snapshot of decoupled-auto {auto:.3f} s = {ratio:.1%} of "
+                    f"the bypass cycles' {bypass:.3f} s (target <= 10%)", ratio <= 0.10))  # fmt: skip
+        mem = largest["check"]["memory"]
+        if mem:
+            out.append((f"streamed pass, {largest['size']}: peak extra device memory {mem['extra_peak_bytes'] / MB:.1f} MB "
+                        f"(staging {mem['staging_bytes'] / MB:.1f} MB) vs two largest steps {mem['two_steps_bytes'] / MB:.1f} MB "
+                        f"+ alignment", mem["ok"]))  # fmt: skip
+    else:
+        reference = total("decoupled-reference", "exposed_snapshot_s")
+        ratio = auto / reference if reference > 0 else float("inf")
+        out.append((f"CPU target, {largest['size']}: exposed snapshot of decoupled-auto {auto:.3f} s = {ratio:.1%} of "
+                    f"decoupled-reference's {reference:.3f} s (target <= 25%)", ratio <= 0.25))  # fmt: skip
+    for res in results:
+        c = res["check"]
+        how = "bitwise equal" if c["bitwise_equal"] else f"max |diff| {c['max_abs_diff']:.2e}"
+        how += "" if c["live_moved"] else " BUT the live weights never moved, so this proves nothing"
+        out.append((f"old log-probs, {res['size']}: {', '.join(c['modes'])} vs a deep copy of the cycle-start weights: "
+                    f"{how} (required: {'<= 1e-6' if cuda else 'bitwise'})", c["ok"]))  # fmt: skip
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpu", action="store_true", help="run on CUDA with the GPU sizes (bf16, host slots)")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), help=f"default: {CPU_SIZES} (CPU), {GPU_SIZES} (GPU)")
+    parser.add_argument("--ps", nargs="+", type=int, default=[1, 2, 4, 8], help="parameter_sync_step values")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", type=Path, default=Path("bench_out/cycle_bench.json"))
+    args = parser.parse_args(argv)
+    if args.gpu and not torch.cuda.is_available():
+        parser.error("--gpu: torch.cuda.is_available() is False")
+    if min(args.ps) < 1 or args.repeats < 1:
+        parser.error(f"--ps values and --repeats must be >= 1, got {args.ps} and {args.repeats}")
+    device = torch.device("cuda" if args.gpu else "cpu")
+    sizes = args.sizes or (GPU_SIZES if args.gpu else CPU_SIZES)
+    torch.set_num_threads(1)  # as the trainer (trainer.num_threads); the engine's copy threads use the rest
+
+    started = time.perf_counter()
+    meta = {
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "device": torch.cuda.get_device_name(device) if args.gpu else platform.processor() or "cpu",
+        "cpus": os.cpu_count(),
+        "torch": torch.__version__,
+        "loadavg_before": os.getloadavg(),
+        "repeats": args.repeats,
+        "batch": GPU_BATCH if args.gpu else CPU_BATCH,
+    }
+    results = []
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    for size in sizes:
+        results.append(run_size(size, args, device))
+        args.out.write_text(json.dumps({"meta": meta, "results": results, "partial": True}, indent=1))  # survives a timeout
+    meta["loadavg_after"] = os.getloadavg()
+    meta["wall_s"] = time.perf_counter() - started
+    rows = [r for res in results for r in res["rows"]]
+    sequences, group_size, prompt, response = meta["batch"]
+    print(f"\ncycle_bench on {meta['device']} ({meta['cpus']} CPUs, torch {meta['torch']}): median of {args.repeats} "
+          f"cycles after a warm-up; per trigger {sequences // group_size} groups of {group_size} sequences of "
+          f"{prompt}+{response} tokens; load avg "
+          f"{meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}; {meta['wall_s']:.0f} s")  # fmt: skip
+    print("vs bypass = cycle(mode) - cycle(bypass): snapshot work AND the old-log-prob forward passes bypass skips")
+    print("exposed snap = cycle(mode) - cycle(recompute-only): only what the snapshot work adds (targets use this)")
+    print_table(rows)
+    goals = targets(results, args.gpu)
+    print()
+    for line, ok in goals:
+        print(f"{'PASS' if ok else 'FAIL'}  {line}")
+    args.out.write_text(json.dumps({"meta": meta, "results": results, "targets": [
+        {"line": line, "pass": ok} for line, ok in goals]}, indent=1))  # fmt: skip
+    print(f"wrote {args.out}")
+    return 0 if all(ok for _, ok in goals) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

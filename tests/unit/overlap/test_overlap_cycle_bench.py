@@ -1,0 +1,36 @@
+"""benchmarks/cycle_bench.py end to end on the smallest size: every mode at every parameter_sync_step, the
+figures consistent with their definitions, and the old-log-prob check passing bitwise."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "cycle_bench.py"
+
+
+def test_cycle_bench_runs_every_mode_and_checks_the_old_log_probs(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("cycle_bench", BENCH)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    out = tmp_path / "cycle.json"
+    bench.main(["--sizes", "tiny", "--ps", "1", "2", "--repeats", "1", "--out", str(out)])
+    printed = capsys.readouterr().out
+    data = json.loads(out.read_text())
+    (result,) = data["results"]
+    assert result["check"]["ok"] and result["check"]["bitwise_equal"] and result["check"]["live_moved"]
+    rows = {(r["ps"], r["mode"]): r for r in result["rows"]}
+    assert set(rows) == {(ps, mode) for ps in (1, 2) for mode in bench.MODES}
+    for (ps, mode), r in rows.items():
+        assert r["overhead_vs_bypass_s"] == r["cycle_s"] - rows[ps, "bypass"]["cycle_s"]
+        assert r["exposed_snapshot_s"] == r["cycle_s"] - rows[ps, "recompute-only"]["cycle_s"]
+        assert r["reader"] == {1: "current"}.get(ps, r["reader"]) if mode != "bypass" else r["reader"] == "bypass"
+    assert rows[2, "decoupled-auto"]["reader"] == "view" and rows[2, "decoupled-reference"]["reader"] == "reference"
+    nbytes_mb = result["bytes"] / 1e6
+    assert rows[2, "decoupled-auto"]["moved_mb"] == nbytes_mb  # the save of trigger 0 only
+    assert rows[2, "decoupled-reference"]["moved_mb"] == 4 * nbytes_mb  # save + save, restore, restore at k = 1
+    assert rows[1, "decoupled-auto"]["moved_mb"] == 0
+    assert "exposed snap = cycle(mode) - cycle(recompute-only)" in printed
+    assert any(line.startswith(("PASS  CPU target", "FAIL  CPU target")) for line in printed.splitlines())
+    assert "PASS  old log-probs, tiny" in printed
