@@ -11,21 +11,57 @@ namespace dppo {
 
 namespace {
 
+// Upper bound on the copies of one cudaMemcpyBatchAsync call.
+constexpr size_t kMaxBatch = 4096;
+
+// For destructors and fallbacks: a failed call is dropped, and so is the error it left behind for the next
+// cudaGetLastError() (which torch checks after its own kernel launches).
+void quiet(cudaError_t err) noexcept {
+  if (err != cudaSuccess) (void)cudaGetLastError();
+}
+
+// Makes `device` current until the end of the scope, without throwing (destructors). Switching first means a
+// handle is released in its own device's context and never creates a context on whatever device is current.
+class QuietDeviceScope {
+ public:
+  explicit QuietDeviceScope(int device) noexcept {
+    int current = -1;
+    const cudaError_t err = cudaGetDevice(&current);
+    if (err != cudaSuccess) {
+      quiet(err);
+      return;
+    }
+    if (current == device) return;
+    const cudaError_t set = cudaSetDevice(device);
+    if (set == cudaSuccess) {
+      previous_ = current;
+    } else {
+      quiet(set);
+    }
+  }
+  ~QuietDeviceScope() {
+    if (previous_ >= 0) quiet(cudaSetDevice(previous_));
+  }
+  QuietDeviceScope(const QuietDeviceScope&) = delete;
+  QuietDeviceScope& operator=(const QuietDeviceScope&) = delete;
+
+ private:
+  int previous_ = -1;
+};
+
 // Large arenas are pinned in chunks of this size; copies never cross a chunk boundary, so every copy
 // stays inside one registered range.
 constexpr size_t kPinChunkBytes = size_t{1} << 30;
-// Upper bound on the copies of one cudaMemcpyBatchAsync call.
-constexpr size_t kMaxBatch = 4096;
 
 // Page-locked host arena: mmap'ed, then registered with cudaHostRegister chunk by chunk.
 class PinnedHostArena : public HostArena {
  public:
-  explicit PinnedHostArena(size_t bytes) : HostArena(bytes) {
+  PinnedHostArena(size_t bytes, int device) : HostArena(bytes), device_(device) {
     for (size_t off = 0; off < this->bytes(); off += kPinChunkBytes) {
       const size_t n = std::min(kPinChunkBytes, this->bytes() - off);
       const cudaError_t err = cudaHostRegister(data() + off, n, cudaHostRegisterPortable);
       if (err != cudaSuccess) {
-        (void)cudaGetLastError();  // do not leave the error for the next, unrelated CUDA call
+        quiet(err);  // do not leave the error for the next, unrelated CUDA call
         unpin();
         throw SnapshotMemoryError(cat("pinning a host arena of ", this->bytes(), " bytes failed at offset ", off,
                                       ": cudaHostRegister: ", cudaGetErrorString(err)));
@@ -33,14 +69,18 @@ class PinnedHostArena : public HostArena {
       registered_.push_back(data() + off);
     }
   }
-  ~PinnedHostArena() override { unpin(); }
+  ~PinnedHostArena() override {
+    QuietDeviceScope on(device_);
+    unpin();  // before the base class unmaps the memory
+  }
   bool pinned() const override { return true; }
 
  private:
   void unpin() noexcept {
-    for (uint8_t* p : registered_) (void)cudaHostUnregister(p);
+    for (uint8_t* p : registered_) quiet(cudaHostUnregister(p));
     registered_.clear();
   }
+  int device_;
   std::vector<uint8_t*> registered_;
 };
 
@@ -53,22 +93,28 @@ void cuda_check(cudaError_t err, const char* call) {
   }
 }
 
-CudaEvent::CudaEvent(bool timing) {
+CudaEvent::CudaEvent(int device, bool timing) : device_(device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cuda_check(cudaEventCreateWithFlags(&event_, timing ? cudaEventDefault : cudaEventDisableTiming),
              "cudaEventCreateWithFlags");
 }
 
 CudaEvent::~CudaEvent() {
-  if (event_ != nullptr) (void)cudaEventDestroy(event_);  // released by the driver once it has completed
+  if (event_ == nullptr) return;
+  QuietDeviceScope on(device_);
+  quiet(cudaEventDestroy(event_));  // the driver releases it once its last record has completed
 }
 
-CudaStream::CudaStream() { cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags"); }
+CudaStream::CudaStream(int device) : device_(device) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cuda_check(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "cudaStreamCreateWithFlags");
+}
 
 CudaStream::~CudaStream() {
-  if (stream_ != nullptr) {
-    (void)cudaStreamSynchronize(stream_);
-    (void)cudaStreamDestroy(stream_);
-  }
+  if (stream_ == nullptr) return;
+  QuietDeviceScope on(device_);
+  quiet(cudaStreamSynchronize(stream_));
+  quiet(cudaStreamDestroy(stream_));
 }
 
 CudaTicket::CudaTicket(std::shared_ptr<CudaEvent> start, std::shared_ptr<CudaEvent> end)
@@ -88,29 +134,22 @@ void CudaTicket::wait() { cuda_check(cudaEventSynchronize(end_->get()), "cudaEve
 
 double CudaTicket::seconds() {
   if (!start_) return 0.0;
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(end_->device()));
   float ms = 0;
   cuda_check(cudaEventElapsedTime(&ms, start_->get(), end_->get()), "cudaEventElapsedTime");
   return ms / 1e3;
 }
 
 CudaEngine::CudaEngine(int device_index) : device_(device_index) {
-  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  save_ = std::make_unique<CudaStream>();
-  load_ = std::make_unique<CudaStream>();
+  save_ = std::make_unique<CudaStream>(device_);
+  load_ = std::make_unique<CudaStream>(device_);
 }
 
-CudaEngine::~CudaEngine() {
-  try {
-    c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-    save_.reset();  // each stream synchronizes before it is destroyed
-    load_.reset();
-  } catch (...) {
-  }
-}
+CudaEngine::~CudaEngine() = default;  // each stream finishes its work before it is destroyed
 
 std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  return std::make_unique<PinnedHostArena>(bytes);
+  return std::make_unique<PinnedHostArena>(bytes, device_);
 }
 
 size_t CudaEngine::arena_split_bytes() const { return kPinChunkBytes; }
@@ -172,19 +211,26 @@ void CudaEngine::issue_ranges(cudaStream_t stream, const std::vector<Range>& ran
 TicketPtr CudaEngine::copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   cudaStream_t stream = dir == Direction::kSave ? save_->get() : load_->get();
-  CudaEvent caller_done(/*timing=*/false);
+  CudaEvent caller_done(device_, /*timing=*/false);
   cuda_check(cudaEventRecord(caller_done.get(), caller_stream()), "cudaEventRecord");
   cuda_check(cudaStreamWaitEvent(stream, caller_done.get(), 0), "cudaStreamWaitEvent");
   for (const auto& dep : deps) wait_on(stream, dep);
-  auto start = std::make_shared<CudaEvent>(/*timing=*/true);
-  auto end = std::make_shared<CudaEvent>(/*timing=*/true);
-  cuda_check(cudaEventRecord(start->get(), stream), "cudaEventRecord");
-  issue_ranges(stream, job.ranges);
-  if (!job.tasks.empty()) {
-    c10::cuda::CUDAStreamGuard on_stream(c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device_)));
-    for (auto& task : job.tasks) task();  // strided tensor copies, queued by ATen on `stream`
+  auto start = std::make_shared<CudaEvent>(device_, /*timing=*/true);
+  auto end = std::make_shared<CudaEvent>(device_, /*timing=*/true);
+  try {
+    cuda_check(cudaEventRecord(start->get(), stream), "cudaEventRecord");
+    issue_ranges(stream, job.ranges);
+    if (!job.tasks.empty()) {
+      c10::cuda::CUDAStreamGuard on_stream(c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device_)));
+      for (auto& task : job.tasks) task();  // strided tensor copies, queued by ATen on `stream`
+    }
+    cuda_check(cudaEventRecord(end->get(), stream), "cudaEventRecord");
+  } catch (...) {
+    // Part of the job may be queued, and no ticket will track it: let it finish before the caller frees or
+    // reuses the memory it touches.
+    quiet(cudaStreamSynchronize(stream));
+    throw;
   }
-  cuda_check(cudaEventRecord(end->get(), stream), "cudaEventRecord");
   return std::make_shared<CudaTicket>(std::move(start), std::move(end));
 }
 
@@ -196,7 +242,7 @@ void CudaEngine::order_after(const std::vector<TicketPtr>& tickets) {
 
 TicketPtr CudaEngine::mark_caller() {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  auto marker = std::make_shared<CudaEvent>(/*timing=*/false);
+  auto marker = std::make_shared<CudaEvent>(device_, /*timing=*/false);
   cuda_check(cudaEventRecord(marker->get(), caller_stream()), "cudaEventRecord");
   return std::make_shared<CudaTicket>(nullptr, std::move(marker));
 }

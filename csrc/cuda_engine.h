@@ -15,27 +15,32 @@ namespace dppo {
 // Throws SnapshotError("<call> failed: <cudaGetErrorString>") unless err is cudaSuccess.
 void cuda_check(cudaError_t err, const char* call);
 
+// RAII wrappers. Each remembers its device: destroying it (or querying it) makes that device current first,
+// so that no CUDA context is ever created on another device as a side effect, and never throws.
 class CudaEvent {
  public:
-  explicit CudaEvent(bool timing);
+  CudaEvent(int device, bool timing);
   ~CudaEvent();
   CudaEvent(const CudaEvent&) = delete;
   CudaEvent& operator=(const CudaEvent&) = delete;
   cudaEvent_t get() const { return event_; }
+  int device() const { return device_; }
 
  private:
+  int device_;
   cudaEvent_t event_ = nullptr;
 };
 
 class CudaStream {
  public:
-  CudaStream();  // a non-blocking stream on the current device
-  ~CudaStream();
+  explicit CudaStream(int device);  // a non-blocking stream on `device`
+  ~CudaStream();                    // waits for the stream's work, then destroys it
   CudaStream(const CudaStream&) = delete;
   CudaStream& operator=(const CudaStream&) = delete;
   cudaStream_t get() const { return stream_; }
 
  private:
+  int device_;
   cudaStream_t stream_ = nullptr;
 };
 
