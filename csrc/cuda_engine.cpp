@@ -2,8 +2,10 @@
 
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/Exception.h>
 
 #include <algorithm>
+#include <string>
 
 #include "errors.h"
 
@@ -53,27 +55,31 @@ class QuietDeviceScope {
 // stays inside one registered range.
 constexpr size_t kPinChunkBytes = size_t{1} << 30;
 
-// Page-locked host arena: mmap'ed, then registered with cudaHostRegister chunk by chunk.
-class PinnedHostArena : public HostArena {
+// Page-locked host arena: mmap'ed, then registered with cudaHostRegister chunk by chunk. If the driver refuses
+// a chunk, what was registered is undone and error() says why (the engine then falls back to cudaHostAlloc).
+class RegisteredHostArena : public HostArena {
  public:
-  PinnedHostArena(size_t bytes, int device) : HostArena(bytes), device_(device) {
-    for (size_t off = 0; off < this->bytes(); off += kPinChunkBytes) {
-      const size_t n = std::min(kPinChunkBytes, this->bytes() - off);
+  RegisteredHostArena(size_t bytes, size_t chunk_bytes, int device) : HostArena(bytes), device_(device) {
+    for (size_t off = 0; off < this->bytes(); off += chunk_bytes) {
+      const size_t n = std::min(chunk_bytes, this->bytes() - off);
       const cudaError_t err = cudaHostRegister(data() + off, n, cudaHostRegisterPortable);
       if (err != cudaSuccess) {
-        quiet(err);  // do not leave the error for the next, unrelated CUDA call
+        quiet(err);
+        error_ = err;
+        failed_at_ = off;
         unpin();
-        throw SnapshotMemoryError(cat("pinning a host arena of ", this->bytes(), " bytes failed at offset ", off,
-                                      ": cudaHostRegister: ", cudaGetErrorString(err)));
+        return;
       }
       registered_.push_back(data() + off);
     }
   }
-  ~PinnedHostArena() override {
+  ~RegisteredHostArena() override {
     QuietDeviceScope on(device_);
     unpin();  // before the base class unmaps the memory
   }
-  bool pinned() const override { return true; }
+  bool pinned() const override { return error_ == cudaSuccess; }
+  cudaError_t error() const { return error_; }
+  size_t failed_at() const { return failed_at_; }
 
  private:
   void unpin() noexcept {
@@ -82,6 +88,22 @@ class PinnedHostArena : public HostArena {
   }
   int device_;
   std::vector<uint8_t*> registered_;
+  cudaError_t error_ = cudaSuccess;
+  size_t failed_at_ = 0;
+};
+
+// Page-locked host arena from cudaHostAlloc: the fallback where cudaHostRegister is refused.
+class AllocatedHostArena : public HostArena {
+ public:
+  AllocatedHostArena(uint8_t* data, size_t bytes, int device) : HostArena(data, bytes), device_(device) {}
+  ~AllocatedHostArena() override {
+    QuietDeviceScope on(device_);
+    quiet(cudaFreeHost(data()));
+  }
+  bool pinned() const override { return true; }
+
+ private:
+  int device_;
 };
 
 }  // namespace
@@ -149,7 +171,29 @@ CudaEngine::~CudaEngine() = default;  // each stream finishes its work before it
 
 std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
-  return std::make_unique<PinnedHostArena>(bytes, device_);
+  std::string refused;
+  if (register_ok_) {
+    auto arena = std::make_unique<RegisteredHostArena>(bytes, kPinChunkBytes, device_);  // throws if mmap fails
+    if (arena->pinned()) return arena;
+    refused = cat("cudaHostRegister of ", arena->bytes(), " bytes in chunks of ", kPinChunkBytes, " failed at offset ",
+                  arena->failed_at(), ": ", cudaGetErrorString(arena->error()));
+  }
+  const size_t page = page_bytes();
+  const size_t rounded = std::max(page, (bytes + page - 1) / page * page);
+  void* p = nullptr;
+  const cudaError_t err = cudaHostAlloc(&p, rounded, cudaHostAllocPortable);
+  if (err != cudaSuccess) {
+    quiet(err);
+    throw SnapshotMemoryError(cat("pinning a host arena of ", rounded, " bytes failed: ", refused,
+                                  refused.empty() ? "" : "; then ", "cudaHostAlloc: ", cudaGetErrorString(err)));
+  }
+  if (!refused.empty()) {
+    // Some platforms (sandboxes, some drivers) refuse registration but allocate pinned memory: use it from now
+    // on rather than mapping and faulting in every arena only to be refused again.
+    register_ok_ = false;
+    TORCH_WARN("dppo.snapshot: ", refused, "; host arenas of this pool are allocated with cudaHostAlloc instead");
+  }
+  return std::make_unique<AllocatedHostArena>(static_cast<uint8_t*>(p), rounded, device_);
 }
 
 size_t CudaEngine::arena_split_bytes() const { return kPinChunkBytes; }

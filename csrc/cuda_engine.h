@@ -80,7 +80,8 @@ class CudaEngine : public Engine {
   int device_;
   std::unique_ptr<CudaStream> save_;
   std::unique_ptr<CudaStream> load_;
-  bool batch_ok_ = true;  // cleared if the driver refuses cudaMemcpyBatchAsync
+  bool batch_ok_ = true;     // cleared if the driver refuses cudaMemcpyBatchAsync
+  bool register_ok_ = true;  // cleared if cudaHostRegister is refused where cudaHostAlloc works
 };
 
 }  // namespace dppo

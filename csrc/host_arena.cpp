@@ -39,7 +39,7 @@ HostArena::HostArena(size_t bytes) {
 }
 
 HostArena::~HostArena() {
-  if (data_ != nullptr) munmap(data_, bytes_);
+  if (data_ != nullptr && mapped_) munmap(data_, bytes_);
 }
 
 }  // namespace dppo

@@ -1,5 +1,6 @@
 // An exact-size, page-aligned host buffer (anonymous mmap), pre-faulted so that the first copy into it
-// does not pay page faults. Owns its mapping; the CUDA engine derives a pinned variant.
+// does not pay page faults. Owns its mapping; the CUDA engine derives pinned variants (one registers the
+// mapping, one adopts memory from cudaHostAlloc and frees it itself).
 #pragma once
 
 #include <cstddef>
@@ -20,9 +21,14 @@ class HostArena {
   size_t bytes() const { return bytes_; }
   virtual bool pinned() const { return false; }
 
+ protected:
+  // Adopts `bytes` (a multiple of the page size) at `data`, allocated elsewhere: the subclass frees it.
+  HostArena(uint8_t* data, size_t bytes) : data_(data), bytes_(bytes), mapped_(false) {}
+
  private:
   uint8_t* data_ = nullptr;
   size_t bytes_ = 0;
+  bool mapped_ = true;  // ours to munmap
 };
 
 // Page size of this machine; arena sizes are multiples of it.
