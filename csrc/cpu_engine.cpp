@@ -179,8 +179,11 @@ uint64_t checksum_bytes(WorkerPool& workers, const uint8_t* data, size_t bytes) 
   return h;
 }
 
-CpuEngine::CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s)
-    : workers_(workers), piece_bytes_(std::max<size_t>(piece_bytes, 4096)), copy_delay_s_(copy_delay_s) {}
+CpuEngine::CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes)
+    : workers_(workers),
+      piece_bytes_(std::max<size_t>(piece_bytes, 4096)),
+      copy_delay_s_(copy_delay_s),
+      split_bytes_(split_bytes) {}
 
 std::unique_ptr<HostArena> CpuEngine::new_arena(size_t bytes) { return std::make_unique<HostArena>(bytes); }
 

@@ -74,11 +74,13 @@ uint64_t checksum_bytes(WorkerPool& workers, const uint8_t* data, size_t bytes);
 class CpuEngine : public Engine {
  public:
   // copy_delay_s: testing aid, every copy task first sleeps this long (makes async races deterministic).
-  CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s);
+  // split_bytes: no copy crosses a multiple of this many bytes of arena offset (0: none); CPU arenas are
+  // not pinned, so only tests set it, to run the chunk-splitting paths that CUDA arenas need.
+  CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes);
 
   bool is_cuda() const override { return false; }
   std::unique_ptr<HostArena> new_arena(size_t bytes) override;
-  size_t arena_split_bytes() const override { return 0; }
+  size_t arena_split_bytes() const override { return split_bytes_; }
   size_t piece_bytes() const override { return piece_bytes_; }
   bool overlaps_directions() const override { return false; }
   TicketPtr copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) override;
@@ -89,6 +91,7 @@ class CpuEngine : public Engine {
   WorkerPool& workers_;
   size_t piece_bytes_;
   double copy_delay_s_;
+  size_t split_bytes_;
 };
 
 }  // namespace dppo

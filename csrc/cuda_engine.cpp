@@ -51,10 +51,6 @@ class QuietDeviceScope {
   int previous_ = -1;
 };
 
-// Large arenas are pinned in chunks of this size; copies never cross a chunk boundary, so every copy
-// stays inside one registered range.
-constexpr size_t kPinChunkBytes = size_t{1} << 30;
-
 // Page-locked host arena: mmap'ed, then registered with cudaHostRegister chunk by chunk. If the driver refuses
 // a chunk, what was registered is undone and error() says why (the engine then falls back to cudaHostAlloc).
 class RegisteredHostArena : public HostArena {
@@ -162,7 +158,8 @@ double CudaTicket::seconds() {
   return ms / 1e3;
 }
 
-CudaEngine::CudaEngine(int device_index) : device_(device_index) {
+CudaEngine::CudaEngine(int device_index, size_t pin_chunk_bytes)
+    : device_(device_index), pin_chunk_bytes_(pin_chunk_bytes) {
   save_ = std::make_unique<CudaStream>(device_);
   load_ = std::make_unique<CudaStream>(device_);
 }
@@ -173,9 +170,9 @@ std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
   std::string refused;
   if (register_ok_) {
-    auto arena = std::make_unique<RegisteredHostArena>(bytes, kPinChunkBytes, device_);  // throws if mmap fails
+    auto arena = std::make_unique<RegisteredHostArena>(bytes, pin_chunk_bytes_, device_);  // throws if mmap fails
     if (arena->pinned()) return arena;
-    refused = cat("cudaHostRegister of ", arena->bytes(), " bytes in chunks of ", kPinChunkBytes, " failed at offset ",
+    refused = cat("cudaHostRegister of ", arena->bytes(), " bytes in chunks of ", pin_chunk_bytes_, " failed at offset ",
                   arena->failed_at(), ": ", cudaGetErrorString(arena->error()));
   }
   const size_t page = page_bytes();
@@ -195,8 +192,6 @@ std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   }
   return std::make_unique<AllocatedHostArena>(static_cast<uint8_t*>(p), rounded, device_);
 }
-
-size_t CudaEngine::arena_split_bytes() const { return kPinChunkBytes; }
 
 cudaStream_t CudaEngine::caller_stream() const {
   return c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device_)).stream();

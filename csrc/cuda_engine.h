@@ -60,12 +60,14 @@ class CudaTicket : public Ticket {
 
 class CudaEngine : public Engine {
  public:
-  explicit CudaEngine(int device_index);
+  // pin_chunk_bytes: host arenas are registered (pinned) in chunks of this many bytes, a multiple of the
+  // page size; no copy crosses a chunk boundary.
+  CudaEngine(int device_index, size_t pin_chunk_bytes);
   ~CudaEngine() override;
 
   bool is_cuda() const override { return true; }
   std::unique_ptr<HostArena> new_arena(size_t bytes) override;
-  size_t arena_split_bytes() const override;
+  size_t arena_split_bytes() const override { return pin_chunk_bytes_; }
   size_t piece_bytes() const override { return 0; }
   bool overlaps_directions() const override { return true; }
   TicketPtr copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) override;
@@ -78,6 +80,7 @@ class CudaEngine : public Engine {
   void issue_ranges(cudaStream_t stream, const std::vector<Range>& ranges);
 
   int device_;
+  size_t pin_chunk_bytes_;
   std::unique_ptr<CudaStream> save_;
   std::unique_ptr<CudaStream> load_;
   bool batch_ok_ = true;     // cleared if the driver refuses cudaMemcpyBatchAsync

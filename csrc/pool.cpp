@@ -19,6 +19,9 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
+// Default pinning chunk of CUDA host arenas: registering a large arena in pieces keeps each call short.
+constexpr size_t kPinChunkBytes = size_t{1} << 30;
+
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string hex64(uint64_t v) {
@@ -54,16 +57,22 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
     throw std::invalid_argument(cat("piece_bytes and swap_chunk_bytes must be > 0, got ", options_.piece_bytes, " and ",
                                     options_.swap_chunk_bytes));
   }
+  if (options_.pin_chunk_bytes < 0 || options_.pin_chunk_bytes % static_cast<int64_t>(page_bytes()) != 0) {
+    throw std::invalid_argument(cat("pin_chunk_bytes must be 0 or a positive multiple of the page size (", page_bytes(),
+                                    "), got ", options_.pin_chunk_bytes));
+  }
+  const auto pin_chunk = static_cast<size_t>(options_.pin_chunk_bytes);
   // The backend is chosen here, once, by the device of the tensors.
   if (layout_.device().is_cuda()) {
 #ifdef DPPO_WITH_CUDA
-    engine_ = std::make_unique<CudaEngine>(layout_.device().index());
+    engine_ = std::make_unique<CudaEngine>(layout_.device().index(), pin_chunk > 0 ? pin_chunk : kPinChunkBytes);
 #else
     throw SnapshotError("the tensors are on CUDA but dppo._C was built without CUDA; rebuild it where nvcc is found "
                         "(DPPO_FORCE_CUDA=1 makes a missing toolkit an error)");
 #endif
   } else {
-    engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s);
+    engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s,
+                                          pin_chunk);
   }
   pieces_ = layout_.pieces(engine_->piece_bytes(), engine_->arena_split_bytes());
 }
@@ -134,8 +143,14 @@ CopyJob Pool::job(Direction dir, const StoragePtr& storage, const std::vector<Ru
     j.bytes += p.bytes;
   }
   if (!with_strided) return j;
+  const size_t split = storage->on_device() ? 0 : engine_->arena_split_bytes();
   for (size_t idx : layout_.strided()) {
     const Entry& e = layout_.entries()[idx];
+    j.bytes += e.nbytes;
+    if (split > 0 && e.offset / split != (e.offset + e.nbytes - 1) / split) {
+      j.tasks.push_back(strided_across_chunks(dir, storage, e, split));
+      continue;
+    }
     at::Tensor region = alias(storage, e, e.offset, /*keep_alive=*/false);  // tickets guard it
     at::Tensor live = e.live;
     if (dir == Direction::kSave) {
@@ -149,9 +164,39 @@ CopyJob Pool::job(Direction dir, const StoragePtr& storage, const std::vector<Ru
         live.copy_(region, /*non_blocking=*/true);
       });
     }
-    j.bytes += e.nbytes;
   }
   return j;
+}
+
+// A strided tensor whose slot bytes cross a pinning chunk boundary of a host arena: one copy of it would span
+// two registrations, which the driver may treat as pageable memory (a copy that blocks the host, or that reads
+// the host bytes at issue time rather than in stream order). So it goes through a contiguous temporary on the
+// live tensor's device, copied chunk by chunk. The temporary is allocated on the queue's stream and used only
+// there, so the caching allocator's stream order keeps it alive long enough.
+std::function<void()> Pool::strided_across_chunks(Direction dir, const StoragePtr& storage, const Entry& e,
+                                                  size_t split) const {
+  std::vector<std::pair<int64_t, int64_t>> cuts;  // [begin, end) byte ranges of the entry, one per chunk
+  for (size_t at = 0; at < e.nbytes;) {
+    const size_t n = std::min(e.nbytes - at, split - (e.offset + at) % split);
+    cuts.emplace_back(static_cast<int64_t>(at), static_cast<int64_t>(at + n));
+    at += n;
+  }
+  at::Tensor slot_bytes =  // tickets guard the storage
+      at::from_blob(storage->data() + e.offset, {static_cast<int64_t>(e.nbytes)}, at::TensorOptions().dtype(at::kByte));
+  at::Tensor live = e.live;
+  if (dir == Direction::kSave) {
+    return [slot_bytes, live, cuts]() mutable {
+      at::NoGradGuard no_grad;
+      const at::Tensor flat = live.contiguous().reshape({-1}).view(at::kByte);
+      for (const auto& [a, b] : cuts) slot_bytes.slice(0, a, b).copy_(flat.slice(0, a, b), /*non_blocking=*/true);
+    };
+  }
+  return [slot_bytes, live, cuts]() mutable {
+    at::NoGradGuard no_grad;
+    const at::Tensor flat = at::empty_like(slot_bytes, at::TensorOptions().device(live.device()));
+    for (const auto& [a, b] : cuts) flat.slice(0, a, b).copy_(slot_bytes.slice(0, a, b), /*non_blocking=*/true);
+    live.copy_(flat.view(live.scalar_type()).view(live.sizes()), /*non_blocking=*/true);
+  };
 }
 
 TicketPtr Pool::issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -26,6 +27,9 @@ struct PoolOptions {
   int64_t cpu_threads = 0;           // 0: min(4, hardware threads)
   int64_t piece_bytes = 4 << 20;     // CPU copies are split into pieces of this size
   int64_t swap_chunk_bytes = 64 << 20;  // CUDA swapped(): granularity of the interleaved copies
+  // Host arenas are pinned in chunks of this many bytes (a multiple of the page size) and no copy crosses a
+  // chunk boundary. 0: the engine's default (CUDA: 1 GiB; CPU: no chunks, arenas are not pinned).
+  int64_t pin_chunk_bytes = 0;
   double copy_delay_s = 0;           // testing aid: every CPU copy task first sleeps this long
 };
 
@@ -98,6 +102,8 @@ class Pool {
 
   // Copies between the live tensors and a storage.
   CopyJob job(Direction dir, const StoragePtr& storage, const std::vector<Run>& pieces, bool with_strided) const;
+  std::function<void()> strided_across_chunks(Direction dir, const StoragePtr& storage, const Entry& e,
+                                              size_t split) const;
   // Issues a copy and tracks it for stats; `counted` says whether it counts as one call of `op`.
   TicketPtr issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted = true);
   void load_from(const StoragePtr& storage, const char* op);

@@ -76,6 +76,10 @@ class SnapshotPool:
             remaining budget lives on the device (device-to-device copies); others on the host.
         checksum: record a checksum of every save and verify it on every read of the slot
             (restore/view/swapped/streamer); a mismatch raises SnapshotError and copies nothing.
+
+    The underscored arguments are tuning and testing knobs (CPU worker threads, CPU copy piece size,
+    swapped() chunk size, host-arena pinning chunk size with 0 for the engine's default, an artificial
+    delay before every CPU copy task).
     """
 
     def __init__(
@@ -89,6 +93,7 @@ class SnapshotPool:
         _cpu_threads: int = 0,
         _piece_bytes: int = 4 << 20,
         _swap_chunk_bytes: int = 64 << 20,
+        _pin_chunk_bytes: int = 0,
         _copy_delay_s: float = 0.0,
     ) -> None:
         if max_host_bytes is not None and (isinstance(max_host_bytes, bool) or max_host_bytes < 0):
@@ -118,6 +123,7 @@ class SnapshotPool:
             cpu_threads=_cpu_threads,
             piece_bytes=_piece_bytes,
             swap_chunk_bytes=_swap_chunk_bytes,
+            pin_chunk_bytes=_pin_chunk_bytes,
             copy_delay_s=_copy_delay_s,
         )
         self._guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
