@@ -1,4 +1,4 @@
-"""How much does Decoupled PPO's weight snapshot add to a sync cycle of the real trainer step, against bypass mode and against the reference (verl v1) scheme?
+"""What does Decoupled PPO's snapshot add to a sync cycle of the real trainer step, vs bypass and verl v1's scheme?
 
 One run times whole sync cycles of dppo's own PPOTrainer step (the trainer's begin_cycle, train_trigger and
 end_cycle: old log-probs, advantages, rollout correction, loss, backward, fused AdamW step; no Ray, no
@@ -64,7 +64,7 @@ SIZES = {
 }
 CPU_SIZES, GPU_SIZES = ["1m", "13m", "53m"], ["0.4b", "1.2b"]
 # per trigger: sequences (all in one micro-batch), responses per prompt (rollout.n), prompt and response tokens
-CPU_BATCH, GPU_BATCH = (2, 2, 4, 4), (48, 4, 64, 64)
+CPU_BATCH, GPU_BATCH = (2, 2, 4, 4), (64, 4, 64, 64)  # GPU: 8192 tokens a pass, enough compute to hide a layer's copy
 MODES = {
     "bypass": {"algorithm.rollout_correction.bypass_mode": True},
     "recompute-only": {"algorithm.prox_anchor": "current"},
@@ -84,7 +84,7 @@ MB = 1e6
 
 
 # ---- trainers ----------------------------------------------------------------------------------------
-def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_dir: str, batch: tuple[int, int, int, int]):
+def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_dir: str, batch: tuple[int, ...]):
     hidden, layers, heads, inter = SIZES[size]
     sequences, group_size, _, response = batch
     overrides = {
@@ -93,6 +93,8 @@ def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_di
         "trainer.output_dir": out_dir,
         "trainer.mode": "sync",
         "trainer.device": device,
+        # CPU: dppo train's default (the engine's copy threads get the other core); GPU: a fast random init
+        "trainer.num_threads": 1 if device == "cpu" else os.cpu_count(),
         "trainer.eval_prompts": 0,
         "trainer.checkpoint_every": 0,
         "trainer.progress_bar": False,
@@ -120,16 +122,17 @@ def mode_trainer(base: PPOTrainer, cfg) -> PPOTrainer:
     return trainer
 
 
-def synthetic_batches(vocab: int, batch: tuple[int, int, int, int], count: int, device: torch.device) -> list[TrainBatch]:
+def synthetic_batches(vocab: int, batch: tuple[int, ...], count: int, device: torch.device) -> list[TrainBatch]:
     """count trigger batches: random tokens, all response tokens valid, 0/1 rewards, plausible behavior log-probs."""
     sequences, group_size, prompt, response = batch
     gen = torch.Generator().manual_seed(1234)
+    uniform_logp = -torch.log(torch.tensor(float(vocab)))  # a random-weights model's log-probs are about this
     out = []
     for _ in range(count):
         out.append(TrainBatch(
             input_ids=torch.randint(0, vocab, (sequences, prompt + response), generator=gen),
             response_mask=torch.ones(sequences, response, dtype=torch.bool),
-            behav_logp=(-torch.log(torch.tensor(float(vocab))) + 0.1 * torch.randn(sequences, response, generator=gen)).clamp(max=0),
+            behav_logp=(uniform_logp + 0.1 * torch.randn(sequences, response, generator=gen)).clamp(max=0),
             scores=torch.randint(0, 2, (sequences,), generator=gen).float(),
             group_index=torch.arange(sequences) // group_size,
             versions=torch.zeros(sequences // group_size, dtype=torch.long),
@@ -274,8 +277,8 @@ def run_size(size: str, args, device: torch.device) -> dict:
         params = sum(p.numel() for p in base.model.parameters())
         nbytes = sum(p.nbytes for p in base.model.parameters())
         batches = synthetic_batches(base.task.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
-        print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, built in {time.perf_counter() - built:.1f} s]",
-              flush=True)  # fmt: skip
+        print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
+              f"built in {time.perf_counter() - built:.1f} s]", flush=True)  # fmt: skip
         check = check_old_log_probs(base, make_cfg, batches, cuda)
         rows = []
         for ps in args.ps:
@@ -355,9 +358,9 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
                     f"the bypass cycles' {bypass:.3f} s (target <= 10%)", ratio <= 0.10))  # fmt: skip
         mem = largest["check"]["memory"]
         if mem:
-            out.append((f"streamed pass, {largest['size']}: peak extra device memory {mem['extra_peak_bytes'] / MB:.1f} MB "
-                        f"(staging {mem['staging_bytes'] / MB:.1f} MB) vs two largest steps {mem['two_steps_bytes'] / MB:.1f} MB "
-                        f"+ alignment", mem["ok"]))  # fmt: skip
+            out.append((f"streamed pass, {largest['size']}: peak extra device memory "
+                        f"{mem['extra_peak_bytes'] / MB:.1f} MB (staging {mem['staging_bytes'] / MB:.1f} MB) vs two "
+                        f"largest steps {mem['two_steps_bytes'] / MB:.1f} MB + alignment", mem["ok"]))  # fmt: skip
     else:
         reference = total("decoupled-reference", "exposed_snapshot_s")
         ratio = auto / reference if reference > 0 else float("inf")
@@ -375,7 +378,8 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="run on CUDA with the GPU sizes (bf16, host slots)")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES), help=f"default: {CPU_SIZES} (CPU), {GPU_SIZES} (GPU)")
+    parser.add_argument("--sizes", nargs="+", choices=list(SIZES),
+                        help=f"default: {CPU_SIZES} (CPU), {GPU_SIZES} (GPU)")  # fmt: skip
     parser.add_argument("--ps", nargs="+", type=int, default=[1, 2, 4, 8], help="parameter_sync_step values")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/cycle_bench.json"))
@@ -386,7 +390,6 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--ps values and --repeats must be >= 1, got {args.ps} and {args.repeats}")
     device = torch.device("cuda" if args.gpu else "cpu")
     sizes = args.sizes or (GPU_SIZES if args.gpu else CPU_SIZES)
-    torch.set_num_threads(1)  # as the trainer (trainer.num_threads); the engine's copy threads use the rest
 
     started = time.perf_counter()
     meta = {
@@ -402,7 +405,8 @@ def main(argv: list[str] | None = None) -> int:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     for size in sizes:
         results.append(run_size(size, args, device))
-        args.out.write_text(json.dumps({"meta": meta, "results": results, "partial": True}, indent=1))  # survives a timeout
+        # written after every size, so that a run stopped by a time limit keeps what it measured
+        args.out.write_text(json.dumps({"meta": meta, "results": results, "partial": True}, indent=1))
     meta["loadavg_after"] = os.getloadavg()
     meta["wall_s"] = time.perf_counter() - started
     rows = [r for res in results for r in res["rows"]]

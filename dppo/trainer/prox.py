@@ -122,7 +122,7 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         self.reader_name = name
 
     def _choose_reader(self, batch: TrainBatch) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
-        name = choose_reader(self.device_type, self._pool.tier(0), streamable=lambda: stream_of(self, batch) is not None)
+        name = choose_reader(self.device_type, self._pool.tier(0), lambda: stream_of(self, batch) is not None)
         self.reader_name = name
         return SLOT_READERS[name]
 
@@ -182,7 +182,7 @@ class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
             self.snapshot_s += time.perf_counter() - start
             return self.score(self.model, batch, None)
         if self._slot is None:
-            raise RuntimeError(f"trigger {trigger}: the reference slot 0 is empty; trigger 0 of the cycle must run first")
+            raise RuntimeError(f"trigger {trigger}: the reference slot 0 is empty; trigger 0 of a cycle comes first")
         live = self._save()
         forward_s = 0.0
         try:

@@ -70,8 +70,9 @@ def _hook_counts(model):
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "gpt2-tied"])
-def test_an_exception_inside_a_block_leaves_the_model_with_its_own_parameters(arch, snapshotted, token_batch, weights_of,
-                                                                               assert_same_weights):  # fmt: skip
+def test_an_exception_inside_a_block_leaves_the_model_with_its_own_parameters(
+    arch, snapshotted, token_batch, weights_of, assert_same_weights
+):
     model, pool, anchor = snapshotted(arch)
     ids = token_batch().input_ids
     stream = _stream(model, pool, ids)

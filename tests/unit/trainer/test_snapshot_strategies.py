@@ -76,7 +76,8 @@ def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeyp
         read_embedding_outside_its_block(trainer.model)
     trainer.fit()
     assert strategy.reader_name == expected
-    assert (strategy.stream is not None and strategy.stream.passes == 6) == (expected == "stream")  # 3 triggers x 2 micro-batches
+    streamed = strategy.stream is not None and strategy.stream.passes == 6  # 3 triggers x 2 micro-batches
+    assert streamed == (expected == "stream")
     if expected == "swap":
         assert "outside every block" in strategy.stream_error
 
@@ -113,7 +114,8 @@ def test_weight_bytes_each_strategy_moves_in_a_cycle(small_cfg, strategy, copies
 
 def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(small_cfg, monkeypatch):
     delay_s = 0.4  # every CPU copy task of the engine first sleeps this long
-    monkeypatch.setattr(dppo.snapshot, "SnapshotPool", functools.partial(dppo.snapshot.SnapshotPool, _copy_delay_s=delay_s))
+    slow_pool = functools.partial(dppo.snapshot.SnapshotPool, _copy_delay_s=delay_s)
+    monkeypatch.setattr(dppo.snapshot, "SnapshotPool", slow_pool)
     trainer = PPOTrainer(strategy_cfg(small_cfg))
     strategy = trainer.old_log_prob
     before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
@@ -141,6 +143,7 @@ def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(sma
     assert trainer.old_log_prob.name == "current"
     trainer = PPOTrainer(strategy_cfg(small_cfg))
     assert isinstance(trainer.old_log_prob, CycleStartOldLogProb) and trainer.old_log_prob.reader_name == "auto"
-    strategy = make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg, name="cycle_start_reference")
+    strategy = make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg,
+                                 name="cycle_start_reference")  # fmt: skip
     with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):
         strategy.compute(2, None)
