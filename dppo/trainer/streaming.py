@@ -262,8 +262,9 @@ class StreamedWeights:
         self._cursor, self._active = 0, None
         handles = []
         try:
+            # first in, last out: the block's own hooks also see the slot's weights
             for module in {id(b.module): b.module for b in self.schedule.blocks}.values():
-                handles.append(module.register_forward_pre_hook(self._enter))
+                handles.append(module.register_forward_pre_hook(self._enter, prepend=True))
                 handles.append(module.register_forward_hook(self._leave, always_call=True))
             yield
         finally:

@@ -219,3 +219,20 @@ def test_models_whose_parameters_are_read_outside_their_block_are_not_streamable
     with pytest.raises(NotStreamableError, match=message):
         trace_schedule(model, lambda: forward_logits(model, ids))
     assert isinstance(NotStreamableError("x"), ValueError)
+
+
+def test_a_blocks_own_hooks_see_the_slot_weights(snapshotted, token_batch):
+    model, pool, _ = snapshotted("qwen2")
+    ids = token_batch().input_ids
+    stream = _stream(model, pool, ids)
+    layer = model.model.layers[0]
+    seen = []
+    handles = [layer.register_forward_pre_hook(lambda m, a: seen.append(m.self_attn.q_proj.weight.data_ptr())),
+               layer.register_forward_hook(lambda m, a, o: seen.append(m.self_attn.q_proj.weight.data_ptr()))]
+    with torch.no_grad():
+        forward_logits(model, ids, stream)
+    for handle in handles:
+        handle.remove()
+    slot_ptr = pool.view(0)["model.layers.0.self_attn.q_proj.weight"].data_ptr()
+    assert seen == [slot_ptr, slot_ptr]
+    assert layer.self_attn.q_proj.weight.data_ptr() != slot_ptr  # and the live Parameter is back afterwards
