@@ -86,6 +86,7 @@ class CpuEngine : public Engine {
   TicketPtr copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) override;
   void order_after(const std::vector<TicketPtr>& tickets) override;
   TicketPtr mark_caller() override;
+  void read_back(void* dst, const void* src, size_t bytes, bool after_caller) override;
 
  private:
   WorkerPool& workers_;

@@ -162,6 +162,7 @@ CudaEngine::CudaEngine(int device_index, size_t pin_chunk_bytes)
     : device_(device_index), pin_chunk_bytes_(pin_chunk_bytes) {
   save_ = std::make_unique<CudaStream>(device_);
   load_ = std::make_unique<CudaStream>(device_);
+  aux_ = std::make_unique<CudaStream>(device_);
 }
 
 CudaEngine::~CudaEngine() = default;  // each stream finishes its work before it is destroyed
@@ -284,6 +285,18 @@ TicketPtr CudaEngine::mark_caller() {
   auto marker = std::make_shared<CudaEvent>(device_, /*timing=*/false);
   cuda_check(cudaEventRecord(marker->get(), caller_stream()), "cudaEventRecord");
   return std::make_shared<CudaTicket>(nullptr, std::move(marker));
+}
+
+void CudaEngine::read_back(void* dst, const void* src, size_t bytes, bool after_caller) {
+  c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device_));
+  cudaStream_t aux = aux_->get();  // idle: only the caller's work (if asked) is waited for, not pending copies
+  if (after_caller) {
+    CudaEvent caller_done(device_, /*timing=*/false);
+    cuda_check(cudaEventRecord(caller_done.get(), caller_stream()), "cudaEventRecord");
+    cuda_check(cudaStreamWaitEvent(aux, caller_done.get(), 0), "cudaStreamWaitEvent");
+  }
+  cuda_check(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDeviceToHost, aux), "cudaMemcpyAsync");
+  cuda_check(cudaStreamSynchronize(aux), "cudaStreamSynchronize");
 }
 
 }  // namespace dppo

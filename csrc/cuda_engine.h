@@ -73,6 +73,7 @@ class CudaEngine : public Engine {
   TicketPtr copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) override;
   void order_after(const std::vector<TicketPtr>& tickets) override;
   TicketPtr mark_caller() override;
+  void read_back(void* dst, const void* src, size_t bytes, bool after_caller) override;
 
  private:
   cudaStream_t caller_stream() const;
@@ -83,6 +84,7 @@ class CudaEngine : public Engine {
   size_t pin_chunk_bytes_;
   std::unique_ptr<CudaStream> save_;
   std::unique_ptr<CudaStream> load_;
+  std::unique_ptr<CudaStream> aux_;  // read_back(): waits for neither copy queue
   bool batch_ok_ = true;     // cleared if the driver refuses cudaMemcpyBatchAsync
   bool register_ok_ = true;  // cleared if cudaHostRegister is refused where cudaHostAlloc works
 };

@@ -51,6 +51,10 @@ class Engine {
   // A ticket that completes when the caller's already-queued work has (CUDA: an event on the current
   // stream; CPU: already complete).
   virtual TicketPtr mark_caller() = 0;
+  // Copies `bytes` of device-tier storage at `src` to host memory at `dst` and returns once they are there
+  // (checksums). after_caller: the bytes as the caller's queued work leaves them (CUDA: ordered after the
+  // current stream); else as they are now, without waiting for the caller's work.
+  virtual void read_back(void* dst, const void* src, size_t bytes, bool after_caller) = 0;
 };
 
 }  // namespace dppo

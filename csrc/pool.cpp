@@ -434,7 +434,7 @@ void Pool::settle(Storage& storage, bool block) {
   storage.write->wait();  // returns at once when ready; rethrows a failed copy
   if (storage.checksum_due) {
     const auto t0 = Clock::now();
-    storage.checksum = checksum_of(storage);
+    storage.checksum = checksum_of(storage, /*after_caller=*/false);
     storage.checksum_due = false;
     counters_["checksum_seconds"] += since(t0);
   }
@@ -446,7 +446,7 @@ void Pool::verify(Storage& storage, int64_t slot, const char* op) {
   settle(storage, /*block=*/true);
   if (!storage.checksum) return;  // saved before checksums were due (cannot happen with checksum=True)
   const auto t0 = Clock::now();
-  const uint64_t now = checksum_of(storage);
+  const uint64_t now = checksum_of(storage, /*after_caller=*/true);
   counters_["checksum_seconds"] += since(t0);
   if (now != *storage.checksum) {
     throw SnapshotError(cat(op, "(", slot, "): slot ", slot, " fails its checksum: saved ", hex64(*storage.checksum),
@@ -454,9 +454,12 @@ void Pool::verify(Storage& storage, int64_t slot, const char* op) {
   }
 }
 
-uint64_t Pool::checksum_of(const Storage& storage) {
+uint64_t Pool::checksum_of(const Storage& storage, bool after_caller) {
   if (storage.on_device()) {
-    at::Tensor host = storage.device.cpu();  // the save is complete: nothing writes the buffer now
+    // Not .cpu(): that would wait for everything on the caller's stream even when only the save's result is
+    // wanted (settle runs inside every pool call), blocking the host behind a queued forward pass.
+    at::Tensor host = at::empty({static_cast<int64_t>(storage.bytes)}, at::TensorOptions().dtype(at::kByte));
+    engine_->read_back(host.data_ptr(), storage.data(), storage.bytes, after_caller);
     return checksum_bytes(workers(), host.data_ptr<uint8_t>(), storage.bytes);
   }
   return checksum_bytes(workers(), storage.data(), storage.bytes);

@@ -113,7 +113,9 @@ class Pool {
   void prune();
   void settle(Storage& storage, bool block);
   void verify(Storage& storage, int64_t slot, const char* op);
-  uint64_t checksum_of(const Storage& storage);
+  // after_caller: a device-tier storage is read as the caller's queued work leaves it (verify), else as the
+  // completed save left it, without waiting for the caller (settle).
+  uint64_t checksum_of(const Storage& storage, bool after_caller);
   at::Tensor alias(const StoragePtr& storage, const Entry& entry, size_t offset, bool keep_alive) const;
   WorkerPool& workers();
 

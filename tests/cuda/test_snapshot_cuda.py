@@ -237,6 +237,23 @@ def test_device_tier_holds_slots_within_the_budget_and_hosts_the_rest():
     assert pool.tier(2) == "device"
 
 
+def test_a_completed_device_save_is_checksummed_without_waiting_for_the_current_stream(spin):
+    params = _params(2, MiB, seed=9)  # 8 MiB a slot
+    pool = SnapshotPool(params, checksum=True, device_budget_bytes=64 * MiB)
+    pool.save(0)
+    pool.save(1)
+    torch.cuda.synchronize()  # both saves are done; their checksums are taken by the next pool call
+    spin(300)
+    t0 = time.perf_counter()
+    pool.save(1)  # settles both checksums (and overwrites slot 1 in place, after the kernel, on the GPU)
+    assert time.perf_counter() - t0 < 0.1
+    assert pool.tier(0) == "device" and pool.tier(1) == "device"
+    live = {k: p.detach().clone() for k, p in params.items()}
+    pool.restore(0)  # verifies slot 0 against the checksum taken above
+    torch.cuda.synchronize()
+    assert all(_equal(params[k], live[k]) for k in params)
+
+
 def test_checksum_catches_corruption_on_both_tiers():
     params = _params(2, MiB, seed=6)  # 8 MiB a slot
     pool = SnapshotPool(params, checksum=True, device_budget_bytes=12 * MiB)
