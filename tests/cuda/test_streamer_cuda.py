@@ -123,7 +123,8 @@ def test_streamed_forward_matches_functional_call_over_the_slot():
     pool.fence()
     x = torch.randn(32, 512, device="cuda")
     with torch.no_grad():
-        want = torch.func.functional_call(model, pool.view(0), (x,))
+        slot = {k: v.cuda() for k, v in pool.view(0).items()}  # a host slot: its views are CPU tensors
+        want = torch.func.functional_call(model, slot, (x,))
         for p in model.parameters():
             p.add_(1.0)  # the live weights moved on; the pass must not use them
         schedule = [[f"{i}.weight", f"{i}.bias"] for i in range(6)]
