@@ -3,6 +3,7 @@ compute, swapped(), the device tier, checksums. Skipped without a GPU (tests/con
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 
@@ -25,7 +26,6 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and a.dtype == b.dtype and torch.equal(_bits(a.cpu()), _bits(b.cpu()))
-
 
 
 def _params(n: int, numel: int, seed: int = 0, dtype=torch.float32) -> dict[str, torch.nn.Parameter]:
@@ -102,6 +102,27 @@ def test_restore_waits_for_a_pending_save_of_the_live_weights():
         assert _equal(params[k], old[k]) and _equal(pool.view(0)[k], new[k])
 
 
+def test_a_pool_follows_the_callers_current_stream_not_the_default_one(spin):
+    params = _params(2, 16 * MiB // 4, seed=10)
+    pool = SnapshotPool(params)
+    new = {k: torch.randn_like(p) for k, p in params.items()}
+    side = torch.cuda.Stream()
+    torch.cuda.synchronize()
+    with torch.cuda.stream(side), torch.no_grad():
+        spin(50)  # on the side stream: the default stream stays idle
+        for k, p in params.items():
+            p.copy_(new[k])
+        pool.save(0)  # ordered after the side stream's writes
+        pool.fence()  # the side stream waits for the save before the writes below
+        for p in params.values():
+            p.zero_()
+        pool.restore(0)
+        seen = {k: p.clone() for k, p in params.items()}  # the side stream sees the restore
+    torch.cuda.synchronize()
+    for k in params:
+        assert _equal(seen[k], new[k]) and _equal(pool.view(0)[k], new[k]), k
+
+
 def test_host_arenas_are_pinned_and_exact():
     params = _params(3, MiB + 3)
     pool = SnapshotPool(params)
@@ -132,6 +153,42 @@ def test_round_trip_of_dtypes_strided_and_many_small_tensors():
     for k in tensors:
         assert _equal(tensors[k], expected[k]), k
         assert _equal(pool.view(0)[k], expected[k]), k
+
+
+def test_arenas_pinned_in_many_chunks_round_trip_with_strided_tensors_across_chunks():
+    chunk = 16 * os.sysconf("SC_PAGE_SIZE")  # 64 KiB with 4 KiB pages: the slot spans about 60 registrations
+    gen = torch.Generator(device="cuda").manual_seed(11)
+    tensors = {
+        "w": torch.randn(3 * MiB // 4 + 5, device="cuda", generator=gen),
+        "t": torch.randn(300, 200, device="cuda", generator=gen).t(),  # strided, 240 KB: crosses chunks
+        "cl": torch.randn(4, 32, 17, 17, device="cuda", generator=gen).to(memory_format=torch.channels_last),
+        "b": torch.randn(257, device="cuda", generator=gen),
+    }
+    pool = SnapshotPool(tensors, _pin_chunk_bytes=chunk, _swap_chunk_bytes=chunk)
+    saved = {k: t.clone() for k, t in tensors.items()}
+    pool.save(0)
+    pool.fence()
+    for t in tensors.values():
+        t.mul_(-2.0).add_(1.0)
+    live = {k: t.clone() for k, t in tensors.items()}
+    views = pool.view(0)
+    assert all(v.is_pinned() for v in views.values())  # interior pointers of every chunk are pinned
+    with pool.swapped(0):
+        inside = {k: t.clone() for k, t in tensors.items()}
+    after = {k: t.clone() for k, t in tensors.items()}
+    streamed = {}
+    with pool.streamer(0, [["w"], ["t", "cl"], ["b"]]) as st:
+        assert st.mode == "staged"
+        for i in range(st.steps):
+            streamed |= {k: v.clone() for k, v in st.acquire(i).items()}
+            st.release(i)
+    pool.restore(0)
+    torch.cuda.synchronize()
+    for k in tensors:
+        assert _equal(views[k], saved[k]) and _equal(inside[k], saved[k]) and _equal(streamed[k], saved[k]), k
+        assert _equal(after[k], live[k]) and _equal(tensors[k], saved[k]), k
+    pool.release()  # unregisters and frees the swap scratch, chunk by chunk
+    assert pool.host_bytes < pool.nbytes * 1.01 + MiB
 
 
 def test_save_overlaps_a_matmul_measured_with_cuda_events():
@@ -235,6 +292,25 @@ def test_device_tier_holds_slots_within_the_budget_and_hosts_the_rest():
     pool.clear(0)
     pool.save(2)  # the freed budget is used again
     assert pool.tier(2) == "device"
+
+
+def test_view_of_a_device_slot_is_ordered_after_its_pending_save(spin):
+    params = _params(2, 16 * MiB // 4, seed=8)
+    pool = SnapshotPool(params, device_budget_bytes=64 * MiB)
+    pool.save(0)
+    pool.synchronize()  # slot 0 holds the old weights
+    new = {k: torch.randn_like(p) for k, p in params.items()}
+    torch.cuda.synchronize()
+    with torch.no_grad():
+        spin(50)
+        for k, p in params.items():
+            p.copy_(new[k])
+    pool.save(0)  # in place, device to device, behind the 50 ms kernel; not waited for
+    assert pool.tier(0) == "device"
+    seen = {k: v.clone() for k, v in pool.view(0).items()}  # queued at once on the current stream
+    torch.cuda.synchronize()
+    for k in params:
+        assert _equal(seen[k], new[k]), k
 
 
 def test_a_completed_device_save_is_checksummed_without_waiting_for_the_current_stream(spin):

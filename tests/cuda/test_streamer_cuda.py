@@ -13,7 +13,6 @@ pytestmark = pytest.mark.cuda
 MiB = 1 << 20
 
 
-
 def _layered(layers: int, numel: int, seed: int = 0) -> tuple[dict[str, torch.Tensor], list[list[str]]]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
     tensors = {"embed": torch.randn(numel, device="cuda", generator=gen)}
@@ -98,6 +97,27 @@ def test_kernels_after_acquire_see_the_step_even_when_copies_and_kernels_are_slo
         for k in step_sums:
             assert step_sums[k].item() == saved[k].double().sum().item(), k
             assert torch.equal(step_clones[k], saved[k]), k
+
+
+def test_a_streamer_begun_right_after_a_save_streams_what_the_save_wrote(spin):
+    tensors, schedule = _layered(4, 16 * MiB // 4, seed=5)
+    pool = SnapshotPool(tensors)
+    pool.save(0)
+    pool.synchronize()  # slot 0 holds the old values
+    new = {k: torch.randn_like(t) for k, t in tensors.items()}
+    torch.cuda.synchronize()
+    spin(50)
+    for k, t in tensors.items():
+        t.copy_(new[k])
+    pool.save(0)  # in place, behind the 50 ms kernel; not waited for
+    seen = {}
+    with pool.streamer(0, schedule) as st:  # each load must wait for the save, not only for the kernel
+        for i in range(st.steps):
+            seen |= {k: p.clone() for k, p in st.acquire(i).items()}
+            st.release(i)
+    torch.cuda.synchronize()
+    for k in tensors:
+        assert torch.equal(seen[k], new[k]), k
 
 
 def test_device_tier_slot_is_streamed_in_place():
