@@ -77,6 +77,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("names", &Pool::names)
       .def_property_readonly("nbytes", &Pool::nbytes)
       .def_property_readonly("storage_bytes", &Pool::storage_bytes)
+      .def_property_readonly("runs", &Pool::runs)
       .def_property_readonly("host_bytes", [](Pool& p) { py::gil_scoped_release nogil; return p.host_bytes(); })
       .def_property_readonly("device_bytes", [](Pool& p) { py::gil_scoped_release nogil; return p.device_bytes(); })
       .def_property_readonly("staging_bytes", [](Pool& p) { py::gil_scoped_release nogil; return p.staging_bytes(); })

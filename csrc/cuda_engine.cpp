@@ -3,6 +3,7 @@
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/Exception.h>
+#include <cuda.h>
 
 #include <algorithm>
 #include <string>
@@ -109,6 +110,30 @@ void cuda_check(cudaError_t err, const char* call) {
     (void)cudaGetLastError();
     throw SnapshotError(cat(call, " failed: ", cudaGetErrorString(err), " (", cudaGetErrorName(err), ")"));
   }
+}
+
+bool same_device_allocation(const void* a, const void* b) {
+  using GetRange = CUresult (*)(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);
+  static const GetRange get_range = []() -> GetRange {
+    void* fn = nullptr;
+    cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
+#if CUDART_VERSION >= 12050
+    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found);
+#else
+    const cudaError_t err = cudaGetDriverEntryPoint("cuMemGetAddressRange", &fn, cudaEnableDefault, &found);
+#endif
+    if (err != cudaSuccess || found != cudaDriverEntryPointSuccess) {
+      quiet(err);
+      return nullptr;
+    }
+    return reinterpret_cast<GetRange>(fn);
+  }();
+  if (get_range == nullptr) return false;
+  CUdeviceptr base = 0;
+  size_t size = 0;
+  if (get_range(&base, &size, reinterpret_cast<CUdeviceptr>(a)) != CUDA_SUCCESS) return false;  // no runtime error
+  const auto p = reinterpret_cast<CUdeviceptr>(b);
+  return p >= base && p - base < size;
 }
 
 CudaEvent::CudaEvent(int device, bool timing) : device_(device) {

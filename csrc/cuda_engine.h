@@ -15,6 +15,11 @@ namespace dppo {
 // Throws SnapshotError("<call> failed: <cudaGetErrorString>") unless err is cudaSuccess.
 void cuda_check(cudaError_t err, const char* call);
 
+// Whether device bytes at `a` and `b` lie in one allocation (cuMemGetAddressRange). Tensors from torch's
+// caching allocator that are adjacent in memory may come from two cudaMallocs, and one copy must not span
+// two allocations. False when the driver cannot say, so that the copies are split.
+bool same_device_allocation(const void* a, const void* b);
+
 // RAII wrappers. Each remembers its device: destroying it (or querying it) makes that device current first,
 // so that no CUDA context is ever created on another device as a side effect, and never throws.
 class CudaEvent {

@@ -43,7 +43,7 @@ void check_supported(const std::string& name, const at::Tensor& t) {
 
 }  // namespace
 
-Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors) {
+Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, const JoinableFn& joinable) {
   if (names.size() != tensors.size()) {
     throw std::invalid_argument(cat("got ", names.size(), " names for ", tensors.size(), " tensors"));
   }
@@ -97,7 +97,8 @@ Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tens
       continue;
     }
     const auto* ptr = static_cast<const uint8_t*>(e.data_ptr);
-    if (!runs_.empty() && runs_.back().live + runs_.back().bytes == ptr && runs_.back().offset + runs_.back().bytes == cursor) {
+    if (!runs_.empty() && runs_.back().live + runs_.back().bytes == ptr && runs_.back().offset + runs_.back().bytes == cursor &&
+        (!joinable || joinable(ptr - 1, ptr))) {
       e.offset = cursor;
       runs_.back().bytes += e.nbytes;
     } else {

@@ -3,6 +3,7 @@
 
 #include <ATen/ATen.h>
 
+#include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
@@ -35,10 +36,15 @@ struct Run {
   size_t bytes;
 };
 
+// Whether the bytes just before `next` and the bytes at `next` belong to one allocation of the live tensors'
+// device, so that one copy may span both (CUDA: one cudaMalloc; a copy must not span two).
+using JoinableFn = std::function<bool(const uint8_t* last, const uint8_t* next)>;
+
 class Layout {
  public:
-  // Throws std::invalid_argument (bad input) or LayoutMismatchError (tensors on two devices).
-  Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors);
+  // Throws std::invalid_argument (bad input) or LayoutMismatchError (tensors on two devices). Tensors adjacent
+  // in live memory share a run when `joinable` allows it (empty: always, as for host memory).
+  Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, const JoinableFn& joinable = {});
 
   const std::vector<Entry>& entries() const { return entries_; }
   const std::vector<Run>& runs() const { return runs_; }

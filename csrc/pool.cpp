@@ -47,8 +47,23 @@ bool cuda_compiled() {
 #endif
 }
 
+namespace {
+
+// Which adjacent live bytes one copy may span: any on the host; on a GPU only those of one allocation.
+JoinableFn joinable_for(const std::vector<at::Tensor>& tensors) {
+#ifdef DPPO_WITH_CUDA
+  if (!tensors.empty() && tensors[0].defined() && tensors[0].is_cuda()) {
+    return [](const uint8_t* last, const uint8_t* next) { return same_device_allocation(last, next); };
+  }
+#endif
+  (void)tensors;
+  return {};
+}
+
+}  // namespace
+
 Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, PoolOptions options)
-    : options_(options), layout_(names, tensors), names_(names) {
+    : options_(options), layout_(names, tensors, joinable_for(tensors)), names_(names) {
   if (options_.device_budget_bytes < 0) {
     throw std::invalid_argument(cat("device_budget_bytes must be >= 0, got ", options_.device_budget_bytes));
   }

@@ -67,6 +67,7 @@ class Pool {
 
   size_t nbytes() const { return layout_.nbytes(); }
   size_t storage_bytes() const { return layout_.storage_bytes(); }
+  size_t runs() const { return layout_.runs().size(); }  // contiguous copy ranges, before chunking
   size_t host_bytes();
   size_t device_bytes();
   bool is_cuda() const { return engine_->is_cuda(); }

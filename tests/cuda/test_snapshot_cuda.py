@@ -191,6 +191,34 @@ def test_arenas_pinned_in_many_chunks_round_trip_with_strided_tensors_across_chu
     assert pool.host_bytes < pool.nbytes * 1.01 + MiB
 
 
+def test_copies_never_span_two_device_allocations():
+    torch.cuda.empty_cache()  # fresh cudaMallocs below: consecutive ones are often adjacent in address space
+    gen = torch.Generator(device="cuda").manual_seed(12)
+    numel = 16 * MiB // 4  # >= 10 MiB: torch's allocator gives each its own segment unless one is cached
+    tensors = {f"w{i}": torch.empty(numel, device="cuda").normal_(generator=gen) for i in range(6)}
+    base = torch.randn(2 * numel, device="cuda", generator=gen)
+    tensors |= {"lo": base[:numel], "hi": base[numel:]}  # one allocation: one copy
+    segments = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()]
+
+    def segment(ptr: int) -> int:
+        return next(i for i, (lo, hi) in enumerate(segments) if lo <= ptr < hi)
+
+    spans = sorted((t.data_ptr(), t.data_ptr() + numel * 4) for t in tensors.values())
+    joined = sum(1 for (_, end), (start, _) in zip(spans, spans[1:]) if end == start and segment(end - 1) == segment(start))
+    across = sum(1 for (_, end), (start, _) in zip(spans, spans[1:]) if end == start and segment(end - 1) != segment(start))
+    print(f"{across} pairs adjacent across allocations, {joined} within one")
+    pool = SnapshotPool(tensors)
+    assert pool._core.runs == len(tensors) - joined
+    saved = {k: t.clone() for k, t in tensors.items()}
+    pool.save(0)
+    pool.fence()
+    for t in tensors.values():
+        t.zero_()
+    pool.restore(0)
+    torch.cuda.synchronize()
+    assert all(_equal(tensors[k], saved[k]) and _equal(pool.view(0)[k], saved[k]) for k in tensors)
+
+
 def test_save_overlaps_a_matmul_measured_with_cuda_events():
     params = _params(8, 64 * MiB // 4)  # 512 MiB to copy device-to-host
     pool = SnapshotPool(params)

@@ -65,3 +65,16 @@ def test_a_pinning_chunk_that_is_not_a_page_multiple_is_rejected(bad):
     with pytest.raises(ValueError, match=rf"pin_chunk_bytes must be 0 or a positive multiple of the page size "
                                          rf"\({PAGE}\), got {bad}"):
         SnapshotPool({"w": torch.zeros(4)}, _pin_chunk_bytes=bad)
+
+
+def test_tensors_adjacent_in_host_memory_share_one_copy_range(state, assert_bitwise):
+    base = torch.randn(3000)
+    tensors = {"a": base[:1000], "b": base[1000:2500], "c": base[2500:], "apart": torch.randn(77)}
+    saved = state(tensors)
+    pool = SnapshotPool(tensors)
+    assert pool._core.runs == 2  # a, b, c in one range; the separate allocation in another
+    pool.save(0)
+    pool.fence()
+    _scramble(tensors)
+    pool.restore(0)
+    assert_bitwise(tensors, saved)
