@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 import inspect
 import os
 from dataclasses import dataclass, field
@@ -432,8 +433,9 @@ def to_yaml(cfg: DppoConfig) -> str:
 # ---------------------------------------------------------------------------------------------------
 
 
+@functools.cache
 def _field_docs(cls: type) -> dict[str, str]:
-    """Field name -> the docstring written under it in the class body."""
+    """Field name -> the docstring written under it in the class body (parsed once per class)."""
     tree = ast.parse(inspect.getsource(cls))
     body = tree.body[0].body
     docs = {}
@@ -465,9 +467,15 @@ def describe(cls: type = DppoConfig, prefix: str = "", defaults: Any = None) -> 
     return rows
 
 
+@functools.cache
+def _all_keys() -> tuple[str, ...]:
+    """Every leaf key (the schema does not change at run time; load_config asks on every call)."""
+    return tuple(key for key, _, _ in describe())
+
+
 def list_keys(prefix: str = "", leaves_only: bool = True) -> list[str]:
     """Config keys directly under prefix ('' for the sections); all leaves under it if leaves_only."""
-    rows = [key for key, _, _ in describe()]
+    rows = _all_keys()
     if leaves_only:
         return [k for k in rows if k.startswith(prefix)]
     depth = prefix.count(".") + 1 if prefix else 0
