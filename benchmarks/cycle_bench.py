@@ -13,8 +13,9 @@ rollout wait or weight publish) on synthetic batches with fixed seeds, for param
     decoupled-swap       snapshot.strategy=swap: k >= 1 swaps slot 0 in and out around the forward pass
     decoupled-reference  snapshot.strategy=reference: blocking per-parameter pageable copies, as in verl v1
 
-Figures per (size, parameter_sync_step, mode), medians of --repeats cycles after a warm-up, all modes of a
-configuration interleaved over the same model and optimizer (so load from other processes falls on all):
+Figures per (size, parameter_sync_step, mode), medians over --repeats rounds after a warm-up; a round runs
+one cycle of every mode back to back (in a rotating order) over the same model and optimizer, so load from
+other processes falls on all modes alike, and differences are taken within a round:
     cycle_s               one sync cycle
     old_log_prob_s        the old-log-prob computations of the cycle (strategy.compute)
     overhead_vs_bypass_s  cycle(mode) - cycle(bypass): the snapshot AND the extra old-log-prob forward passes
@@ -55,14 +56,17 @@ from dppo.trainer.ppo import PPOTrainer
 SIZES = {
     "tiny": (32, 2, 2, 64),  # smoke tests
     "1m": (128, 4, 2, 512),
+    "6m": (256, 6, 4, 1024),
     "13m": (320, 8, 5, 1280),
+    "42m": (512, 10, 8, 2048),
     "53m": (576, 10, 9, 2304),
     "94m": (768, 10, 12, 3072),
     "0.4b": (1024, 24, 16, 4096),
     "1.2b": (2048, 24, 16, 5632),
     "2.5b": (2560, 32, 20, 6912),
 }
-CPU_SIZES, GPU_SIZES = ["1m", "13m", "53m"], ["0.4b", "1.2b"]
+# CPU: a largest size that keeps a default run well under 3 minutes on 2 cores (53m: ~2.9 min, 94m: ~5)
+CPU_SIZES, GPU_SIZES = ["1m", "6m", "42m"], ["0.4b", "1.2b"]
 # per trigger: sequences (all in one micro-batch), responses per prompt (rollout.n), prompt and response tokens
 CPU_BATCH, GPU_BATCH = (2, 2, 4, 4), (64, 4, 64, 64)  # GPU: 8192 tokens a pass, enough compute to hide a layer's copy
 MODES = {
@@ -305,6 +309,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
             print(f"  ps={ps}: " + ", ".join(f"{m} {statistics.median(c):.3f}s" for m, c in cycles.items()), flush=True)
         base.close()
         del base
+    print(f"[{size}: {time.perf_counter() - built:.0f} s]", flush=True)
     return {"size": size, "params": params, "bytes": nbytes, "check": check, "rows": rows}
 
 
@@ -320,11 +325,14 @@ class _NoRollout:
 
 
 def size_rows(size, params, ps, cycles, logp_s, moved, readers) -> list[dict]:
-    med = {mode: statistics.median(c) for mode, c in cycles.items()}
+    def minus(mode: str, baseline: str) -> float:
+        """Median over rounds of cycle(mode) - cycle(baseline) in the same round."""
+        return statistics.median(a - b for a, b in zip(cycles[mode], cycles[baseline], strict=True))
+
     return [{
         "size": size, "params": params, "ps": ps, "mode": mode, "reader": readers[mode],
-        "cycle_s": med[mode], "old_log_prob_s": statistics.median(logp_s[mode]),
-        "overhead_vs_bypass_s": med[mode] - med["bypass"], "exposed_snapshot_s": med[mode] - med["recompute-only"],
+        "cycle_s": statistics.median(cycles[mode]), "old_log_prob_s": statistics.median(logp_s[mode]),
+        "overhead_vs_bypass_s": minus(mode, "bypass"), "exposed_snapshot_s": minus(mode, "recompute-only"),
         "moved_mb": moved[mode] / MB, "cycles_s": cycles[mode],
     } for mode in cycles]  # fmt: skip
 
