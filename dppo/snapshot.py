@@ -54,6 +54,12 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return local if isinstance(local, torch.Tensor) else t
 
 
+def _is_registered(handle: Any) -> bool:
+    """Whether the hook of a torch RemovableHandle is still registered (remove() deletes its id)."""
+    hooks = handle.hooks_dict_ref()
+    return hooks is not None and handle.id in hooks
+
+
 def _check_slot(slot: Any) -> int:
     if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
         raise TypeError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
@@ -189,10 +195,11 @@ class SnapshotPool:
     def guard(self, optimizer: torch.optim.Optimizer) -> Any:
         """Makes `optimizer.step()` call fence() first, so a step never races a pending save.
 
-        Idempotent per optimizer: a second call returns the same hook handle.
+        Idempotent per optimizer while its hook is registered: a second call returns the same hook handle.
+        After `handle.remove()` the next call registers a new hook (and returns its new handle).
         """
         handle = self._guards.get(optimizer)
-        if handle is not None:
+        if handle is not None and _is_registered(handle):
             return handle
         pool_ref = weakref.ref(self)
 

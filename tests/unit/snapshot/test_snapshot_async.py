@@ -76,6 +76,28 @@ def test_guard_makes_an_optimizer_step_after_an_async_save_safe(state, assert_bi
     assert len(opt._optimizer_step_pre_hooks) == 0
 
 
+def test_guard_after_the_hook_was_removed_registers_a_new_one(state, assert_bitwise):
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(4, 256)).square().sum().backward()
+    pool = SnapshotPool(model, _copy_delay_s=DELAY_S)
+    first = pool.guard(opt)
+    first.remove()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+    second = pool.guard(opt)  # the removed handle is dead: a new hook, not the old handle
+    assert second is not first
+    assert pool.guard(opt) is second  # and idempotent again while it is registered
+    assert list(opt._optimizer_step_pre_hooks) == [second.id]
+    before = state(model)
+    pool.save(0)
+    opt.step()
+    assert not torch.equal(model.weight, before["weight"])  # the step happened...
+    assert_bitwise(pool.view(0), before)  # ...after the snapshot was taken
+    assert pool.slots == [0] and pool.stats()["pending_copies"] == 0
+    second.remove()
+    assert len(opt._optimizer_step_pre_hooks) == 0
+
+
 def test_restore_returns_after_its_copy_has_finished(state, assert_bitwise):
     model = _model()
     pool = SnapshotPool(model, _copy_delay_s=DELAY_S)
