@@ -95,18 +95,36 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
 Pool::~Pool() {
   // Pending copies read or write memory this pool owns: let them finish before anything is freed.
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& f : in_flight_) wait_quietly(f.ticket);
-  for (auto& t : live_reads_) wait_quietly(t);
-  auto drain = [](const StoragePtr& s) {
-    if (!s) return;
-    for (auto& t : s->pending()) wait_quietly(t);
+  try {
+    wait_all(/*quietly=*/true);
+  } catch (...) {  // only an allocation failure can get here; a destructor never throws
+  }
+}
+
+void Pool::for_each_storage(const std::function<void(const StoragePtr&)>& fn) const {
+  auto visit = [&fn](const StoragePtr& s) {
+    if (s) fn(s);
   };
-  for (auto& [k, s] : slots_) drain(s.storage);
-  for (auto& s : free_host_) drain(s);
-  for (auto& s : retired_) drain(s);
-  drain(scratch_);
-  drain(staging_[0]);
-  drain(staging_[1]);
+  for (auto& [k, s] : slots_) visit(s.storage);
+  for (auto& s : free_host_) visit(s);
+  for (auto& s : retired_) visit(s);
+  visit(scratch_);
+  for (auto& s : staging_) visit(s);
+}
+
+void Pool::wait_all(bool quietly) {
+  auto wait = [quietly](const TicketPtr& t) {
+    if (quietly) {
+      wait_quietly(t);
+    } else if (t) {
+      t->wait();
+    }
+  };
+  for (auto& f : in_flight_) wait(f.ticket);
+  for (auto& t : live_reads_) wait(t);
+  for_each_storage([&](const StoragePtr& s) {
+    for (auto& t : s->pending()) wait(t);
+  });
 }
 
 WorkerPool& Pool::workers() {
@@ -293,18 +311,7 @@ void Pool::fence() {
 
 void Pool::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
-  for (auto& f : in_flight_) f.ticket->wait();
-  for (auto& t : live_reads_) t->wait();
-  auto drain = [](const StoragePtr& s) {
-    if (!s) return;
-    for (auto& t : s->pending()) t->wait();
-  };
-  for (auto& [k, s] : slots_) drain(s.storage);
-  for (auto& s : free_host_) drain(s);
-  for (auto& s : retired_) drain(s);
-  drain(scratch_);
-  drain(staging_[0]);
-  drain(staging_[1]);
+  wait_all(/*quietly=*/false);
   prune();
 }
 

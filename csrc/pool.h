@@ -93,6 +93,12 @@ class Pool {
   [[noreturn]] void throw_empty(int64_t slot, const char* op);
 
   // Storage management.
+  // Calls `fn` on every storage the pool owns: slots, free list, retired, swap scratch, staging buffers. Every
+  // walk over all of them (draining, byte counts) goes through here, so none can forget a kind of storage.
+  void for_each_storage(const std::function<void(const StoragePtr&)>& fn) const;
+  // Blocks until every copy of this pool has finished: tracked copies, pending saves, every storage's hazards.
+  // quietly: failures are swallowed (the destructor) instead of rethrown.
+  void wait_all(bool quietly);
   size_t count_bytes(bool device, bool with_staging) const;
   bool fits_device(size_t extra_bytes) const;
   StoragePtr take_storage(bool device, const char* op, int64_t slot);

@@ -19,17 +19,10 @@ double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock:
 
 size_t Pool::count_bytes(bool device, bool with_staging) const {
   size_t total = 0;
-  auto add = [&](const StoragePtr& s) {
-    if (s && s->on_device() == device) total += s->held_bytes();
-  };
-  for (auto& [k, s] : slots_) add(s.storage);
-  for (auto& s : free_host_) add(s);
-  for (auto& s : retired_) add(s);
-  add(scratch_);
-  if (with_staging) {
-    add(staging_[0]);
-    add(staging_[1]);
-  }
+  for_each_storage([&](const StoragePtr& s) {
+    if (!with_staging && (s == staging_[0] || s == staging_[1])) return;
+    if (s->on_device() == device) total += s->held_bytes();
+  });
   return total;
 }
 

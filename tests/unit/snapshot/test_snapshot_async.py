@@ -160,6 +160,40 @@ def test_clear_during_a_save_then_a_new_slot_reuses_the_arena_safely(state, asse
     assert pool.stats()["arena_allocs"] == 1
 
 
+def _pending_in_every_kind_of_storage(pool: SnapshotPool) -> dict[str, torch.Tensor]:
+    """Leaves copies pending into a slot, a copied-on-write slot and a free-listed arena; returns views that
+    hold a retired arena."""
+    pool.save(2)
+    pool.synchronize()
+    views = pool.view(2)
+    pool.save(2)  # copy on write: the old arena is retired (the views hold it), the new one is being written
+    pool.save(0)
+    pool.save(1)
+    pool.clear(1)  # its arena goes to the free list while the copy into it is still pending
+    return views
+
+
+def test_synchronize_and_pool_destruction_wait_for_copies_into_every_kind_of_storage(state, assert_bitwise):
+    model = _model()
+    expected = state(model)
+    pool = SnapshotPool(model, _copy_delay_s=DELAY_S)
+    views = _pending_in_every_kind_of_storage(pool)
+    t0 = time.perf_counter()
+    pool.synchronize()
+    assert time.perf_counter() - t0 >= DELAY_S / 2
+    stats = pool.stats()
+    assert (stats["pending_copies"], stats["free_arenas"], stats["retired_storages"], stats["slots"]) == (0, 1, 1, 2)
+    assert_bitwise(pool.view(0), expected)
+    assert_bitwise(pool.view(2), expected)
+
+    pool = SnapshotPool(model, _copy_delay_s=DELAY_S)
+    views = _pending_in_every_kind_of_storage(pool)
+    t0 = time.perf_counter()
+    del pool  # frees arenas that copies are still writing: it must wait for them first
+    assert time.perf_counter() - t0 >= DELAY_S / 2
+    assert_bitwise(views, expected)  # the retired arena outlives the pool
+
+
 def test_copies_release_the_gil():
     model = _model()
     pool = SnapshotPool(model, _copy_delay_s=DELAY_S)
