@@ -116,6 +116,7 @@ void Streamer::begin() {
   if (staged_) {
     for (size_t i = 0; i < std::min<size_t>(2, steps_.size()); ++i) load(i);
   }
+  pool.ops_["stream"].count += 1;  // one per pass, in every mode; staged copies add their bytes as they complete
 }
 
 void Streamer::load(size_t step) {
@@ -135,7 +136,7 @@ void Streamer::load(size_t step) {
   }
   std::vector<TicketPtr> deps = buffer.pending();  // the kernels that read the previous step in it
   if (source_->write) deps.push_back(source_->write);
-  TicketPtr t = pool.issue(Direction::kLoad, std::move(job), deps, "stream");
+  TicketPtr t = pool.issue(Direction::kLoad, std::move(job), deps, "stream", /*counted=*/false);  // begin() counts
   buffer.write = t;
   buffer.reads.clear();
   source_->reads.push_back(t);

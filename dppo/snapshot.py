@@ -296,8 +296,28 @@ class SnapshotPool:
         self._core.release()
 
     def stats(self) -> dict[str, Any]:
-        """Per op (save, restore, swap, view, stream): count, bytes, seconds, gbps of completed copies
-        (call synchronize() first for exact figures), plus arena/memory counters."""
+        """Counters of this pool: per op a dict of count, bytes, seconds and gbps, plus memory counters.
+
+        `bytes` are the bytes the engine copied for the op, `seconds` the time those copies ran (not the
+        waits before them) and gbps = bytes / seconds. Copies are counted once complete: call synchronize()
+        first for exact figures. Per op, with nbytes the bytes of one snapshot (`nbytes`):
+
+        - save: 1 per save(), nbytes (live -> slot).
+        - restore: 1 per restore(), nbytes (slot -> live).
+        - swap: 1 on entering swapped() and 1 on leaving; 3 x nbytes per block: live -> swap scratch and
+          slot -> live on entering, scratch -> live on leaving (the same three transfers that the trainer's
+          `moved_bytes` counts for the "swap" reader).
+        - view: 1 per view(), counted at the call; 0 bytes, since a view copies nothing; seconds is the time
+          spent in view() (waiting for the slot's pending save, making the aliases).
+        - stream: 1 per streamer pass (begin()), counted at the call, in every mode. Bytes: what was copied
+          into the staging buffers in mode "staged" (each step's tensors, plus the gaps under 4 KiB between
+          tensors of a step that are copied with them); 0 in modes "host" and "device", which read the slot
+          in place.
+
+        Memory counters: arena_allocs, arena_alloc_bytes, arena_alloc_seconds, arena_frees (host arenas),
+        device_allocs, staging_allocs, checksum_seconds, failed_copies, and the current host_bytes,
+        device_bytes, free_arenas, retired_storages, pending_copies and slots.
+        """
         out: dict[str, Any] = {op: dict(v) for op, v in self._core.op_stats().items()}
         for op in out.values():
             op["count"] = int(op["count"])

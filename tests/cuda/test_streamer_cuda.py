@@ -74,6 +74,11 @@ def test_staging_holds_at_most_two_steps_and_is_reused():
             again.acquire(i)
             again.release(i)
     assert pool.stats()["staging_allocs"] == allocs
+    pool.synchronize()
+    stream = pool.stats()["stream"]
+    pass_bytes = sum(tensors[n].nbytes for step in schedule for n in step)
+    assert stream["count"] == 2  # one per pass
+    assert 2 * pass_bytes <= stream["bytes"] <= 2 * (pass_bytes + len(schedule) * 4096)  # + gaps copied with a step
 
 
 def test_kernels_after_acquire_see_the_step_even_when_copies_and_kernels_are_slow(spin):
@@ -132,7 +137,9 @@ def test_device_tier_slot_is_streamed_in_place():
             params = st.acquire(i)
             assert all(p.data_ptr() == slot[k].data_ptr() for k, p in params.items())  # zero copies
             st.release(i)
-    assert pool.stats()["staging_allocs"] == 0
+    stats = pool.stats()
+    assert stats["staging_allocs"] == 0
+    assert (stats["stream"]["count"], stats["stream"]["bytes"]) == (1, 0)  # the pass is counted, nothing copied
 
 
 def test_streamed_forward_matches_functional_call_over_the_slot():

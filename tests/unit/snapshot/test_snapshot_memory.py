@@ -125,11 +125,36 @@ def test_stats_count_bytes_and_throughput(tiny_lm):
     stats = pool.stats()
     assert stats["save"]["count"] == 1 and stats["save"]["bytes"] == pool.nbytes
     assert stats["restore"]["count"] == 1 and stats["restore"]["bytes"] == pool.nbytes
-    assert stats["view"]["count"] == 1
+    assert stats["view"]["count"] == 1 and stats["view"]["bytes"] == 0  # a view copies nothing
     assert stats["swap"]["count"] == 2 and stats["swap"]["bytes"] == 3 * pool.nbytes
     for op in ("save", "restore", "swap"):
         assert stats[op]["seconds"] > 0 and stats[op]["gbps"] > 0
     assert stats["host_bytes"] == pool.host_bytes and stats["slots"] == 1
+
+
+def test_stats_bytes_are_the_bytes_each_op_copied():
+    torch.manual_seed(0)
+    w = torch.randn(64, 48)
+    tensors = {"w": w, "w_tied": w, "t": torch.randn(48, 40).t(), "b": torch.randn(40)}  # tied, strided
+    pool = SnapshotPool(tensors)
+    n = pool.nbytes
+    assert n == (64 * 48 + 48 * 40 + 40) * 4  # tied tensors once
+    pool.save(0)
+    pool.restore(0)
+    pool.view(0)
+    for _ in range(2):
+        with pool.swapped(0):  # live -> scratch, slot -> live; scratch -> live
+            pass
+    with pool.streamer(0, [["w"], ["t", "b"]]) as st:  # CPU: the slot is read in place
+        for i in range(st.steps):
+            st.acquire(i)
+            st.release(i)
+    pool.synchronize()
+    stats = pool.stats()
+    got = {op: (stats[op]["count"], stats[op]["bytes"]) for op in ("save", "restore", "swap", "view", "stream")}
+    assert got == {"save": (1, n), "restore": (1, n), "swap": (4, 2 * 3 * n), "view": (1, 0), "stream": (1, 0)}
+    assert stats["view"]["gbps"] == stats["stream"]["gbps"] == stats["stream"]["seconds"] == 0
+    assert stats["pending_copies"] == 0 and stats["slots"] == 1
 
 
 def test_cpu_pools_never_initialize_cuda(tiny_lm):

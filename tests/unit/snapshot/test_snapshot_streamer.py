@@ -43,7 +43,25 @@ def test_acquired_views_equal_the_saved_tensors_bitwise_and_copy_nothing(saved, 
                 assert t.data_ptr() == slot_views[name].data_ptr()  # zero copies
             st.release(i)
     assert_bitwise(state(model), live)
-    assert pool.stats()["stream"]["bytes"] == 0
+    stream = pool.stats()["stream"]
+    assert (stream["count"], stream["bytes"]) == (1, 0)  # the pass is counted; it copied nothing
+
+
+def test_every_pass_counts_as_one_stream_op_and_a_pass_that_never_began_does_not(saved):
+    model, pool, _, _ = saved
+    schedule = _schedule(model)
+    for passes in (1, 2):
+        with pool.streamer(0, schedule) as st:
+            for i in range(st.steps):
+                st.acquire(i)
+                st.release(i)
+        stream = pool.stats()["stream"]
+        assert (stream["count"], stream["bytes"], stream["seconds"]) == (passes, 0, 0.0)
+    st = pool.streamer(0, schedule)
+    pool.clear(0)
+    with pytest.raises(EmptySlotError):
+        st.begin()
+    assert pool.stats()["stream"]["count"] == 2
 
 
 def test_streamed_forward_equals_the_saved_models_output(saved, tiny_lm):

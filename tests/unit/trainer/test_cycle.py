@@ -94,8 +94,9 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
     else:  # the reader really went through the pool
         reader = {"auto": "view"}.get(strategy, strategy)  # auto on the CPU: the slot in place
         assert trainer.old_log_prob.reader_name == reader
-        if reader == "stream":  # on the CPU the streamer copies nothing, so the pool counts no stream op
+        if reader == "stream":  # the pool counts each pass, even though on the CPU it copies nothing
             assert trainer.old_log_prob.stream.passes == 12  # 2 cycles x 3 triggers x 2 micro-batches of <= 5
+            assert trainer.old_log_prob.pool.stats()["stream"]["count"] == 12
         else:
             assert trainer.old_log_prob.pool.stats()[reader]["count"] > 0
 

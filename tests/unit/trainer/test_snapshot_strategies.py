@@ -110,6 +110,12 @@ def test_weight_bytes_each_strategy_moves_in_a_cycle(small_cfg, strategy, copies
     nbytes = sum(p.nbytes for p in trainer.model.parameters())
     trainer.fit()
     assert trainer.old_log_prob.moved_bytes == copies_per_cycle * nbytes
+    pool = trainer.old_log_prob.pool
+    if pool is not None:  # the engine's own byte counts agree with the trainer's
+        pool.synchronize()
+        stats = pool.stats()
+        engine_bytes = sum(stats[op]["bytes"] for op in ("save", "restore", "swap", "view", "stream"))
+        assert engine_bytes == copies_per_cycle * nbytes
 
 
 def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(small_cfg, monkeypatch):
