@@ -42,7 +42,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Pool, std::shared_ptr<Pool>>(m, "Pool")
       .def(py::init([](const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
                        int64_t max_host_bytes, int64_t device_budget_bytes, bool checksum, int64_t cpu_threads,
-                       int64_t piece_bytes, int64_t swap_chunk_bytes, int64_t pin_chunk_bytes, double copy_delay_s) {
+                       int64_t piece_bytes, int64_t swap_chunk_bytes, int64_t pin_chunk_bytes, double copy_delay_s,
+                       int64_t fail_copy_task) {
              dppo::PoolOptions o;
              o.max_host_bytes = max_host_bytes;
              o.device_budget_bytes = device_budget_bytes;
@@ -52,13 +53,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
              o.swap_chunk_bytes = swap_chunk_bytes;
              o.pin_chunk_bytes = pin_chunk_bytes;
              o.copy_delay_s = copy_delay_s;
+             o.fail_copy_task = fail_copy_task;
              return std::make_shared<Pool>(names, tensors, o);
            }),
            py::arg("names"), py::arg("tensors"), py::kw_only(), py::arg("max_host_bytes") = -1,
            py::arg("device_budget_bytes") = 0, py::arg("checksum") = false, py::arg("cpu_threads") = 0,
            py::arg("piece_bytes") = dppo::PoolOptions{}.piece_bytes,
            py::arg("swap_chunk_bytes") = dppo::PoolOptions{}.swap_chunk_bytes,
-           py::arg("pin_chunk_bytes") = dppo::PoolOptions{}.pin_chunk_bytes, py::arg("copy_delay_s") = 0.0)
+           py::arg("pin_chunk_bytes") = dppo::PoolOptions{}.pin_chunk_bytes, py::arg("copy_delay_s") = 0.0,
+           py::arg("fail_copy_task") = -1)
       .def("save", &Pool::save, release_gil())
       .def("restore", &Pool::restore, release_gil())
       .def("clear", &Pool::clear, release_gil())

@@ -5,6 +5,8 @@
 
 #include <unistd.h>
 
+#include "errors.h"
+
 #if defined(__SSE2__)
 #include <emmintrin.h>
 #endif
@@ -179,11 +181,13 @@ uint64_t checksum_bytes(WorkerPool& workers, const uint8_t* data, size_t bytes) 
   return h;
 }
 
-CpuEngine::CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes)
+CpuEngine::CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes,
+                     int64_t fail_task)
     : workers_(workers),
       piece_bytes_(std::max<size_t>(piece_bytes, 4096)),
       copy_delay_s_(copy_delay_s),
-      split_bytes_(split_bytes) {}
+      split_bytes_(split_bytes),
+      fail_task_(fail_task) {}
 
 std::unique_ptr<HostArena> CpuEngine::new_arena(size_t bytes) { return std::make_unique<HostArena>(bytes); }
 
@@ -213,6 +217,11 @@ TicketPtr CpuEngine::copy(Direction /*dir*/, CopyJob job, const std::vector<Tick
   }
   flush();
   for (auto& task : job.tasks) tasks.push_back(std::move(task));
+  for (auto& task : tasks) {
+    const int64_t seq = next_task_++;
+    if (seq != fail_task_) continue;
+    task = [seq] { throw SnapshotError(cat("injected failure of CPU copy task ", seq, " (testing aid)")); };
+  }
   if (copy_delay_s_ > 0) {
     const auto delay = std::chrono::duration<double>(copy_delay_s_);
     for (auto& task : tasks) {

@@ -76,7 +76,9 @@ class CpuEngine : public Engine {
   // copy_delay_s: testing aid, every copy task first sleeps this long (makes async races deterministic).
   // split_bytes: no copy crosses a multiple of this many bytes of arena offset (0: none); CPU arenas are
   // not pinned, so only tests set it, to run the chunk-splitting paths that CUDA arenas need.
-  CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes);
+  // fail_task: testing aid, the copy task with this 0-based sequence number (tasks are numbered in the order
+  // copy() creates them) raises SnapshotError instead of copying; < 0: none.
+  CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes, int64_t fail_task = -1);
 
   bool is_cuda() const override { return false; }
   std::unique_ptr<HostArena> new_arena(size_t bytes) override;
@@ -93,6 +95,8 @@ class CpuEngine : public Engine {
   size_t piece_bytes_;
   double copy_delay_s_;
   size_t split_bytes_;
+  int64_t fail_task_;
+  int64_t next_task_ = 0;  // copy() runs under the pool's lock
 };
 
 }  // namespace dppo

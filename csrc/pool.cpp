@@ -87,7 +87,7 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
 #endif
   } else {
     engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s,
-                                          pin_chunk);
+                                          pin_chunk, options_.fail_copy_task);
   }
   pieces_ = layout_.pieces(engine_->piece_bytes(), engine_->arena_split_bytes());
 }
@@ -332,59 +332,113 @@ void Pool::swap_in(int64_t slot) {
   if (scratch_ && scratch_->on_device() != device_scratch) let_go(std::move(scratch_));
   if (!scratch_) scratch_ = take_storage(device_scratch, "swapped", slot);
 
-  if (engine_->overlaps_directions()) {
-    swap_chunked(storage, scratch_);
-  } else {
-    TicketPtr out = issue(Direction::kSave, job(Direction::kSave, scratch_, pieces_, true), scratch_->pending(), "swap", false);
-    std::vector<TicketPtr> deps = live_reads_;
-    deps.push_back(out);
-    if (storage->write) deps.push_back(storage->write);
-    TicketPtr in = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, "swap");
-    scratch_->write = out;
-    scratch_->reads.clear();
-    storage->reads.push_back(in);
-    engine_->order_after({in});
+  const std::vector<SwapChunk> chunks = swap_chunks();
+  std::vector<TicketPtr> out_deps = scratch_->pending();
+  std::vector<TicketPtr> in_deps = live_reads_;  // pending saves still read what the loads overwrite
+  if (storage->write) in_deps.push_back(storage->write);
+  std::vector<TicketPtr> outs, ins;  // per chunk: its save to the scratch, its load into the live tensors
+  size_t loading = 0;                // chunks whose load was issued, the last perhaps only in part
+  try {
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      const SwapChunk& c = chunks[i];
+      CopyJob out_job = job(Direction::kSave, scratch_, c.pieces, c.with_strided);
+      CopyJob in_job = job(Direction::kLoad, storage, c.pieces, c.with_strided);
+      outs.push_back(issue(Direction::kSave, std::move(out_job), out_deps, "swap", false));
+      out_deps.clear();
+      in_deps.push_back(outs.back());  // chunk i comes in only once it has left
+      loading = i + 1;
+      ins.push_back(issue(Direction::kLoad, std::move(in_job), in_deps, "swap", i + 1 == chunks.size()));
+      in_deps.clear();
+    }
+    engine_->order_after({ins.back()});  // the caller's later work sees the slot (CPU: waits; rethrows a failure)
+  } catch (...) {
+    undo_swap_in(slot, chunks, outs, ins, loading, std::current_exception());
   }
+  scratch_->write = outs.back();  // each queue runs in order: the last copies imply the earlier ones
+  scratch_->reads.clear();
+  storage->reads.push_back(ins.back());
   live_reads_.clear();
   swapped_ = storage;
   layout_.bump_versions();
 }
 
-// Chunk i of the live tensors goes to scratch on the save stream while chunk i of the slot comes in on the
-// load stream once chunk i has left, so both copy directions run at once.
-void Pool::swap_chunked(const StoragePtr& storage, const StoragePtr& scratch) {
-  std::vector<TicketPtr> out_deps = scratch->pending();
-  std::vector<TicketPtr> in_deps = live_reads_;
-  if (storage->write) in_deps.push_back(storage->write);
-  TicketPtr out, in;
-  auto exchange = [&](CopyJob out_job, CopyJob in_job, bool last) {
-    out = issue(Direction::kSave, std::move(out_job), out_deps, "swap", false);
-    out_deps.clear();
-    in_deps.push_back(out);
-    in = issue(Direction::kLoad, std::move(in_job), in_deps, "swap", last);
-    in_deps.clear();
-  };
-  const std::vector<Run> pieces =
-      layout_.pieces(static_cast<size_t>(options_.swap_chunk_bytes), engine_->arena_split_bytes());
-  const bool strided = !layout_.strided().empty();
-  if (strided) exchange(job(Direction::kSave, scratch, {}, true), job(Direction::kLoad, storage, {}, true), pieces.empty());
-  std::vector<Run> chunk;
-  size_t chunk_bytes = 0;
-  for (size_t i = 0; i < pieces.size(); ++i) {
-    chunk.push_back(pieces[i]);
-    chunk_bytes += pieces[i].bytes;
-    const bool last = i + 1 == pieces.size();
-    if (chunk_bytes >= static_cast<size_t>(options_.swap_chunk_bytes) || last) {
-      exchange(job(Direction::kSave, scratch, chunk, false), job(Direction::kLoad, storage, chunk, false), last);
-      chunk.clear();
-      chunk_bytes = 0;
+// CPU: one exchange of everything (a load waits on the host for its save, so chunks would only serialize). CUDA:
+// strided tensors first, then the runs in chunks of swap_chunk_bytes, so that chunk i comes in on the load stream
+// while chunk i+1 leaves on the save stream. Never empty, so that entering always counts one swap.
+std::vector<Pool::SwapChunk> Pool::swap_chunks() const {
+  if (!engine_->overlaps_directions()) return {SwapChunk{pieces_, true}};
+  const auto chunk_bytes = static_cast<size_t>(options_.swap_chunk_bytes);
+  std::vector<SwapChunk> chunks;
+  if (!layout_.strided().empty()) chunks.push_back(SwapChunk{{}, true});
+  SwapChunk chunk;
+  size_t bytes = 0;
+  for (const Run& piece : layout_.pieces(chunk_bytes, engine_->arena_split_bytes())) {
+    chunk.pieces.push_back(piece);
+    bytes += piece.bytes;
+    if (bytes >= chunk_bytes) {
+      chunks.push_back(std::move(chunk));
+      chunk = SwapChunk{};
+      bytes = 0;
     }
   }
-  if (!out) return;  // nothing to copy (only empty tensors)
-  scratch->write = out;  // each stream runs in order: the last copies imply the earlier ones
-  scratch->reads.clear();
-  storage->reads.push_back(in);
-  engine_->order_after({in});
+  if (!chunk.pieces.empty() || chunks.empty()) chunks.push_back(std::move(chunk));
+  return chunks;
+}
+
+namespace {
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+}  // namespace
+
+void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, const std::vector<TicketPtr>& outs,
+                        const std::vector<TicketPtr>& ins, size_t loading, std::exception_ptr error) {
+  // Nothing of this attempt may still run when the live tensors are put back (an engine whose copy() fails part
+  // way has already drained that queue), nor may a pending save still read them.
+  for (const TicketPtr& t : outs) wait_quietly(t);
+  for (const TicketPtr& t : ins) wait_quietly(t);
+  for (const TicketPtr& t : live_reads_) wait_quietly(t);
+  // The scratch holds a chunk's live bytes iff the chunk's save completed. A load waits for its chunk's save, so a
+  // chunk whose save failed had nothing loaded unless its load was issued all the same (then it cannot be undone).
+  std::vector<Run> back;
+  bool with_strided = false;
+  std::string lost;
+  for (size_t i = 0; i < loading; ++i) {
+    try {
+      outs[i]->wait();
+    } catch (...) {
+      if (i < ins.size()) lost = message_of(std::current_exception());
+      continue;
+    }
+    back.insert(back.end(), chunks[i].pieces.begin(), chunks[i].pieces.end());
+    with_strided = with_strided || chunks[i].with_strided;
+  }
+  auto cannot_undo = [&](const std::string& why) {
+    return SnapshotError(cat("swapped(", slot, "): entering failed (", message_of(error),
+                             ") and the live weights could not be copied back from the swap scratch (", why,
+                             "); the live tensors may hold part of slot ", slot));
+  };
+  if (!back.empty() || with_strided) {
+    try {
+      issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", false)->wait();
+    } catch (...) {
+      throw cannot_undo(message_of(std::current_exception()));
+    }
+  }
+  if (!lost.empty()) throw cannot_undo(cat("a chunk that was loaded never reached the scratch: ", lost));
+  if (!outs.empty()) {  // every copy of the scratch has finished
+    scratch_->write.reset();
+    scratch_->reads.clear();
+  }
+  std::rethrow_exception(error);
 }
 
 void Pool::swap_out() {

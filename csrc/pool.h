@@ -31,6 +31,7 @@ struct PoolOptions {
   // chunk boundary. 0: the engine's default (CUDA: 1 GiB; CPU: no chunks, arenas are not pinned).
   int64_t pin_chunk_bytes = 0;
   double copy_delay_s = 0;           // testing aid: every CPU copy task first sleeps this long
+  int64_t fail_copy_task = -1;       // testing aid: the CPU copy task with this sequence number raises (< 0: none)
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -114,7 +115,18 @@ class Pool {
   // Issues a copy and tracks it for stats; `counted` says whether it counts as one call of `op`.
   TicketPtr issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted = true);
   void load_from(const StoragePtr& storage, const char* op);
-  void swap_chunked(const StoragePtr& slot_storage, const StoragePtr& scratch);
+  // swapped(): the copies of entering, in issue order. Each chunk leaves the live tensors for the scratch, then
+  // the slot's bytes of the same chunk come in.
+  struct SwapChunk {
+    std::vector<Run> pieces;
+    bool with_strided = false;
+  };
+  std::vector<SwapChunk> swap_chunks() const;
+  // Entering failed with `error` after the loads of chunks [0, loading) into the live tensors were issued (the
+  // last perhaps only in part): copies those chunks back from the scratch and rethrows `error`; throws
+  // SnapshotError if they cannot be put back. outs/ins: the tickets of the chunks' saves and loads issued so far.
+  [[noreturn]] void undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, const std::vector<TicketPtr>& outs,
+                                 const std::vector<TicketPtr>& ins, size_t loading, std::exception_ptr error);
 
   // Completion bookkeeping.
   void prune();

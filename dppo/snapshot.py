@@ -85,7 +85,8 @@ class SnapshotPool:
 
     The underscored arguments are tuning and testing knobs (CPU worker threads, CPU copy piece size,
     swapped() chunk size, host-arena pinning chunk size with 0 for the engine's default, an artificial
-    delay before every CPU copy task).
+    delay before every CPU copy task, and the 0-based number of one CPU copy task, counted in the order
+    the pool issues them, that raises SnapshotError instead of copying).
     """
 
     def __init__(
@@ -101,6 +102,7 @@ class SnapshotPool:
         _swap_chunk_bytes: int = 64 << 20,
         _pin_chunk_bytes: int = 0,
         _copy_delay_s: float = 0.0,
+        _fail_copy_task: int = -1,
     ) -> None:
         if max_host_bytes is not None and (isinstance(max_host_bytes, bool) or max_host_bytes < 0):
             raise ValueError(f"max_host_bytes must be None or >= 0, got {max_host_bytes!r}")
@@ -131,6 +133,7 @@ class SnapshotPool:
             swap_chunk_bytes=_swap_chunk_bytes,
             pin_chunk_bytes=_pin_chunk_bytes,
             copy_delay_s=_copy_delay_s,
+            fail_copy_task=_fail_copy_task,
         )
         self._guards: weakref.WeakKeyDictionary[torch.optim.Optimizer, Any] = weakref.WeakKeyDictionary()
 
@@ -216,6 +219,13 @@ class SnapshotPool:
     def swapped(self, slot: int) -> Iterator[SnapshotPool]:
         """Inside the block the live tensors hold `slot`; on exit, normal or by exception, they are
         bitwise what they were before. On CUDA the outgoing and incoming copies run at once, chunk by chunk.
+
+        Failures: if entering raises after copies of the slot into the live tensors began (a failed copy or
+        CUDA call part way through), the chunks already copied in are copied back from the swap scratch
+        before the error propagates, so the live tensors are as they were and the block does not run. If that
+        copy back fails too (e.g. a CUDA error that leaves the context unusable), SnapshotError says that the
+        live tensors may hold part of the slot. A copy that fails while leaving is not retried: the error
+        propagates and the live tensors may hold part of the slot.
         """
         slot = _check_slot(slot)
         self._check_layout("swapped")

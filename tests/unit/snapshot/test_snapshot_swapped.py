@@ -98,3 +98,28 @@ def test_scratch_is_allocated_once_and_reused(two_states):
         with pool.swapped(0):
             pass
     assert pool.stats()["arena_allocs"] == allocs and pool.host_bytes == held
+
+
+# CPU copy tasks of the pool below, numbered in issue order (_piece_bytes=4096: "w" is 4 tasks, "t" 1):
+# save(0) 0-4; entering swapped(0): live -> scratch 5-9, then slot -> live 10-14 (the last one is "t").
+@pytest.mark.parametrize("fail_task", [7, 11, 14], ids=["to-scratch", "slot-in", "slot-in-strided"])
+def test_a_copy_that_fails_while_entering_leaves_the_live_weights_as_they_were(fail_task, state, assert_bitwise):
+    torch.manual_seed(0)
+    tensors = {"w": torch.randn(4096), "t": torch.randn(64, 32).t()}
+    pool = SnapshotPool(tensors, _piece_bytes=4096, _fail_copy_task=fail_task)
+    old = state(tensors)
+    pool.save(0)
+    pool.synchronize()
+    with torch.no_grad():
+        for t in tensors.values():
+            t.mul_(-3.0)
+    live = state(tensors)
+    with pytest.raises(SnapshotError, match=f"injected failure of CPU copy task {fail_task} "):
+        with pool.swapped(0):
+            pytest.fail("the block must not run when entering failed")
+    assert_bitwise(state(tensors), live)  # what had come in was copied back from the scratch
+    assert_bitwise(pool.view(0), old)
+    assert pool.slots == [0] and pool.stats()["pending_copies"] == 0
+    with pool.swapped(0):  # and the pool is usable again
+        assert_bitwise(state(tensors), old)
+    assert_bitwise(state(tensors), live)
