@@ -240,6 +240,15 @@ class SnapshotPool:
 
         For torch.func.functional_call. The views stay valid and unchanged even if the slot is later
         overwritten or cleared (the pool then copies on write); writing through a view changes the slot.
+
+        Lifetime: keep a view alive until every copy or kernel you queued that reads it has completed, e.g.
+        the source of your own `dst.copy_(view, non_blocking=True)`: synchronize that stream, or an event
+        recorded after the copy, before you drop the last view of the slot. While a view lives, its memory
+        is never reused (saves into the slot copy on write). Once the last one is gone the memory is the
+        pool's again: a save may overwrite it, ordered only after work already queued on the stream current
+        when the save is issued (not after other streams), and release() or dropping the pool may free it
+        without waiting for your copy. The views do not come from torch's pinned-memory allocator,
+        so torch does not track such copies for them.
         """
         return dict(self._core.view(_check_slot(slot)))
 
