@@ -17,7 +17,7 @@ from dppo.models import response_log_probs
 from dppo.rollout import TrainBatch
 from dppo.trainer.actor import advantage_fn, bypass_loss, decoupled_loss, update_policy
 from dppo.trainer.base import BaseTrainer
-from dppo.trainer.prox import VerifiedOldLogProb, make_old_log_prob
+from dppo.trainer.prox import make_old_log_prob
 
 
 def _no_correction(prox_logp, behav_logp, mask, config):
@@ -71,11 +71,7 @@ class PPOTrainer(BaseTrainer):
         return metrics
 
     def end_cycle(self) -> dict[str, float]:
-        self.old_log_prob.end_cycle()
-        if isinstance(self.old_log_prob, VerifiedOldLogProb):
-            diff, self.old_log_prob.max_abs_diff = self.old_log_prob.max_abs_diff, 0.0
-            return {"debug/old_log_prob_max_abs_diff": diff}
-        return {}
+        return self.old_log_prob.end_cycle()
 
     def close(self) -> None:
         self.old_log_prob.close()

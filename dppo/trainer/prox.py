@@ -62,8 +62,9 @@ class OldLogProbStrategy:
         seconds, self.snapshot_s = self.snapshot_s, 0.0
         return seconds
 
-    def end_cycle(self) -> None:
-        pass
+    def end_cycle(self) -> dict[str, float]:
+        """Called once the cycle's last trigger is done; metrics of the cycle to log."""
+        return {}
 
     def close(self) -> None:
         pass
@@ -228,7 +229,8 @@ def select_strategy_name(cfg) -> str:
 class VerifiedOldLogProb(OldLogProbStrategy):
     """Wraps a strategy; scores every batch again with an independent deep copy of the anchor weights.
 
-    max_abs_diff is the largest |old log-prob used - deep copy's| over valid tokens since the last reset.
+    end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob used - deep copy's| over
+    the valid tokens of the cycle.
     """
 
     def __init__(self, inner: OldLogProbStrategy):
@@ -262,8 +264,9 @@ class VerifiedOldLogProb(OldLogProbStrategy):
             self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
         return logp
 
-    def end_cycle(self) -> None:
-        self.inner.end_cycle()
+    def end_cycle(self) -> dict[str, float]:
+        diff, self.max_abs_diff = self.max_abs_diff, 0.0
+        return {**self.inner.end_cycle(), "debug/old_log_prob_max_abs_diff": diff}
 
     def close(self) -> None:
         self.inner.close()

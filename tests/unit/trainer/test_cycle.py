@@ -150,6 +150,21 @@ def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg):
     assert diffs == [0.0, 0.0]
 
 
+def test_verify_old_log_prob_reports_old_log_probs_that_are_off_and_resets_each_cycle(small_cfg):
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True}))
+    inner = trainer.old_log_prob.inner
+    compute = inner.compute
+
+    def off_in_the_first_cycle(trigger, batch):
+        logp = compute(trigger, batch)
+        return logp + 0.25 if trainer.global_step == 0 and trigger == 2 else logp
+
+    inner.compute = off_in_the_first_cycle
+    result = trainer.fit()
+    diffs = [r["debug/old_log_prob_max_abs_diff"] for r in result.records]
+    assert diffs[0] == pytest.approx(0.25, abs=1e-6) and diffs[1] == 0.0
+
+
 def test_metrics_of_a_cycle(small_cfg):
     result = PPOTrainer(cycle_cfg(small_cfg, 2, False)).fit()
     record = result.records[-1]
