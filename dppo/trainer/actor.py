@@ -17,6 +17,7 @@ from dppo.algo import (
     bypass_policy_loss,
     entropy_bonus,
     entropy_from_logits,
+    get_advantage_estimator,
     kl_loss,
     log_probs_from_logits,
     policy_loss,
@@ -28,10 +29,15 @@ from dppo.rollout import TrainBatch
 LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 
 
+def _clip_settings(actor_cfg) -> dict:
+    """The clip and aggregation keyword arguments every policy loss takes, from the actor config."""
+    return dict(clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
+                clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode)  # fmt: skip
+
+
 def decoupled_loss(actor_cfg) -> LossFn:
     """Decoupled PPO: ratio pi_theta / pi_prox, times the rollout-correction weight pi_prox / pi_behav."""
-    clip = dict(clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-                clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode)  # fmt: skip
+    clip = _clip_settings(actor_cfg)
 
     def loss_fn(logp, prox_logp, behav_logp, advantages, mask, weights):
         return policy_loss(logp, prox_logp, advantages, mask, weights=weights, **clip)
@@ -41,8 +47,7 @@ def decoupled_loss(actor_cfg) -> LossFn:
 
 def bypass_loss(actor_cfg, rollout_correction) -> LossFn:
     """Bypass mode: pi_prox := pi_behav; the variant is rollout_correction.loss_type."""
-    clip = dict(clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-                clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode)  # fmt: skip
+    clip = _clip_settings(actor_cfg)
 
     def loss_fn(logp, prox_logp, behav_logp, advantages, mask, weights):
         return bypass_policy_loss(logp, behav_logp, advantages, mask, rollout_correction, **clip)
@@ -121,8 +126,6 @@ def update_policy(
 
 def advantage_fn(algorithm_cfg) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """advantages(scores (B,), group_index (B,), response_mask (B, R)) -> (B, R) for algorithm.adv_estimator."""
-    from dppo.algo import get_advantage_estimator
-
     estimator = get_advantage_estimator(algorithm_cfg.adv_estimator)
     if algorithm_cfg.adv_estimator == "grpo":
         return functools.partial(estimator, norm_by_std=algorithm_cfg.norm_adv_by_std_in_grpo)
