@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from dppo.algo import UnknownNameError
 from dppo.rollout import TrainBatch
 from dppo.trainer.slot_readers import SLOT_READERS, choose_reader, stream_of
 
@@ -31,11 +32,8 @@ from dppo.trainer.slot_readers import SLOT_READERS, choose_reader, stream_of
 ScoreFn = Callable[[torch.nn.Module, TrainBatch, "dict[str, torch.Tensor] | None"], torch.Tensor]
 
 
-class UnknownStrategyError(ValueError, KeyError):
+class UnknownStrategyError(UnknownNameError):
     """A strategy or slot-reader name that is not registered (the message lists the valid names)."""
-
-    def __str__(self) -> str:  # KeyError.__str__ would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 class OldLogProbStrategy:
