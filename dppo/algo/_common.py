@@ -111,6 +111,18 @@ def to_floats(
     return dict(zip(metrics.keys(), host[: len(values)]))
 
 
+def masked_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """clamp(log_prob - base_log_prob, -20, 20) in fp32 (B, T), differentiable in log_prob only.
+
+    Both inputs are zeroed where mask is 0 before the subtraction, so whatever those positions hold
+    (NaN, inf) gives log ratio 0 there and never reaches a result or a gradient.
+    """
+    logp, base_logp = log_prob.float(), base_log_prob.detach().float()
+    if mask is not None:
+        logp, base_logp = torch.where(mask, logp, 0.0), torch.where(mask, base_logp, 0.0)
+    return (logp - base_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """Mean of x over valid positions (0 when there are none); x must already be 0 where mask is 0."""
     return x.sum() / mask.sum().clamp(min=1)

@@ -8,13 +8,13 @@ from collections.abc import Callable
 import torch
 
 from dppo.algo._common import (
-    LOG_RATIO_BOUND,
     AlgoInputError,
     Checks,
     as_mask,
     check_same_shape,
     check_tensor,
     lookup,
+    masked_log_ratio,
     to_floats,
 )
 from dppo.algo.losses import agg_loss_unchecked
@@ -66,7 +66,7 @@ def kl_penalty(
     estimator = lookup(KL_PENALTIES, kind, "KL penalty kind")
     check_tensor("log_prob", log_prob)
     check_same_shape("log_prob", log_prob, ref_log_prob=ref_log_prob)
-    logp, ref_logp = log_prob.float(), ref_log_prob.detach().float()
+    mask = None
     if response_mask is not None:
         mask = as_mask("response_mask", response_mask)
         check_same_shape("response_mask", mask, log_prob=log_prob)
@@ -74,9 +74,7 @@ def kl_penalty(
         checks.finite("log_prob", log_prob)
         checks.finite("ref_log_prob", ref_log_prob)
         to_floats({}, checks)
-        logp, ref_logp = torch.where(mask, logp, 0.0), torch.where(mask, ref_logp, 0.0)
-    log_ratio = (logp - ref_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
-    return estimator(log_ratio)
+    return estimator(masked_log_ratio(log_prob, ref_log_prob, mask))  # (B, T)
 
 
 def kl_loss(
@@ -96,9 +94,7 @@ def kl_loss(
     checks = Checks(mask)
     checks.finite("log_prob", log_prob)
     checks.finite("ref_log_prob", ref_log_prob)
-    logp = torch.where(mask, log_prob.float(), 0.0)
-    ref_logp = torch.where(mask, ref_log_prob.detach().float(), 0.0)
-    log_ratio = (logp - ref_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
+    log_ratio = masked_log_ratio(log_prob, ref_log_prob, mask)  # (B, T)
     kl = agg_loss_unchecked(lookup(KL_PENALTIES, kind, "KL penalty kind")(log_ratio), mask, loss_agg_mode)
     metrics = to_floats({"actor/kl_loss": kl.detach()}, checks)
     return coef * kl, {**metrics, "actor/kl_coef": float(coef)}

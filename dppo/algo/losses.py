@@ -15,13 +15,13 @@ from collections.abc import Callable
 import torch
 
 from dppo.algo._common import (
-    LOG_RATIO_BOUND,
     AlgoInputError,
     Checks,
     as_mask,
     check_same_shape,
     check_tensor,
     lookup,
+    masked_log_ratio,
     masked_max,
     masked_mean,
     masked_min,
@@ -136,10 +136,8 @@ def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Ten
 
 def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high, c, mode):
     """Loss (0-dim) and metric tensors of the clipped objective; inputs are already checked."""
-    logp = torch.where(mask, log_prob.float(), 0.0)  # (B, T), differentiable
-    prox_logp = torch.where(mask, old_log_prob.detach().float(), 0.0)  # (B, T)
     adv = torch.where(mask, advantages.detach().float(), 0.0)  # (B, T)
-    log_ratio = (logp - prox_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+    log_ratio = masked_log_ratio(log_prob, old_log_prob, mask)  # (B, T), differentiable in log_prob
     ratio = torch.exp(log_ratio)  # (B, T), pi_theta / pi_prox
 
     # Each clip is a branch chosen by a strict comparison, so that on a tie (e.g. r exactly on a clip
@@ -237,8 +235,7 @@ def reinforce_bypass_loss(
     adv = torch.where(mask, advantages.detach().float(), 0.0)
     pg_loss = agg_loss_unchecked(-adv * logp * weights, mask, loss_agg_mode)
     with torch.no_grad():
-        behav_logp = torch.where(mask, rollout_log_prob.detach().float(), 0.0)
-        log_ratio = (logp.detach() - behav_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+        log_ratio = masked_log_ratio(log_prob.detach(), rollout_log_prob, mask)  # (B, T), log pi_theta / pi_behav
         zero = pg_loss.new_zeros(())
         metrics = {
             "actor/pg_loss": pg_loss.detach(),

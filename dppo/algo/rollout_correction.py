@@ -18,11 +18,11 @@ from types import MappingProxyType
 import torch
 
 from dppo.algo._common import (
-    LOG_RATIO_BOUND,
     Checks,
     as_mask,
     check_same_shape,
     check_tensor,
+    masked_log_ratio,
     masked_max,
     masked_mean,
     masked_min,
@@ -287,9 +287,7 @@ def _is_weights(log_r: torch.Tensor, mask: torch.Tensor, config: RolloutCorrecti
 
 def rollout_correction_tensors(old_log_prob, rollout_log_prob, mask, config):
     """compute_rollout_correction without checks or host sync: weights (B, T) and 0-dim metric tensors."""
-    prox_logp = torch.where(mask, old_log_prob.detach().float(), 0.0)  # (B, T)
-    behav_logp = torch.where(mask, rollout_log_prob.detach().float(), 0.0)  # (B, T)
-    log_r = (prox_logp - behav_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T), 0 where masked
+    log_r = masked_log_ratio(old_log_prob.detach(), rollout_log_prob, mask)  # (B, T), log pi_prox / pi_behav
     w, in_band, truncated = _is_weights(log_r, mask, config)
     keep = rejection_mask(log_r, mask, config.rs_bounds) & in_band  # (B, T)
     weights = torch.where(keep, w, 0.0)  # (B, T)
