@@ -6,14 +6,18 @@
 from __future__ import annotations
 
 import sys
+from typing import TextIO
 
 from dppo.trainer.base import RunResult
 from dppo.trainer.config import DppoConfig, to_yaml
 
 
-def run(cfg: DppoConfig, out=sys.stdout) -> RunResult:
-    """Train with cfg, print the summary and the output paths, and shut down a Ray cluster we started."""
+def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
+    """Train with cfg, print the summary and the output paths to out (default: the current sys.stdout), and
+    shut down a Ray cluster we started."""
     from dppo.trainer.ppo import PPOTrainer
+
+    out = sys.stdout if out is None else out
 
     trainer = PPOTrainer(cfg)
     (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
