@@ -115,10 +115,9 @@ class BaseTrainer:
 
     @staticmethod
     def _device(name: str) -> torch.device:
+        """trainer.device as a torch.device; "auto" is cuda when available (the config has checked "cuda")."""
         if name == "auto":
             name = "cuda" if torch.cuda.is_available() else "cpu"
-        if name == "cuda" and not torch.cuda.is_available():
-            raise RuntimeError("trainer.device='cuda' but torch.cuda.is_available() is False")
         return torch.device(name)
 
     # ---- hooks for subclasses ---------------------------------------------------------------------

@@ -102,6 +102,11 @@ class TrainerConfig:
         _one_of("trainer.mode", self.mode, TRAINER_MODES)
         _nonnegative("trainer.eval_prompts", self.eval_prompts)
         _one_of("trainer.device", self.device, DEVICES)
+        if self.device == "cuda":
+            import torch
+
+            _require(torch.cuda.is_available(), "trainer.device", self.device,
+                     "cpu or auto (torch.cuda.is_available() is False on this machine)")  # fmt: skip
         _positive("trainer.num_threads", self.num_threads)
         _require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
 
@@ -283,7 +288,8 @@ class ModelConfig:
                  f"a multiple of model.num_attention_heads={self.num_attention_heads}")  # fmt: skip
         _one_of("model.dtype", self.dtype, DTYPES)
         if self.path is not None:
-            _require(os.path.isdir(self.path), "model.path", self.path, "an existing local model directory")
+            _require(os.path.isfile(os.path.join(self.path, "config.json")), "model.path", self.path,
+                     "an existing local transformers model directory (one holding config.json)")  # fmt: skip
 
 
 @dataclass

@@ -74,6 +74,16 @@ def test_bad_settings_raise_config_error_naming_key_and_value(override, fragment
         assert fragment in message, message
 
 
+def test_a_directory_without_a_model_and_cuda_without_a_gpu_fail_as_config_errors(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=rf"model.path='{tmp_path}': expected .*config.json"):
+        load_config([f"model.path={tmp_path}"])
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ConfigError, match=r"trainer.device='cuda': expected cpu or auto .*is_available\(\) is False"):
+        load_config(["trainer.device=cuda"])
+
+
 def test_config_file_then_overrides(tmp_path):
     path = tmp_path / "my.yaml"
     path.write_text("trainer:\n  total_steps: 7\n  seed: 3\n")
