@@ -139,9 +139,7 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         return self._reader(self, batch)
 
     def close(self) -> None:
-        remove = getattr(self._guard, "remove", None)
-        if remove is not None:
-            remove()
+        self._guard.remove()
         if 0 in self._pool:
             self._pool.fence()
             self._pool.clear(0)
