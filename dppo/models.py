@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import os
 from collections.abc import Mapping
 
@@ -78,29 +80,47 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
 
 
-def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None) -> torch.Tensor:
+@functools.cache
+def _takes_logits_to_keep(model_type: type) -> bool:
+    """Whether model_type.forward takes transformers' logits_to_keep (the LM head then runs on those positions only)."""
+    return "logits_to_keep" in inspect.signature(model_type.forward).parameters
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
+                   logits_to_keep: int | None = None) -> torch.Tensor:  # fmt: skip
     """Logits (B, S, V) of model on input_ids (B, S); with params, of model's graph run on other weights.
 
     params: None (the model's own weights); a Mapping name -> tensor (e.g. SnapshotPool.view(k)), run with
     torch.func.functional_call; or an object whose substitute(model) context manager puts other weights
     into the model for one forward pass (dppo.trainer.streaming.StreamedWeights). Either way the live
     parameters are neither read nor changed.
+    logits_to_keep: only the logits of the last logits_to_keep positions, (B, logits_to_keep, V); where the
+    model takes transformers' logits_to_keep its LM head runs on those positions alone.
     """
     kwargs = {"input_ids": input_ids, "use_cache": False}
+    if logits_to_keep is not None and _takes_logits_to_keep(type(model)):
+        kwargs["logits_to_keep"] = logits_to_keep
     if params is None:
-        return model(**kwargs).logits
-    if isinstance(params, Mapping):
-        return torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
-    with params.substitute(model):
-        return model(**kwargs).logits
+        logits = model(**kwargs).logits
+    elif isinstance(params, Mapping):
+        logits = torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
+    else:
+        with params.substitute(model):
+            logits = model(**kwargs).logits
+    return logits if logits_to_keep is None else logits[:, -logits_to_keep:]
 
 
-def response_logits(logits: torch.Tensor, prompt_length: int) -> torch.Tensor:
-    """The logits (B, R, V) that predict the response tokens, from logits (B, P + R, V) of the whole sequence.
+def forward_response_logits(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int,
+                            params=None) -> torch.Tensor:  # fmt: skip
+    """The logits (B, R, V) that predict the last R = response_length tokens of input_ids (B, P + R).
 
-    A view (no copy): log_probs_from_logits and entropy_from_logits copy a non-viewable slice chunk by chunk.
+    Only the R + 1 last positions go through the LM head (the prompt's own logits are never needed, and with
+    a large vocabulary they would cost most of the head's time and memory). Position t predicts token t + 1,
+    so the last position is dropped: a view, which log_probs_from_logits and entropy_from_logits walk chunk
+    by chunk.
     """
-    return logits[:, prompt_length - 1 : -1]
+    logits = forward_logits(model, input_ids, params, logits_to_keep=response_length + 1)  # (B, R + 1, V)
+    return logits[:, :-1]
 
 
 def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int, temperature: float,
@@ -112,11 +132,10 @@ def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response
     """
     from dppo.algo import log_probs_from_logits
 
-    prompt_length = input_ids.shape[1] - response_length
-    labels = input_ids[:, prompt_length:]  # (B, R)
+    labels = input_ids[:, input_ids.shape[1] - response_length :]  # (B, R)
     chunks = []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         ids = input_ids[start : start + micro_batch_size]
-        logits = response_logits(forward_logits(model, ids, params), prompt_length)  # (b, R, V) predicts labels
+        logits = forward_response_logits(model, ids, response_length, params)  # (b, R, V) predicts labels
         chunks.append(log_probs_from_logits(logits, labels[start : start + micro_batch_size], temperature))
     return torch.cat(chunks) if len(chunks) > 1 else chunks[0]

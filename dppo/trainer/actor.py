@@ -22,7 +22,7 @@ from dppo.algo import (
     log_probs_from_logits,
     policy_loss,
 )
-from dppo.models import forward_logits, response_logits
+from dppo.models import forward_response_logits
 from dppo.rollout import TrainBatch
 
 # loss_fn(logp, prox_logp, behav_logp, advantages, response_mask, weights) -> (loss, metrics), all (b, R)
@@ -99,7 +99,7 @@ def update_policy(
     optimizer.zero_grad(set_to_none=True)
     for start in range(0, batch.num_sequences, actor_cfg.micro_batch_size):
         sl = slice(start, start + actor_cfg.micro_batch_size)
-        logits = response_logits(forward_logits(model, batch.input_ids[sl]), prompt_length)  # (b, R, V)
+        logits = forward_response_logits(model, batch.input_ids[sl], response_length)  # (b, R, V)
         logp = log_probs_from_logits(logits, batch.input_ids[sl, prompt_length:], temperature)  # (b, R)
         loss, m = loss_fn(logp, prox_logp[sl], batch.behav_logp[sl], advantages[sl], mask[sl],
                           None if weights is None else weights[sl])  # fmt: skip

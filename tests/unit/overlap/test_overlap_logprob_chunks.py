@@ -1,5 +1,5 @@
 """log_probs_from_logits / entropy_from_logits on a sliced (B, R, V) logits tensor that cannot be viewed as
-rows (what response_logits hands them): same values and gradients as on a contiguous copy, walked in a few
+rows (what forward_response_logits hands them): same values and gradients as on a contiguous copy, walked in a few
 chunks of whole sequences rather than one sequence at a time (which was ~60x slower for short responses)."""
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dppo.generation import sample_responses
-from dppo.models import build_model, response_log_probs
+from dppo.models import build_model, forward_logits, response_log_probs
 from dppo.trainer.config import ModelConfig
 
 VOCAB = 12
@@ -71,3 +71,36 @@ def test_response_log_probs_micro_batching_is_exact(model):
     assert whole.shape == (13, 4)
     torch.testing.assert_close(whole, reference, rtol=0, atol=1e-5)
     torch.testing.assert_close(parts, whole, rtol=0, atol=1e-6)
+
+
+def test_only_the_response_positions_go_through_the_lm_head(model):
+    ids = torch.randint(0, VOCAB, (3, 9), generator=torch.Generator().manual_seed(5))
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    with torch.no_grad():
+        logp = response_log_probs(model, ids, 4, 1.0, micro_batch_size=3)
+    handle.remove()
+    assert seen == [(3, 5, 32)]  # R + 1 = 5 positions, not P + R = 9
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[:, 4:-1]
+    reference = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, 5:, None]).squeeze(-1)
+    torch.testing.assert_close(logp, reference, rtol=0, atol=1e-5)
+
+
+class _NoLogitsToKeep(torch.nn.Module):
+    """A causal LM whose forward has no logits_to_keep argument."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.head = torch.nn.Embedding(VOCAB, 8), torch.nn.Linear(8, VOCAB)
+
+    def forward(self, input_ids, use_cache=False):
+        return type("Out", (), {"logits": self.head(self.embed(input_ids).cumsum(1))})()
+
+
+def test_logits_to_keep_slices_the_logits_of_a_model_that_does_not_take_it():
+    model = _NoLogitsToKeep()
+    ids = torch.randint(0, VOCAB, (2, 7), generator=torch.Generator().manual_seed(6))
+    with torch.no_grad():
+        kept = forward_logits(model, ids, logits_to_keep=3)
+        assert torch.equal(kept, forward_logits(model, ids)[:, -3:])
