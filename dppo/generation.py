@@ -6,6 +6,8 @@ import inspect
 
 import torch
 
+from dppo.models import accepts_logits_to_keep
+
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
     """Name of the KV-cache argument of model.forward: 'cache' in transformers >= 5, else 'past_key_values'."""
@@ -43,7 +45,8 @@ def sample_responses(
     responses = torch.full((batch, max_new_tokens), pad_token, dtype=torch.long, device=prompts.device)
     mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=prompts.device)
     done = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
-    out = model(input_ids=prompts, use_cache=True)
+    # the prefill needs the logits of the last prompt position only
+    out = model(input_ids=prompts, use_cache=True, **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))
     for t in range(max_new_tokens):
         logits = out.logits[:, -1].float()  # (B, V)
         if temperature > 0:

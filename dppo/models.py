@@ -80,9 +80,13 @@ def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
 
 
+def accepts_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether model.forward takes transformers' logits_to_keep (the LM head then runs on those positions only)."""
+    return _accepts_logits_to_keep(type(model))
+
+
 @functools.cache
-def _takes_logits_to_keep(model_type: type) -> bool:
-    """Whether model_type.forward takes transformers' logits_to_keep (the LM head then runs on those positions only)."""
+def _accepts_logits_to_keep(model_type: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_type.forward).parameters
 
 
@@ -98,7 +102,7 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
     model takes transformers' logits_to_keep its LM head runs on those positions alone.
     """
     kwargs = {"input_ids": input_ids, "use_cache": False}
-    if logits_to_keep is not None and _takes_logits_to_keep(type(model)):
+    if logits_to_keep is not None and accepts_logits_to_keep(model):
         kwargs["logits_to_keep"] = logits_to_keep
     if params is None:
         logits = model(**kwargs).logits

@@ -35,6 +35,16 @@ def test_greedy_matches_full_recompute(model):
     assert mask.all()
 
 
+def test_the_prefill_runs_the_lm_head_on_the_last_prompt_position_only(model):
+    prompts = torch.randint(0, VOCAB, (4, 6), generator=torch.Generator().manual_seed(8))
+    seen = []
+    handle = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(tuple(args[0].shape)))
+    responses, _ = sample_responses(model, prompts, 3, temperature=0.0)
+    handle.remove()
+    assert seen == [(4, 1, 32)] * 3  # the prefill and two single-token steps: never the 6 prompt positions
+    assert torch.equal(responses, greedy_reference(model, prompts, 3))
+
+
 def test_eos_ends_a_response_and_pads_after_it(model):
     prompts = torch.randint(0, VOCAB, (32, 6), generator=torch.Generator().manual_seed(2))
     reference = greedy_reference(model, prompts, 6)
