@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import os
@@ -102,16 +103,36 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
     model takes transformers' logits_to_keep its LM head runs on those positions alone.
     """
     kwargs = {"input_ids": input_ids, "use_cache": False}
-    if logits_to_keep is not None and accepts_logits_to_keep(model):
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    keep_in_head = logits_to_keep is not None and head is not None and accepts_logits_to_keep(model)
+    if keep_in_head:
         kwargs["logits_to_keep"] = logits_to_keep
-    if params is None:
-        logits = model(**kwargs).logits
-    elif isinstance(params, Mapping):
-        logits = torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
-    else:
-        with params.substitute(model):
+    with _contiguous_input(head) if keep_in_head else contextlib.nullcontext():
+        if params is None:
             logits = model(**kwargs).logits
+        elif isinstance(params, Mapping):
+            logits = torch.func.functional_call(model, params, args=(), kwargs=kwargs).logits
+        else:
+            with params.substitute(model):
+                logits = model(**kwargs).logits
     return logits if logits_to_keep is None else logits[:, -logits_to_keep:]
+
+
+@contextlib.contextmanager
+def _contiguous_input(module: torch.nn.Module):
+    """Within: module's first input is made contiguous before it runs.
+
+    With logits_to_keep the LM head gets a strided slice of the hidden states (B, keep, H). On the CPU a
+    matmul over such a slice takes a batched path whose result depends on where the weight sits in memory,
+    so the same weights held by a snapshot arena and by a Parameter would give log-probs that differ in the
+    last bit; the old log-probs must be bitwise those of the cycle-start weights wherever they live. A
+    contiguous input takes the plain (B * keep, H) x (H, V) product, which does not.
+    """
+    handle = module.register_forward_pre_hook(lambda _module, args: (args[0].contiguous(), *args[1:]))
+    try:
+        yield
+    finally:
+        handle.remove()
 
 
 def forward_response_logits(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int,
