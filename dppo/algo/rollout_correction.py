@@ -113,6 +113,31 @@ def _split_options(options: str | Sequence[str]) -> tuple[str, ...]:
     return names
 
 
+def _threshold_entries(spec: object) -> list[object]:
+    """rollout_rs_threshold (a number or a comma-separated string) -> its entries, not yet parsed."""
+    if isinstance(spec, str):
+        return [e.strip() for e in spec.split(",")]
+    if isinstance(spec, (int, float)) and not isinstance(spec, bool):
+        return [spec]
+    raise RolloutCorrectionConfigError(f"{KEY_PREFIX}.rollout_rs_threshold must be a number or a string; got {spec!r}")
+
+
+def check_rs_threshold_alone(spec: object) -> None:
+    """Validate rollout_rs_threshold while rollout_rs is None: None, or entries that are each a number or "lo_hi".
+
+    Without options the per-option rules (u >= 1 for k1, no "lo_hi" for k2/k3) cannot be applied; everything
+    else is, so a bad value fails at construction rather than when rollout_rs is switched on.
+    """
+    if spec is None:
+        return
+    where = f"{KEY_PREFIX}.rollout_rs_threshold"
+    for entry in _threshold_entries(spec):
+        if _is_lo_hi(entry):
+            _lo_hi(entry, where)
+        else:
+            _number(entry, where)
+
+
 def parse_rollout_rs_thresholds(options: str | Sequence[str], spec: object) -> dict[str, Bounds]:
     """Map each rejection option to its (lower or None, upper) bounds, parsed from rollout_rs_threshold.
 
@@ -126,12 +151,7 @@ def parse_rollout_rs_thresholds(options: str | Sequence[str], spec: object) -> d
     where = f"{KEY_PREFIX}.rollout_rs_threshold"
     if spec is None:
         raise RolloutCorrectionConfigError(f"{where} is required when rollout_rs is set (rollout_rs={options!r})")
-    if isinstance(spec, str):
-        entries = [e.strip() for e in spec.split(",")]
-    elif isinstance(spec, (int, float)) and not isinstance(spec, bool):
-        entries = [spec]
-    else:
-        raise RolloutCorrectionConfigError(f"{where} must be a number or a string; got {spec!r}")
+    entries = _threshold_entries(spec)
     if len(entries) == 1:
         entries = entries * len(names)
     elif len(entries) != len(names):
@@ -182,7 +202,8 @@ class RolloutCorrectionConfig:
     """Rejection sampling: None or a comma-chain of RS_OPTIONS; a token is kept only if every option passes."""
 
     rollout_rs_threshold: float | str | None = None
-    """Bounds for rollout_rs, see parse_rollout_rs_thresholds; required when rollout_rs is set."""
+    """Bounds for rollout_rs, see parse_rollout_rs_thresholds; required when rollout_rs is set, else None or a
+    number or string whose entries parse (check_rs_threshold_alone)."""
 
     bypass_mode: bool = False
     """No proximal recompute: pi_prox := pi_behav and the loss is bypass_policy_loss."""
@@ -217,6 +238,8 @@ class RolloutCorrectionConfig:
         if self.rollout_rs is not None:
             rs_bounds = parse_rollout_rs_thresholds(self.rollout_rs, self.rollout_rs_threshold)
             object.__setattr__(self, "rollout_rs", ",".join(rs_bounds))  # canonical "a,b" form
+        else:
+            check_rs_threshold_alone(self.rollout_rs_threshold)  # also keeps the config hashable
         object.__setattr__(self, "rs_bounds", MappingProxyType(rs_bounds))
 
     @classmethod

@@ -334,6 +334,41 @@ def test_config_rejects_invalid_values(kwargs, match):
         RolloutCorrectionConfig(**kwargs)
 
 
+# rollout_rs_threshold with rollout_rs=None: checked on its own (no options to match it against), so a
+# config that is hashable and valid today stays valid when rollout_rs is switched on with a matching spec.
+@pytest.mark.parametrize(
+    "threshold, match",
+    [
+        ("garbage", r"rollout_correction.rollout_rs_threshold must be a number; got 'garbage'"),
+        (-1, r"rollout_correction.rollout_rs_threshold must be finite and > 0; got -1"),
+        (0.0, r"rollout_rs_threshold must be finite and > 0; got 0.0"),
+        (float("nan"), r"rollout_rs_threshold must be finite and > 0; got nan"),
+        ("3_2", r"rollout_rs_threshold: lower bound 3.0 > upper bound 2.0"),
+        ("0.5_2,x", r"rollout_rs_threshold must be a number; got 'x'"),
+        ([1, 2], r"rollout_rs_threshold must be a number or a string; got \[1, 2\]"),
+        ((2.0,), r"rollout_rs_threshold must be a number or a string; got \(2.0,\)"),
+        (True, r"rollout_rs_threshold must be a number or a string; got True"),
+    ],
+)
+def test_config_rejects_invalid_rs_threshold_without_rs(threshold, match):
+    with pytest.raises(RolloutCorrectionConfigError, match=match):
+        RolloutCorrectionConfig(rollout_rs_threshold=threshold)
+
+
+@pytest.mark.parametrize("threshold", [None, 2.0, 0.01, 3, "0.5", "0.5_2.0", "0.5_2.0,0.1", 0.5])
+def test_config_accepts_valid_rs_threshold_without_rs(threshold):
+    cfg = RolloutCorrectionConfig(rollout_rs_threshold=threshold)
+    assert cfg.rollout_rs is None and dict(cfg.rs_bounds) == {}
+    assert cfg.rollout_rs_threshold == threshold
+    assert hash(cfg) == hash(RolloutCorrectionConfig(rollout_rs_threshold=threshold))
+
+
+@pytest.mark.parametrize("threshold", [[2.0], (0.5, 2.0), {"u": 2.0}])
+def test_config_rejects_container_is_threshold(threshold):
+    with pytest.raises(RolloutCorrectionConfigError, match=r"rollout_is_threshold must be a number; got"):
+        RolloutCorrectionConfig(rollout_is_threshold=threshold)
+
+
 def test_config_from_dict_and_omegaconf():
     section = OmegaConf.create(
         {"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "seq_mean_k3", "rollout_rs_threshold": 0.05}
