@@ -67,8 +67,8 @@ def check_same_shape(ref_name: str, ref: torch.Tensor, **tensors: torch.Tensor |
 class Checks:
     """Deferred value checks whose flags travel in the same device->host copy as the metrics."""
 
-    def __init__(self, mask: torch.Tensor, mask_name: str = "response_mask"):
-        self.mask = mask
+    def __init__(self, mask: torch.Tensor | None, mask_name: str = "response_mask"):
+        self.mask = mask  # None: every position is valid
         self.mask_name = mask_name
         # (error type, message, bad positions (B, T), the checked values (B, T))
         self._items: list[tuple[type[AlgoInputError], str, torch.Tensor, torch.Tensor]] = []
@@ -76,12 +76,15 @@ class Checks:
     def finite(self, name: str, t: torch.Tensor) -> None:
         """Flag NaN/inf in t at positions where the mask is valid."""
         t = t.detach()
-        self._items.append((NonFiniteError, f"{name} is not finite", ~torch.isfinite(t) & self.mask, t))
+        self._items.append((NonFiniteError, f"{name} is not finite", self._valid(~torch.isfinite(t)), t))
 
     def nonnegative(self, name: str, t: torch.Tensor) -> None:
         """Flag negative values in t at positions where the mask is valid."""
         t = t.detach()
-        self._items.append((AlgoInputError, f"{name} is negative", (t < 0) & self.mask, t))
+        self._items.append((AlgoInputError, f"{name} is negative", self._valid(t < 0), t))
+
+    def _valid(self, bad: torch.Tensor) -> torch.Tensor:
+        return bad if self.mask is None else bad & self.mask
 
     def flags(self) -> list[torch.Tensor]:
         """One 0-dim tensor per check: nonzero when the check failed."""
@@ -94,7 +97,11 @@ class Checks:
                 continue
             pos = tuple(torch.nonzero(bad)[0].tolist())
             value = t[pos].item()
-            raise exc(f"{message}: value {value} at index {list(pos)} where {self.mask_name} is 1")
+            where = (
+                f"where {self.mask_name} is 1" if self.mask is not None
+                else f"(no {self.mask_name}: every position is valid)"
+            )  # fmt: skip
+            raise exc(f"{message}: value {value} at index {list(pos)} {where}")
 
 
 def to_floats(

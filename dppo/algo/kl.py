@@ -61,7 +61,8 @@ def kl_penalty(
 
     log r = clamp(log_prob - ref_log_prob, -20, 20); k1 = log r, k2 = (log r)^2 / 2,
     k3 = exp(-log r) - 1 + log r (clamped to 10, as verl does). With response_mask the result is 0 at
-    masked-out positions (whatever they hold) and NaN/inf at a valid position raises NonFiniteError.
+    masked-out positions (whatever they hold); without it every position is valid. NaN/inf at a valid
+    position raises NonFiniteError. Per element, so any shape works; the trainer passes (B, T).
     """
     estimator = lookup(KL_PENALTIES, kind, "KL penalty kind")
     check_tensor("log_prob", log_prob)
@@ -70,10 +71,10 @@ def kl_penalty(
     if response_mask is not None:
         mask = as_mask("response_mask", response_mask)
         check_same_shape("response_mask", mask, log_prob=log_prob)
-        checks = Checks(mask)
-        checks.finite("log_prob", log_prob)
-        checks.finite("ref_log_prob", ref_log_prob)
-        to_floats({}, checks)
+    checks = Checks(mask)  # without a mask every position is valid
+    checks.finite("log_prob", log_prob)
+    checks.finite("ref_log_prob", ref_log_prob)
+    to_floats({}, checks)
     return estimator(masked_log_ratio(log_prob, ref_log_prob, mask))  # (B, T)
 
 

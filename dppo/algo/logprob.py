@@ -202,6 +202,9 @@ def log_probs_from_logits(
     Equals log_softmax(logits.float() / temperature).gather(-1, labels) but never holds more than
     chunk_bytes of fp32 work at once. Raises ShapeMismatchError (a ValueError) if labels.shape !=
     logits.shape[:-1] and ValueError if a label lies outside [0, V).
+    Logit values are not checked: a finiteness pass over (..., V) would cost about as much as the softmax,
+    and without a mask a padding row may hold anything. A NaN logit gives a NaN log-prob in its row only;
+    policy_loss and kl_loss raise NonFiniteError for it where response_mask is 1. -inf logits are fine.
     """
     logits = _check_logits(logits, temperature, chunk_bytes)
     labels = check_tensor("labels", labels)

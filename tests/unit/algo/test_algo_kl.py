@@ -63,3 +63,22 @@ def test_kl_errors():
         kl_penalty(log_prob, ref, response_mask=mask)
     with pytest.raises(NonFiniteError, match="ref_log_prob"):
         kl_loss(log_prob, ref, mask, coef=0.1)
+
+
+@pytest.mark.parametrize("kind", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("arg, bad", [("log_prob", NAN), ("ref_log_prob", float("inf")), ("log_prob", -float("inf"))])
+def test_kl_penalty_without_mask_rejects_non_finite_anywhere(kind, arg, bad):
+    # Without response_mask every position is valid, so a NaN/inf there is an error, not a silent NaN (k1 returned
+    # [[0, nan, 0]]) or a silently clamped value (k2/k3 of +-inf hit the +-20 clamp).
+    inputs = {"log_prob": torch.zeros(1, 3), "ref_log_prob": torch.zeros(1, 3)}
+    inputs[arg][0, 1] = bad
+    match = rf"{arg} is not finite: value -?(nan|inf) at index \[0, 1\] \(no response_mask: every position is valid\)"
+    with pytest.raises(NonFiniteError, match=match):
+        kl_penalty(inputs["log_prob"], inputs["ref_log_prob"], kind)
+
+
+def test_kl_penalty_without_mask_accepts_any_shape():
+    # The estimators are per element: a (B, T) batch and a flat (N,) one give the same numbers.
+    log_prob, ref = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]]), torch.full((2, 2), -1.5)
+    flat = kl_penalty(log_prob.reshape(-1), ref.reshape(-1), "k3")
+    assert torch.equal(flat.view(2, 2), kl_penalty(log_prob, ref, "k3"))

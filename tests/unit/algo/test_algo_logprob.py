@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from dppo.algo import AlgoInputError, ShapeMismatchError, entropy_from_logits, log_probs_from_logits
+from dppo.algo import (
+    AlgoInputError,
+    NonFiniteError,
+    ShapeMismatchError,
+    entropy_from_logits,
+    log_probs_from_logits,
+    policy_loss,
+)
 from dppo.algo.logprob import _rows_per_chunk
 
 
@@ -149,3 +156,20 @@ def test_input_errors():
             log_probs_from_logits(logits, labels, temperature)
     with pytest.raises(ValueError, match="chunk_bytes must be a positive int; got 0"):
         entropy_from_logits(logits, chunk_bytes=0)
+
+
+def test_nan_logits_stay_in_their_row_and_the_loss_rejects_them_where_valid():
+    # Logits are not checked (documented): a NaN logit makes its own row's log-prob NaN, no other row's, and
+    # policy_loss raises for it at a valid position and ignores it at a masked one.
+    logits, labels = make(batch=2, seq=3, vocab=40)
+    logits[1, 2, 5] = float("nan")
+    logp = log_probs_from_logits(logits, labels, chunk_bytes=1000)
+    assert torch.isnan(logp[1, 2]) and torch.isfinite(logp).sum() == 5
+    assert torch.allclose(logp[:1], reference_logp(logits[:1], labels[:1]), atol=1e-5)
+    old, adv = logp.detach().nan_to_num(0.0), torch.ones(2, 3)
+    with pytest.raises(NonFiniteError, match=r"log_prob is not finite: value nan at index \[1, 2\]"):
+        policy_loss(logp, old, adv, torch.ones(2, 3))
+    mask = torch.ones(2, 3)
+    mask[1, 2] = 0
+    loss, _ = policy_loss(logp, old, adv, mask)
+    assert torch.isfinite(loss)
