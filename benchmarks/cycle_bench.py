@@ -20,17 +20,25 @@ other processes falls on all modes alike, and differences are taken within a rou
     old_log_prob_s        the old-log-prob computations of the cycle (strategy.compute)
     overhead_vs_bypass_s  cycle(mode) - cycle(bypass): the snapshot AND the extra old-log-prob forward passes
     exposed_snapshot_s    cycle(mode) - cycle(recompute-only): what the snapshot work adds that the same
-                          forward passes without any snapshot do not; the targets are judged on this
+                          forward passes without any snapshot do not
     moved_mb              weight bytes the snapshot work copies per cycle (saves, swaps, streamed steps)
 
 Targets (issue 5), judged at the largest size, summed over parameter_sync_step in {2, 4, 8} (at 1 there
-is no snapshot):
-    CPU: exposed_snapshot(decoupled-auto) <= 25% of exposed_snapshot(decoupled-reference)
-    GPU: exposed_snapshot(decoupled-auto) <= 10% of cycle(bypass), with a host slot
+is no snapshot). Each is printed twice: as the issue words it (decoupled minus bypass, which includes the
+old-log-prob forward passes every decoupled mode must run), and on the snapshot work alone (decoupled
+minus recompute-only):
+    CPU: overhead_vs_bypass(decoupled-auto) <= 25% of overhead_vs_bypass(decoupled-reference)
+         exposed_snapshot(decoupled-auto) <= 25% of exposed_snapshot(decoupled-reference)
+    GPU: overhead_vs_bypass(decoupled-auto) <= 10% of cycle(bypass), with a host slot
+         exposed_snapshot(decoupled-auto) <= 10% of cycle(bypass), with a host slot
 Checks: the old log-probs of every decoupled mode (and of the stream and view readers) equal each other and
 a deep copy of the cycle-start weights (bitwise on the CPU, within 1e-6 on a GPU); on a GPU, the streamed
 pass's peak extra device memory is at most two steps' (layers') bytes plus alignment.
 Prints a table and writes JSON (--out). Defaults finish in under 3 minutes on a 2-core CPU.
+
+The process keeps freed host memory mapped (dppo.hostmem, as `dppo train` does; --no-malloc-tuning turns
+it off): with glibc's defaults every step page-faults its gradients in again, which on the CPU costs a
+tenth of a cycle and makes single cycles vary by tens of percent.
 """
 
 from __future__ import annotations
@@ -48,6 +56,7 @@ from pathlib import Path
 
 import torch
 
+from dppo.hostmem import keep_freed_host_memory
 from dppo.rollout import TrainBatch
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
@@ -113,7 +122,7 @@ def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_di
         "model.intermediate_size": inter,
         "model.dtype": "bfloat16" if device == "cuda" else "float32",
         "snapshot.device_budget_bytes": 0,  # host slots: the GPU target is stated for them
-        **mode_overrides,
+        **mode_overrides,  # may set model.dtype (the GPU check of the old log-probs runs in fp32)
     }
     return load_config([f"{k}={v}" for k, v in overrides.items()])
 
@@ -283,7 +292,17 @@ def run_size(size: str, args, device: torch.device) -> dict:
         batches = synthetic_batches(base.task.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
         print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
               f"built in {time.perf_counter() - built:.1f} s]", flush=True)  # fmt: skip
-        check = check_old_log_probs(base, make_cfg, batches, cuda)
+        if cuda:  # the old-log-prob check is stated for fp32 on a GPU: a model of its own, same size and seed
+            def make_fp32_cfg(ps, overrides):
+                return make_cfg(ps, {**overrides, "model.dtype": "float32"})
+
+            fp32 = PPOTrainer(make_fp32_cfg(2, MODES["bypass"]), rollout=_NoRollout())
+            check = check_old_log_probs(fp32, make_fp32_cfg, batches, cuda)
+            fp32.close()
+            del fp32
+            torch.cuda.empty_cache()
+        else:
+            check = check_old_log_probs(base, make_cfg, batches, cuda)
         rows = []
         for ps in args.ps:
             trainers = {mode: mode_trainer(base, make_cfg(ps, overrides)) for mode, overrides in MODES.items()}
@@ -357,23 +376,33 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
     def total(mode: str, key: str) -> float:
         return sum(r[key] for r in rows if r["mode"] == mode)
 
-    auto = total("decoupled-auto", "exposed_snapshot_s")
+    auto, reference = total("decoupled-auto", "exposed_snapshot_s"), total("decoupled-reference", "exposed_snapshot_s")
+    auto_vs_bypass = total("decoupled-auto", "overhead_vs_bypass_s")
+    reference_vs_bypass = total("decoupled-reference", "overhead_vs_bypass_s")
+    name = largest["size"]
     out = []
     if cuda:
         bypass = total("bypass", "cycle_s")
         ratio = auto / bypass
-        out.append((f"GPU target, {largest['size']}: exposed snapshot of decoupled-auto {auto:.3f} s = {ratio:.1%} of "
-                    f"the bypass cycles' {bypass:.3f} s (target <= 10%)", ratio <= 0.10))  # fmt: skip
+        out.append((f"GPU target, {name}: exposed snapshot of decoupled-auto (vs recompute-only) {auto:.3f} s = "
+                    f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%)", ratio <= 0.10))  # fmt: skip
+        ratio = auto_vs_bypass / bypass
+        out.append((f"GPU target as the issue words it, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = "
+                    f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%; this includes the old-log-prob "
+                    f"forward passes that bypass mode does not run)", ratio <= 0.10))  # fmt: skip
         mem = largest["check"]["memory"]
         if mem:
-            out.append((f"streamed pass, {largest['size']}: peak extra device memory "
+            out.append((f"streamed pass, {name}: peak extra device memory "
                         f"{mem['extra_peak_bytes'] / MB:.1f} MB (staging {mem['staging_bytes'] / MB:.1f} MB) vs two "
                         f"largest steps {mem['two_steps_bytes'] / MB:.1f} MB + alignment", mem["ok"]))  # fmt: skip
     else:
-        reference = total("decoupled-reference", "exposed_snapshot_s")
+        ratio = auto_vs_bypass / reference_vs_bypass if reference_vs_bypass > 0 else float("inf")
+        out.append((f"CPU target, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = {ratio:.1%} of "
+                    f"decoupled-reference - bypass {reference_vs_bypass:.3f} s (target <= 25%)", ratio <= 0.25))  # fmt: skip
         ratio = auto / reference if reference > 0 else float("inf")
-        out.append((f"CPU target, {largest['size']}: exposed snapshot of decoupled-auto {auto:.3f} s = {ratio:.1%} of "
-                    f"decoupled-reference's {reference:.3f} s (target <= 25%)", ratio <= 0.25))  # fmt: skip
+        out.append((f"CPU target, snapshot work only, {name}: exposed snapshot (vs recompute-only) of decoupled-auto "
+                    f"{auto:.3f} s = {ratio:.1%} of decoupled-reference's {reference:.3f} s (target <= 25%)",
+                    ratio <= 0.25))  # fmt: skip
     for res in results:
         c = res["check"]
         how = "bitwise equal" if c["bitwise_equal"] else f"max |diff| {c['max_abs_diff']:.2e}"
@@ -391,6 +420,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", nargs="+", type=int, default=[1, 2, 4, 8], help="parameter_sync_step values")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/cycle_bench.json"))
+    parser.add_argument("--no-malloc-tuning", action="store_true",
+                        help="leave glibc's malloc thresholds at their defaults (see dppo.hostmem)")  # fmt: skip
     args = parser.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu: torch.cuda.is_available() is False")
@@ -399,8 +430,10 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if args.gpu else "cpu")
     sizes = args.sizes or (GPU_SIZES if args.gpu else CPU_SIZES)
 
+    malloc = None if args.no_malloc_tuning else keep_freed_host_memory()
     started = time.perf_counter()
     meta = {
+        "malloc_tuning": malloc,
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "device": torch.cuda.get_device_name(device) if args.gpu else platform.processor() or "cpu",
         "cpus": os.cpu_count(),
@@ -422,9 +455,10 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\ncycle_bench on {meta['device']} ({meta['cpus']} CPUs, torch {meta['torch']}): median of {args.repeats} "
           f"cycles after a warm-up; per trigger {sequences // group_size} groups of {group_size} sequences of "
           f"{prompt}+{response} tokens; load avg "
-          f"{meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}; {meta['wall_s']:.0f} s")  # fmt: skip
+          f"{meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}; {meta['wall_s']:.0f} s; malloc tuning "
+          f"{'on' if malloc else 'off'}")  # fmt: skip
     print("vs bypass = cycle(mode) - cycle(bypass): snapshot work AND the old-log-prob forward passes bypass skips")
-    print("exposed snap = cycle(mode) - cycle(recompute-only): only what the snapshot work adds (targets use this)")
+    print("exposed snap = cycle(mode) - cycle(recompute-only): only what the snapshot work adds")
     print_table(rows)
     goals = targets(results, args.gpu)
     print()

@@ -1,7 +1,8 @@
 """Issue 5 on a GPU: old log-probs from slot 0 streamed layer by layer (host slot) or read in place (device
 tier) equal a deep copy of the snapshot within 1e-6 in fp32; the live weights stay the model's own and
 bitwise unchanged; the streamed pass needs at most two steps' bytes of extra device memory; and the
-trainer's snapshot.strategy=auto picks stream for a host slot and view for a device-tier slot."""
+trainer's snapshot.strategy=auto picks stream for a host slot and view for a device-tier slot (and swap,
+when asked for, gives the same old log-probs)."""
 
 from __future__ import annotations
 
@@ -108,8 +109,10 @@ def test_streamed_pass_needs_at_most_two_steps_of_extra_device_memory():
     assert pool.nbytes > 4 * largest  # the model is much larger than what was resident
 
 
-@pytest.mark.parametrize("budget, reader", [(0, "stream"), (1 << 34, "view")])
-def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, budget, reader):
+@pytest.mark.parametrize("strategy, budget, reader", [("auto", 0, "stream"), ("auto", 1 << 34, "view"),
+                                                      ("swap", 0, "swap")])  # fmt: skip
+def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, strategy, budget, reader):
+    """Every reader through the whole trainer: old log-probs within 1e-6 of a deep copy of the cycle start."""
     from dppo.trainer.config import load_config
     from dppo.trainer.ppo import PPOTrainer
 
@@ -120,11 +123,12 @@ def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, budg
         "trainer.verify_old_log_prob": True, "ray.enabled": False, "rollout.n": 4, "rollout.groups_per_batch": 2,
         "task.length": 3, "model.hidden_size": 32, "model.num_hidden_layers": 2, "model.num_attention_heads": 2,
         "model.intermediate_size": 64, "actor.lr": 0.05, "snapshot.device_budget_bytes": budget,
+        "snapshot.strategy": strategy,
     }  # fmt: skip
     trainer = PPOTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]))
     result = trainer.fit()
     strategy = trainer.old_log_prob.inner
     assert strategy.reader_name == reader
     stats = strategy.pool.stats()
-    assert stats["view"]["count"] > 0 if reader == "view" else stats["stream"]["bytes"] > 0
+    assert stats[reader]["count" if reader == "view" else "bytes"] > 0
     assert all(r["debug/old_log_prob_max_abs_diff"] <= 1e-6 for r in result.records)

@@ -32,5 +32,10 @@ def test_cycle_bench_runs_every_mode_and_checks_the_old_log_probs(tmp_path, caps
     assert rows[2, "decoupled-reference"]["moved_mb"] == 4 * nbytes_mb  # save + save, restore, restore at k = 1
     assert rows[1, "decoupled-auto"]["moved_mb"] == 0
     assert "exposed snap = cycle(mode) - cycle(recompute-only)" in printed
-    assert any(line.startswith(("PASS  CPU target", "FAIL  CPU target")) for line in printed.splitlines())
+    targets = [line[6:] for line in printed.splitlines() if line.startswith(("PASS  CPU target", "FAIL  CPU target"))]
+    assert len(targets) == 2  # as the issue words it (vs bypass), and on the snapshot work alone
+    assert targets[0].startswith("CPU target, tiny: decoupled-auto - bypass")
+    assert targets[1].startswith("CPU target, snapshot work only, tiny: exposed snapshot (vs recompute-only)")
+    assert [t["line"] for t in data["targets"][:2]] == targets
+    assert data["meta"]["malloc_tuning"] is not None  # glibc here: freed memory stays mapped
     assert "PASS  old log-probs, tiny" in printed
