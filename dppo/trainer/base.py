@@ -110,7 +110,7 @@ class BaseTrainer:
                                   resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
         self.setup()
         self.rollout = rollout if rollout is not None else make_rollout(
-            cfg, self.model.config, self.held_out, start_version=self.version, seed_offset=self.global_step
+            cfg, self.task, self.model.config, self.held_out, start_version=self.version, seed_offset=self.global_step
         )
 
     @staticmethod

@@ -11,6 +11,7 @@ import os
 import numpy as np
 
 from dppo.rollout import Group
+from dppo.tasks import Task
 from dppo.workers.replay_buffer import ReplayBufferActor, ReplayBufferCore
 from dppo.workers.rollout_worker import RolloutGenerator, RolloutWorkerActor
 
@@ -18,10 +19,11 @@ from dppo.workers.rollout_worker import RolloutGenerator, RolloutWorkerActor
 class InProcessRollout:
     """trainer.mode=sync without Ray: generate each trigger's groups in this process, then take them."""
 
-    def __init__(self, cfg, model_config, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
+    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start_version: int = 0,
+                 seed_offset: int = 0):  # fmt: skip
         self.buffer = ReplayBufferCore(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy,
                                        cfg.trainer.train_batch_size, start_version)  # fmt: skip
-        self.worker = RolloutGenerator(cfg, model_config, 0, held_out, seed_offset)
+        self.worker = RolloutGenerator(cfg, task, model_config, 0, held_out, seed_offset)
 
     def start(self) -> None:
         pass
@@ -77,7 +79,8 @@ class RayRollout:
     sync: the trainer asks the workers for exactly the groups of each trigger, then takes them.
     """
 
-    def __init__(self, cfg, model_config, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
+    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start_version: int = 0,
+                 seed_offset: int = 0):  # fmt: skip
         import ray
 
         init_ray(cfg)
@@ -87,8 +90,12 @@ class RayRollout:
             cfg.trainer.train_batch_size, start_version,
         )  # fmt: skip
         worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
+        # The Task object itself goes to the workers (cloudpickle carries lambdas and closures): a worker process
+        # has only the built-in tasks registered, so looking task.name up there would miss a register_task one.
+        task_ref = ray.put(task)
         self.workers = [
-            worker_cls.options(scheduling_strategy="SPREAD").remote(cfg, model_config, i, held_out, seed_offset, self.buffer)
+            worker_cls.options(scheduling_strategy="SPREAD").remote(cfg, task_ref, model_config, i, held_out,
+                                                                    seed_offset, self.buffer)  # fmt: skip
             for i in range(cfg.rollout.num_workers)
         ]
         self._runs: list = []
@@ -145,7 +152,9 @@ class RayRollout:
                 ray.kill(actor)
 
 
-def make_rollout(cfg, model_config, held_out: np.ndarray | None, start_version: int = 0, seed_offset: int = 0):
-    """The rollout source cfg asks for (ray.enabled, trainer.mode); model_config is the policy's HF config."""
+def make_rollout(cfg, task: Task, model_config, held_out: np.ndarray | None, start_version: int = 0,
+                 seed_offset: int = 0):  # fmt: skip
+    """The rollout source cfg asks for (ray.enabled, trainer.mode); task is the trainer's Task, model_config the
+    policy's HF config."""
     cls = RayRollout if cfg.ray.enabled else InProcessRollout
-    return cls(cfg, model_config, held_out, start_version, seed_offset)
+    return cls(cfg, task, model_config, held_out, start_version, seed_offset)

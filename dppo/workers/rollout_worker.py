@@ -13,15 +13,18 @@ import torch
 from dppo.generation import sample_responses
 from dppo.models import model_from_config, response_log_probs
 from dppo.rollout import Group
-from dppo.tasks import PromptSampler, make_task
+from dppo.tasks import PromptSampler, Task
 
 
 class RolloutGenerator:
     """One worker's model copy and sampling state; generate() returns scored groups."""
 
-    def __init__(self, cfg, model_config, worker_index: int, held_out: np.ndarray | None = None, seed_offset: int = 0):
-        """model_config: the trainer model's transformers config; the weights arrive with the first ticket."""
-        self.task = make_task(cfg.task.name, cfg.task.length)
+    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None = None,
+                 seed_offset: int = 0):  # fmt: skip
+        """task: the trainer's Task object, never looked up again by name: a worker process has only the built-in
+        tasks registered, not one the driver added with register_task. model_config: the trainer model's
+        transformers config; the weights arrive with the first ticket."""
+        self.task = task
         self.model = model_from_config(model_config, cfg.model.dtype).requires_grad_(False)
         # Distinct, reproducible streams per worker and per (re)start, so a resumed run draws new prompts.
         seeds = np.random.SeedSequence([cfg.trainer.seed, worker_index, seed_offset]).generate_state(2)
@@ -62,9 +65,10 @@ class RolloutGenerator:
 class RolloutWorkerActor:
     """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
 
-    def __init__(self, cfg, model_config, worker_index: int, held_out: np.ndarray | None, seed_offset: int, buffer):
+    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None, seed_offset: int,
+                 buffer):  # fmt: skip
         torch.set_num_threads(cfg.rollout.num_threads)
-        self.core = RolloutGenerator(cfg, model_config, worker_index, held_out, seed_offset)
+        self.core = RolloutGenerator(cfg, task, model_config, worker_index, held_out, seed_offset)
         self.buffer = buffer
         self.groups_per_batch = cfg.rollout.groups_per_batch
 

@@ -153,3 +153,34 @@ def test_a_failing_rollout_worker_fails_the_run(tmp_path):
                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120, start_new_session=True)  # fmt: skip
     assert run.returncode != 0
     assert "reward service unavailable" in run.stderr
+
+
+USER_TASK_SCRIPT = """\
+import sys
+
+import ray
+
+from dppo.tasks import digit_task, register_task
+from dppo.train import run
+from dppo.trainer.config import load_config
+
+# Registered in the driver only, built from a lambda and closures: the workers get the Task object itself.
+register_task("shift", lambda length: digit_task("shift", length, lambda d: (d + 1) % 10))
+# The caller's own Ray cluster: run() must use it and leave it up.
+ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+run(load_config(sys.argv[1:]))
+print("ray up after run:", ray.is_initialized())
+"""
+
+
+def test_a_task_registered_in_the_driver_runs_on_ray_workers(tmp_path):
+    """register_task works in the default Ray mode, and run() leaves a Ray cluster it did not start up."""
+    script = tmp_path / "train_user_task.py"
+    script.write_text(USER_TASK_SCRIPT)
+    out = tmp_path / "out"
+    run = subprocess.run([sys.executable, str(script), *overrides(out, 2, "task.name=shift")],
+                         cwd=REPO, env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""},
+                         capture_output=True, text=True, timeout=150, start_new_session=True)  # fmt: skip
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    assert [r["step"] for r in read_records(out / "metrics.jsonl")] == [1, 2]
+    assert "ray up after run: True" in run.stdout
