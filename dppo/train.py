@@ -14,19 +14,20 @@ from dppo.trainer.config import DppoConfig, to_yaml
 
 def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     """Train with cfg, print the summary and the output paths to out (default: the current sys.stdout), and
-    shut down a Ray cluster we started."""
+    shut down a Ray cluster we started (one the caller had connected to stays up)."""
     from dppo.trainer.ppo import PPOTrainer
+    from dppo.trainer.rollout_source import init_ray
 
     out = sys.stdout if out is None else out
-
-    trainer = PPOTrainer(cfg)
-    (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
-    if trainer.resumed_from is not None:
-        print(f"resumed from {trainer.resumed_from} (global step {trainer.global_step})", file=out)
+    started_ray = cfg.ray.enabled and init_ray(cfg)
     try:
+        trainer = PPOTrainer(cfg)
+        (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        if trainer.resumed_from is not None:
+            print(f"resumed from {trainer.resumed_from} (global step {trainer.global_step})", file=out)
         result = trainer.fit()
     finally:
-        if cfg.ray.enabled:
+        if started_ray:
             import ray
 
             ray.shutdown()

@@ -53,12 +53,13 @@ class InProcessRollout:
         self.buffer.close()
 
 
-def init_ray(cfg) -> None:
-    """Connect to ray.address, else RAY_ADDRESS, else start a local cluster (quietly)."""
+def init_ray(cfg) -> bool:
+    """Connect to ray.address, else RAY_ADDRESS, else start a local cluster (quietly); nothing if this process
+    is already connected. True if this call connected (then the caller owns the connection and shuts it down)."""
     import ray
 
     if ray.is_initialized():
-        return
+        return False
     address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
     kwargs = dict(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING",
                   configure_logging=True)  # fmt: skip
@@ -70,6 +71,7 @@ def init_ray(cfg) -> None:
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
                                           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}}  # fmt: skip
     ray.init(**kwargs)
+    return True
 
 
 class RayRollout:

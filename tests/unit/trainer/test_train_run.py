@@ -1,8 +1,12 @@
-"""dppo.train.run: the main job's terminal report (in-process, no Ray)."""
+"""dppo.train.run: the main job's terminal report (in-process, no Ray) and who shuts Ray down."""
 
 import json
 
+import pytest
+
+import dppo.trainer.ppo
 from dppo.train import run
+from dppo.trainer.base import RunResult
 
 
 def test_run_prints_the_summary_and_where_it_wrote_its_outputs(small_cfg, capsys):
@@ -17,3 +21,39 @@ def test_run_prints_the_summary_and_where_it_wrote_its_outputs(small_cfg, capsys
     assert (out_dir / "config.yaml").read_text().startswith("trainer:")
     summary = json.loads((out_dir / "summary.json").read_text())
     assert summary["summary"]["global steps"] == "1"
+
+
+class _FitFailed(RuntimeError):
+    pass
+
+
+@pytest.mark.parametrize("fit_fails", [False, True])
+@pytest.mark.parametrize("already_up", [False, True])
+def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tmp_path, already_up, fit_fails):
+    """ray.init and ray.shutdown are recorded, the trainer is a stand-in: run()'s Ray bookkeeping is under test."""
+    import ray
+
+    calls, state = [], {"up": already_up}
+    monkeypatch.setattr(ray, "is_initialized", lambda: state["up"])
+    monkeypatch.setattr(ray, "init", lambda **kwargs: (calls.append("init"), state.update(up=True)))
+    monkeypatch.setattr(ray, "shutdown", lambda: (calls.append("shutdown"), state.update(up=False)))
+
+    class StandInTrainer:
+        def __init__(self, cfg):
+            self.output_dir, self.resumed_from = tmp_path, None
+
+        def fit(self):
+            if fit_fails:
+                raise _FitFailed("training failed")
+            return RunResult(tmp_path, tmp_path / "metrics.jsonl", None, tmp_path / "summary.json", [], {},
+                             [("global steps", "0")], 0.0)  # fmt: skip
+
+    monkeypatch.setattr(dppo.trainer.ppo, "PPOTrainer", StandInTrainer)
+    cfg = small_cfg(**{"ray.enabled": True})
+    if fit_fails:
+        with pytest.raises(_FitFailed):
+            run(cfg)
+    else:
+        run(cfg)
+    assert calls == ([] if already_up else ["init", "shutdown"])
+    assert state["up"] is already_up  # the caller's cluster stays up; ours is gone, also after a failure
