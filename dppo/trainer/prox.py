@@ -116,13 +116,16 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         return next(self.model.parameters()).device.type
 
     def use_reader(self, name: str) -> None:
-        """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read)."""
+        """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read, and
+        again whenever slot 0 has moved to another tier since)."""
         self._reader = None if name == "auto" else _lookup(SLOT_READERS, name, "slot reader")
+        self._auto = name == "auto"
+        self._reader_tier: str | None = None  # the tier of slot 0 that auto chose the reader for
         self.reader_name = name
 
-    def _choose_reader(self, batch: TrainBatch) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
-        name = choose_reader(self.device_type, self._pool.tier(0), lambda: stream_of(self, batch) is not None)
-        self.reader_name = name
+    def _choose_reader(self, batch: TrainBatch, tier: str) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
+        name = choose_reader(self.device_type, tier, lambda: stream_of(self, batch) is not None)
+        self.reader_name, self._reader_tier = name, tier
         return SLOT_READERS[name]
 
     def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
@@ -134,8 +137,10 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             return self.score(self.model, batch, None)
         if 0 not in self._pool:
             raise RuntimeError(f"trigger {trigger}: snapshot slot 0 is empty; trigger 0 of the cycle must run first")
-        if self._reader is None:
-            self._reader = self._choose_reader(batch)
+        if self._auto:  # a save may land in another tier than the last one (device budget taken meanwhile)
+            tier = self._pool.tier(0)
+            if self._reader is None or tier != self._reader_tier:
+                self._reader = self._choose_reader(batch, tier)
         return self._reader(self, batch)
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dppo._errors import SnapshotMemoryError
 from dppo.models import forward_logits
 from dppo.rollout import TrainBatch
 from dppo.trainer.streaming import NotStreamableError, StreamedWeights, StreamOrderError, trace_schedule
@@ -90,7 +91,7 @@ def read_stream(strategy: CycleStartOldLogProb, batch: TrainBatch) -> torch.Tens
     host_s, moved = stream.host_s, stream.moved_bytes
     try:
         logp = strategy.score(strategy.model, batch, stream)
-    except StreamOrderError as err:
+    except (StreamOrderError, SnapshotMemoryError) as err:  # swap needs no device memory beyond the model's
         strategy.stream, strategy.stream_error = None, str(err)
         return _fall_back_to_swap(strategy, batch, str(err))
     finally:

@@ -82,6 +82,50 @@ def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeyp
         assert "outside every block" in strategy.stream_error
 
 
+def test_auto_chooses_again_when_slot_0_lands_in_another_tier(small_cfg, monkeypatch):
+    """A device-tier slot is read in place; when a later cycle's save lands on the host, auto must not keep
+    the view reader (it would raise on CUDA weights) but stream it."""
+    monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
+    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"trainer.total_steps": 2}))
+    strategy = trainer.old_log_prob
+    fake = _FakeTierPool(strategy.pool, "device")
+    strategy._pool = fake
+    chosen = []
+    inner = strategy.compute
+
+    def compute(trigger, batch):
+        if trigger == 0 and chosen:  # the second cycle's save goes to the host
+            fake._tier = "host"
+        logp = inner(trigger, batch)
+        chosen.append(strategy.reader_name)
+        return logp
+
+    strategy.compute = compute
+    trainer.fit()
+    assert chosen[1:4] == ["view"] * 3 and chosen[5:8] == ["stream"] * 3, chosen
+
+
+def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs(small_cfg, monkeypatch):
+    from dppo._errors import SnapshotMemoryError
+    from dppo.trainer.streaming import StreamedWeights
+
+    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream", "trainer.verify_old_log_prob": True}))
+    strategy = trainer.old_log_prob.inner
+    score = strategy.score
+
+    def score_without_staging_memory(module, batch, params):
+        if isinstance(params, StreamedWeights):
+            raise SnapshotMemoryError("staging buffers: out of device memory (injected)")
+        return score(module, batch, params)
+
+    strategy.score = score_without_staging_memory
+    with pytest.warns(RuntimeWarning, match="out of device memory .*using 'swap'"):
+        result = trainer.fit()
+    assert strategy.reader_name == "swap"
+    assert strategy.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
+    assert result.records[-1]["debug/old_log_prob_max_abs_diff"] == 0.0
+
+
 def test_explicit_stream_on_a_model_that_cannot_stream_warns_and_swaps(small_cfg):
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream"}))
     read_embedding_outside_its_block(trainer.model)
