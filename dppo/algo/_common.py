@@ -51,6 +51,12 @@ def as_mask(name: str, mask: object) -> torch.Tensor:
     return mask if mask.dtype == torch.bool else mask != 0
 
 
+def check_2d(name: str, t: torch.Tensor) -> None:
+    """Raise AlgoInputError naming the shape unless t is (B, T): the seq-level modes read dim -1 as T."""
+    if t.dim() != 2:
+        raise AlgoInputError(f"{name} must have shape (B, T); got shape {tuple(t.shape)}")
+
+
 def check_same_shape(ref_name: str, ref: torch.Tensor, **tensors: torch.Tensor | None) -> None:
     """Raise ShapeMismatchError naming both shapes if any tensor's shape differs from ref's."""
     for name, t in tensors.items():

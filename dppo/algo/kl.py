@@ -11,6 +11,7 @@ from dppo.algo._common import (
     AlgoInputError,
     Checks,
     as_mask,
+    check_2d,
     check_same_shape,
     check_tensor,
     lookup,
@@ -90,6 +91,7 @@ def kl_loss(
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
     mask = as_mask("response_mask", response_mask)
+    check_2d("response_mask", mask)
     check_tensor("log_prob", log_prob)
     check_same_shape("response_mask", mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
     checks = Checks(mask)

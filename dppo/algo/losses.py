@@ -18,6 +18,7 @@ from dppo.algo._common import (
     AlgoInputError,
     Checks,
     as_mask,
+    check_2d,
     check_same_shape,
     check_tensor,
     lookup,
@@ -79,8 +80,7 @@ def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean
     loss_mat = check_tensor("loss_mat", loss_mat)
     mask = as_mask("mask", mask)
     check_same_shape("mask", mask, loss_mat=loss_mat)
-    if loss_mat.dim() != 2:
-        raise AlgoInputError(f"loss_mat must have shape (B, T); got shape {tuple(loss_mat.shape)}")
+    check_2d("loss_mat", loss_mat)
     checks = Checks(mask, "mask")
     checks.finite("loss_mat", loss_mat)
     loss = agg_loss_unchecked(loss_mat.float(), mask, mode)
@@ -110,6 +110,7 @@ def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: flo
 def _check_loss_inputs(log_prob, old_name, old_log_prob, advantages, response_mask, weights=None):
     """Shape and type checks shared by the policy losses; returns the bool mask (B, T) and Checks."""
     mask = as_mask("response_mask", response_mask)
+    check_2d("response_mask", mask)
     check_tensor("log_prob", log_prob)
     check_same_shape(
         "response_mask", mask, log_prob=log_prob, **{old_name: old_log_prob}, advantages=advantages, weights=weights
@@ -304,6 +305,7 @@ def entropy_bonus(
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
     mask = as_mask("response_mask", response_mask)
+    check_2d("response_mask", mask)
     check_same_shape("response_mask", mask, entropy=entropy)
     checks = Checks(mask)
     checks.finite("entropy", entropy)

@@ -20,6 +20,7 @@ import torch
 from dppo.algo._common import (
     Checks,
     as_mask,
+    check_2d,
     check_same_shape,
     check_tensor,
     masked_log_ratio,
@@ -352,9 +353,11 @@ def compute_rollout_correction(
       rollout_corr/kl_k1: mean of -log r (k1 estimate of KL(pi_behav || pi_prox));
       rollout_corr/kl_k3: mean of r - 1 - log r (k3 estimate);
       rollout_corr/ess: (sum w)^2 / (n * sum w^2), the normalized effective sample size of the weights.
-    Raises ShapeMismatchError on shape mismatch and NonFiniteError for NaN/inf at a valid position.
+    Raises AlgoInputError unless the mask is (B, T), ShapeMismatchError on shape mismatch and
+    NonFiniteError for NaN/inf at a valid position (all ValueErrors).
     """
     mask = as_mask("response_mask", response_mask)
+    check_2d("response_mask", mask)
     check_tensor("old_log_prob", old_log_prob)
     check_same_shape("response_mask", mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
     if not isinstance(config, RolloutCorrectionConfig):

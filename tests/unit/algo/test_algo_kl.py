@@ -82,3 +82,10 @@ def test_kl_penalty_without_mask_accepts_any_shape():
     log_prob, ref = torch.tensor([[-1.0, -2.0], [-0.5, -3.0]]), torch.full((2, 2), -1.5)
     flat = kl_penalty(log_prob.reshape(-1), ref.reshape(-1), "k3")
     assert torch.equal(flat.view(2, 2), kl_penalty(log_prob, ref, "k3"))
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2, 2)])
+def test_kl_loss_rejects_non_2d_inputs(shape):
+    x = torch.zeros(shape)
+    with pytest.raises(ValueError, match=r"response_mask must have shape \(B, T\); got shape \((4,|2, 2, 2)\)"):
+        kl_loss(x, x, torch.ones(shape), coef=0.1, loss_agg_mode="seq-mean-token-mean")

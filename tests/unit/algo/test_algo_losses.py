@@ -1,6 +1,7 @@
 """Hand-computed checks of agg_loss, policy_loss (clip, dual clip, weights), the bypass losses and the entropy bonus."""
 
 import math
+import re
 
 import pytest
 import torch
@@ -300,3 +301,40 @@ def test_entropy_bonus_sign_value_and_gradient():
     assert torch.allclose(entropy.grad, t([[-0.01 / 3, -0.01 / 3, 0.0], [-0.01 / 3, 0.0, 0.0]]))
     with pytest.raises(ValueError, match="coef must be a finite number; got nan"):
         entropy_bonus(entropy, mask, coef=NAN)
+
+
+# ---------------------------------------------------------------------------------------------------
+# Per-token inputs must be (B, T): the seq-mean modes and the sequence-level options read dim -1 as T
+# ---------------------------------------------------------------------------------------------------
+
+NOT_2D = [(4,), (2, 2, 2), ()]
+
+
+def not_2d_match(name, shape):
+    return rf"{name} must have shape \(B, T\); got shape {re.escape(str(shape))}"
+
+
+@pytest.mark.parametrize("shape", NOT_2D)
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_policy_loss_rejects_non_2d_inputs(shape, mode):
+    # 1-D input with seq-mean-token-mean used to return -1.0, treating the batch as one sequence.
+    log_prob, ones = torch.zeros(shape, requires_grad=True), torch.ones(shape)
+    with pytest.raises(AlgoInputError, match=not_2d_match("response_mask", shape)):
+        policy_loss(log_prob, torch.zeros(shape), ones, ones, loss_agg_mode=mode)
+
+
+@pytest.mark.parametrize("loss_type", ["ppo_clip", "reinforce"])
+def test_bypass_losses_reject_non_2d_inputs(loss_type):
+    cfg = RolloutCorrectionConfig(bypass_mode=True, loss_type=loss_type, rollout_is="sequence")
+    log_prob, ones = torch.zeros(4, requires_grad=True), torch.ones(4)
+    with pytest.raises(AlgoInputError, match=not_2d_match("response_mask", (4,))):
+        bypass_policy_loss(log_prob, torch.zeros(4), ones, ones, cfg)
+
+
+@pytest.mark.parametrize("shape", NOT_2D)
+def test_entropy_bonus_and_agg_loss_reject_non_2d_inputs(shape):
+    ones = torch.ones(shape)
+    with pytest.raises(AlgoInputError, match=not_2d_match("response_mask", shape)):
+        entropy_bonus(ones, ones, coef=0.01, loss_agg_mode="seq-mean-token-mean")
+    with pytest.raises(AlgoInputError, match=not_2d_match("loss_mat", shape)):
+        agg_loss(ones, ones, "seq-mean-token-mean")

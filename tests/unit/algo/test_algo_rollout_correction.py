@@ -5,6 +5,7 @@ value of math.log(r) and a bound equal to r sits exactly on the boundary.
 """
 
 import math
+import re
 
 import pytest
 import torch
@@ -210,6 +211,17 @@ def test_correction_input_errors():
         compute_rollout_correction(old, bad, mask, cfg)
     with pytest.raises(TypeError, match="config must be a RolloutCorrectionConfig"):
         compute_rollout_correction(old, rollout, mask, {"rollout_is": "token"})
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2, 2), ()])
+@pytest.mark.parametrize("rollout_is", [None, "token", "sequence"])
+def test_correction_rejects_non_2d_inputs(shape, rollout_is):
+    # 1-D input with rollout_is="sequence" used to give weights [1, 1, 1, 1]: each token taken as a sequence.
+    old, rollout = torch.full(shape, 0.5), torch.zeros(shape)
+    cfg = RolloutCorrectionConfig(rollout_is=rollout_is)
+    match = rf"response_mask must have shape \(B, T\); got shape {re.escape(str(shape))}"
+    with pytest.raises(ValueError, match=match):
+        compute_rollout_correction(old, rollout, torch.ones(shape), cfg)
 
 
 def test_bf16_inputs_give_fp32_weights():
