@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-from omegaconf import OmegaConf
+import yaml
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 DEFAULTS_YAML = Path(__file__).resolve().parent.parent / "config" / "train.yaml"
@@ -64,7 +65,7 @@ class TrainerConfig:
     """Prompt groups consumed per global step; must be a multiple of parameter_sync_step."""
 
     seed: int = 0
-    """Seed of the model init, prompt sampling and token sampling."""
+    """Seed of the model init, prompt sampling and token sampling; an integer in [0, 2**64)."""
 
     output_dir: str = "outputs/dppo"
     """Where metrics.jsonl, the plot, the summary and checkpoints/ are written."""
@@ -83,7 +84,8 @@ class TrainerConfig:
     """Debug: compare the old log-probs with those of a deep copy of the anchor weights (debug/old_log_prob_max_abs_diff)."""
 
     eval_prompts: int = 256
-    """Held-out prompts scored with greedy decoding at the end (never sampled for training); 0 skips the eval."""
+    """Held-out prompts scored with greedy decoding at the end (never sampled for training, so the task needs more
+    distinct prompts than this: 10**task.length for the built-in tasks); 0 skips the eval."""
 
     device: str = "auto"
     """Trainer device: cpu, cuda or auto (cuda when available). Rollout workers generate on the CPU."""
@@ -98,6 +100,7 @@ class TrainerConfig:
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.parameter_sync_step", self.parameter_sync_step)
         _positive("trainer.train_batch_size", self.train_batch_size)
+        _require(0 <= self.seed < 2**64, "trainer.seed", self.seed, "an integer in [0, 2**64) (numpy and torch seeds)")
         _nonnegative("trainer.checkpoint_every", self.checkpoint_every)
         _one_of("trainer.mode", self.mode, TRAINER_MODES)
         _nonnegative("trainer.eval_prompts", self.eval_prompts)
@@ -337,6 +340,10 @@ class RayConfig:
     num_cpus: Optional[int] = None
     """CPUs a local Ray cluster may use (null: all)."""
 
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None:
+            _positive("ray.num_cpus", self.num_cpus)
+
 
 @dataclass
 class DppoConfig:
@@ -374,6 +381,34 @@ def validate_combinations(cfg: DppoConfig) -> None:
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
+    _check_prompts_left_for_training(cfg)
+
+
+def _check_prompts_left_for_training(cfg: DppoConfig) -> None:
+    """The held-out eval prompts must leave the task prompts to train on (else every worker fails after Ray starts).
+
+    Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
+    from dppo.tasks import PromptSampler, held_out_prompts, make_task
+
+    t, task_cfg = cfg.trainer, cfg.task
+    if t.eval_prompts == 0:
+        return
+    task = make_task(task_cfg.name, task_cfg.length)
+    held_out = held_out_prompts(task, t.seed, t.eval_prompts)
+    where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
+    if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts}: {where} has only {len(held_out)} distinct prompts, and all "
+            f"would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
+            f"{len(held_out)} or raise task.length"
+        )
+    try:
+        PromptSampler(task, t.seed, held_out).sample(1)
+    except RuntimeError:
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts} holds out (nearly) every distinct prompt of {where}: no "
+            "training prompt could be drawn; lower trainer.eval_prompts or raise task.length"
+        ) from None
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -396,13 +431,11 @@ def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
 
 def _parse_overrides(overrides: list[str]):
     """key=value strings -> an OmegaConf dotlist config; a malformed item raises ConfigError."""
-    sections = None
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=20)")
         key = item.split("=", 1)[0]
-        sections = sections if sections is not None else {k.rsplit(".", 1)[0] for k in list_keys()}
-        if key in sections:
+        if key in _sections():
             raise ConfigError(f"{item!r}: {key} is a config section, not a value; set its keys ({key}.<name>=...)")
     try:
         return OmegaConf.from_dotlist(list(overrides))
@@ -410,17 +443,51 @@ def _parse_overrides(overrides: list[str]):
         raise _convert_omegaconf_error(err) from None
 
 
+def _check_sections(file_cfg: DictConfig, where: str, prefix: str = "") -> None:
+    """Every config section the file sets must be a mapping of keys (OmegaConf's merge error names neither)."""
+    sections = _sections()
+    for key, value in file_cfg.items_ex(resolve=False):
+        dotted = f"{prefix}{key}"
+        if dotted not in sections:
+            continue  # a value (checked by the merge) or an unknown key (named by the merge)
+        if not isinstance(value, DictConfig):
+            shown = "null" if value is None else repr(value)
+            raise ConfigError(f"{where}: {dotted}: {shown} is a value, but {dotted} is a config section; "
+                              f"write its keys under it (e.g. {list_keys(dotted + '.')[0]})")  # fmt: skip
+        _check_sections(value, where, dotted + ".")
+
+
+def _load_config_file(config_file: str | os.PathLike) -> DictConfig:
+    """The YAML file of overrides as a DictConfig of sections; any problem is a one-line ConfigError naming it."""
+    where = f"config file {str(config_file)!r}"
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"{where} does not exist")
+    try:
+        file_cfg = OmegaConf.load(config_file)
+    except (yaml.YAMLError, OSError) as err:  # OSError: YAML that is a lone scalar
+        raise ConfigError(f"{where}: not a YAML mapping of config sections: {' '.join(str(err).split())}") from None
+    if not isinstance(file_cfg, DictConfig):
+        raise ConfigError(f"{where}: expected a mapping of config sections (trainer:, actor:, ...) at the top level; "
+                          f"got a {type(file_cfg).__name__.removesuffix('Config').lower()}")  # fmt: skip
+    _check_sections(file_cfg, where)
+    return file_cfg
+
+
 def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None) -> DppoConfig:
     """Schema <- shipped YAML defaults <- config_file <- key=value overrides, validated; raises ConfigError."""
-    layers = [OmegaConf.load(DEFAULTS_YAML)]
-    if config_file is not None:
-        if not os.path.isfile(config_file):
-            raise ConfigError(f"config file {str(config_file)!r} does not exist")
-        layers.append(OmegaConf.load(config_file))
-    layers.append(_parse_overrides(list(overrides)))
+    file_cfg = _load_config_file(config_file) if config_file is not None else None
+    override_cfg = _parse_overrides(list(overrides))
     try:
-        merged = OmegaConf.merge(OmegaConf.structured(DppoConfig), *layers)
-        return OmegaConf.to_object(merged)
+        merged = OmegaConf.merge(OmegaConf.structured(DppoConfig), OmegaConf.load(DEFAULTS_YAML))
+    except OmegaConfBaseException as err:
+        raise _convert_omegaconf_error(err) from None
+    if file_cfg is not None:
+        try:
+            merged = OmegaConf.merge(merged, file_cfg)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"config file {str(config_file)!r}: {_convert_omegaconf_error(err)}") from None
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(merged, override_cfg))
     except OmegaConfBaseException as err:
         raise _convert_omegaconf_error(err) from None
 
@@ -477,6 +544,12 @@ def describe(cls: type = DppoConfig, prefix: str = "", defaults: Any = None) -> 
 def _all_keys() -> tuple[str, ...]:
     """Every leaf key (the schema does not change at run time; load_config asks on every call)."""
     return tuple(key for key, _, _ in describe())
+
+
+@functools.cache
+def _sections() -> frozenset[str]:
+    """Every config section's dotted path (trainer, algorithm, algorithm.rollout_correction, ...)."""
+    return frozenset(key.rsplit(".", 1)[0] for key in _all_keys())
 
 
 def list_keys(prefix: str = "", leaves_only: bool = True) -> list[str]:

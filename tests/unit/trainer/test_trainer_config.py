@@ -63,6 +63,13 @@ def test_overrides_are_typed_and_nested():
         (["trainer.total_steps"], ["key=value"]),
         (["trainer=3"], ["trainer is a config section"]),
         (["algorithm.rollout_correction=x"], ["algorithm.rollout_correction is a config section"]),
+        (["trainer.seed=-1"], ["trainer.seed=-1", "[0, 2**64)"]),
+        (["ray.num_cpus=0"], ["ray.num_cpus=0"]),
+        (["ray.num_cpus=-1"], ["ray.num_cpus=-1"]),
+        # Too few distinct prompts for the held-out set: all would be held out, none left to train on.
+        (["task.length=2"], ["trainer.eval_prompts=256", "task.length=2", "only 100 distinct prompts"]),
+        (["task.length=1"], ["trainer.eval_prompts=256", "task.length=1", "only 10 distinct prompts"]),
+        (["task.length=2", "trainer.eval_prompts=100"], ["trainer.eval_prompts=100", "task.length=2"]),
     ],
 )
 def test_bad_settings_raise_config_error_naming_key_and_value(override, fragments):
@@ -91,6 +98,37 @@ def test_config_file_then_overrides(tmp_path):
     assert (cfg.trainer.total_steps, cfg.trainer.seed) == (7, 5)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config([], config_file=tmp_path / "missing.yaml")
+
+
+def test_the_held_out_set_may_leave_few_training_prompts_but_not_none(tmp_path):
+    assert load_config(["task.length=2", "trainer.eval_prompts=99"]).trainer.eval_prompts == 99
+    assert load_config(["task.length=1", "trainer.eval_prompts=0"]).task.length == 1
+
+
+@pytest.mark.parametrize(
+    "text, fragments",
+    [
+        ("- 1\n- 2\n", ["expected a mapping of config sections", "got a list"]),
+        ("7\n", ["not a YAML mapping"]),
+        ("trainer: [1\n", ["not a YAML mapping", "line 1"]),
+        ("trainer: 3\n", ["trainer: 3 is a value, but trainer is a config section", "trainer.total_steps"]),
+        ("trainer:\n", ["trainer: null is a value"]),
+        ("algorithm:\n  rollout_correction: 5\n", ["algorithm.rollout_correction: 5 is a value"]),
+        ("trainer:\n  total_steps: many\n", ["trainer.total_steps", "many"]),
+        ("trainer:\n  nope: 1\n", ["unknown config key 'trainer.nope'"]),
+    ],
+    ids=["list", "scalar", "bad-yaml", "section-scalar", "section-null", "subsection-scalar", "bad-type", "unknown-key"],
+)
+def test_a_bad_config_file_fails_with_one_line_naming_the_file_and_key(tmp_path, capsys, text, fragments):
+    path = tmp_path / "my.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError) as info:
+        load_config([], config_file=path)
+    for fragment in [f"config file '{path}'", *fragments]:
+        assert fragment in str(info.value), str(info.value)
+    assert main(["train", "--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("dppo: error: config file") and err.count("\n") == 1, err
 
 
 def test_every_leaf_key_is_documented_and_listed_in_help():
