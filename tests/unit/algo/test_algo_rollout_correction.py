@@ -119,36 +119,37 @@ def test_sequence_is_band_zeroes_whole_sequences():
 E = math.e
 
 
-@pytest.mark.parametrize(
-    "option, threshold, rows, kept",
-    [
-        # token_k1: r in [lo, hi], bounds inclusive
-        ("token_k1", "0.5_2.0", [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),
-        ("token_k1", 2.0, [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),  # u = 2 means [1/2, 2]
-        # token_k2: (log r)^2 / 2 <= hi; log r = 1, -1, 1.5, 0 -> 0.5, 0.5, 1.125, 0
-        ("token_k2", 0.5, [[E, 1 / E, E**1.5, 1.0]], [[1, 1, 0, 1]]),
-        # token_k3: r - 1 - log r <= hi; log r = 0, 1, -1 -> 0, e - 2 = 0.718, 1/e = 0.368
-        ("token_k3", 0.5, [[1.0, E, 1 / E]], [[1, 0, 1]]),
-        # seq_sum_k1: prod r in [0.5, 2]: 4 (out), 1 (in), 2 (on the bound, in)
-        ("seq_sum_k1", "0.5_2", [[2.0, 2.0], [2.0, 0.5], [2.0, 1.0]], [[0, 0], [1, 1], [1, 1]]),
-        # seq_mean_k1: geometric mean over VALID tokens in [1/2, 2]: sqrt(4.5) = 2.12 (out; over T=3 it would be
-        # 4.5^(1/3) = 1.65, in), sqrt(4) = 2 (on the bound, in)
-        ("seq_mean_k1", 2.0, [[4.5, 1.0, M], [4.0, 1.0, M]], [[0, 0, 0], [1, 1, 0]]),
-        # seq_sum_k2: sum of (log r)^2 / 2 <= 1: 0.5 + 0.5 = 1 (on the bound, in), 1.5 (out)
-        ("seq_sum_k2", 1.0, [[E, E], [E, E, E]], [[1, 1, 0], [0, 0, 0]]),
-        # seq_mean_k2: mean over valid tokens <= 0.8: (2 + 0) / 2 = 1 (out; over T=3 it would be 0.67, in)
-        ("seq_mean_k2", 0.8, [[E**2, 1.0, M], [E, 1.0, M]], [[0, 0, 0], [1, 1, 0]]),
-        # seq_max_k2: max <= 0.5: max(0.5, 0.125) = 0.5 (on the bound, in), max(1.125, 0) (out)
-        ("seq_max_k2", 0.5, [[E, E**0.5], [E**1.5, 1.0]], [[1, 1], [0, 0]]),
-        # k3 of log r = (1, -1): (0.718, 0.368): sum 1.086, mean 0.543, max 0.718; row (1, 1): all 0
-        ("seq_sum_k3", 1.0, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
-        ("seq_sum_k3", 1.1, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
-        ("seq_mean_k3", 0.6, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
-        ("seq_mean_k3", 0.5, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
-        ("seq_max_k3", 0.7, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
-        ("seq_max_k3", 0.72, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
-    ],
-)
+# (option, threshold, ratios per row (M = masked), kept per row)
+RS_CASES = [
+    # token_k1: r in [lo, hi], bounds inclusive
+    ("token_k1", "0.5_2.0", [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),
+    ("token_k1", 2.0, [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),  # u = 2 means [1/2, 2]
+    # token_k2: (log r)^2 / 2 <= hi; log r = 1, -1, 1.5, 0 -> 0.5, 0.5, 1.125, 0
+    ("token_k2", 0.5, [[E, 1 / E, E**1.5, 1.0]], [[1, 1, 0, 1]]),
+    # token_k3: r - 1 - log r <= hi; log r = 0, 1, -1 -> 0, e - 2 = 0.718, 1/e = 0.368
+    ("token_k3", 0.5, [[1.0, E, 1 / E]], [[1, 0, 1]]),
+    # seq_sum_k1: prod r in [0.5, 2]: 4 (out), 1 (in), 2 (on the bound, in)
+    ("seq_sum_k1", "0.5_2", [[2.0, 2.0], [2.0, 0.5], [2.0, 1.0]], [[0, 0], [1, 1], [1, 1]]),
+    # seq_mean_k1: geometric mean over VALID tokens in [1/2, 2]: sqrt(4.5) = 2.12 (out; over T=3 it would be
+    # 4.5^(1/3) = 1.65, in), sqrt(4) = 2 (on the bound, in)
+    ("seq_mean_k1", 2.0, [[4.5, 1.0, M], [4.0, 1.0, M]], [[0, 0, 0], [1, 1, 0]]),
+    # seq_sum_k2: sum of (log r)^2 / 2 <= 1: 0.5 + 0.5 = 1 (on the bound, in), 1.5 (out)
+    ("seq_sum_k2", 1.0, [[E, E], [E, E, E]], [[1, 1, 0], [0, 0, 0]]),
+    # seq_mean_k2: mean over valid tokens <= 0.8: (2 + 0) / 2 = 1 (out; over T=3 it would be 0.67, in)
+    ("seq_mean_k2", 0.8, [[E**2, 1.0, M], [E, 1.0, M]], [[0, 0, 0], [1, 1, 0]]),
+    # seq_max_k2: max <= 0.5: max(0.5, 0.125) = 0.5 (on the bound, in), max(1.125, 0) (out)
+    ("seq_max_k2", 0.5, [[E, E**0.5], [E**1.5, 1.0]], [[1, 1], [0, 0]]),
+    # k3 of log r = (1, -1): (0.718, 0.368): sum 1.086, mean 0.543, max 0.718; row (1, 1): all 0
+    ("seq_sum_k3", 1.0, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
+    ("seq_sum_k3", 1.1, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
+    ("seq_mean_k3", 0.6, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
+    ("seq_mean_k3", 0.5, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
+    ("seq_max_k3", 0.7, [[E, 1 / E], [1.0, 1.0]], [[0, 0], [1, 1]]),
+    ("seq_max_k3", 0.72, [[E, 1 / E], [1.0, 1.0]], [[1, 1], [1, 1]]),
+]
+
+
+@pytest.mark.parametrize("option, threshold, rows, kept", RS_CASES)
 def test_rejection_option(option, threshold, rows, kept):
     w, m = weights_for(rows, rollout_rs=option, rollout_rs_threshold=threshold)
     assert torch.equal(w, torch.tensor(kept, dtype=torch.float32))
@@ -158,9 +159,9 @@ def test_rejection_option(option, threshold, rows, kept):
 
 
 def test_every_rs_option_has_a_case():
-    tested = {"token_k1", "token_k2", "token_k3", "seq_sum_k1", "seq_mean_k1", "seq_sum_k2", "seq_mean_k2",
-              "seq_max_k2", "seq_sum_k3", "seq_mean_k3", "seq_max_k3"}  # fmt: skip
-    assert tested == set(RS_OPTIONS)
+    # Read from the table itself, so deleting an option's last case fails here.
+    tested = {option for option, *_ in RS_CASES}
+    assert tested == set(RS_OPTIONS), f"no case for {sorted(set(RS_OPTIONS) - tested)}"
 
 
 def test_chained_options_must_all_pass_and_combine_with_is():
