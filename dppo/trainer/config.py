@@ -168,13 +168,15 @@ class ActorConfig:
 @dataclass
 class RolloutCorrectionSection:
     rollout_is: Optional[str] = "token"
-    """Importance weight pi_prox / pi_behav (Decoupled PPO's behavior correction): null, token or sequence."""
+    """Importance weight pi_prox / pi_behav (Decoupled PPO's behavior correction): null, token or sequence. Bypass
+    mode: weights pi_theta / pi_behav for loss_type=reinforce; with ppo_clip (whose ratio pi_theta / pi_behav
+    already corrects, as in verl) only the rollout_corr/* diagnostics use it."""
 
     rollout_is_threshold: Any = 2.0
     """A number u (truncate the weight at u) or "lo_hi" (zero weights outside [lo, hi])."""
 
     rollout_rs: Optional[str] = None
-    """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2."""
+    """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2 (not with bypass_mode and ppo_clip)."""
 
     rollout_rs_threshold: Any = None
     """Bounds for rollout_rs (a number, "lo_hi", or one comma-separated entry per option)."""
@@ -198,6 +200,12 @@ class RolloutCorrectionSection:
             self.to_algo()
         except RolloutCorrectionConfigError as err:
             raise ConfigError(str(err)) from None
+        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_rs is not None:
+            raise ConfigError(
+                f"algorithm.rollout_correction.rollout_rs={self.rollout_rs!r} has no effect in bypass mode with "
+                "loss_type='ppo_clip' (that loss clips pi_theta / pi_behav and rejects no token); use "
+                "loss_type=reinforce, bypass_mode=false, or rollout_rs=null"
+            )
 
 
 @dataclass

@@ -15,14 +15,30 @@ import torch
 from dppo.algo import compute_rollout_correction
 from dppo.models import response_log_probs
 from dppo.rollout import TrainBatch
-from dppo.trainer.actor import advantage_fn, bypass_loss, decoupled_loss, update_policy
+from dppo.trainer.actor import LossFn, advantage_fn, bypass_loss, decoupled_loss, update_policy
 from dppo.trainer.base import BaseTrainer
 from dppo.trainer.prox import make_old_log_prob
 
 
 def _no_correction(prox_logp, behav_logp, mask, config):
-    """Bypass mode: pi_prox is pi_behav, so there is nothing to correct."""
+    """Bypass mode: pi_prox is pi_behav, so the weight pi_prox / pi_behav is 1 and there is nothing to correct."""
     return None, {}
+
+
+def _with_behavior_drift(loss_fn: LossFn, config) -> LossFn:
+    """Bypass ppo_clip plus rollout_corr/* diagnostics of pi_theta against pi_behav (what verl logs there).
+
+    pi_old := pi_behav, so the decoupled diagnostics (pi_old / pi_behav) would be identically 1, and the loss
+    applies no weights: its PPO ratio pi_theta / pi_behav already is the correction. What is worth watching is
+    how far the policy being updated has drifted from the one that sampled: compute_rollout_correction on
+    pi_theta (detached) against pi_behav under algorithm.rollout_correction, its weights discarded."""
+
+    def loss_fn_with_drift(logp, prox_logp, behav_logp, advantages, mask, weights):
+        loss, metrics = loss_fn(logp, prox_logp, behav_logp, advantages, mask, weights)
+        _, drift = compute_rollout_correction(logp.detach(), behav_logp, mask, config)  # (b, R) weights unused
+        return loss, {**metrics, **drift}
+
+    return loss_fn_with_drift
 
 
 class PPOTrainer(BaseTrainer):
@@ -33,6 +49,8 @@ class PPOTrainer(BaseTrainer):
         rc = cfg.algorithm.rollout_correction
         self.rollout_correction = rc.to_algo()
         self.loss_fn = bypass_loss(cfg.actor, self.rollout_correction) if rc.bypass_mode else decoupled_loss(cfg.actor)
+        if rc.bypass_mode and rc.loss_type == "ppo_clip":  # reinforce's loss reports its rollout_corr/* itself
+            self.loss_fn = _with_behavior_drift(self.loss_fn, self.rollout_correction)
         self.correction_fn = _no_correction if rc.bypass_mode else compute_rollout_correction
         self.advantages = advantage_fn(cfg.algorithm)
         self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg)

@@ -63,6 +63,8 @@ def test_overrides_are_typed_and_nested():
         (["trainer.total_steps"], ["key=value"]),
         (["trainer=3"], ["trainer is a config section"]),
         (["algorithm.rollout_correction=x"], ["algorithm.rollout_correction is a config section"]),
+        (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_rs=token_k1",
+          "algorithm.rollout_correction.rollout_rs_threshold=2.0"], ["rollout_rs='token_k1'", "bypass mode", "ppo_clip"]),
         (["trainer.seed=-1"], ["trainer.seed=-1", "[0, 2**64)"]),
         (["ray.num_cpus=0"], ["ray.num_cpus=0"]),
         (["ray.num_cpus=-1"], ["ray.num_cpus=-1"]),
@@ -98,6 +100,13 @@ def test_config_file_then_overrides(tmp_path):
     assert (cfg.trainer.total_steps, cfg.trainer.seed) == (7, 5)
     with pytest.raises(ConfigError, match="does not exist"):
         load_config([], config_file=tmp_path / "missing.yaml")
+
+
+def test_bypass_mode_takes_rejection_sampling_with_the_reinforce_loss():
+    rc = load_config(["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
+                      "algorithm.rollout_correction.rollout_rs=token_k1",
+                      "algorithm.rollout_correction.rollout_rs_threshold=2.0"]).algorithm.rollout_correction  # fmt: skip
+    assert rc.to_algo().rs_bounds["token_k1"] == (0.5, 2.0)
 
 
 def test_the_held_out_set_may_leave_few_training_prompts_but_not_none(tmp_path):

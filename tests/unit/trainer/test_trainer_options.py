@@ -4,6 +4,9 @@ import math
 
 import pytest
 
+import torch
+
+from dppo.algo import compute_rollout_correction, policy_loss
 from dppo.trainer.ppo import PPOTrainer
 
 
@@ -54,3 +57,26 @@ def test_any_local_causal_lm_directory(small_cfg, tmp_path, arch):
     result = trainer.fit()
     assert math.isfinite(result.records[0]["actor/pg_loss"])
     assert result.records[0]["rollout_corr/kl_k1"] == pytest.approx(0.0, abs=1e-6)  # sync: behavior == old policy
+
+
+def test_bypass_ppo_clip_logs_how_far_pi_theta_drifted_from_pi_behav(small_cfg):
+    """pi_old := pi_behav there, so pi_old / pi_behav is 1; rollout_corr/* compare pi_theta with pi_behav instead (as
+    verl does), and the loss stays the unweighted PPO loss against pi_behav."""
+    cfg = small_cfg(**{"algorithm.rollout_correction.bypass_mode": True, "trainer.total_steps": 1, "actor.lr": 0.05})
+    trainer = PPOTrainer(cfg)
+    gen = torch.Generator().manual_seed(0)
+    logp, behav_logp = -torch.rand(3, 4, generator=gen), -torch.rand(3, 4, generator=gen)  # (B, R)
+    advantages = torch.randn(3, 4, generator=gen)
+    mask = torch.ones(3, 4, dtype=torch.bool)
+    mask[0, 3] = False
+    loss, metrics = trainer.loss_fn(logp, behav_logp, behav_logp, advantages, mask, None)
+    a = cfg.actor
+    ref_loss, ref_metrics = policy_loss(logp, behav_logp, advantages, mask, clip_ratio_low=a.clip_ratio_low,
+                                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)  # fmt: skip
+    _, drift = compute_rollout_correction(logp, behav_logp, mask, trainer.rollout_correction)
+    assert loss.item() == ref_loss.item()  # no weights applied
+    assert metrics == {**ref_metrics, **drift} and drift["rollout_corr/kl_k3"] > 0
+
+    record = trainer.fit().records[0]
+    # Trigger 0 trains the policy that sampled (drift 0); trigger 1 a policy one optimizer step further.
+    assert record["rollout_corr/kl_k3"] > 0 and record["rollout_corr/weight_mean"] > 0
