@@ -265,7 +265,10 @@ class ReplayConfig:
     """Largest staleness (trainer version - sample version) a consumed group may have."""
 
     max_off_policy_strategy: str = "wait"
-    """drop: discard groups older than the threshold; wait: pause rollout so no group gets that old."""
+    """wait: pause rollout so no group gets older than the threshold; nothing is dropped, with any number of
+    workers (the trainer takes groups in the order they were granted, waiting for a slow worker's older ones);
+    drop: workers run ahead freely, the trainer takes the oldest groups that have arrived and discards the
+    ones older than the threshold (counted in replay/dropped)."""
 
     def __post_init__(self) -> None:
         _nonnegative("replay.max_off_policy_threshold", self.max_off_policy_threshold)

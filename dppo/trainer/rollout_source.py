@@ -40,7 +40,7 @@ class InProcessRollout:
                 raise RuntimeError(f"replay buffer refused to grant groups in sync mode ({self.buffer.stats()})")
             if ticket.weights is not None:
                 self.worker.load_weights(ticket.weights, ticket.version)
-            self.buffer.put(self.worker.generate(ticket.num_groups))
+            self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first)
             made += ticket.num_groups
         result = self.buffer.take(num_groups, trainer_version)
         assert result is not None, "groups generated for this trigger must be takeable"

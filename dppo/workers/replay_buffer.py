@@ -7,9 +7,11 @@ How rollout is throttled depends on the strategy:
 - wait: a worker may start generating only while the groups it would add keep every group consumable
   in time: with B = groups consumed per version, granted-and-not-dropped groups stay below
   (v + eta + 1) * B, v being the newest published version (the one the worker loads before it starts).
-  FIFO consumption then reaches each group by version v + eta, so with one worker nothing is dropped.
-- drop: workers generate freely up to (eta + 1) * B groups buffered or in flight; groups that are too
-  old by the time the trainer reaches them are dropped and counted.
+  The trainer takes groups in grant order (the k-th granted group is consumed at version k // B <= v + eta),
+  waiting for a slow worker's older groups rather than taking a faster worker's newer ones ahead of them,
+  so with any number of workers nothing is ever dropped.
+- drop: workers generate freely up to (eta + 1) * B groups buffered or in flight; the trainer takes the
+  oldest-granted groups that have arrived, and groups that are too old by then are dropped and counted.
 
 ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer is the Ray actor around it.
 """
@@ -17,7 +19,6 @@ ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer
 from __future__ import annotations
 
 import asyncio
-from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,6 +33,7 @@ class Ticket:
     version: int  # the version the worker generates with after loading `weights`
     weights: Any = None  # None: keep the current weights; else what ReplayBufferCore.publish got
     stop: bool = False
+    first: int = 0  # grant index of the ticket's first group; the worker hands it back with the groups (put)
 
 
 class ReplayBufferCore:
@@ -41,13 +43,16 @@ class ReplayBufferCore:
         self.threshold = max_off_policy_threshold
         self.strategy = strategy
         self.groups_per_version = groups_per_version
-        self.groups: deque[Group] = deque()
+        self.groups: dict[int, Group] = {}  # grant index -> a finished group not yet taken or dropped
         self.version = start_version  # newest published trainer version
         self.weights: Any = None
         self.closed = False
-        # Groups granted so far, counted as if every version before start_version had been fully consumed.
+        # Groups granted so far (the grant index of the next one), counted as if every version before
+        # start_version had been fully consumed.
         self.granted = start_version * groups_per_version
+        self.next_take = self.granted  # wait: grant index of the next group the trainer takes
         self.in_flight = 0
+        self._tickets: dict[int, int] = {}  # first grant index -> group count, of tickets not yet put
         self.dropped_total = 0
         self._dropped_since_take = 0
 
@@ -60,20 +65,44 @@ class ReplayBufferCore:
         self.weights, self.version = weights, version
 
     def take(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
-        """Drop groups staler than the threshold, then pop num_groups (FIFO) with the number dropped since
-        the last take; None if fewer than num_groups fresh groups are buffered (nothing is popped)."""
-        kept = deque()
-        for g in self.groups:
-            if trainer_version - g.version > self.threshold:
-                self._drop()
-            else:
-                kept.append(g)
-        self.groups = kept
-        if len(self.groups) < num_groups:
+        """Pop num_groups groups no staler than the threshold, with the number dropped since the last take;
+        None if they are not all there yet (nothing is popped). wait: the next ones in grant order; drop: the
+        oldest-granted ones buffered, after dropping every stale group."""
+        take = self._take_in_grant_order if self.strategy == "wait" else self._take_oldest_buffered
+        indices = take(num_groups, trainer_version)
+        if indices is None:
             return None
-        taken = [self.groups.popleft() for _ in range(num_groups)]
+        taken = [self.groups.pop(i) for i in indices]
         dropped, self._dropped_since_take = self._dropped_since_take, 0
         return taken, dropped
+
+    def _stale(self, index: int, trainer_version: int) -> bool:
+        return trainer_version - self.groups[index].version > self.threshold
+
+    def _take_in_grant_order(self, num_groups: int, trainer_version: int) -> list[int] | None:
+        """Grant indices of the next num_groups fresh groups from next_take on, dropping stale ones passed over
+        (none under the wait budget); None while one of them is still being generated."""
+        fresh, end = [], self.next_take
+        while len(fresh) < num_groups:
+            if end not in self.groups:
+                return None  # an earlier grant is still in flight: wait for it instead of passing it by
+            if not self._stale(end, trainer_version):
+                fresh.append(end)
+            end += 1
+        for index in set(range(self.next_take, end)) - set(fresh):
+            del self.groups[index]
+            self._drop()
+        self.next_take = end
+        return fresh
+
+    def _take_oldest_buffered(self, num_groups: int, trainer_version: int) -> list[int] | None:
+        """Drop every stale buffered group; grant indices of the num_groups oldest-granted others, or None."""
+        for index in [i for i in self.groups if self._stale(i, trainer_version)]:
+            del self.groups[index]
+            self._drop()
+        if len(self.groups) < num_groups:
+            return None
+        return sorted(self.groups)[:num_groups]
 
     def close(self) -> None:
         """Stop the workers: every pending and later acquire gets a stop ticket."""
@@ -97,15 +126,20 @@ class ReplayBufferCore:
         granted = min(num_groups, self.grantable())
         if granted == 0:
             return None
-        self.granted += granted
+        first, self.granted = self.granted, self.granted + granted
         self.in_flight += granted
+        self._tickets[first] = granted
         weights = self.weights if self.version > worker_version else None
-        return Ticket(granted, self.version, weights)
+        return Ticket(granted, self.version, weights, first=first)
 
-    def put(self, groups: list[Group]) -> None:
-        """Finished groups from a worker (the ones its last ticket granted)."""
+    def put(self, groups: list[Group], first: int) -> None:
+        """A worker's finished groups: those of its ticket whose first grant index is first, in order."""
+        if self._tickets.get(first) != len(groups):
+            raise ValueError(f"put of {len(groups)} groups at grant index {first}: no outstanding ticket "
+                             f"granted those (outstanding: {self._tickets})")  # fmt: skip
+        del self._tickets[first]
         self.in_flight -= len(groups)
-        self.groups.extend(groups)
+        self.groups.update(zip(range(first, first + len(groups)), groups))
 
     def _drop(self) -> None:
         self.dropped_total += 1
@@ -140,8 +174,8 @@ class ReplayBufferActor:
         self.core.publish(weights, version)
         await self._notify()
 
-    async def put(self, groups: list[Group]) -> None:
-        self.core.put(groups)
+    async def put(self, groups: list[Group], first: int) -> None:
+        self.core.put(groups, first)
         await self._notify()
 
     async def close(self) -> None:

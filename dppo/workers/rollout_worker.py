@@ -82,7 +82,7 @@ class RolloutWorkerActor:
         if ticket.weights is not None:
             self.core.load_weights(ray.get(ticket.weights[0]), ticket.version)
         groups = self.core.generate(ticket.num_groups)
-        ray.get(self.buffer.put.remote(groups))
+        ray.get(self.buffer.put.remote(groups, ticket.first))
         return len(groups)
 
     def run(self) -> None:

@@ -32,7 +32,7 @@ def test_wait_strategy_budget_is_eta_plus_one_versions_ahead():
     got = 0
     while (ticket := buf.acquire(0, 3)) is not None:
         got += ticket.num_groups
-        buf.put([group(0) for _ in range(ticket.num_groups)])
+        buf.put([group(0) for _ in range(ticket.num_groups)], ticket.first)
     assert got == (eta + 1) * per_version  # generation with version 0 may run one version ahead, no more
     assert buf.take(4, trainer_version=0)[0][0].version == 0
     assert buf.acquire(0, 1) is None  # taking does not free budget; a new version does
@@ -44,14 +44,12 @@ def test_wait_strategy_budget_is_eta_plus_one_versions_ahead():
 def test_drop_strategy_drops_and_counts_stale_groups():
     buf = ReplayBufferCore(1, "drop", groups_per_version=2)
     buf.publish("w0", 0)
-    buf.acquire(-1, 4)
-    buf.put([group(0), group(0), group(0), group(0)])
+    buf.put([group(0), group(0), group(0), group(0)], buf.acquire(-1, 4).first)
     buf.publish("w1", 1)
     buf.publish("w2", 2)
     assert buf.take(1, trainer_version=2) is None  # all four are 2 versions old: dropped, nothing to take
     assert buf.stats()["replay/dropped_total"] == 4
-    buf.acquire(0, 2)
-    buf.put([group(2), group(1)])
+    buf.put([group(2), group(1)], buf.acquire(0, 2).first)
     taken, dropped = buf.take(2, trainer_version=2)
     assert [g.version for g in taken] == [2, 1] and dropped == 4
     assert buf.take(0, trainer_version=2) == ([], 0)  # the drop count was reported once
@@ -60,9 +58,10 @@ def test_drop_strategy_drops_and_counts_stale_groups():
 def test_drop_strategy_caps_buffered_plus_in_flight():
     buf = ReplayBufferCore(0, "drop", groups_per_version=3)
     buf.publish("w", 0)
-    assert buf.acquire(-1, 10).num_groups == 3
+    ticket = buf.acquire(-1, 10)
+    assert ticket.num_groups == 3
     assert buf.acquire(0, 1) is None
-    buf.put([group(0)] * 3)
+    buf.put([group(0)] * 3, ticket.first)
     buf.take(2, 0)
     assert buf.acquire(0, 10).num_groups == 2
 
@@ -74,31 +73,52 @@ def test_close_gives_stop_tickets():
     assert buf.acquire(0, 1).stop
 
 
+def test_wait_strategy_takes_in_grant_order_so_a_slow_workers_groups_never_go_stale():
+    """Worker A is granted groups first, then the fast worker B; B's arrive first. The trainer waits for A's
+    instead of taking B's ahead of them (with eta=0, A's would be stale once B's had filled version 0)."""
+    buf = ReplayBufferCore(0, "wait", groups_per_version=2)
+    buf.publish("w0", 0)
+    slow, fast = buf.acquire(-1, 1), buf.acquire(-1, 1)
+    assert (slow.first, fast.first) == (0, 1)
+    buf.put([group(0)], fast.first)
+    assert buf.take(1, trainer_version=0) is None  # grant 0 is still in flight: nothing is popped
+    assert buf.stats() == {"replay/size": 1.0, "replay/in_flight": 1.0, "replay/dropped_total": 0.0}
+    buf.put([group(0)], slow.first)
+    taken, dropped = buf.take(2, trainer_version=0)
+    assert [g.version for g in taken] == [0, 0] and dropped == 0
+    assert buf.stats() == {"replay/size": 0.0, "replay/in_flight": 0.0, "replay/dropped_total": 0.0}
+    with pytest.raises(ValueError, match="put of 1 groups at grant index 0: no outstanding ticket"):
+        buf.put([group(0)], slow.first)  # the same ticket twice
+
+
 @pytest.mark.parametrize("strategy", ["wait", "drop"])
-@pytest.mark.parametrize("workers", [1, 3])
+@pytest.mark.parametrize("workers", [1, 2, 3])
 @pytest.mark.parametrize("eta", [0, 1, 2])
 def test_random_schedules_never_hand_out_a_group_staler_than_eta(strategy, workers, eta):
-    """Workers and trainer interleave at random; every consumed group has staleness <= eta, and with the wait
-    strategy and one worker (FIFO) nothing is ever dropped and the trainer never starves forever."""
+    """Workers of random speeds and the trainer interleave at random; every consumed group has staleness <= eta,
+    the trainer never starves forever, and with the wait strategy nothing is ever dropped, for any number of
+    workers (the trainer takes in grant order, so a slow worker's older groups are not passed by)."""
     rng = random.Random(eta * 10 + workers)
     per_version, per_take = 8, 2
     buf = ReplayBufferCore(eta, strategy, groups_per_version=per_version)
     trainer_version, taken_in_version = 0, 0
     buf.publish("w0", 0)
     worker_versions = [-1] * workers
-    pending = [None] * workers  # (version, count) being generated
+    finish_prob = [rng.uniform(0.05, 1.0) for _ in range(workers)]  # per step: slow and fast workers
+    pending = [None] * workers  # (version, count, first grant index) being generated
     staleness = []
     for _ in range(4000):
         i = rng.randrange(workers + 1)
         if i < workers:  # a worker finishes its batch or starts a new one
             if pending[i] is not None:
-                version, count = pending[i]
-                buf.put([group(version) for _ in range(count)])
-                pending[i] = None
+                if rng.random() < finish_prob[i]:
+                    version, count, first = pending[i]
+                    buf.put([group(version) for _ in range(count)], first)
+                    pending[i] = None
             elif (ticket := buf.acquire(worker_versions[i], rng.randint(1, 5))) is not None:
                 if ticket.weights is not None:
                     worker_versions[i] = ticket.version
-                pending[i] = (worker_versions[i], ticket.num_groups)
+                pending[i] = (worker_versions[i], ticket.num_groups, ticket.first)
         else:  # the trainer tries to take one trigger's groups
             result = buf.take(per_take, trainer_version)
             if result is not None:
@@ -109,5 +129,5 @@ def test_random_schedules_never_hand_out_a_group_staler_than_eta(strategy, worke
                     buf.publish(f"w{trainer_version}", trainer_version)
     assert trainer_version > 20, "the schedule must make progress"
     assert max(staleness) <= eta
-    if strategy == "wait" and workers == 1:
+    if strategy == "wait":
         assert buf.dropped_total == 0

@@ -103,9 +103,10 @@ def test_config_file_then_overrides(tmp_path):
 
 
 def test_bypass_mode_takes_rejection_sampling_with_the_reinforce_loss():
-    rc = load_config(["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.loss_type=reinforce",
-                      "algorithm.rollout_correction.rollout_rs=token_k1",
-                      "algorithm.rollout_correction.rollout_rs_threshold=2.0"]).algorithm.rollout_correction  # fmt: skip
+    key = "algorithm.rollout_correction"
+    cfg = load_config([f"{key}.bypass_mode=true", f"{key}.loss_type=reinforce", f"{key}.rollout_rs=token_k1",
+                       f"{key}.rollout_rs_threshold=2.0"])  # fmt: skip
+    rc = cfg.algorithm.rollout_correction
     assert rc.to_algo().rs_bounds["token_k1"] == (0.5, 2.0)
 
 
@@ -126,7 +127,8 @@ def test_the_held_out_set_may_leave_few_training_prompts_but_not_none(tmp_path):
         ("trainer:\n  total_steps: many\n", ["trainer.total_steps", "many"]),
         ("trainer:\n  nope: 1\n", ["unknown config key 'trainer.nope'"]),
     ],
-    ids=["list", "scalar", "bad-yaml", "section-scalar", "section-null", "subsection-scalar", "bad-type", "unknown-key"],
+    ids=["list", "scalar", "bad-yaml", "section-scalar", "section-null", "subsection-scalar", "bad-type",
+         "unknown-key"],  # fmt: skip
 )
 def test_a_bad_config_file_fails_with_one_line_naming_the_file_and_key(tmp_path, capsys, text, fragments):
     path = tmp_path / "my.yaml"
