@@ -51,7 +51,6 @@ class ReplayBufferCore:
         # start_version had been fully consumed.
         self.granted = start_version * groups_per_version
         self.next_take = self.granted  # wait: grant index of the next group the trainer takes
-        self.in_flight = 0
         self._tickets: dict[int, int] = {}  # first grant index -> group count, of tickets not yet put
         self.dropped_total = 0
         self._dropped_since_take = 0
@@ -127,7 +126,6 @@ class ReplayBufferCore:
         if granted == 0:
             return None
         first, self.granted = self.granted, self.granted + granted
-        self.in_flight += granted
         self._tickets[first] = granted
         weights = self.weights if self.version > worker_version else None
         return Ticket(granted, self.version, weights, first=first)
@@ -138,8 +136,12 @@ class ReplayBufferCore:
             raise ValueError(f"put of {len(groups)} groups at grant index {first}: no outstanding ticket "
                              f"granted those (outstanding: {self._tickets})")  # fmt: skip
         del self._tickets[first]
-        self.in_flight -= len(groups)
         self.groups.update(zip(range(first, first + len(groups)), groups))
+
+    @property
+    def in_flight(self) -> int:
+        """Groups granted and not yet put."""
+        return sum(self._tickets.values())
 
     def _drop(self) -> None:
         self.dropped_total += 1
