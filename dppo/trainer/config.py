@@ -399,12 +399,15 @@ def _check_prompts_left_for_training(cfg: DppoConfig) -> None:
     """The held-out eval prompts must leave the task prompts to train on (else every worker fails after Ray starts).
 
     Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
-    from dppo.tasks import PromptSampler, held_out_prompts, make_task
+    from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
 
     t, task_cfg = cfg.trainer, cfg.task
+    try:
+        task = make_task(task_cfg.name, task_cfg.length)
+    except (UnknownTaskError, TypeError) as err:  # TypeError: the factory returned something other than a Task
+        raise ConfigError(f"task.name={task_cfg.name!r}: {err}") from None
     if t.eval_prompts == 0:
         return
-    task = make_task(task_cfg.name, task_cfg.length)
     held_out = held_out_prompts(task, t.seed, t.eval_prompts)
     where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
     if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out

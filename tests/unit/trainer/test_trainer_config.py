@@ -110,6 +110,13 @@ def test_bypass_mode_takes_rejection_sampling_with_the_reinforce_loss():
     assert rc.to_algo().rs_bounds["token_k1"] == (0.5, 2.0)
 
 
+def test_a_task_factory_that_returns_no_task_is_a_config_error(tmp_path, monkeypatch):
+    (tmp_path / "not_a_task_mod.py").write_text("def make(length):\n    return 'copy'\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(ConfigError, match=r"task.name='not_a_task_mod:make': .*returned str; expected a dppo.tasks.Task"):
+        load_config(["task.name=not_a_task_mod:make", "trainer.eval_prompts=0"])
+
+
 def test_the_held_out_set_may_leave_few_training_prompts_but_not_none(tmp_path):
     assert load_config(["task.length=2", "trainer.eval_prompts=99"]).trainer.eval_prompts == 99
     assert load_config(["task.length=1", "trainer.eval_prompts=0"]).task.length == 1
