@@ -18,7 +18,10 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     from dppo.trainer.ppo import PPOTrainer
     from dppo.trainer.rollout_source import init_ray
 
+    from dppo.hostmem import keep_freed_host_memory
+
     out = sys.stdout if out is None else out
+    keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     started_ray = cfg.ray.enabled and init_ray(cfg)
     try:
         trainer = PPOTrainer(cfg)

@@ -67,6 +67,9 @@ class RolloutWorkerActor:
 
     def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None, seed_offset: int,
                  buffer):  # fmt: skip
+        from dppo.hostmem import keep_freed_host_memory
+
+        keep_freed_host_memory()  # this actor's own process: generation's freed KV caches stay mapped
         torch.set_num_threads(cfg.rollout.num_threads)
         self.core = RolloutGenerator(cfg, task, model_config, worker_index, held_out, seed_offset)
         self.buffer = buffer
