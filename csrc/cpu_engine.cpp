@@ -192,9 +192,13 @@ CpuEngine::CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_
 std::unique_ptr<HostArena> CpuEngine::new_arena(size_t bytes) { return std::make_unique<HostArena>(bytes); }
 
 TicketPtr CpuEngine::copy(Direction /*dir*/, CopyJob job, const std::vector<TicketPtr>& deps) {
-  // Host-side ordering: a job never starts while a job it depends on still runs on the workers.
+  // Host-side ordering: a job never starts while a job it depends on still runs on the workers. Deps only order
+  // jobs, as on a CUDA stream: a failed one does not fail this job (the pool reports it).
   for (const auto& dep : deps) {
-    if (dep) dep->wait();
+    try {
+      if (dep) dep->wait();
+    } catch (...) {
+    }
   }
   // One task per piece_bytes of copies: large ranges arrive cut to that size, small ones are grouped, so
   // thousands of small tensors cost a few tasks rather than one each.

@@ -165,12 +165,10 @@ CudaTicket::CudaTicket(std::shared_ptr<CudaEvent> start, std::shared_ptr<CudaEve
 
 bool CudaTicket::ready() {
   const cudaError_t err = cudaEventQuery(end_->get());
-  if (err == cudaErrorNotReady) {
-    (void)cudaGetLastError();
-    return false;
-  }
-  cuda_check(err, "cudaEventQuery");
-  return true;
+  if (err == cudaSuccess) return true;
+  (void)cudaGetLastError();  // torch's next check must not see it (a sticky error stays all the same)
+  // Failed work has finished too: wait() rethrows the failure, and the pool reports it once, as on the CPU.
+  return err != cudaErrorNotReady;
 }
 
 void CudaTicket::wait() { cuda_check(cudaEventSynchronize(end_->get()), "cudaEventSynchronize"); }

@@ -44,9 +44,10 @@ class Engine {
   virtual bool overlaps_directions() const = 0;
 
   // Issues `job` on the `dir` queue after `deps` and after the caller's already-queued work, and returns
-  // without waiting for the copy.
+  // without waiting for the copy. Deps only order the job: one that failed does not fail it.
   virtual TicketPtr copy(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps) = 0;
-  // Orders the caller's later work after `tickets` (CUDA: the current stream waits; CPU: the host waits).
+  // Orders the caller's later work after `tickets` (CUDA: the current stream waits; CPU: the host waits and
+  // rethrows a failure of one of them).
   virtual void order_after(const std::vector<TicketPtr>& tickets) = 0;
   // A ticket that completes when the caller's already-queued work has (CUDA: an event on the current
   // stream; CPU: already complete).

@@ -37,6 +37,28 @@ void wait_quietly(const TicketPtr& t) noexcept {
   }
 }
 
+// The failure of a completed copy, or null if it succeeded.
+std::exception_ptr failure_of(const TicketPtr& t) {
+  try {
+    t->wait();  // returns at once: the copy has completed
+    return nullptr;
+  } catch (...) {
+    return std::current_exception();
+  }
+}
+
+std::string message_of(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const c10::Error& e) {
+    return e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "unknown error";
+  }
+}
+
 }  // namespace
 
 bool cuda_compiled() {
@@ -96,7 +118,7 @@ Pool::~Pool() {
   // Pending copies read or write memory this pool owns: let them finish before anything is freed.
   std::lock_guard<std::mutex> lock(mu_);
   try {
-    wait_all(/*quietly=*/true);
+    wait_all();
   } catch (...) {  // only an allocation failure can get here; a destructor never throws
   }
 }
@@ -112,18 +134,11 @@ void Pool::for_each_storage(const std::function<void(const StoragePtr&)>& fn) co
   for (auto& s : staging_) visit(s);
 }
 
-void Pool::wait_all(bool quietly) {
-  auto wait = [quietly](const TicketPtr& t) {
-    if (quietly) {
-      wait_quietly(t);
-    } else if (t) {
-      t->wait();
-    }
-  };
-  for (auto& f : in_flight_) wait(f.ticket);
-  for (auto& t : live_reads_) wait(t);
+void Pool::wait_all() {
+  for (auto& f : in_flight_) wait_quietly(f.ticket);
+  for (auto& t : live_reads_) wait_quietly(t);
   for_each_storage([&](const StoragePtr& s) {
-    for (auto& t : s->pending()) wait(t);
+    for (auto& t : s->pending()) wait_quietly(t);
   });
 }
 
@@ -232,10 +247,11 @@ std::function<void()> Pool::strided_across_chunks(Direction dir, const StoragePt
   };
 }
 
-TicketPtr Pool::issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted) {
+TicketPtr Pool::issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, int64_t slot,
+                      bool counted) {
   const size_t bytes = job.bytes;
   TicketPtr t = engine_->copy(dir, std::move(job), deps);
-  in_flight_.push_back({t, op, bytes, counted});
+  in_flight_.push_back({t, op, slot, bytes, counted, /*report=*/true});
   return t;
 }
 
@@ -250,7 +266,7 @@ void Pool::save(int64_t slot) {
   StoragePtr target = in_place ? it->second.storage : take_storage(fits_device(layout_.storage_bytes()), "save", slot);
   TicketPtr t;
   try {
-    t = issue(Direction::kSave, job(Direction::kSave, target, pieces_, true), target->pending(), "save");
+    t = issue(Direction::kSave, job(Direction::kSave, target, pieces_, true), target->pending(), "save", slot);
   } catch (...) {
     if (in_place) slots_.erase(it);  // partly overwritten: never serve it
     let_go(std::move(target));
@@ -271,12 +287,17 @@ void Pool::save(int64_t slot) {
   }
 }
 
-void Pool::load_from(const StoragePtr& storage, const char* op) {
+void Pool::load_from(const StoragePtr& storage, const char* op, int64_t slot) {
   std::vector<TicketPtr> deps = live_reads_;  // pending saves still read what this load overwrites
   if (storage->write) deps.push_back(storage->write);
-  TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, op);
+  TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, op, slot);
   storage->reads.push_back(t);
-  engine_->order_after({t});
+  try {
+    engine_->order_after({t});  // CPU: the host waits, and a failed load is rethrown here
+  } catch (...) {
+    mark_reported({t});
+    throw;
+  }
   live_reads_.clear();  // the load waited for them, and the caller now waits for the load
   layout_.bump_versions();
 }
@@ -287,8 +308,11 @@ void Pool::restore(int64_t slot) {
   layout_.check_live("restore");
   prune();
   StoragePtr storage = get_slot(slot, "restore").storage;
+  // CPU: the load would wait on the host for the slot's save anyway; waiting here raises a failed save before
+  // the live tensors are touched. (CUDA: the load waits on its stream.)
+  if (!engine_->is_cuda()) await_save(*storage);
   verify(*storage, slot, "restore");
-  load_from(storage, "restore");
+  load_from(storage, "restore", slot);
 }
 
 void Pool::clear(int64_t slot) {
@@ -304,14 +328,17 @@ void Pool::clear(int64_t slot) {
 
 void Pool::fence() {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!engine_->is_cuda()) {
+    for (const TicketPtr& t : live_reads_) wait_quietly(t);  // the host waits; prune() raises a failed save
+  }
   prune();
-  engine_->order_after(live_reads_);
-  if (!engine_->is_cuda()) live_reads_.clear();  // the host has waited for them
+  engine_->order_after(live_reads_);  // CUDA: the current stream waits (CPU: none is left)
+  if (!engine_->is_cuda()) live_reads_.clear();
 }
 
 void Pool::synchronize() {
   std::lock_guard<std::mutex> lock(mu_);
-  wait_all(/*quietly=*/false);
+  wait_all();
   prune();
 }
 
@@ -325,6 +352,7 @@ void Pool::swap_in(int64_t slot) {
   prune();
   if (swapped_) throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
   StoragePtr storage = get_slot(slot, "swapped").storage;
+  if (!engine_->is_cuda()) await_save(*storage);  // as in restore(): a failed save is raised before any change
   verify(*storage, slot, "swapped");
   // Device-tier slots swap through device scratch when the budget allows (device-to-device copies).
   const bool device_scratch =
@@ -343,11 +371,15 @@ void Pool::swap_in(int64_t slot) {
       const SwapChunk& c = chunks[i];
       CopyJob out_job = job(Direction::kSave, scratch_, c.pieces, c.with_strided);
       CopyJob in_job = job(Direction::kLoad, storage, c.pieces, c.with_strided);
-      outs.push_back(issue(Direction::kSave, std::move(out_job), out_deps, "swap", false));
+      outs.push_back(issue(Direction::kSave, std::move(out_job), out_deps, "swap", slot, false));
       out_deps.clear();
       in_deps.push_back(outs.back());  // chunk i comes in only once it has left
+      // Deps only order copies, so a load would run after a failed save all the same. The CPU engine waits for
+      // its deps on the host anyway: check here that the chunk reached the scratch. (CUDA: a copy fails when it
+      // is issued, or on the stream with an error of the context that the load meets too.)
+      if (!engine_->is_cuda()) outs.back()->wait();
       loading = i + 1;
-      ins.push_back(issue(Direction::kLoad, std::move(in_job), in_deps, "swap", i + 1 == chunks.size()));
+      ins.push_back(issue(Direction::kLoad, std::move(in_job), in_deps, "swap", slot, i + 1 == chunks.size()));
       in_deps.clear();
     }
     engine_->order_after({ins.back()});  // the caller's later work sees the slot (CPU: waits; rethrows a failure)
@@ -385,22 +417,11 @@ std::vector<Pool::SwapChunk> Pool::swap_chunks() const {
   return chunks;
 }
 
-namespace {
-std::string message_of(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const c10::Error& e) {
-    return e.what_without_backtrace();
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "unknown error";
-  }
-}
-}  // namespace
-
 void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, const std::vector<TicketPtr>& outs,
                         const std::vector<TicketPtr>& ins, size_t loading, std::exception_ptr error) {
+  // The error thrown below tells of these copies' failures.
+  mark_reported(outs);
+  mark_reported(ins);
   // Nothing of this attempt may still run when the live tensors are put back (an engine whose copy() fails part
   // way has already drained that queue), nor may a pending save still read them.
   for (const TicketPtr& t : outs) wait_quietly(t);
@@ -428,7 +449,9 @@ void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, cons
   };
   if (!back.empty() || with_strided) {
     try {
-      issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", false)->wait();
+      const TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", slot, false);
+      mark_reported({t});
+      t->wait();
     } catch (...) {
       throw cannot_undo(message_of(std::current_exception()));
     }
@@ -447,8 +470,9 @@ void Pool::swap_out() {
   StoragePtr storage = std::move(swapped_);
   swapped_.reset();
   layout_.check_live("swapped (exit: the live weights could not be put back)");
-  prune();
-  load_from(scratch_, "swap");
+  collect();  // a failure found now is raised once the live weights are back
+  load_from(scratch_, "swap", -1);
+  raise_failures();
 }
 
 // ---------------------------------------------------------------------------------------------------
@@ -464,7 +488,7 @@ NamedTensors Pool::view(int64_t slot) {
   if (storage->on_device()) {
     if (storage->write) engine_->order_after({storage->write});  // kernels on the current stream see the save
   } else {
-    settle(*storage, /*block=*/true);
+    await_save(*storage);
   }
   std::vector<at::Tensor> by_entry(layout_.entries().size());
   NamedTensors out;
@@ -503,10 +527,14 @@ std::vector<std::string> Pool::names() const { return names_; }
 // ---------------------------------------------------------------------------------------------------
 // Completion bookkeeping
 
-void Pool::settle(Storage& storage, bool block) {
+void Pool::await_save(Storage& storage) {
   if (!storage.write) return;
-  if (!block && !storage.write->ready()) return;
-  storage.write->wait();  // returns at once when ready; rethrows a failed copy
+  wait_quietly(storage.write);
+  prune();  // settles the save, or drops the slot and raises its failure
+}
+
+void Pool::settle(Storage& storage) {
+  if (!storage.write || !storage.write->ready() || failure_of(storage.write)) return;
   if (storage.checksum_due) {
     const auto t0 = Clock::now();
     storage.checksum = checksum_of(storage, /*after_caller=*/false);
@@ -518,7 +546,7 @@ void Pool::settle(Storage& storage, bool block) {
 
 void Pool::verify(Storage& storage, int64_t slot, const char* op) {
   if (!options_.checksum) return;
-  settle(storage, /*block=*/true);
+  await_save(storage);
   if (!storage.checksum) return;  // saved before checksums were due (cannot happen with checksum=True)
   const auto t0 = Clock::now();
   const uint64_t now = checksum_of(storage, /*after_caller=*/true);
@@ -541,10 +569,28 @@ uint64_t Pool::checksum_of(const Storage& storage, bool after_caller) {
 }
 
 void Pool::prune() {
+  collect();
+  raise_failures();
+}
+
+void Pool::raise_failures() {
+  if (failures_.empty()) return;
+  std::string message = failures_[0];
+  for (size_t i = 1; i < failures_.size(); ++i) message += "; and " + failures_[i];
+  failures_.clear();
+  throw SnapshotError(message);
+}
+
+void Pool::collect() {
   std::vector<InFlight> still;
   for (auto& f : in_flight_) {
     if (!f.ticket->ready()) {
       still.push_back(std::move(f));
+      continue;
+    }
+    if (const std::exception_ptr error = failure_of(f.ticket)) {
+      counters_["failed_copies"] += 1;  // op stats count completed copies only
+      forget_failed(f, error);
       continue;
     }
     OpStats& st = ops_[f.op];
@@ -552,18 +598,56 @@ void Pool::prune() {
     st.bytes += static_cast<double>(f.bytes);
     try {
       st.seconds += f.ticket->seconds();
-    } catch (...) {
-      counters_["failed_copies"] += 1;
+    } catch (...) {  // the copy succeeded but its timing is unavailable
     }
   }
   in_flight_ = std::move(still);
   live_reads_.erase(std::remove_if(live_reads_.begin(), live_reads_.end(), [](const TicketPtr& t) { return t->ready(); }),
                     live_reads_.end());
   for (auto& [k, s] : slots_) {
-    settle(*s.storage, /*block=*/false);
+    settle(*s.storage);
     s.storage->prune_reads();
   }
   reclaim();
+}
+
+void Pool::forget_failed(const InFlight& copy, const std::exception_ptr& error) {
+  const TicketPtr& t = copy.ticket;
+  bool dropped = false;
+  for (auto it = slots_.begin(); it != slots_.end();) {
+    if (it->second.storage->write != t) {
+      ++it;
+      continue;
+    }
+    StoragePtr storage = std::move(it->second.storage);
+    it = slots_.erase(it);
+    storage->write.reset();
+    let_go(std::move(storage));  // back to the free list unless a view still holds it
+    dropped = true;
+  }
+  for_each_storage([&t](const StoragePtr& s) {
+    if (s->write == t) s->write.reset();  // a cleared slot's arena, a scratch or staging buffer: no snapshot
+    s->reads.erase(std::remove(s->reads.begin(), s->reads.end(), t), s->reads.end());
+  });
+  live_reads_.erase(std::remove(live_reads_.begin(), live_reads_.end(), t), live_reads_.end());
+  if (!copy.report) return;
+  const std::string what = message_of(error);
+  if (std::string(copy.op) == "save") {
+    failures_.push_back(dropped ? cat("save(", copy.slot, ") failed: ", what, "; slot ", copy.slot,
+                                      " is empty now (its bytes were partial)")
+                                : cat("save(", copy.slot, ") failed: ", what, "; slot ", copy.slot,
+                                      " had been cleared or saved again since, so no slot holds its bytes"));
+  } else if (copy.slot >= 0) {
+    failures_.push_back(cat("a ", copy.op, " copy of slot ", copy.slot, " failed: ", what));
+  } else {
+    failures_.push_back(cat("a ", copy.op, " copy failed: ", what));
+  }
+}
+
+void Pool::mark_reported(const std::vector<TicketPtr>& tickets) {
+  for (auto& f : in_flight_) {
+    if (std::find(tickets.begin(), tickets.end(), f.ticket) != tickets.end()) f.report = false;
+  }
 }
 
 std::map<std::string, std::map<std::string, double>> Pool::op_stats() {

@@ -85,8 +85,10 @@ class Pool {
   struct InFlight {
     TicketPtr ticket;
     const char* op;
+    int64_t slot;  // the slot the copy is for (< 0: none, e.g. the copy back of swapped())
     size_t bytes;
     bool counted;
+    bool report;   // a failure is raised by prune(), unless the call that issued the copy rethrew it
   };
 
   static void check_slot(int64_t slot, const char* op);
@@ -98,8 +100,8 @@ class Pool {
   // walk over all of them (draining, byte counts) goes through here, so none can forget a kind of storage.
   void for_each_storage(const std::function<void(const StoragePtr&)>& fn) const;
   // Blocks until every copy of this pool has finished: tracked copies, pending saves, every storage's hazards.
-  // quietly: failures are swallowed (the destructor) instead of rethrown.
-  void wait_all(bool quietly);
+  // Failures are not rethrown here: prune() reports them.
+  void wait_all();
   size_t count_bytes(bool device, bool with_staging) const;
   bool fits_device(size_t extra_bytes) const;
   StoragePtr take_storage(bool device, const char* op, int64_t slot);
@@ -112,9 +114,12 @@ class Pool {
   CopyJob job(Direction dir, const StoragePtr& storage, const std::vector<Run>& pieces, bool with_strided) const;
   std::function<void()> strided_across_chunks(Direction dir, const StoragePtr& storage, const Entry& e,
                                               size_t split) const;
-  // Issues a copy and tracks it for stats; `counted` says whether it counts as one call of `op`.
-  TicketPtr issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, bool counted = true);
-  void load_from(const StoragePtr& storage, const char* op);
+  // Issues a copy of `op` for `slot` and tracks it for stats and failures; `counted` says whether it counts as
+  // one call of `op`. The deps only order the copy: a failed dep does not fail it.
+  TicketPtr issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, int64_t slot,
+                  bool counted = true);
+  // Copies `storage` into the live tensors; a failure of that copy is rethrown here (CPU) and not by prune().
+  void load_from(const StoragePtr& storage, const char* op, int64_t slot);
   // swapped(): the copies of entering, in issue order. Each chunk leaves the live tensors for the scratch, then
   // the slot's bytes of the same chunk come in.
   struct SwapChunk {
@@ -128,9 +133,21 @@ class Pool {
   [[noreturn]] void undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, const std::vector<TicketPtr>& outs,
                                  const std::vector<TicketPtr>& ins, size_t loading, std::exception_ptr error);
 
-  // Completion bookkeeping.
+  // Completion bookkeeping. Every call runs prune() first: it takes stock of the copies that have completed
+  // (collect()) and raises, once, a SnapshotError for those that failed and that no call has rethrown.
   void prune();
-  void settle(Storage& storage, bool block);
+  // prune() without the raise: the failures wait in failures_ for the next prune() (or raise_failures()).
+  void collect();
+  void raise_failures();
+  // A copy that failed leaves no trace in the hazards, so that no later copy waits on it or rethrows it: a failed
+  // save's slot is dropped (its bytes are partial) and its arena let go.
+  void forget_failed(const InFlight& copy, const std::exception_ptr& error);
+  // Marks these copies' failures as rethrown by the call that issued them: prune() only counts them.
+  void mark_reported(const std::vector<TicketPtr>& tickets);
+  // Blocks until `storage`'s pending save has completed, then prune(): a failed save is raised here, once.
+  void await_save(Storage& storage);
+  // Takes the checksum of a completed save (when due) and forgets the save. Leaves a failed one to collect().
+  void settle(Storage& storage);
   void verify(Storage& storage, int64_t slot, const char* op);
   // after_caller: a device-tier storage is read as the caller's queued work leaves it (verify), else as the
   // completed save left it, without waiting for the caller (settle).
@@ -154,6 +171,7 @@ class Pool {
   bool streaming_ = false;
   std::vector<TicketPtr> live_reads_;  // pending saves (they read the live tensors)
   std::vector<InFlight> in_flight_;
+  std::vector<std::string> failures_;  // failed copies found by collect() and not raised yet
   std::map<std::string, OpStats> ops_;
   std::map<std::string, double> counters_;
 };

@@ -107,7 +107,7 @@ void Streamer::begin() {
   } else if (source->on_device()) {
     if (source->write) pool.engine_->order_after({source->write});
   } else {
-    pool.settle(*source, /*block=*/true);  // host slot read in place: its save must be complete
+    pool.await_save(*source);  // host slot read in place: its save must be complete
   }
   source_ = std::move(source);
   active_ = true;
@@ -136,7 +136,7 @@ void Streamer::load(size_t step) {
   }
   std::vector<TicketPtr> deps = buffer.pending();  // the kernels that read the previous step in it
   if (source_->write) deps.push_back(source_->write);
-  TicketPtr t = pool.issue(Direction::kLoad, std::move(job), deps, "stream", /*counted=*/false);  // begin() counts
+  TicketPtr t = pool.issue(Direction::kLoad, std::move(job), deps, "stream", slot_, /*counted=*/false);  // begin() counts
   buffer.write = t;
   buffer.reads.clear();
   source_->reads.push_back(t);

@@ -8,7 +8,7 @@ namespace dppo {
 class Ticket {
  public:
   virtual ~Ticket() = default;
-  // True once the work has finished (or failed). Never blocks.
+  // True once the work has finished (or failed). Never blocks, never throws.
   virtual bool ready() = 0;
   // Blocks the host until the work has finished; rethrows a failure of the work.
   virtual void wait() = 0;

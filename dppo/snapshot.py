@@ -172,7 +172,12 @@ class SnapshotPool:
 
     # ---- snapshots ---------------------------------------------------------------------------------
     def save(self, slot: int) -> None:
-        """Snapshots the live tensors into `slot` (overwriting it). Returns before the copy finishes."""
+        """Snapshots the live tensors into `slot` (overwriting it). Returns before the copy finishes.
+
+        If the copy fails, the first pool call that sees it (every call that waits for the slot's save, or
+        any call made once the copy has ended) raises SnapshotError naming the slot, once. The slot is then
+        empty (its bytes were partial), its arena goes back to the free list, and the pool works on.
+        """
         slot = _check_slot(slot)
         self._check_layout("save")
         self._core.save(slot)
@@ -225,7 +230,8 @@ class SnapshotPool:
         before the error propagates, so the live tensors are as they were and the block does not run. If that
         copy back fails too (e.g. a CUDA error that leaves the context unusable), SnapshotError says that the
         live tensors may hold part of the slot. A copy that fails while leaving is not retried: the error
-        propagates and the live tensors may hold part of the slot.
+        propagates and the live tensors may hold part of the slot. A failed save that leaving finds (see save())
+        is raised once the live tensors are back.
         """
         slot = _check_slot(slot)
         self._check_layout("swapped")
@@ -334,8 +340,9 @@ class SnapshotPool:
           in place.
 
         Memory counters: arena_allocs, arena_alloc_bytes, arena_alloc_seconds, arena_frees (host arenas),
-        device_allocs, staging_allocs, checksum_seconds, failed_copies, and the current host_bytes,
-        device_bytes, free_arenas, retired_storages, pending_copies and slots.
+        device_allocs, staging_allocs, checksum_seconds, and the current host_bytes, device_bytes, free_arenas,
+        retired_storages, pending_copies and slots. failed_copies: copies that failed (each is also raised
+        once, see save()); they count in no op above.
         """
         out: dict[str, Any] = {op: dict(v) for op, v in self._core.op_stats().items()}
         for op in out.values():
