@@ -141,7 +141,8 @@ void Layout::check_live(const char* op) const {
 
 void Layout::bump_versions() const {
   for (const Entry& e : entries_) {
-    if (e.nbytes > 0) torch::autograd::impl::bump_version(e.live);
+    // Inference tensors (made under torch.inference_mode()) have no version counter: autograd never sees them.
+    if (e.nbytes > 0 && !e.live.is_inference()) torch::autograd::impl::bump_version(e.live);
   }
 }
 

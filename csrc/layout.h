@@ -58,7 +58,8 @@ class Layout {
   // Throws LayoutMismatchError naming the first live tensor whose shape, strides, dtype, device or
   // address changed since construction.
   void check_live(const char* op) const;
-  // Bumps the autograd version counter of every live tensor (after a restore wrote them in place).
+  // Bumps the autograd version counter of every live tensor that has one (a restore writes them in place).
+  // Never throws: the pool calls it before the copies that write the live tensors.
   void bump_versions() const;
 
   // Runs cut so that no piece crosses a multiple of `split` bytes of slot offset (0: none) or exceeds

@@ -3,10 +3,12 @@
 #include "pool.h"
 
 #include <ATen/core/grad_mode.h>
+#include <c10/core/InferenceMode.h>
 #include <c10/util/Exception.h>
 
 #include <chrono>
 #include <cstdio>
+#include <optional>
 
 #include "errors.h"
 #ifdef DPPO_WITH_CUDA
@@ -57,6 +59,16 @@ std::string message_of(const std::exception_ptr& error) {
   } catch (...) {
     return "unknown error";
   }
+}
+
+// dst.copy_(src) in a task of a copy queue (a worker thread, or the caller's thread on the engine's stream),
+// outside autograd. Inference tensors (made under torch.inference_mode()) may be written in place only inside
+// inference mode, which is per thread: the task enters it for them.
+void copy_into(at::Tensor& dst, const at::Tensor& src) {
+  at::NoGradGuard no_grad;
+  std::optional<c10::InferenceMode> inference;
+  if (dst.is_inference()) inference.emplace();
+  dst.copy_(src, /*non_blocking=*/true);
 }
 
 }  // namespace
@@ -202,15 +214,9 @@ CopyJob Pool::job(Direction dir, const StoragePtr& storage, const std::vector<Ru
     at::Tensor region = alias(storage, e, e.offset, /*keep_alive=*/false);  // tickets guard it
     at::Tensor live = e.live;
     if (dir == Direction::kSave) {
-      j.tasks.emplace_back([region, live]() mutable {
-        at::NoGradGuard no_grad;
-        region.copy_(live, /*non_blocking=*/true);
-      });
+      j.tasks.emplace_back([region, live]() mutable { copy_into(region, live); });
     } else {
-      j.tasks.emplace_back([region, live]() mutable {
-        at::NoGradGuard no_grad;
-        live.copy_(region, /*non_blocking=*/true);
-      });
+      j.tasks.emplace_back([region, live]() mutable { copy_into(live, region); });
     }
   }
   return j;
@@ -243,7 +249,7 @@ std::function<void()> Pool::strided_across_chunks(Direction dir, const StoragePt
     at::NoGradGuard no_grad;
     const at::Tensor flat = at::empty_like(slot_bytes, at::TensorOptions().device(live.device()));
     for (const auto& [a, b] : cuts) flat.slice(0, a, b).copy_(slot_bytes.slice(0, a, b), /*non_blocking=*/true);
-    live.copy_(flat.view(live.scalar_type()).view(live.sizes()), /*non_blocking=*/true);
+    copy_into(live, flat.view(live.scalar_type()).view(live.sizes()));
   };
 }
 
@@ -290,6 +296,7 @@ void Pool::save(int64_t slot) {
 void Pool::load_from(const StoragePtr& storage, const char* op, int64_t slot) {
   std::vector<TicketPtr> deps = live_reads_;  // pending saves still read what this load overwrites
   if (storage->write) deps.push_back(storage->write);
+  layout_.bump_versions();  // before the copy: nothing may fail once the live tensors are being written
   TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, op, slot);
   storage->reads.push_back(t);
   try {
@@ -299,7 +306,6 @@ void Pool::load_from(const StoragePtr& storage, const char* op, int64_t slot) {
     throw;
   }
   live_reads_.clear();  // the load waited for them, and the caller now waits for the load
-  layout_.bump_versions();
 }
 
 void Pool::restore(int64_t slot) {
@@ -366,6 +372,7 @@ void Pool::swap_in(int64_t slot) {
   if (storage->write) in_deps.push_back(storage->write);
   std::vector<TicketPtr> outs, ins;  // per chunk: its save to the scratch, its load into the live tensors
   size_t loading = 0;                // chunks whose load was issued, the last perhaps only in part
+  layout_.bump_versions();           // before the copies: nothing may fail once the live tensors are being written
   try {
     for (size_t i = 0; i < chunks.size(); ++i) {
       const SwapChunk& c = chunks[i];
@@ -391,7 +398,6 @@ void Pool::swap_in(int64_t slot) {
   storage->reads.push_back(ins.back());
   live_reads_.clear();
   swapped_ = storage;
-  layout_.bump_versions();
 }
 
 // CPU: one exchange of everything (a load waits on the host for its save, so chunks would only serialize). CUDA:

@@ -386,3 +386,24 @@ def test_pool_destruction_waits_for_pending_copies(spin):
         pool.save(0)
         del pool  # arenas are unpinned and freed only after the copy finished
     torch.cuda.synchronize()
+
+
+def test_inference_tensors_restore_and_swap_bitwise_including_strided_ones_across_chunks():
+    with torch.inference_mode():
+        gen = torch.Generator(device="cuda").manual_seed(0)
+        tensors = {"w": torch.randn(MiB, device="cuda", generator=gen),
+                   "t": torch.randn(1024, 1024, device="cuda", generator=gen).t()}  # 4 MiB, strided
+    pool = SnapshotPool(tensors, _pin_chunk_bytes=MiB)  # "t" crosses pinning chunks: the temporary path
+    saved = {k: t.clone() for k, t in tensors.items()}
+    pool.save(0)
+    pool.fence()
+    with torch.inference_mode():
+        for t in tensors.values():
+            t.mul_(-3.0)
+    live = {k: t.clone() for k, t in tensors.items()}
+    with pool.swapped(0):
+        assert all(_equal(tensors[k], saved[k]) for k in tensors)
+    assert all(_equal(tensors[k], live[k]) for k in tensors)
+    pool.restore(0)
+    assert all(_equal(tensors[k], saved[k]) for k in tensors)
+

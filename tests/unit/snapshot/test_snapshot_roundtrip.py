@@ -170,6 +170,44 @@ def test_restore_bumps_the_autograd_version_of_live_tensors():
     assert w._version > before
 
 
+def test_swapped_bumps_the_autograd_version_on_entering_and_leaving():
+    w = torch.nn.Parameter(torch.randn(8))
+    pool = SnapshotPool({"w": w})
+    pool.save(0)
+    before = w._version
+    with pool.swapped(0):
+        inside = w._version
+    assert before < inside < w._version
+
+
+def _inference_tensors() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    with torch.inference_mode():  # e.g. a rollout model built under inference mode
+        return {"w": torch.randn(4096), "t": torch.randn(64, 32).t(), "b": torch.randn(5)}
+
+
+def test_inference_tensors_round_trip_bitwise_through_restore_and_swapped(state, assert_bitwise):
+    tensors = _inference_tensors()
+    assert all(t.is_inference() for t in tensors.values())
+    pool = SnapshotPool(tensors)
+    saved = state(tensors)
+    pool.save(0)
+    pool.fence()
+    with torch.inference_mode():
+        for t in tensors.values():
+            t.mul_(-3.0)
+    live = state(tensors)
+    with pool.swapped(0):  # inference tensors have no version counter: nothing to bump
+        assert_bitwise(state(tensors), saved)
+    assert_bitwise(state(tensors), live)
+    with pool.swapped(0):  # and swapped() is usable again
+        assert_bitwise(state(tensors), saved)
+    assert_bitwise(state(tensors), live)
+    pool.restore(0)
+    assert_bitwise(state(tensors), saved)
+    assert_bitwise(pool.view(0), saved)
+
+
 def test_verl_style_aliases_behave_like_save_restore_clear(state, assert_bitwise):
     tensors = {"w": torch.randn(100)}
     expected = state(tensors)
