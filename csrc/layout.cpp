@@ -35,6 +35,13 @@ void check_supported(const std::string& name, const at::Tensor& t) {
   if (!t.device().is_cpu() && !t.device().is_cuda()) {
     throw std::invalid_argument(cat("tensor '", name, "' is on ", t.device(), "; expected cpu or cuda"));
   }
+  if (t.is_conj() || t.is_neg()) {
+    const bool conj = t.is_conj();
+    throw std::invalid_argument(cat("tensor '", name, "' has its ", conj ? "conjugate" : "negative",
+                                    " bit set (a lazy ", conj ? "conj()" : "negation",
+                                    " view): a slot holds its bytes without the bit, so views of the slot would differ "
+                                    "from it; resolve it first with t.", conj ? "resolve_conj()" : "resolve_neg()"));
+  }
   if (t.numel() > 0 && at::has_internal_overlap(t) == at::MemOverlap::Yes) {
     throw std::invalid_argument(cat("tensor '", name, "' has elements that share memory (strides ",
                                     shape_str(t.strides()), "); it cannot be restored in place"));

@@ -204,6 +204,26 @@ def test_bad_constructor_arguments_are_rejected_with_the_value():
         SnapshotPool({"s": torch.zeros(3, 3).to_sparse()})
 
 
+@pytest.mark.parametrize(
+    "make, flag",
+    [
+        (lambda: torch.randn(6, dtype=torch.complex64).conj(), "conjugate"),
+        (lambda: torch.randn(3, 2, dtype=torch.complex64).conj().t(), "conjugate"),
+        (lambda: torch._neg_view(torch.randn(6)), "negative"),
+    ],
+    ids=["conj", "conj-strided", "neg"],
+)
+def test_tensors_with_a_conjugate_or_negative_bit_are_rejected_with_their_name(make, flag):
+    lazy = make()
+    assert lazy.is_conj() or lazy.is_neg()
+    with pytest.raises(ValueError, match=rf"tensor 'lazy' has its {flag} bit set .*resolve_(conj|neg)\(\)"):
+        SnapshotPool({"ok": torch.zeros(2), "lazy": lazy})
+    resolved = lazy.resolve_conj().resolve_neg()  # what the error asks for works, and views read it bitwise
+    pool = SnapshotPool({"lazy": resolved})
+    pool.save(0)
+    assert torch.equal(pool.view(0)["lazy"], lazy)
+
+
 def test_streamer_schedule_with_an_unknown_name_names_it(setup):
     _, pool = setup
     with pytest.raises(UnknownTensorError, match="step 1: no tensor named 'nope'") as err:
