@@ -205,8 +205,9 @@ std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   const cudaError_t err = cudaHostAlloc(&p, rounded, cudaHostAllocPortable);
   if (err != cudaSuccess) {
     quiet(err);
-    throw SnapshotMemoryError(cat("pinning a host arena of ", rounded, " bytes failed: ", refused,
-                                  refused.empty() ? "" : "; then ", "cudaHostAlloc: ", cudaGetErrorString(err)));
+    throw SnapshotMemoryError(cat("pinning a host arena of ", rounded, " bytes failed (", host_available_note(),
+                                  "): ", refused, refused.empty() ? "" : "; then ", "cudaHostAlloc: ",
+                                  cudaGetErrorString(err)));
   }
   if (!refused.empty()) {
     // Some platforms (sandboxes, some drivers) refuse registration but allocate pinned memory: use it from now

@@ -4,7 +4,9 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
+#include <fstream>
 
 #include "errors.h"
 
@@ -19,14 +21,26 @@ size_t page_bytes() {
   return page;
 }
 
+std::string host_available_note() {
+  std::ifstream meminfo("/proc/meminfo");
+  for (std::string line; std::getline(meminfo, line);) {
+    unsigned long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %llu kB", &kib) == 1) {
+      return cat(kib * 1024, " bytes of host memory available");
+    }
+  }
+  return "host memory available: unknown";
+}
+
 HostArena::HostArena(size_t bytes) {
   const size_t page = page_bytes();
   bytes_ = (bytes + page - 1) / page * page;
   if (bytes_ == 0) bytes_ = page;
   void* p = mmap(nullptr, bytes_, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   if (p == MAP_FAILED) {
-    throw SnapshotMemoryError(cat("allocating a host arena of ", bytes_, " bytes failed: mmap: ",
-                                  std::strerror(errno)));
+    const int error = errno;
+    throw SnapshotMemoryError(cat("allocating a host arena of ", bytes_, " bytes failed: mmap: ", std::strerror(error),
+                                  " (", host_available_note(), ")"));
   }
   data_ = static_cast<uint8_t*>(p);
   // Huge pages cut TLB misses during large copies; a refusal only costs speed.

@@ -5,6 +5,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <string>
 
 namespace dppo {
 
@@ -33,5 +34,9 @@ class HostArena {
 
 // Page size of this machine; arena sizes are multiples of it.
 size_t page_bytes();
+
+// For memory errors: "N bytes of host memory available" (MemAvailable of /proc/meminfo), or a note that the
+// system does not say.
+std::string host_available_note();
 
 }  // namespace dppo

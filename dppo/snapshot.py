@@ -60,12 +60,21 @@ def _is_registered(handle: Any) -> bool:
     return hooks is not None and handle.id in hooks
 
 
+_SLOT_LIMIT = 2**63  # slots are int64 in the engine
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _check_slot(slot: Any) -> int:
-    if isinstance(slot, bool) or not isinstance(slot, numbers.Integral):
+    if not _is_int(slot):
         raise TypeError(f"slot must be an int, got {type(slot).__name__} {slot!r}")
     slot = int(slot)
     if slot < 0:
         raise ValueError(f"slot must be >= 0, got {slot}")
+    if slot >= _SLOT_LIMIT:
+        raise ValueError(f"slot must be < 2**63, got {slot}")
     return slot
 
 
@@ -104,9 +113,17 @@ class SnapshotPool:
         _copy_delay_s: float = 0.0,
         _fail_copy_task: int = -1,
     ) -> None:
-        if max_host_bytes is not None and (isinstance(max_host_bytes, bool) or max_host_bytes < 0):
+        if max_host_bytes is not None and not _is_int(max_host_bytes):
+            raise TypeError(
+                f"max_host_bytes must be None or an int, got {type(max_host_bytes).__name__} {max_host_bytes!r}"
+            )
+        if max_host_bytes is not None and max_host_bytes < 0:
             raise ValueError(f"max_host_bytes must be None or >= 0, got {max_host_bytes!r}")
-        if isinstance(device_budget_bytes, bool) or device_budget_bytes < 0:
+        if not _is_int(device_budget_bytes):
+            raise TypeError(
+                f"device_budget_bytes must be an int, got {type(device_budget_bytes).__name__} {device_budget_bytes!r}"
+            )
+        if device_budget_bytes < 0:
             raise ValueError(f"device_budget_bytes must be >= 0, got {device_budget_bytes!r}")
         if isinstance(module_or_mapping, torch.nn.Module):
             self._module: torch.nn.Module | None = module_or_mapping
@@ -275,7 +292,7 @@ class SnapshotPool:
 
     # ---- state -------------------------------------------------------------------------------------
     def __contains__(self, slot: object) -> bool:
-        if isinstance(slot, bool) or not isinstance(slot, numbers.Integral) or int(slot) < 0:
+        if not _is_int(slot) or not 0 <= int(slot) < _SLOT_LIMIT:
             return False
         return self._core.contains(int(slot))
 

@@ -3,9 +3,17 @@ host memory and stats are asserted whole after every error."""
 
 from __future__ import annotations
 
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+
+import dppo
 
 from dppo.snapshot import (
     EmptySlotError,
@@ -202,6 +210,10 @@ def test_bad_constructor_arguments_are_rejected_with_the_value():
         SnapshotPool({"e": torch.zeros(1).expand(4)})
     with pytest.raises(ValueError, match="only strided tensors"):
         SnapshotPool({"s": torch.zeros(3, 3).to_sparse()})
+    with pytest.raises(TypeError, match=r"max_host_bytes must be None or an int, got float 1\.5"):
+        SnapshotPool({"x": torch.zeros(1)}, max_host_bytes=1.5)
+    with pytest.raises(TypeError, match=r"device_budget_bytes must be an int, got float 2\.0"):
+        SnapshotPool({"x": torch.zeros(1)}, device_budget_bytes=2.0)
 
 
 @pytest.mark.parametrize(
@@ -222,6 +234,38 @@ def test_tensors_with_a_conjugate_or_negative_bit_are_rejected_with_their_name(m
     pool = SnapshotPool({"lazy": resolved})
     pool.save(0)
     assert torch.equal(pool.view(0)["lazy"], lazy)
+
+
+def test_slots_beyond_int64_are_not_in_the_pool_and_are_value_errors(setup):
+    _, pool = setup
+    assert 2**63 not in pool and 2**70 not in pool and -(2**63) - 1 not in pool
+    assert (2**63 - 1) not in pool
+    for op in (pool.save, pool.restore, pool.clear, pool.view):
+        with pytest.raises(ValueError, match=rf"slot must be < 2\*\*63, got {2**63}"):
+            op(2**63)
+
+
+_NO_ADDRESS_SPACE = """
+import resource, torch
+from dppo.snapshot import SnapshotPool, SnapshotMemoryError
+pool = SnapshotPool({"w": torch.zeros(16 << 20)})  # a 64 MiB arena
+vm_bytes = next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmSize:")) * 1024
+resource.setrlimit(resource.RLIMIT_AS, (vm_bytes + (16 << 20), resource.RLIM_INFINITY))
+try:
+    pool.save(0)
+except SnapshotMemoryError as err:
+    print(err)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="RLIMIT_AS and /proc/meminfo are Linux's")
+def test_a_failed_arena_allocation_says_how_much_host_memory_is_available():
+    root = str(Path(dppo.__file__).resolve().parent.parent)  # the child imports this dppo
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
+    out = subprocess.run([sys.executable, "-c", _NO_ADDRESS_SPACE], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    assert re.search(r"save\(0\): allocating a host arena of \d+ bytes failed: mmap: .*\(\d+ bytes of host memory "
+                     r"available\)", out.stdout), out.stdout
 
 
 def test_streamer_schedule_with_an_unknown_name_names_it(setup):
