@@ -111,13 +111,11 @@ void Pool::reclaim() {
 void Pool::reserve(int64_t n) {
   std::lock_guard<std::mutex> lock(mu_);
   if (n < 0) throw std::invalid_argument(cat("reserve: n must be >= 0, got ", n));
-  prune();
-  reclaim();
-  size_t ready = free_host_.size();
-  for (auto& [k, s] : slots_) ready += s.storage.use_count() == 1 ? 1 : 0;
+  prune();  // reclaims arenas that views or copies no longer hold
+  // n free arenas, whatever the slots hold: the next n new slots, or a swapped() scratch, allocate nothing.
   const size_t before = free_host_.size();
   try {
-    for (; ready < static_cast<size_t>(n); ++ready) free_host_.push_back(new_host_storage("reserve", n));
+    while (free_host_.size() < static_cast<size_t>(n)) free_host_.push_back(new_host_storage("reserve", n));
   } catch (...) {
     counters_["arena_frees"] += static_cast<double>(free_host_.size() - before);
     free_host_.resize(before);  // all or nothing

@@ -328,7 +328,12 @@ class SnapshotPool:
         return self._core.device_bytes
 
     def reserve(self, n: int) -> None:
-        """Allocates arenas now so that `n` slots can be filled without allocating (all or nothing)."""
+        """Makes at least `n` host arenas free (idle, on the free list), allocating the missing ones now.
+
+        Filled slots do not count: after reserve(n) the next n saves into new slots, or a first swapped()
+        block (its swap scratch is a host arena too), allocate nothing. All or nothing: if max_host_bytes or
+        the host cannot hold them all, SnapshotMemoryError and no arena is added.
+        """
         if isinstance(n, bool) or not isinstance(n, numbers.Integral):
             raise TypeError(f"n must be an int, got {type(n).__name__} {n!r}")
         self._core.reserve(int(n))

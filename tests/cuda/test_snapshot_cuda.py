@@ -407,3 +407,13 @@ def test_inference_tensors_restore_and_swap_bitwise_including_strided_ones_acros
     pool.restore(0)
     assert all(_equal(tensors[k], saved[k]) for k in tensors)
 
+
+def test_reserve_makes_free_arenas_so_the_first_swapped_block_allocates_nothing():
+    params = _params(2, MiB)
+    pool = SnapshotPool(params)
+    pool.save(0)
+    pool.reserve(1)
+    allocs = pool.stats()["arena_allocs"]
+    with pool.swapped(0):
+        pass
+    assert pool.stats()["arena_allocs"] == allocs == 2

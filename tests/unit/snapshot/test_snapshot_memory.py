@@ -72,8 +72,23 @@ def test_reserve_preallocates_so_that_n_new_slots_allocate_nothing(tiny_lm):
     for k in (7, 3, 11, 0):
         pool.save(k)
     assert pool.stats()["arena_allocs"] == allocs and pool.host_bytes == held
-    pool.reserve(2)  # already satisfied by the filled slots
-    assert pool.stats()["arena_allocs"] == allocs
+    pool.reserve(2)  # n free arenas: filled slots do not count
+    assert pool.stats()["arena_allocs"] == allocs + 2 and pool.stats()["free_arenas"] == 2
+    pool.reserve(1)  # already satisfied
+    assert pool.stats()["arena_allocs"] == allocs + 2
+
+
+def test_reserve_covers_the_swap_scratch_so_the_first_swapped_block_allocates_nothing(tiny_lm):
+    model = tiny_lm()
+    pool = SnapshotPool(model)
+    pool.save(0)
+    pool.reserve(1)
+    stats = pool.stats()
+    assert stats["arena_allocs"] == 2 and stats["free_arenas"] == 1
+    held = pool.host_bytes
+    with pool.swapped(0):
+        pass
+    assert pool.stats()["arena_allocs"] == 2 and pool.host_bytes == held
 
 
 def test_release_frees_idle_arenas_only(tiny_lm):
