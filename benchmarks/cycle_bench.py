@@ -391,9 +391,10 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
         out.append((f"GPU target, {name}: exposed snapshot of decoupled-auto (vs recompute-only) {auto:.3f} s = "
                     f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%)", ratio <= 0.10))  # fmt: skip
         ratio = auto_vs_bypass / bypass
+        floor = total("recompute-only", "overhead_vs_bypass_s") / bypass
         out.append((f"GPU target as the issue words it, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = "
-                    f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%; this includes the old-log-prob "
-                    f"forward passes that bypass mode does not run)", ratio <= 0.10))  # fmt: skip
+                    f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%; the old-log-prob forward "
+                    f"passes alone, recompute-only - bypass, are {floor:.1%})", ratio <= 0.10))  # fmt: skip
         mem = largest["check"]["memory"]
         if mem:
             out.append((f"streamed pass, {name}: peak extra device memory "
@@ -401,8 +402,10 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
                         f"largest steps {mem['two_steps_bytes'] / MB:.1f} MB + alignment", mem["ok"]))  # fmt: skip
     else:
         ratio = auto_vs_bypass / reference_vs_bypass if reference_vs_bypass > 0 else float("inf")
+        floor = total("recompute-only", "overhead_vs_bypass_s") / reference_vs_bypass if reference_vs_bypass > 0 else 0
         out.append((f"CPU target, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = {ratio:.1%} of "
-                    f"decoupled-reference - bypass {reference_vs_bypass:.3f} s (target <= 25%)", ratio <= 0.25))  # fmt: skip
+                    f"decoupled-reference - bypass {reference_vs_bypass:.3f} s (target <= 25%; the old-log-prob "
+                    f"forward passes alone, recompute-only - bypass, are {floor:.1%})", ratio <= 0.25))  # fmt: skip
         ratio = auto / reference if reference > 0 else float("inf")
         out.append((f"CPU target, snapshot work only, {name}: exposed snapshot (vs recompute-only) of decoupled-auto "
                     f"{auto:.3f} s = {ratio:.1%} of decoupled-reference's {reference:.3f} s (target <= 25%)",
