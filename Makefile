@@ -16,7 +16,7 @@ all: install
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --upgrade "pip>=24" "setuptools>=64" wheel ninja
+	$(BIN)/python -m pip install --upgrade "pip>=24" "setuptools>=77" wheel ninja numpy
 	$(BIN)/python -m pip install "$(TORCH_SPEC)"
 
 # The stamp rebuilds the extension whenever setup.py or anything in csrc/ changes.

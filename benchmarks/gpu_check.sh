@@ -30,7 +30,7 @@ elif has_cuda_torch python3; then
 else
   echo "no python with a CUDA build of torch: creating .venv as the Makefile does"
   python3 -m venv .venv
-  .venv/bin/python -m pip install --upgrade "pip>=24" "setuptools>=64" wheel ninja pytest hypothesis
+  .venv/bin/python -m pip install --upgrade "pip>=24" "setuptools>=77" wheel ninja numpy pytest hypothesis
   .venv/bin/python -m pip install "${TORCH_SPEC:-torch==2.14.1}"
   PY=$ROOT/.venv/bin/python
 fi
