@@ -78,8 +78,13 @@ def main(argv: list[str] | None = None) -> int:
         print(to_yaml(cfg), end="")
         return 0
     from dppo.train import run
+    from dppo.trainer.rollout_source import RayConnectError
 
-    run(cfg)
+    try:
+        run(cfg)
+    except RayConnectError as err:  # a setup problem, not a bug: one line, no traceback
+        print(f"dppo: error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

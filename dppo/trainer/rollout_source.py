@@ -53,9 +53,14 @@ class InProcessRollout:
         self.buffer.close()
 
 
+class RayConnectError(ConnectionError):
+    """The Ray cluster named by ray.address or RAY_ADDRESS could not be reached or refused this process."""
+
+
 def init_ray(cfg) -> bool:
     """Connect to ray.address, else RAY_ADDRESS, else start a local cluster (quietly); nothing if this process
-    is already connected. True if this call connected (then the caller owns the connection and shuts it down)."""
+    is already connected. True if this call connected (then the caller owns the connection and shuts it down).
+    RayConnectError, naming the address, if a given cluster cannot be joined."""
     import ray
 
     if ray.is_initialized():
@@ -70,7 +75,17 @@ def init_ray(cfg) -> bool:
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
                                           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}}  # fmt: skip
-    ray.init(**kwargs)
+    try:
+        ray.init(**kwargs)
+    except ConnectionError as err:  # ray raises ConnectionError (or a subclass) once its retries are spent
+        if address is None:
+            raise
+        raise RayConnectError(
+            f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): {err}. If the cluster "
+            "uses Ray's token authentication (local clusters started with `ray start` do by default since Ray 2.59), run "
+            "with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
+            "RAY_AUTH_TOKEN"
+        ) from err
     return True
 
 

@@ -57,3 +57,42 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
         run(cfg)
     assert calls == ([] if already_up else ["init", "shutdown"])
     assert state["up"] is already_up  # the caller's cluster stays up; ours is gone, also after a failure
+
+
+@pytest.mark.parametrize("how", ["ray.address", "RAY_ADDRESS"])
+def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_settings(small_cfg, monkeypatch, capsys,
+                                                                                     how):  # fmt: skip
+    """ray.init's ConnectionError (what Ray raises once its retries are spent, e.g. on a token mismatch) becomes
+    `dppo: error: ...` naming the address and how to pass the cluster's token, exit code 1, no traceback."""
+    import ray
+
+    from dppo.cli import main
+
+    def refuse(**kwargs):
+        raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", refuse)
+    address = "10.0.0.7:6379"
+    args = ["trainer.total_steps=1", "trainer.output_dir=" + str(small_cfg().trainer.output_dir)]
+    if how == "ray.address":
+        args.append(f"ray.address={address}")
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", address)
+    assert main(["train", *args]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("dppo: error: could not join the Ray cluster at '10.0.0.7:6379'")
+    assert "RAY_AUTH_MODE=token" in err[0] and "Failed to connect to Ray cluster at 10.0.0.7:6379" in err[0]
+
+
+def test_a_local_cluster_that_fails_to_start_keeps_rays_own_error(small_cfg, monkeypatch):
+    import ray
+
+    from dppo.trainer.rollout_source import RayConnectError, init_ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: (_ for _ in ()).throw(ConnectionError("no local raylet")))
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    with pytest.raises(ConnectionError, match="no local raylet") as err:
+        init_ray(small_cfg(**{"ray.enabled": True}))
+    assert not isinstance(err.value, RayConnectError)
