@@ -82,7 +82,7 @@ def init_ray(cfg) -> bool:
             raise
         raise RayConnectError(
             f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): {err}. If the cluster "
-            "uses Ray's token authentication (local clusters started with `ray start` do by default since Ray 2.59), run "
+            "uses Ray's token authentication (on by default in recent Ray versions: 2.59 for local clusters, 2.61 for all), run "
             "with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
             "RAY_AUTH_TOKEN"
         ) from err
