@@ -78,6 +78,7 @@ SIZES = {
 CPU_SIZES, GPU_SIZES = ["1m", "6m", "42m"], ["0.4b", "1.2b"]
 # per trigger: sequences (all in one micro-batch), responses per prompt (rollout.n), prompt and response tokens
 CPU_BATCH, GPU_BATCH = (2, 2, 4, 4), (64, 4, 64, 64)  # GPU: 8192 tokens a pass, enough compute to hide a layer's copy
+GPU_CHECK_BATCH = (16, 4, 64, 64)  # the GPU's fp32 old-log-prob check: a quarter of the tokens, to keep it short
 MODES = {
     "bypass": {"algorithm.rollout_correction.bypass_mode": True},
     "recompute-only": {"algorithm.prox_anchor": "current"},
@@ -301,7 +302,8 @@ def run_size(size: str, args, device: torch.device) -> dict:
                 return make_cfg(ps, {**overrides, "model.dtype": "float32"})
 
             fp32 = PPOTrainer(make_fp32_cfg(2, MODES["bypass"]), rollout=_NoRollout())
-            check = check_old_log_probs(fp32, make_fp32_cfg, batches, cuda)
+            check_batches = synthetic_batches(base.task.vocab_size, GPU_CHECK_BATCH, 3, device)
+            check = check_old_log_probs(fp32, make_fp32_cfg, check_batches, cuda)
             fp32.close()
             del fp32
             torch.cuda.empty_cache()
