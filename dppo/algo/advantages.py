@@ -46,14 +46,15 @@ def _check_inputs(scores, group_index, response_mask):
 
 
 def _group_stats(scores: torch.Tensor, group: torch.Tensor):
-    """Per-sequence group size, group mean and unbiased group std (0 for groups of one), each (B,)."""
+    """Per-sequence group size, group mean and unbiased group std, each (B,); a group of one has mean 0 and
+    std 1 (verl's convention, so its advantage is its score, scaled by 1 / (1 + eps) under GRPO's std)."""
     _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)  # (B,), (G,)
     counts_f = counts.to(scores.dtype)
     sums = torch.zeros_like(counts_f).index_add_(0, inverse, scores)  # (G,)
-    mean = sums / counts_f  # (G,)
+    mean = torch.where(counts > 1, sums / counts_f, 0.0)  # (G,)
     dev = scores - mean[inverse]  # (B,)
     sq = torch.zeros_like(counts_f).index_add_(0, inverse, dev * dev)  # (G,)
-    std = (sq / (counts_f - 1).clamp(min=1)).sqrt()  # (G,), torch.std's unbiased estimator
+    std = torch.where(counts > 1, (sq / (counts_f - 1).clamp(min=1)).sqrt(), 1.0)  # (G,), torch.std's estimator
     return counts[inverse], mean[inverse], std[inverse]
 
 
@@ -69,20 +70,21 @@ def grpo_advantages(
     norm_by_std: bool = True,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    """GRPO advantages (B, T) fp32: (score - group mean) / (group std + eps), 0 for a group of one and at masked tokens.
+    """GRPO advantages (B, T) fp32: (score - group mean) / (group std + eps), 0 at masked tokens; verl's
+    compute_grpo_outcome_advantage.
 
     scores (B,) is the outcome reward of each sequence; group_index (B,) names its prompt group (an integer
     tensor, or any sequence of hashables such as uid strings); the std is unbiased (torch.std). With
-    norm_by_std=False the advantage is score - group mean (Dr. GRPO).
+    norm_by_std=False the advantage is score - group mean (Dr. GRPO). A group of one has mean 0 and std 1, as
+    in verl: its advantage is score / (1 + eps) (score without norm_by_std), not 0.
     """
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
         raise AlgoInputError(f"eps must be finite and > 0 (so equal scores do not give 0 / 0); got {eps!r}")
     scores, group, mask = _check_inputs(scores, group_index, response_mask)
-    size, mean, std = _group_stats(scores, group)  # (B,) each
+    _, mean, std = _group_stats(scores, group)  # (B,) each
     seq_adv = scores - mean
     if norm_by_std:
         seq_adv = seq_adv / (std + eps)
-    seq_adv = torch.where(size > 1, seq_adv, 0.0)
     return _broadcast(seq_adv, mask)
 
 
@@ -91,15 +93,17 @@ def rloo_advantages(
     group_index: torch.Tensor | Sequence[Hashable],
     response_mask: torch.Tensor,
 ) -> torch.Tensor:
-    """RLOO advantages (B, T) fp32: score minus the mean score of the other members of its group (0 for a group of one).
+    """RLOO advantages (B, T) fp32: score minus the mean score of the other members of its group; verl's
+    compute_rloo_outcome_advantage.
 
-    Equal to n / (n - 1) * (score - group mean) for a group of n.
+    Computed as verl does, n / (n - 1) * score - n / (n - 1) * group mean for a group of n > 1. A group of one
+    keeps its score as its advantage (verl's convention), not 0.
     """
     scores, group, mask = _check_inputs(scores, group_index, response_mask)
     size, mean, _ = _group_stats(scores, group)  # (B,) each
     n = size.to(scores.dtype)
-    loo_mean = (mean * n - scores) / (n - 1).clamp(min=1)  # mean of the other n - 1 scores
-    seq_adv = torch.where(size > 1, scores - loo_mean, 0.0)
+    denom = (n - 1).clamp(min=1)
+    seq_adv = torch.where(size > 1, scores * n / denom - mean * n / denom, scores)
     return _broadcast(seq_adv, mask)
 
 

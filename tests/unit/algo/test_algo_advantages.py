@@ -35,8 +35,9 @@ def test_grpo_hand_computed():
     # group 0: mean 2/3; deviations (1/3, -2/3, 1/3); unbiased var = (1/9 + 4/9 + 1/9) / 2 = 1/3; std = 0.57735
     std = math.sqrt(1 / 3)
     adv = grpo_advantages(SCORES, GROUPS, MASK)
-    expected = [(1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6), (1 / 3) / (std + 1e-6), 0.0, 0.0]
-    assert per_seq(adv)[:4] == pytest.approx(expected[:4], rel=1e-6)
+    # the singleton group 1 has mean 0 and std 1 (verl's convention): 0.5 / (1 + eps)
+    expected = [(1 / 3) / (std + 1e-6), (-2 / 3) / (std + 1e-6), (1 / 3) / (std + 1e-6), 0.5 / (1 + 1e-6)]
+    assert per_seq(adv)[:4] == pytest.approx(expected, rel=1e-6)
     assert adv[4].abs().sum() == 0  # empty response row: all masked
 
 
@@ -48,19 +49,28 @@ def test_grpo_matches_torch_std_and_eps():
 
 def test_grpo_without_std_normalization():
     adv = grpo_advantages(SCORES, GROUPS, MASK, norm_by_std=False)
-    assert per_seq(adv) == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0.0, 0.0], abs=1e-7)
+    assert per_seq(adv) == pytest.approx([1 / 3, -2 / 3, 1 / 3, 0.5, 0.0], abs=1e-7)  # row 4 is all masked
 
 
 def test_rloo_hand_computed():
-    # group 0: 1 - mean(0, 1) = 0.5; 0 - mean(1, 1) = -1; 1 - mean(1, 0) = 0.5; singletons 0
+    # group 0: 1 - mean(0, 1) = 0.5; 0 - mean(1, 1) = -1; 1 - mean(1, 0) = 0.5; singletons keep their score
     adv = rloo_advantages(SCORES, GROUPS, torch.ones(5, 2))
-    assert per_seq(adv, torch.ones(5, 2)) == pytest.approx([0.5, -1.0, 0.5, 0.0, 0.0], abs=1e-7)
+    assert per_seq(adv, torch.ones(5, 2)) == pytest.approx([0.5, -1.0, 0.5, 0.5, 2.0], abs=1e-7)
 
 
 @pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages])
-def test_identical_scores_and_singletons_give_zero(estimator):
-    adv = estimator(torch.tensor([3.0, 3.0, 3.0, 7.0]), torch.tensor([5, 5, 5, 9]), torch.ones(4, 2))
-    assert torch.equal(adv, torch.zeros(4, 2))
+def test_identical_scores_give_zero(estimator):
+    adv = estimator(torch.tensor([3.0, 3.0, 3.0, 0.25, 0.25]), torch.tensor([5, 5, 5, 9, 9]), torch.ones(5, 2))
+    assert torch.allclose(adv, torch.zeros(5, 2), atol=1e-6)
+
+
+@pytest.mark.parametrize("estimator, expected", [(grpo_advantages, 7.0 / (1 + 1e-6)), (rloo_advantages, 7.0)])
+def test_a_group_of_one_keeps_its_score(estimator, expected):
+    # Regression (verl parity): verl gives a group of one mean 0 (and std 1), so its advantage is its score
+    # (GRPO: over 1 + eps); dppo gave 0, so rollout.n=1 never learned.
+    adv = estimator(torch.tensor([3.0, 3.0, 7.0]), torch.tensor([5, 5, 9]), torch.ones(3, 2))
+    assert adv[2].tolist() == pytest.approx([expected, expected], rel=1e-7)
+    assert torch.allclose(adv[:2], torch.zeros(2, 2))
 
 
 @pytest.mark.parametrize("estimator", [grpo_advantages, rloo_advantages])
