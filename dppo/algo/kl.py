@@ -15,12 +15,13 @@ from dppo.algo._common import (
     check_same_shape,
     check_tensor,
     lookup,
-    masked_log_ratio,
     to_floats,
 )
 from dppo.algo.losses import agg_loss_unchecked
 
-# verl clamps k3 to this bound so one outlier token cannot dominate the loss.
+# verl clamps log(pi_ref / pi) to +-20 before exp in k3, and k3 itself to +-10, so one outlier token cannot
+# dominate the loss. k1 and k2 are not clamped (as in verl).
+K3_LOG_RATIO_BOUND = 20.0
 K3_BOUND = 10.0
 
 
@@ -35,9 +36,17 @@ def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """pi_ref/pi - 1 - log(pi_ref/pi): unbiased, >= 0, low variance (Schulman), clamped to K3_BOUND."""
-    neg = -log_ratio  # log pi_ref / pi
-    return (torch.exp(neg) - 1.0 - neg).clamp(max=K3_BOUND)
+    """pi_ref/pi - log(pi_ref/pi) - 1: unbiased, >= 0, low variance (Schulman); written as verl writes it."""
+    kl = (-log_ratio).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)  # log pi_ref / pi
+    return (torch.exp(kl) - kl - 1).clamp(-K3_BOUND, K3_BOUND)
+
+
+def _masked_diff(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """log_prob - ref_log_prob in fp32 (B, T), 0 where mask is 0 (whatever is there), differentiable in log_prob."""
+    logp, ref = log_prob.float(), ref_log_prob.detach().float()
+    if mask is not None:
+        logp, ref = torch.where(mask, logp, 0.0), torch.where(mask, ref, 0.0)
+    return logp - ref
 
 
 # verl's names for the same estimators are accepted as aliases.
@@ -60,8 +69,8 @@ def kl_penalty(
 ) -> torch.Tensor:
     """Per-token KL(pi || pi_ref) estimate (B, T) fp32, differentiable in log_prob; kind is "k1", "k2" or "k3".
 
-    log r = clamp(log_prob - ref_log_prob, -20, 20); k1 = log r, k2 = (log r)^2 / 2,
-    k3 = exp(-log r) - 1 + log r (clamped to 10, as verl does). With response_mask the result is 0 at
+    With log r = log_prob - ref_log_prob: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with
+    log r clamped to +-20 and k3 to +-10, as verl's kl_penalty. With response_mask the result is 0 at
     masked-out positions (whatever they hold); without it every position is valid. NaN/inf at a valid
     position raises NonFiniteError. Per element, so any shape works; the trainer passes (B, T).
     """
@@ -76,7 +85,7 @@ def kl_penalty(
     checks.finite("log_prob", log_prob)
     checks.finite("ref_log_prob", ref_log_prob)
     to_floats({}, checks)
-    return estimator(masked_log_ratio(log_prob, ref_log_prob, mask))  # (B, T)
+    return estimator(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
 
 
 def kl_loss(
@@ -97,7 +106,7 @@ def kl_loss(
     checks = Checks(mask)
     checks.finite("log_prob", log_prob)
     checks.finite("ref_log_prob", ref_log_prob)
-    log_ratio = masked_log_ratio(log_prob, ref_log_prob, mask)  # (B, T)
-    kl = agg_loss_unchecked(lookup(KL_PENALTIES, kind, "KL penalty kind")(log_ratio), mask, loss_agg_mode)
+    per_token = lookup(KL_PENALTIES, kind, "KL penalty kind")(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
+    kl = agg_loss_unchecked(per_token, mask, loss_agg_mode)
     metrics = to_floats({"actor/kl_loss": kl.detach()}, checks)
     return coef * kl, {**metrics, "actor/kl_coef": float(coef)}

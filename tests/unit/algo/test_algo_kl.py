@@ -46,6 +46,15 @@ def test_k3_is_clamped_at_10():
     assert kl.item() == 10.0
 
 
+def test_only_k3_clamps_the_log_ratio():
+    # Regression (verl parity): k1 and k2 use log pi - log pi_ref as it is; dppo clamped it to +-20 first.
+    log_prob, ref = torch.tensor([[-31.0, -1.0]]), torch.tensor([[-1.0, -31.0]])  # log r = -30, 30
+    assert kl_penalty(log_prob, ref, "k1").tolist() == [[-30.0, 30.0]]
+    assert kl_penalty(log_prob, ref, "k2").tolist() == [[450.0, 450.0]]
+    # k3: log pi_ref / pi = 30 -> clamped to 20, e^20 - 20 - 1 -> clamped to 10; -30 -> -20: e^-20 + 20 - 1 = 19 -> 10
+    assert kl_penalty(log_prob, ref, "k3").tolist() == [[10.0, 10.0]]
+
+
 def test_kl_loss_term_and_metrics():
     log_prob, ref, mask = inputs()
     term, m = kl_loss(log_prob, ref, mask, coef=0.5, kind="k2")
