@@ -1,7 +1,8 @@
 """Decoupled PPO algorithm core: pure tensor functions (fp32 math and results), no Ray, no I/O.
 
 Per-token tensors are (B, T) with a response_mask (B, T); masked-out positions may hold anything (NaN
-included) and never change a result. Metrics are dict[str, float] with verl-style keys.
+included) and never change a result. Metrics are dict[str, float] with verl-style keys. The functions named
+after verl 0.9.1's agree with verl's on the same inputs (tests/oracle runs verl's own functions as the oracle).
 """
 
 from dppo.algo._common import AlgoInputError, NonFiniteError, ShapeMismatchError, UnknownNameError
@@ -11,12 +12,11 @@ from dppo.algo.advantages import (
     grpo_advantages,
     rloo_advantages,
 )
+from dppo.algo.aggregation import LOSS_AGG_MODES, LossNormalizers, agg_divisor, agg_loss, loss_normalizers
 from dppo.algo.kl import KL_PENALTIES, kl_loss, kl_penalty
 from dppo.algo.logprob import entropy_from_logits, log_probs_from_logits
 from dppo.algo.losses import (
-    LOSS_AGG_MODES,
     POLICY_LOSSES,
-    agg_loss,
     bypass_policy_loss,
     entropy_bonus,
     get_policy_loss,
@@ -24,11 +24,11 @@ from dppo.algo.losses import (
     ppo_clip_bypass_loss,
     reinforce_bypass_loss,
 )
-from dppo.algo.rollout_correction import (
+from dppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
+from dppo.algo.rollout_correction_config import (
     RS_OPTIONS,
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,
-    compute_rollout_correction,
     parse_rollout_rs_thresholds,
 )
 
@@ -39,14 +39,16 @@ __all__ = [
     "POLICY_LOSSES",
     "RS_OPTIONS",
     "AlgoInputError",
+    "LossNormalizers",
     "NonFiniteError",
     "RolloutCorrectionConfig",
     "RolloutCorrectionConfigError",
     "ShapeMismatchError",
     "UnknownNameError",
+    "agg_divisor",
     "agg_loss",
     "bypass_policy_loss",
-    "compute_rollout_correction",
+    "compute_rollout_correction_and_rejection_mask",
     "entropy_bonus",
     "entropy_from_logits",
     "get_advantage_estimator",
@@ -55,6 +57,7 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",
+    "loss_normalizers",
     "parse_rollout_rs_thresholds",
     "policy_loss",
     "ppo_clip_bypass_loss",

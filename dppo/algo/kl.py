@@ -17,7 +17,7 @@ from dppo.algo._common import (
     lookup,
     to_floats,
 )
-from dppo.algo.losses import agg_loss_unchecked
+from dppo.algo.aggregation import LossNormalizers, agg_loss_unchecked, check_normalizers
 
 # verl clamps log(pi_ref / pi) to +-20 before exp in k3, and k3 itself to +-10, so one outlier token cannot
 # dominate the loss. k1 and k2 are not clamped (as in verl).
@@ -95,18 +95,23 @@ def kl_loss(
     coef: float,
     kind: str = "k3",
     loss_agg_mode: str = "token-mean",
+    normalizers: LossNormalizers | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss term coef * agg(kl_penalty) to add to the policy loss, and {"actor/kl_loss", "actor/kl_coef"}."""
+    """Loss term coef * agg(kl_penalty) to add to the policy loss, and {"actor/kl_loss", "actor/kl_coef"}.
+
+    Aggregated over response_mask (the loss mask) with normalizers, as the policy loss.
+    """
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
     mask = as_mask("response_mask", response_mask)
     check_2d("response_mask", mask)
     check_tensor("log_prob", log_prob)
     check_same_shape("response_mask", mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
+    check_normalizers(normalizers)
     checks = Checks(mask)
     checks.finite("log_prob", log_prob)
     checks.finite("ref_log_prob", ref_log_prob)
     per_token = lookup(KL_PENALTIES, kind, "KL penalty kind")(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
-    kl = agg_loss_unchecked(per_token, mask, loss_agg_mode)
+    kl = agg_loss_unchecked(per_token, mask, loss_agg_mode, normalizers)
     metrics = to_floats({"actor/kl_loss": kl.detach()}, checks)
     return coef * kl, {**metrics, "actor/kl_coef": float(coef)}

@@ -2,9 +2,10 @@
 
     L = - E[ w * min(r * A, clip(r, 1 - eps_low, 1 + eps_high) * A) ],  r = pi_theta / pi_prox,  w = pi_prox / pi_behav
 
-with dual clip (for A < 0 the per-token loss is capped at -c * A). w comes from compute_rollout_correction
-and carries no gradient. In bypass mode pi_prox := pi_behav and the variant is chosen by name from
-POLICY_LOSSES (config.loss_type).
+with dual clip (for A < 0 the per-token loss is capped at -c * A), aggregated over the loss mask (the response
+mask after rejection sampling) by dppo.algo.aggregation. w comes from compute_rollout_correction_and_rejection_mask
+and carries no gradient. In bypass mode pi_prox := pi_behav, the correction is computed on pi_theta / pi_behav,
+and the variant is chosen by name from POLICY_LOSSES (config.loss_type), as verl's compute_policy_loss_bypass_mode.
 """
 
 from __future__ import annotations
@@ -28,65 +29,8 @@ from dppo.algo._common import (
     masked_min,
     to_floats,
 )
+from dppo.algo.aggregation import LossNormalizers, agg_loss_unchecked, check_normalizers
 from dppo.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction_tensors
-
-# ---------------------------------------------------------------------------------------------------
-# Aggregation
-# ---------------------------------------------------------------------------------------------------
-
-
-def _token_mean(loss_mat, mask):
-    """Sum over valid tokens / number of valid tokens (DAPO)."""
-    return loss_mat.sum() / mask.sum().clamp(min=1)
-
-
-def _seq_mean_token_sum(loss_mat, mask):
-    """Mean over non-empty sequences of each sequence's token sum."""
-    return loss_mat.sum() / mask.any(-1).sum().clamp(min=1)
-
-
-def _seq_mean_token_mean(loss_mat, mask):
-    """Mean over non-empty sequences of each sequence's token mean (original GRPO)."""
-    seq_losses = loss_mat.sum(-1) / mask.sum(-1).clamp(min=1)  # (B,)
-    return seq_losses.sum() / mask.any(-1).sum().clamp(min=1)
-
-
-def _seq_mean_token_sum_norm(loss_mat, mask):
-    """Sum over all valid tokens / T, the padded length (Dr. GRPO's constant normalizer, as in verl)."""
-    return loss_mat.sum() / loss_mat.shape[-1]
-
-
-LOSS_AGG_MODES: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "token-mean": _token_mean,
-    "seq-mean-token-sum": _seq_mean_token_sum,
-    "seq-mean-token-mean": _seq_mean_token_mean,
-    "seq-mean-token-sum-norm": _seq_mean_token_sum_norm,
-}
-
-
-def agg_loss_unchecked(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """agg_loss without input checks; loss_mat may hold anything at masked positions."""
-    reduce = lookup(LOSS_AGG_MODES, mode, "loss_agg_mode")
-    return reduce(torch.where(mask, loss_mat, 0.0), mask)
-
-
-def agg_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
-    """Aggregate a per-token loss (B, T) over valid tokens into a 0-dim fp32 tensor, by verl's loss_agg_mode.
-
-    token-mean: sum / number of valid tokens; seq-mean-token-sum: mean over sequences of the token sum;
-    seq-mean-token-mean: mean over sequences of the token mean; seq-mean-token-sum-norm: sum / T.
-    Sequences without valid tokens are left out of the seq-mean averages; no valid token at all gives 0.
-    """
-    loss_mat = check_tensor("loss_mat", loss_mat)
-    mask = as_mask("mask", mask)
-    check_same_shape("mask", mask, loss_mat=loss_mat)
-    check_2d("loss_mat", loss_mat)
-    checks = Checks(mask, "mask")
-    checks.finite("loss_mat", loss_mat)
-    loss = agg_loss_unchecked(loss_mat.float(), mask, mode)
-    to_floats({}, checks)
-    return loss
-
 
 # ---------------------------------------------------------------------------------------------------
 # Decoupled PPO
@@ -135,7 +79,7 @@ def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Ten
     }
 
 
-def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high, c, mode):
+def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high, c, mode, normalizers):
     """Loss (0-dim) and metric tensors of the clipped objective; inputs are already checked."""
     adv = torch.where(mask, advantages.detach().float(), 0.0)  # (B, T)
     log_ratio = masked_log_ratio(log_prob, old_log_prob, mask)  # (B, T), differentiable in log_prob
@@ -152,9 +96,7 @@ def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high
     pg_losses = torch.where(clipped_lower, pg_losses3, clip_pg_losses1)  # dual clip: cap at -c * A for A < 0
     if weights is not None:
         pg_losses = pg_losses * torch.where(mask, weights.detach().float(), 0.0)
-    # Denominators use response_mask, not the rejection mask: rejecting a token must not enlarge the
-    # gradient of the tokens that are kept.
-    pg_loss = agg_loss_unchecked(pg_losses, mask, mode)
+    pg_loss = agg_loss_unchecked(pg_losses, mask, mode, normalizers)
 
     with torch.no_grad():
         metrics = {
@@ -177,24 +119,27 @@ def policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    normalizers: LossNormalizers | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Decoupled PPO loss (0-dim fp32, differentiable in log_prob) and its metrics.
+    """Decoupled PPO loss (0-dim fp32, differentiable in log_prob) and its metrics; verl's compute_policy_loss_vanilla.
 
-    log_prob is log pi_theta, old_log_prob is log pi_prox, advantages A; all (B, T). Per token:
+    log_prob is log pi_theta, old_log_prob is log pi_prox, advantages A; all (B, T). response_mask is the loss
+    mask: after rollout correction, the modified_response_mask (rejected tokens are not in it). Per token:
     r = exp(clamp(log_prob - old_log_prob, -20, 20)); loss = max(-A r, -A clip(r, 1 - low, 1 + high)),
-    capped at -c A where A < 0 (dual clip); times weights (the detached rollout-correction weight) if
-    given; aggregated by loss_agg_mode over response_mask (token-mean divides by the count of
-    response_mask, so a rejected token, weight 0, still counts in the denominator).
-    Metrics (python floats, over valid tokens):
+    capped at -c A where A < 0 (dual clip); times weights (the detached IS weights) if given; aggregated by
+    loss_agg_mode over response_mask with normalizers (default: this batch's own counts; pass the whole
+    mini-batch's to get a micro-batch's share, see dppo.algo.aggregation).
+    Metrics (python floats, over the tokens of response_mask):
       actor/pg_loss: the loss;  actor/pg_clipfrac: fraction with -A clip(r) > -A r (clip active);
       actor/pg_clipfrac_lower: fraction with A < 0 and the dual-clip cap active;
       actor/ppo_kl: mean of old_log_prob - log_prob;  actor/ratio_mean, actor/ratio_max, actor/ratio_min.
     """
     mask, checks = _check_loss_inputs(log_prob, "old_log_prob", old_log_prob, advantages, response_mask, weights)
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
+    check_normalizers(normalizers)
     loss, metrics = _ppo_clip_terms(
         log_prob, old_log_prob, advantages, mask, weights,
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, normalizers,
     )  # fmt: skip
     return loss, to_floats(metrics, checks)
 
@@ -205,36 +150,41 @@ def policy_loss(
 
 
 def ppo_clip_bypass_loss(
-    log_prob, rollout_log_prob, advantages, response_mask, config, *,
-    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+    log_prob, rollout_log_prob, advantages, loss_mask, is_weights=None, *,
+    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", normalizers=None,
 ):  # fmt: skip
-    """Bypass "ppo_clip": policy_loss with old := rollout (r = pi_theta / pi_behav) and no extra weights."""
+    """Bypass "ppo_clip": policy_loss against the rollout (r = pi_theta / pi_behav) over loss_mask.
+
+    is_weights are ignored: the PPO ratio already is the correction, and weighting it again would count it twice
+    (verl's rule). loss_mask is the response mask after rejection.
+    """
     return policy_loss(
-        log_prob, rollout_log_prob, advantages, response_mask,
+        log_prob, rollout_log_prob, advantages, loss_mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode,
+        loss_agg_mode=loss_agg_mode, normalizers=normalizers,
     )  # fmt: skip
 
 
 def reinforce_bypass_loss(
-    log_prob, rollout_log_prob, advantages, response_mask, config, *,
-    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean",
+    log_prob, rollout_log_prob, advantages, loss_mask, is_weights=None, *,
+    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", normalizers=None,
 ):  # fmt: skip
-    """Bypass "reinforce": -A * log pi_theta * w, w = pi_theta / pi_behav detached, truncated/rejected per config.
+    """Bypass "reinforce": -A * log pi_theta * w over loss_mask (w = is_weights, detached; 1 if None), as verl.
 
-    w is compute_rollout_correction(log_prob.detach(), rollout_log_prob, ...) under config, so its
-    rollout_corr/* metrics are returned too. REINFORCE has no ratio to clip: the clip arguments are
-    validated and otherwise unused (they exist so every POLICY_LOSSES entry takes the same arguments);
-    actor/pg_clipfrac and actor/pg_clipfrac_lower are reported as 0.
+    REINFORCE has no ratio to clip: the clip arguments are validated and otherwise unused (every POLICY_LOSSES
+    entry takes the same arguments); actor/pg_clipfrac and actor/pg_clipfrac_lower are reported as 0.
     """
-    mask, checks = _check_loss_inputs(log_prob, "rollout_log_prob", rollout_log_prob, advantages, response_mask)
+    mask, checks = _check_loss_inputs(
+        log_prob, "rollout_log_prob", rollout_log_prob, advantages, loss_mask, is_weights
+    )
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    with torch.no_grad():
-        # (B, T): w = pi_theta / pi_behav, truncated and rejected as configured
-        weights, rc_metrics = rollout_correction_tensors(log_prob, rollout_log_prob, mask, config)
+    check_normalizers(normalizers)
     logp = torch.where(mask, log_prob.float(), 0.0)  # (B, T), differentiable
     adv = torch.where(mask, advantages.detach().float(), 0.0)
-    pg_loss = agg_loss_unchecked(-adv * logp * weights, mask, loss_agg_mode)
+    pg_losses = -adv * logp
+    if is_weights is not None:
+        pg_losses = pg_losses * torch.where(mask, is_weights.detach().float(), 0.0)
+    pg_loss = agg_loss_unchecked(pg_losses, mask, loss_agg_mode, normalizers)
     with torch.no_grad():
         log_ratio = masked_log_ratio(log_prob.detach(), rollout_log_prob, mask)  # (B, T), log pi_theta / pi_behav
         zero = pg_loss.new_zeros(())
@@ -243,7 +193,6 @@ def reinforce_bypass_loss(
             "actor/pg_clipfrac": zero,
             "actor/pg_clipfrac_lower": zero,
             **_ratio_metrics(log_ratio, torch.exp(log_ratio), mask),
-            **rc_metrics,
         }
     return pg_loss, to_floats(metrics, checks)
 
@@ -270,24 +219,33 @@ def bypass_policy_loss(
     clip_ratio_high: float = 0.2,
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
+    normalizers: LossNormalizers | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Policy loss without the proximal recompute (pi_prox := pi_behav), the variant named by config.loss_type.
+    """Policy loss without the proximal recompute (pi_prox := pi_behav); verl's compute_policy_loss_bypass_mode.
 
-    "ppo_clip" is policy_loss(log_prob, rollout_log_prob, ...) with no weights (same metric keys);
-    "reinforce" is reinforce_bypass_loss (adds the rollout_corr/* keys). config.bypass_mode must be True.
+    The rollout correction is computed on pi_theta / pi_behav (log_prob detached against rollout_log_prob, under
+    config): its rejection mask is the loss mask of the config.loss_type loss from POLICY_LOSSES, and its IS
+    weights weight "reinforce" ("ppo_clip" ignores them). Returns the loss and the loss's metrics plus the
+    rollout_corr/* ones. config.bypass_mode must be True. normalizers: see policy_loss (None: the counts of the
+    rejection-modified mask).
     """
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig; got {type(config).__name__}")
     if not config.bypass_mode:
         raise AlgoInputError(
             "bypass_policy_loss needs algorithm.rollout_correction.bypass_mode=True; with bypass_mode=False "
-            "recompute old_log_prob and use compute_rollout_correction + policy_loss"
+            "recompute old_log_prob and use compute_rollout_correction_and_rejection_mask + policy_loss"
         )
-    return get_policy_loss(config.loss_type)(
-        log_prob, rollout_log_prob, advantages, response_mask, config,
+    mask, checks = _check_loss_inputs(log_prob, "rollout_log_prob", rollout_log_prob, advantages, response_mask)
+    with torch.no_grad():
+        is_weights, loss_mask, rc_metrics = rollout_correction_tensors(log_prob, rollout_log_prob, mask, config)
+    rc_metrics = to_floats(rc_metrics, checks)
+    loss, metrics = get_policy_loss(config.loss_type)(
+        log_prob, rollout_log_prob, advantages, loss_mask, is_weights,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode,
+        loss_agg_mode=loss_agg_mode, normalizers=normalizers,
     )  # fmt: skip
+    return loss, {**metrics, **rc_metrics}
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -300,14 +258,19 @@ def entropy_bonus(
     response_mask: torch.Tensor,
     coef: float,
     loss_agg_mode: str = "token-mean",
+    normalizers: LossNormalizers | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """Loss term -coef * agg(entropy) (add it to the policy loss to reward entropy) and {"actor/entropy": agg}."""
+    """Loss term -coef * agg(entropy) (add it to the policy loss to reward entropy) and {"actor/entropy": agg}.
+
+    Aggregated over response_mask (the loss mask) with normalizers, as the policy loss.
+    """
     if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
         raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
     mask = as_mask("response_mask", response_mask)
     check_2d("response_mask", mask)
     check_same_shape("response_mask", mask, entropy=entropy)
+    check_normalizers(normalizers)
     checks = Checks(mask)
     checks.finite("entropy", entropy)
-    mean_entropy = agg_loss_unchecked(entropy.float(), mask, loss_agg_mode)
+    mean_entropy = agg_loss_unchecked(entropy.float(), mask, loss_agg_mode, normalizers)
     return -coef * mean_entropy, to_floats({"actor/entropy": mean_entropy}, checks)

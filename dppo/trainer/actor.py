@@ -1,7 +1,9 @@
 """One optimizer step of the policy on a trigger's mini-batch, micro-batched with gradient accumulation.
 
-The loss math lives in dppo.algo; this module only slices micro-batches, weights each micro-batch's loss
-so that the accumulated gradient equals the gradient of the whole mini-batch's loss, and steps.
+The loss math lives in dppo.algo; this module slices micro-batches, aggregates every loss term of every
+micro-batch (policy gradient, entropy bonus, KL penalty) over the loss mask with the normalizers of the whole
+mini-batch's loss mask, so that the accumulated gradient is the gradient of the whole mini-batch's loss, and
+steps. The loss mask is the response mask after rejection sampling.
 """
 
 from __future__ import annotations
@@ -9,24 +11,48 @@ from __future__ import annotations
 import functools
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from dppo.algo import (
-    agg_loss,
-    bypass_policy_loss,
+    LossNormalizers,
+    agg_divisor,
+    compute_rollout_correction_and_rejection_mask,
     entropy_bonus,
     entropy_from_logits,
     get_advantage_estimator,
+    get_policy_loss,
     kl_loss,
     log_probs_from_logits,
+    loss_normalizers,
     policy_loss,
 )
 from dppo.models import forward_response_logits
 from dppo.rollout import TrainBatch
 
-# loss_fn(logp, prox_logp, behav_logp, advantages, response_mask, weights) -> (loss, metrics), all (b, R)
-LossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
+# pg_loss(logp (b, R), sl, normalizers) -> (loss, loss mask (b, R) bool, metrics) for the micro-batch batch[sl]
+PgLoss = Callable[[torch.Tensor, slice, LossNormalizers], "tuple[torch.Tensor, torch.Tensor, dict[str, float]]"]
+
+# Each micro-batch's terms are aggregated with these when the loss mask is only known per micro-batch: they
+# are then sums, divided by the whole mini-batch's normalizer once every micro-batch has run.
+_SUM_NORMALIZERS = LossNormalizers(batch_num_tokens=1, global_batch_size=1)
+
+# Metrics aggregated with the mini-batch's normalizers: the micro-batches' values add up to the mini-batch's.
+_SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+
+
+@dataclass
+class Objective:
+    """The policy-gradient term of one trigger's mini-batch."""
+
+    pg_loss: PgLoss
+    loss_mask: torch.Tensor | None
+    """The whole mini-batch's loss mask (B, R) when it is known before the forward passes; None when each
+    micro-batch's pg_loss finds its own (bypass mode rejects on pi_theta / pi_behav)."""
+
+    metrics: dict[str, float] = field(default_factory=dict)
+    """Metrics of the work done before the forward passes (the rollout correction in Decoupled PPO)."""
 
 
 def _clip_settings(actor_cfg) -> dict:
@@ -35,84 +61,117 @@ def _clip_settings(actor_cfg) -> dict:
                 clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode)  # fmt: skip
 
 
-def decoupled_loss(actor_cfg) -> LossFn:
-    """Decoupled PPO: ratio pi_theta / pi_prox, times the rollout-correction weight pi_prox / pi_behav."""
+def decoupled_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
+    """Decoupled PPO: ratio pi_theta / pi_prox times the IS weight pi_prox / pi_behav, over the tokens that
+    rejection sampling keeps; the correction is computed once for the mini-batch."""
     clip = _clip_settings(actor_cfg)
 
-    def loss_fn(logp, prox_logp, behav_logp, advantages, mask, weights):
-        return policy_loss(logp, prox_logp, advantages, mask, weights=weights, **clip)
+    def objective(batch: TrainBatch, prox_logp: torch.Tensor, advantages: torch.Tensor) -> Objective:
+        weights, loss_mask, metrics = compute_rollout_correction_and_rejection_mask(
+            prox_logp, batch.behav_logp, batch.response_mask, rollout_correction
+        )  # (B, R) each
 
-    return loss_fn
+        def pg_loss(logp, sl, normalizers):
+            w = None if weights is None else weights[sl]
+            loss, m = policy_loss(logp, prox_logp[sl], advantages[sl], loss_mask[sl], weights=w,
+                                  normalizers=normalizers, **clip)  # fmt: skip
+            return loss, loss_mask[sl], m
+
+        return Objective(pg_loss, loss_mask, metrics)
+
+    return objective
 
 
-def bypass_loss(actor_cfg, rollout_correction) -> LossFn:
-    """Bypass mode: pi_prox := pi_behav; the variant is rollout_correction.loss_type."""
+def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
+    """Bypass mode (pi_prox := pi_behav): per micro-batch, the correction of pi_theta / pi_behav gives the loss
+    mask and the weights of the rollout_correction.loss_type loss, as verl's compute_policy_loss_bypass_mode."""
     clip = _clip_settings(actor_cfg)
+    loss_fn = get_policy_loss(rollout_correction.loss_type)
 
-    def loss_fn(logp, prox_logp, behav_logp, advantages, mask, weights):
-        return bypass_policy_loss(logp, behav_logp, advantages, mask, rollout_correction, **clip)
+    def objective(batch: TrainBatch, prox_logp: torch.Tensor, advantages: torch.Tensor) -> Objective:
+        def pg_loss(logp, sl, normalizers):
+            behav_logp = batch.behav_logp[sl]
+            weights, loss_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
+                logp.detach(), behav_logp, batch.response_mask[sl], rollout_correction
+            )  # (b, R) each
+            loss, m = loss_fn(logp, behav_logp, advantages[sl], loss_mask, weights, normalizers=normalizers, **clip)
+            return loss, loss_mask, {**m, **rc_metrics}
 
-    return loss_fn
+        known = batch.response_mask if rollout_correction.rollout_rs is None else None  # nothing is rejected
+        return Objective(pg_loss, known)
 
-
-def micro_batch_share(mode: str, micro_mask: torch.Tensor, mask: torch.Tensor) -> float:
-    """Factor that turns a micro-batch's aggregated loss into its share of the mini-batch's aggregated loss."""
-    if mode == "token-mean":
-        return float(micro_mask.sum()) / max(1.0, float(mask.sum()))
-    if mode in ("seq-mean-token-sum", "seq-mean-token-mean"):
-        return float(micro_mask.any(-1).sum()) / max(1.0, float(mask.any(-1).sum()))
-    if mode == "seq-mean-token-sum-norm":
-        return 1.0  # sum / T: the micro-batch sums add up
-    # Unknown modes are rejected by agg_loss with the list of valid names.
-    agg_loss(mask.float(), mask, mode)
-    raise AssertionError("unreachable")
+    return objective
 
 
-def _merge(total: dict[str, float], metrics: dict[str, float], share: float) -> None:
-    for key, value in metrics.items():
-        if key.endswith("_max"):
-            total[key] = max(total.get(key, -math.inf), value)
-        elif key.endswith("_min"):
-            total[key] = min(total.get(key, math.inf), value)
-        else:
-            total[key] = total.get(key, 0.0) + share * value
+def _merge(parts: list[tuple[dict[str, float], float, float]], sum_scale: float) -> dict[str, float]:
+    """Mini-batch metrics from (metrics, valid tokens, loss-mask tokens) per micro-batch.
+
+    Summed terms add up (times sum_scale); _max/_min keys take the max/min; the rest are token means, weighted
+    by the micro-batch's tokens: valid tokens for rollout_corr/* (over the response mask), loss-mask tokens
+    for the others.
+    """
+    totals = [sum(p[1] for p in parts), sum(p[2] for p in parts)]
+    merged: dict[str, float] = {}
+    for metrics, *tokens in parts:
+        for key, value in metrics.items():
+            i = 0 if key.startswith("rollout_corr/") else 1
+            share = tokens[i] / totals[i] if totals[i] else 1.0 / len(parts)
+            if key in _SUMMED_METRICS:
+                merged[key] = merged.get(key, 0.0) + sum_scale * value
+            elif key.endswith("_max"):
+                merged[key] = max(merged.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                merged[key] = min(merged.get(key, math.inf), value)
+            else:
+                merged[key] = merged.get(key, 0.0) + share * value
+    return merged
 
 
 def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     batch: TrainBatch,
-    prox_logp: torch.Tensor,
-    advantages: torch.Tensor,
-    weights: torch.Tensor | None,
-    loss_fn: LossFn,
+    objective: Objective,
     actor_cfg,
     temperature: float,
     ref_logp: torch.Tensor | None = None,
 ) -> dict[str, float]:
-    """Accumulate gradients over micro-batches of the mini-batch, clip, and take one optimizer step."""
-    mask = batch.response_mask  # (B, R)
+    """Accumulate gradients over micro-batches of the mini-batch, clip, and take one optimizer step.
+
+    Every term is aggregated over the loss mask with the normalizers of the whole mini-batch's loss mask
+    (dppo.algo.loss_normalizers): known before the forward passes, they are passed to every micro-batch;
+    found per micro-batch (objective.loss_mask is None), the micro-batches' sums are divided by them at the end.
+    """
     response_length = batch.response_length
     prompt_length = batch.input_ids.shape[1] - response_length
     mode = actor_cfg.loss_agg_mode
-    metrics: dict[str, float] = {}
+    deferred = objective.loss_mask is None
+    normalizers = _SUM_NORMALIZERS if deferred else loss_normalizers(objective.loss_mask)
+    parts, loss_masks = [], []
     optimizer.zero_grad(set_to_none=True)
     for start in range(0, batch.num_sequences, actor_cfg.micro_batch_size):
         sl = slice(start, start + actor_cfg.micro_batch_size)
         logits = forward_response_logits(model, batch.input_ids[sl], response_length)  # (b, R, V)
         logp = log_probs_from_logits(logits, batch.input_ids[sl, prompt_length:], temperature)  # (b, R)
-        loss, m = loss_fn(logp, prox_logp[sl], batch.behav_logp[sl], advantages[sl], mask[sl],
-                          None if weights is None else weights[sl])  # fmt: skip
+        loss, loss_mask, m = objective.pg_loss(logp, sl, normalizers)
         if actor_cfg.entropy_coeff > 0:
             entropy = entropy_from_logits(logits, temperature=temperature)  # (b, R)
-            bonus, em = entropy_bonus(entropy, mask[sl], actor_cfg.entropy_coeff, mode)
+            bonus, em = entropy_bonus(entropy, loss_mask, actor_cfg.entropy_coeff, mode, normalizers)
             loss, m = loss + bonus, {**m, **em}
         if ref_logp is not None:
-            kl, km = kl_loss(logp, ref_logp[sl], mask[sl], actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type, mode)
+            kl, km = kl_loss(logp, ref_logp[sl], loss_mask, actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type, mode,
+                             normalizers)  # fmt: skip
             loss, m = loss + kl, {**m, **km}
-        share = micro_batch_share(mode, mask[sl], mask)
-        (loss * share).backward()
-        _merge(metrics, m, share)
+        loss.backward()
+        parts.append((m, float(batch.response_mask[sl].sum()), float(loss_mask.sum())))
+        loss_masks.append(loss_mask)
+    sum_scale = 1.0
+    if deferred:  # divide the accumulated sums by the whole mini-batch's normalizer
+        sum_scale = 1.0 / float(agg_divisor(mode, LossNormalizers(), torch.cat(loss_masks)))
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.mul_(sum_scale)
+    metrics = _merge(parts, sum_scale)
     max_norm = actor_cfg.grad_clip if actor_cfg.grad_clip > 0 else math.inf
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
     if math.isfinite(grad_norm):

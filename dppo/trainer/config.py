@@ -138,7 +138,8 @@ class ActorConfig:
     """Dual-clip constant: for negative advantages the loss is capped at -clip_ratio_c * A."""
 
     loss_agg_mode: str = "token-mean"
-    """token-mean, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm."""
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (verl's modes;
+    the denominators count the whole mini-batch's loss mask)."""
 
     entropy_coeff: float = 0.0
     """Weight of the entropy bonus (0: off)."""
@@ -168,18 +169,31 @@ class ActorConfig:
 @dataclass
 class RolloutCorrectionSection:
     rollout_is: Optional[str] = "token"
-    """Importance weight pi_prox / pi_behav (Decoupled PPO's behavior correction): null, token or sequence. Bypass
-    mode: weights pi_theta / pi_behav for loss_type=reinforce; with ppo_clip (whose ratio pi_theta / pi_behav
-    already corrects, as in verl) only the rollout_corr/* diagnostics use it."""
+    """Importance weight pi_prox / pi_behav: null, token or sequence. dppo's default is token, the behavior weight
+    of Decoupled PPO (without it the loss ignores that the samples came from older policies); verl's default is
+    null: verl's default trainer is synchronous, its samples come from the policy it trains, and correction is
+    opt-in.
+    Bypass mode: weights pi_theta / pi_behav for loss_type=reinforce; ppo_clip ignores them (its ratio
+    pi_theta / pi_behav already corrects, as in verl) and they only feed the rollout_corr/* diagnostics."""
 
     rollout_is_threshold: Any = 2.0
-    """A number u (truncate the weight at u) or "lo_hi" (zero weights outside [lo, hi])."""
+    """A number u (truncate the weight at u) or "lo_hi" (zero weights outside [lo, hi]; those tokens stay in the
+    loss mask)."""
+
+    rollout_is_batch_normalize: bool = False
+    """Divide the IS weights by their mean so that they average 1 (token: over the valid tokens; sequence: over the
+    non-empty sequences). Decoupled PPO takes the mean over the trigger's whole mini-batch, so it needs every old
+    log-prob of the mini-batch before the first micro-batch's loss; bypass mode takes it per micro-batch, as
+    verl's bypass loss does. A mean <= 1e-8 leaves the weights as they are (verl's rule)."""
 
     rollout_rs: Optional[str] = None
-    """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2 (not with bypass_mode and ppo_clip)."""
+    """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2. Rejected tokens leave the loss mask:
+    no policy-gradient, KL or entropy term and no place in any denominator. Bypass mode rejects on
+    pi_theta / pi_behav per micro-batch, for ppo_clip as for reinforce (verl's bypass loss)."""
 
     rollout_rs_threshold: Any = None
-    """Bounds for rollout_rs (a number, "lo_hi", or one comma-separated entry per option)."""
+    """Bounds for rollout_rs (a number, "lo_hi", or one comma-separated entry per option). k1 options keep the
+    ratio pi_behav / pi_prox in [lo, hi] (a number u: [1/u, u]); k2/k3 options bound the estimate from above."""
 
     bypass_mode: bool = False
     """true: old log-probs := behavior log-probs (no recompute, no snapshot); false: Decoupled PPO."""
@@ -200,12 +214,6 @@ class RolloutCorrectionSection:
             self.to_algo()
         except RolloutCorrectionConfigError as err:
             raise ConfigError(str(err)) from None
-        if self.bypass_mode and self.loss_type == "ppo_clip" and self.rollout_rs is not None:
-            raise ConfigError(
-                f"algorithm.rollout_correction.rollout_rs={self.rollout_rs!r} has no effect in bypass mode with "
-                "loss_type='ppo_clip' (that loss clips pi_theta / pi_behav and rejects no token); use "
-                "loss_type=reinforce, bypass_mode=false, or rollout_rs=null"
-            )
 
 
 @dataclass

@@ -1,7 +1,8 @@
 """Decoupled PPO (and its bypass mode) on the base trainer's loop.
 
 Per trigger: old log-probs (the strategy chosen in dppo.trainer.prox) -> advantages -> rollout correction
--> policy loss -> one optimizer step. Which policy plays pi_old is the strategy's business; which loss
+(IS weights and the rejection-modified loss mask; in bypass mode per micro-batch, on pi_theta) -> policy
+loss over the loss mask -> one optimizer step. Which policy plays pi_old is the strategy's business; which loss
 is used is chosen once in setup(); the trigger itself has no algorithm branches.
 """
 
@@ -12,33 +13,11 @@ import time
 
 import torch
 
-from dppo.algo import compute_rollout_correction
 from dppo.models import response_log_probs
 from dppo.rollout import TrainBatch
-from dppo.trainer.actor import LossFn, advantage_fn, bypass_loss, decoupled_loss, update_policy
+from dppo.trainer.actor import advantage_fn, bypass_objective, decoupled_objective, update_policy
 from dppo.trainer.base import BaseTrainer
 from dppo.trainer.prox import make_old_log_prob
-
-
-def _no_correction(prox_logp, behav_logp, mask, config):
-    """Bypass mode: pi_prox is pi_behav, so the weight pi_prox / pi_behav is 1 and there is nothing to correct."""
-    return None, {}
-
-
-def _with_behavior_drift(loss_fn: LossFn, config) -> LossFn:
-    """Bypass ppo_clip plus rollout_corr/* diagnostics of pi_theta against pi_behav (what verl logs there).
-
-    pi_old := pi_behav, so the decoupled diagnostics (pi_old / pi_behav) would be identically 1, and the loss
-    applies no weights: its PPO ratio pi_theta / pi_behav already is the correction. What is worth watching is
-    how far the policy being updated has drifted from the one that sampled: compute_rollout_correction on
-    pi_theta (detached) against pi_behav under algorithm.rollout_correction, its weights discarded."""
-
-    def loss_fn_with_drift(logp, prox_logp, behav_logp, advantages, mask, weights):
-        loss, metrics = loss_fn(logp, prox_logp, behav_logp, advantages, mask, weights)
-        _, drift = compute_rollout_correction(logp.detach(), behav_logp, mask, config)  # (b, R) weights unused
-        return loss, {**metrics, **drift}
-
-    return loss_fn_with_drift
 
 
 class PPOTrainer(BaseTrainer):
@@ -48,10 +27,8 @@ class PPOTrainer(BaseTrainer):
         cfg = self.cfg
         rc = cfg.algorithm.rollout_correction
         self.rollout_correction = rc.to_algo()
-        self.loss_fn = bypass_loss(cfg.actor, self.rollout_correction) if rc.bypass_mode else decoupled_loss(cfg.actor)
-        if rc.bypass_mode and rc.loss_type == "ppo_clip":  # reinforce's loss reports its rollout_corr/* itself
-            self.loss_fn = _with_behavior_drift(self.loss_fn, self.rollout_correction)
-        self.correction_fn = _no_correction if rc.bypass_mode else compute_rollout_correction
+        make_objective = bypass_objective if rc.bypass_mode else decoupled_objective
+        self.objective = make_objective(cfg.actor, self.rollout_correction)
         self.advantages = advantage_fn(cfg.algorithm)
         self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg)
         self.ref_model = None
@@ -77,11 +54,12 @@ class PPOTrainer(BaseTrainer):
         prox_logp = self.old_log_prob.compute(self.local_trigger_step, batch)  # (B, R)
         old_log_prob_s = time.perf_counter() - start
         advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask)  # (B, R)
-        weights, metrics = self.correction_fn(prox_logp, batch.behav_logp, batch.response_mask, self.rollout_correction)
+        objective = self.objective(batch, prox_logp, advantages)  # the rollout correction, in Decoupled PPO
+        metrics = dict(objective.metrics)
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
-        metrics.update(update_policy(self.model, self.optimizer, batch, prox_logp, advantages, weights, self.loss_fn,
-                                     self.cfg.actor, self.cfg.rollout.temperature, ref_logp))  # fmt: skip
+        metrics.update(update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
+                                     self.cfg.rollout.temperature, ref_logp))  # fmt: skip
         metrics["timing_s/update_actor"] = time.perf_counter() - start
         metrics["timing_s/old_log_prob"] = old_log_prob_s
         metrics["timing_s/snapshot"] = self.old_log_prob.take_snapshot_s()

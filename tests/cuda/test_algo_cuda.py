@@ -8,7 +8,7 @@ import torch
 
 from dppo.algo import (
     RolloutCorrectionConfig,
-    compute_rollout_correction,
+    compute_rollout_correction_and_rejection_mask,
     entropy_from_logits,
     grpo_advantages,
     log_probs_from_logits,
@@ -76,14 +76,15 @@ def test_losses_weights_and_advantages_match_the_cpu():
     def run(device):
         to = lambda x: x.to(device)  # noqa: E731
         adv = grpo_advantages(to(scores), to(groups), to(mask))
-        weights, rc = compute_rollout_correction(to(old), to(rollout), to(mask), cfg)
+        weights, keep, rc = compute_rollout_correction_and_rejection_mask(to(old), to(rollout), to(mask), cfg)
         leaf = to(logp).requires_grad_(True)
-        loss, m = policy_loss(leaf, to(old), adv, to(mask), weights=weights, clip_ratio_high=0.28)
+        loss, m = policy_loss(leaf, to(old), adv, keep, weights=weights, clip_ratio_high=0.28)
         loss.backward()
-        return adv.cpu(), weights.cpu(), loss.item(), leaf.grad.cpu(), {**rc, **m}
+        return adv.cpu(), weights.cpu(), loss.item(), leaf.grad.cpu(), {**rc, **m}, keep.cpu()
 
     cpu, gpu = run("cpu"), run("cuda")
     for a, b in zip(cpu[:2] + cpu[3:4], gpu[:2] + gpu[3:4]):
         assert torch.allclose(a, b, atol=1e-5)
     assert gpu[2] == pytest.approx(cpu[2], abs=1e-5)
     assert gpu[4] == pytest.approx(cpu[4], rel=1e-4, abs=1e-6)
+    assert torch.equal(gpu[5], cpu[5])

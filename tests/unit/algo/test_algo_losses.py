@@ -7,8 +7,10 @@ import pytest
 import torch
 
 from dppo.algo import (
+    LOSS_AGG_MODES,
     POLICY_LOSSES,
     AlgoInputError,
+    LossNormalizers,
     NonFiniteError,
     RolloutCorrectionConfig,
     ShapeMismatchError,
@@ -17,6 +19,7 @@ from dppo.algo import (
     bypass_policy_loss,
     entropy_bonus,
     get_policy_loss,
+    loss_normalizers,
     policy_loss,
 )
 
@@ -40,9 +43,12 @@ AGG_MASK = t([[1, 1, 0, 0], [1, 0, 0, 0], [0, 0, 0, 0]], torch.bool)
     "mode, expected",
     [
         ("token-mean", (1 + 2 + 4) / 3),  # 3 valid tokens
+        ("token-sum", 1 + 2 + 4),
         ("seq-mean-token-sum", ((1 + 2) + 4) / 2),  # 2 non-empty sequences
         ("seq-mean-token-mean", ((1 + 2) / 2 + 4 / 1) / 2),  # (1.5 + 4) / 2
-        ("seq-mean-token-sum-norm", (1 + 2 + 4) / 4),  # / T
+        # Regression (verl parity): the seq-mean-token-sum value / T (Dr. GRPO's 1/G sum_i sum_t / T); dppo
+        # divided the total sum by T, B times more.
+        ("seq-mean-token-sum-norm", ((1 + 2) + 4) / 2 / 4),
     ],
 )
 def test_agg_loss_modes(mode, expected):
@@ -51,7 +57,7 @@ def test_agg_loss_modes(mode, expected):
     assert loss.item() == pytest.approx(expected, rel=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", list(LOSS_AGG_MODES))
 def test_agg_loss_no_valid_token_is_zero_with_zero_grad(mode):
     x = torch.full((2, 3), NAN, requires_grad=True)
     loss = agg_loss(x, torch.zeros(2, 3), mode)
@@ -64,6 +70,52 @@ def test_agg_loss_float_mask_and_bf16_input_give_fp32():
     loss = agg_loss(AGG_LOSS.to(torch.bfloat16), AGG_MASK.float(), "token-mean")
     assert loss.dtype == torch.float32
     assert loss.item() == pytest.approx(7 / 3, rel=1e-6)
+
+
+# Rows 0-1 and row 2 of AGG_LOSS as two micro-batches: aggregated with the whole batch's normalizers each
+# gives its share, and the shares add up to the whole batch's loss in every mode.
+@pytest.mark.parametrize("mode", list(LOSS_AGG_MODES))
+def test_agg_loss_with_the_whole_batch_normalizers_gives_shares(mode):
+    norm = loss_normalizers(AGG_MASK)
+    assert (norm.batch_num_tokens.item(), norm.global_batch_size.item(), norm.dp_size) == (3, 2, 1)
+    kwargs = dict(batch_num_tokens=norm.batch_num_tokens, global_batch_size=norm.global_batch_size)
+    parts = [agg_loss(AGG_LOSS[sl], AGG_MASK[sl], mode, **kwargs) for sl in (slice(0, 1), slice(1, 3))]
+    assert sum(p.item() for p in parts) == pytest.approx(agg_loss(AGG_LOSS, AGG_MASK, mode).item(), rel=1e-6)
+
+
+@pytest.mark.parametrize(
+    "kwargs, expected",
+    [
+        (dict(batch_num_tokens=7), 7 / 7),  # token-mean: sum 7 over a global count of 7
+        (dict(batch_num_tokens=7, dp_size=2), 2 * 7 / 7),  # ranks average gradients: times dp_size
+        (dict(batch_num_tokens=0), 7.0),  # a zero normalizer counts as 1 (no valid token: loss 0)
+    ],
+)
+def test_agg_loss_explicit_normalizers(kwargs, expected):
+    assert agg_loss(AGG_LOSS, AGG_MASK, "token-mean", **kwargs).item() == pytest.approx(expected)
+
+
+def test_agg_loss_scale_factor_replaces_t_in_seq_mean_token_sum_norm():
+    loss = agg_loss(AGG_LOSS, AGG_MASK, "seq-mean-token-sum-norm", global_batch_size=4, loss_scale_factor=10)
+    assert loss.item() == pytest.approx(7 / 4 / 10)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, match",
+    [
+        (dict(dp_size=0), AlgoInputError, "dp_size must be an int >= 1; got 0"),
+        (dict(dp_size=2.0), AlgoInputError, "dp_size must be an int >= 1; got 2.0"),
+        (dict(batch_num_tokens="3"), TypeError, "batch_num_tokens must be a number, a 0-dim tensor or None; got '3'"),
+        (dict(loss_scale_factor=0), AlgoInputError, "loss_scale_factor must be a finite number > 0 or None; got 0"),
+        (dict(dp_size=2), AlgoInputError, r"batch_num_tokens \(of the global batch\) is required when dp_size > 1"),
+    ],
+)
+def test_agg_loss_rejects_bad_normalizers(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        agg_loss(AGG_LOSS, AGG_MASK, "token-mean", **kwargs)
+    if "loss_scale_factor" not in kwargs:
+        with pytest.raises(error, match=match):
+            policy_loss(AGG_LOSS, AGG_LOSS, AGG_LOSS, AGG_MASK, normalizers=LossNormalizers(**kwargs))
 
 
 def test_agg_loss_errors():
@@ -218,7 +270,25 @@ def test_bypass_ppo_clip_is_policy_loss_against_the_rollout():
     cfg = RolloutCorrectionConfig(bypass_mode=True, rollout_is="token", rollout_is_threshold=1.1)
     loss, m = bypass_policy_loss(log_prob, rollout, adv, mask, cfg, **CLIP)
     ref, ref_m = policy_loss(log_prob, rollout, adv, mask, **CLIP)
-    assert loss.item() == ref.item() and m == ref_m  # the IS settings play no part: pi_prox := pi_behav
+    assert loss.item() == ref.item()  # the IS weights play no part: the ratio pi_theta / pi_behav is the correction
+    assert {k: v for k, v in m.items() if k.startswith("actor/")} == ref_m
+    # rollout_corr/* describe pi_theta / pi_behav (RATIOS): 1.5, 1.5 and 5 truncated at 1.1
+    assert m["rollout_corr/weight_truncated_frac"] == pytest.approx(3 / 6)
+    assert m["rollout_corr/kl_k1"] == pytest.approx(-sum(math.log(r) for r in RATIOS) / 6, abs=1e-6)
+
+
+def test_bypass_ppo_clip_applies_the_rejection_mask():
+    # Regression: bypass + ppo_clip + rollout_rs was a ConfigError; verl rejects on pi_theta / pi_behav and
+    # drops the rejected tokens from the PPO loss. token_k1 with u = 2.5 keeps 1 / r in [0.4, 2.5]: r = 5 is rejected.
+    log_prob, rollout, adv, mask = ppo_inputs()
+    cfg = RolloutCorrectionConfig(bypass_mode=True, rollout_rs="token_k1", rollout_rs_threshold=2.5)
+    loss, m = bypass_policy_loss(log_prob, rollout, adv, mask, cfg, **CLIP)
+    loss.backward()
+    kept = [0, 1, 2, 3, 5]  # token 4 (r = 5, the dual-clip token) leaves the loss and its denominator
+    assert loss.item() == pytest.approx(sum(TOKEN_LOSSES[i] for i in kept) / 5, abs=1e-6)
+    assert torch.allclose(log_prob.grad, t([[TOKEN_GRADS[i] / 5 if i in kept else 0.0 for i in range(6)] + [0.0]]))
+    assert m["rollout_corr/token_rejected_frac"] == pytest.approx(1 / 6)
+    assert m["actor/pg_clipfrac_lower"] == 0.0 and m["actor/pg_clipfrac"] == pytest.approx(2 / 5)
 
 
 def reinforce_inputs():
@@ -247,17 +317,21 @@ def test_bypass_reinforce_truncated_weights_hand_computed():
     assert m["actor/pg_clipfrac"] == 0.0 and m["actor/pg_clipfrac_lower"] == 0.0
 
 
-def test_bypass_reinforce_rejected_token_has_no_gradient_but_counts_in_denominator():
+def test_bypass_reinforce_rejected_token_leaves_the_loss_and_the_denominator():
     log_prob, rollout, adv, mask = reinforce_inputs()
-    # token_k1 with u = 1.5 keeps r in [1/1.5, 1.5]: rejects r = 2 and r = 0.5, keeps r = 1
+    # token_k1 with u = 1.5 keeps 1 / r in [1/1.5, 1.5]: rejects r = 2 and r = 0.5, keeps r = 1
     cfg = RolloutCorrectionConfig(
         bypass_mode=True, loss_type="reinforce", rollout_rs="token_k1", rollout_rs_threshold=1.5
     )
     loss, m = bypass_policy_loss(log_prob, rollout, adv, mask, cfg)
     loss.backward()
-    assert loss.item() == pytest.approx(-3.0 * math.log(0.5) / 3, rel=1e-6)
-    assert torch.allclose(log_prob.grad, t([[0.0, 0.0, -3.0 / 3, 0.0]]), atol=1e-6)
+    # Regression (verl parity): the mean is over the one kept token; dppo divided by all 3 valid tokens.
+    assert loss.item() == pytest.approx(-3.0 * math.log(0.5), rel=1e-6)
+    assert torch.allclose(log_prob.grad, t([[0.0, 0.0, -3.0, 0.0]]), atol=1e-6)
     assert m["rollout_corr/token_rejected_frac"] == pytest.approx(2 / 3)
+    # pass the batch's pre-rejection counts and the same tokens give the share of a 3-token mean
+    loss, _ = bypass_policy_loss(log_prob, rollout, adv, mask, cfg, normalizers=loss_normalizers(mask))
+    assert loss.item() == pytest.approx(-3.0 * math.log(0.5) / 3, rel=1e-6)
 
 
 def test_bypass_reinforce_without_is_is_plain_reinforce():

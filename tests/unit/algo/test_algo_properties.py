@@ -14,7 +14,7 @@ from dppo.algo import (
     RolloutCorrectionConfig,
     agg_loss,
     bypass_policy_loss,
-    compute_rollout_correction,
+    compute_rollout_correction_and_rejection_mask,
     grpo_advantages,
     kl_penalty,
     policy_loss,
@@ -80,11 +80,12 @@ def test_on_policy_gradient_is_minus_mean_advantage(batch, config, low, high, c)
     adv = torch.where(mask, randn(mask.shape, gen), 0.0)
     expected = -adv / mask.sum()  # d/dlog pi of -mean(A log pi) over valid tokens
 
-    weights, _ = compute_rollout_correction(logp, logp, mask, config)
-    assert torch.equal(weights, mask.float())
+    weights, keep, _ = compute_rollout_correction_and_rejection_mask(logp, logp, mask, config)
+    assert torch.equal(keep, mask)
+    assert weights is None or torch.equal(weights, mask.float())
     log_prob = logp.clone().requires_grad_(True)
     loss, _ = policy_loss(
-        log_prob, logp, adv, mask, weights=weights, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c
+        log_prob, logp, adv, keep, weights=weights, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c
     )
     loss.backward()
     assert torch.allclose(log_prob.grad, expected, atol=1e-6)
@@ -116,51 +117,68 @@ def test_weights_are_zero_exactly_where_the_mask_is_zero(batch, rollout_is, u):
     old = randn(mask.shape, gen).clamp(-1.5, 1.5)
     rollout = randn(mask.shape, gen).clamp(-1.5, 1.5)
     cfg = RolloutCorrectionConfig(rollout_is=rollout_is, rollout_is_threshold=u)
-    weights, _ = compute_rollout_correction(fill_masked(old, mask, gen), fill_masked(rollout, mask, gen), mask, cfg)
-    assert torch.equal(weights != 0, mask)
-    assert torch.all(weights <= u + 1e-5) or rollout_is is None
+    dirty = fill_masked(old, mask, gen), fill_masked(rollout, mask, gen)
+    weights, keep, _ = compute_rollout_correction_and_rejection_mask(*dirty, mask, cfg)
+    assert torch.equal(keep, mask)
+    if rollout_is is None:
+        assert weights is None
+    else:
+        assert torch.equal(weights != 0, mask)
+        assert torch.all(weights <= u + 1e-5)
+
+
+def reference_keep(valid, rs_bounds):
+    """Float64 reference of the rejection rules for one sequence's valid log r: (sequence kept, tokens kept)."""
+    stat = {"k1": lambda x: math.exp(-x), "k2": lambda x: 0.5 * x * x, "k3": lambda x: math.exp(x) - 1 - x}
+    keep_seq, keep_tok = True, [True] * len(valid)
+    for name, (lo, hi) in rs_bounds.items():
+        level, kind = name.rsplit("_", 1)
+        if level == "token":
+            vals = [stat[kind](x) for x in valid]
+            keep_tok = [k and (lo is None or v >= lo) and v <= hi for k, v in zip(keep_tok, vals)]
+            continue
+        if kind == "k1":  # 1 / prod r or 1 / geometric mean of r: pi_behav / pi_prox
+            v = math.exp(-(sum(valid) if level == "seq_sum" else sum(valid) / len(valid)))
+        else:
+            vals = [stat[kind](x) for x in valid]
+            v = {"seq_sum": sum(vals), "seq_mean": sum(vals) / len(vals), "seq_max": max(vals)}[level]
+        keep_seq = keep_seq and (lo is None or v >= lo) and v <= hi
+    return keep_seq, keep_tok
+
+
+def reference_weights(valid, config):
+    """Float64 reference of the IS weight of each valid token of one sequence (before batch normalization)."""
+    lo, hi = config.is_bounds
+    seq = math.exp(max(-20.0, min(20.0, sum(valid))))
+    weights = []
+    for x in valid:
+        w = math.exp(x) if config.rollout_is == "token" else seq
+        weights.append(min(w, hi) if lo is None else (w if lo <= w <= hi else 0.0))
+    return weights
 
 
 @SETTINGS
 @given(batches(), any_configs)
-def test_weights_match_a_per_token_reference(batch, config):
+def test_weights_and_mask_match_a_per_token_reference(batch, config):
     """Float64 python reference of IS truncation / band and every rejection rule, in ratio space."""
     mask, seed = batch
     gen = torch.Generator().manual_seed(seed)
     old, rollout = randn(mask.shape, gen, 0.7), randn(mask.shape, gen, 0.7)
-    weights, _ = compute_rollout_correction(old, rollout, mask, config)
+    weights, keep, _ = compute_rollout_correction_and_rejection_mask(old, rollout, mask, config)
 
     log_r = (old.double() - rollout.double()).tolist()
     for b, row in enumerate(mask.tolist()):
         valid = [x for x, m in zip(log_r[b], row) if m]
         if not valid:
             continue
-        keep_seq, keep_tok = True, [True] * len(valid)
-        for name, (lo, hi) in config.rs_bounds.items():
-            level, kind = name.rsplit("_", 1)
-            stat = {"k1": lambda x: math.exp(x), "k2": lambda x: 0.5 * x * x, "k3": lambda x: math.exp(x) - 1 - x}
-            if level == "token":
-                vals = [stat[kind](x) for x in valid]
-                keep_tok = [k and (lo is None or v >= lo) and v <= hi for k, v in zip(keep_tok, vals)]
-                continue
-            if kind == "k1":  # k1 sequence statistics are ratios of the summed / averaged log r
-                v = math.exp(sum(valid) if level == "seq_sum" else sum(valid) / len(valid))
-            else:
-                vals = [stat[kind](x) for x in valid]
-                v = {"seq_sum": sum(vals), "seq_mean": sum(vals) / len(vals), "seq_max": max(vals)}[level]
-            keep_seq = keep_seq and (lo is None or v >= lo) and v <= hi
-        lo, hi = config.is_bounds
-        expected = []
-        for i, x in enumerate(valid):
-            w = {None: 1.0, "token": math.exp(x), "sequence": math.exp(sum(valid))}[config.rollout_is]
-            if config.rollout_is is not None:
-                if lo is None:
-                    w = min(w, hi)
-                elif not lo <= w <= hi:
-                    w = 0.0
-            expected.append(w if keep_seq and keep_tok[i] else 0.0)
+        keep_seq, keep_tok = reference_keep(valid, config.rs_bounds)
+        got_keep = [k for k, m in zip(keep[b].tolist(), row) if m]
+        assert got_keep == [keep_seq and k for k in keep_tok], (config, b)
+        if config.rollout_is is None:
+            assert weights is None
+            continue
         got = [w for w, m in zip(weights[b].tolist(), row) if m]
-        assert got == pytest.approx(expected, rel=1e-4, abs=1e-6), (config, b)
+        assert got == pytest.approx(reference_weights(valid, config), rel=1e-4, abs=1e-6), (config, b)
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -190,9 +208,10 @@ def reference_loss(logp, old, adv, mask, weights, low, high, c, mode):
     n_tokens = sum(len(r) for r in rows)
     loss = {
         "token-mean": sum(map(sum, rows)) / n_tokens,
+        "token-sum": sum(map(sum, rows)),
         "seq-mean-token-sum": sum(map(sum, nonempty)) / len(nonempty),
         "seq-mean-token-mean": sum(sum(r) / len(r) for r in nonempty) / len(nonempty),
-        "seq-mean-token-sum-norm": sum(map(sum, rows)) / mask.shape[1],
+        "seq-mean-token-sum-norm": sum(map(sum, nonempty)) / len(nonempty) / mask.shape[1],
     }[mode]
     return loss, n_clipped / n_tokens, n_lower / n_tokens
 
@@ -225,9 +244,9 @@ def test_policy_loss_matches_the_reference(batch, mode, low, high, c):
 
 
 def run_all(old, rollout, logp_leaf, adv, scores, groups, mask, config, mode):
-    """Every public function on one batch: losses, gradient, weights, metrics, advantages, KL."""
-    weights, rc_metrics = compute_rollout_correction(old, rollout, mask, config)
-    loss, pl_metrics = policy_loss(logp_leaf, old, adv, mask, weights=weights, loss_agg_mode=mode)
+    """Every public function on one batch: losses, gradient, weights, mask, metrics, advantages, KL."""
+    weights, keep, rc_metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, config)
+    loss, pl_metrics = policy_loss(logp_leaf, old, adv, keep, weights=weights, loss_agg_mode=mode)
     bypass = RolloutCorrectionConfig(
         bypass_mode=True, loss_type="reinforce", rollout_is=config.rollout_is,
         rollout_is_threshold=config.rollout_is_threshold, rollout_rs=config.rollout_rs,
@@ -238,7 +257,8 @@ def run_all(old, rollout, logp_leaf, adv, scores, groups, mask, config, mode):
     total = loss + reinforce + agg_loss(kl, mask, mode) + agg_loss(logp_leaf, mask, mode)
     (grad,) = torch.autograd.grad(total, logp_leaf)
     return dict(
-        weights=weights, loss=loss.detach(), reinforce=reinforce.detach(), kl=kl.detach(), grad=grad,
+        weights=mask.float() if weights is None else weights, keep=keep,
+        loss=loss.detach(), reinforce=reinforce.detach(), kl=kl.detach(), grad=grad,
         grpo=grpo_advantages(scores, groups, mask), rloo=rloo_advantages(scores, groups, mask),
         metrics={**rc_metrics, **pl_metrics, **{"rf:" + k: v for k, v in rf_metrics.items()}},
     )  # fmt: skip

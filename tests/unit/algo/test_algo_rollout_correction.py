@@ -1,4 +1,5 @@
-"""RolloutCorrectionConfig validation, the threshold parser, and hand-computed weights for every IS and RS mode.
+"""RolloutCorrectionConfig validation, the threshold parser, and hand-computed weights and rejection masks for
+every IS and RS mode (tests/oracle checks the same functions against verl's own).
 
 Inputs are built in log space: rollout_log_prob = 0 and old_log_prob = log r, so log r is exactly the fp32
 value of math.log(r) and a bound equal to r sits exactly on the boundary.
@@ -17,7 +18,7 @@ from dppo.algo import (
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,
     ShapeMismatchError,
-    compute_rollout_correction,
+    compute_rollout_correction_and_rejection_mask,
     parse_rollout_rs_thresholds,
 )
 
@@ -35,11 +36,23 @@ def logr_inputs(rows):
     return old, rollout, mask
 
 
-def weights_for(rows, **config):
+def correct(rows, **config):
+    """(IS weights or None, modified mask, metrics) for ratios per row; checks the invariants of every result."""
     old, rollout, mask = logr_inputs(rows)
-    weights, metrics = compute_rollout_correction(old, rollout, mask, RolloutCorrectionConfig(**config))
-    assert weights.dtype == torch.float32 and not weights.requires_grad
-    assert torch.all(weights[~mask] == 0)
+    weights, keep, metrics = compute_rollout_correction_and_rejection_mask(
+        old, rollout, mask, RolloutCorrectionConfig(**config)
+    )
+    assert keep.dtype == torch.bool and not torch.any(keep & ~mask)  # rejection only removes tokens
+    if weights is not None:
+        assert weights.dtype == torch.float32 and not weights.requires_grad
+        assert torch.all(weights[~mask] == 0)
+    return weights, keep, metrics
+
+
+def weights_for(rows, **config):
+    """IS weights (rollout_is must be set) and metrics, with no rejection configured."""
+    weights, keep, metrics = correct(rows, **config)
+    assert torch.equal(keep, logr_inputs(rows)[2])
     return weights, metrics
 
 
@@ -55,10 +68,11 @@ def expect(weights, rows):
 # ---------------------------------------------------------------------------------------------------
 
 
-def test_no_is_gives_weight_one_on_valid_tokens():
-    w, m = weights_for([[0.5, 3.0, M], [2.0]])
-    expect(w, [[1.0, 1.0, M], [1.0, M, M]])
-    assert m["rollout_corr/ess"] == pytest.approx(1.0)
+def test_no_is_gives_no_weights_and_the_mask_unchanged():
+    w, keep, m = correct([[0.5, 3.0, M], [2.0]])
+    assert w is None
+    assert torch.equal(keep, torch.tensor([[True, True, False], [True, False, False]]))
+    assert m["rollout_corr/weight_mean"] == 1.0 and m["rollout_corr/ess"] == pytest.approx(1.0)
 
 
 def test_token_is_truncated_at_u_with_metrics():
@@ -89,18 +103,29 @@ def test_sequence_is_is_the_product_of_ratios_truncated():
 def test_sequence_is_never_overflows():
     # 50 tokens at r = e^20 each: prod r = e^1000 would be inf in fp32; truncated at u = 2 instead.
     old = torch.full((1, 50), 20.0)
-    w, m = compute_rollout_correction(
+    w, _, m = compute_rollout_correction_and_rejection_mask(
         old, torch.zeros(1, 50), torch.ones(1, 50), RolloutCorrectionConfig(rollout_is="sequence")
     )
     assert torch.allclose(w, torch.full((1, 50), 2.0))
     assert all(math.isfinite(v) for v in m.values())
 
 
+def test_sequence_is_clamps_the_summed_log_ratio_not_each_token():
+    # Regression (verl parity): log r = (30, -25) per token sums to 5, so the weight is e^5. Clamping each token
+    # to +-20 first, as dppo did, summed to 0 and gave weight 1.
+    old, rollout = torch.tensor([[30.0, -25.0]]), torch.zeros(1, 2)
+    cfg = RolloutCorrectionConfig(rollout_is="sequence", rollout_is_threshold=1e6)
+    w, _, _ = compute_rollout_correction_and_rejection_mask(old, rollout, torch.ones(1, 2), cfg)
+    assert torch.allclose(w, torch.full((1, 2), math.exp(5.0)), rtol=1e-6)
+
+
 def test_token_is_band_zeroes_outside_inclusive_bounds():
-    # band [0.5, 2]: 0.4 and 2.1 fall outside (weight 0, counted as rejected); 0.5 and 2 sit on the bounds and stay
-    w, m = weights_for([[0.4, 0.5, 2.0, 2.1, 1.0]], rollout_is="token", rollout_is_threshold="0.5_2.0")
+    # band [0.5, 2]: 0.4 and 2.1 fall outside (weight 0, still in the loss mask); 0.5 and 2 sit on the bounds
+    w, keep, m = correct([[0.4, 0.5, 2.0, 2.1, 1.0]], rollout_is="token", rollout_is_threshold="0.5_2.0")
     expect(w, [[0.0, 0.5, 2.0, 0.0, 1.0]])
-    assert m["rollout_corr/token_rejected_frac"] == pytest.approx(2 / 5)
+    assert keep.all()  # the band zeroes weights; it rejects nothing
+    assert m["rollout_corr/weight_zeroed_frac"] == pytest.approx(2 / 5)
+    assert m["rollout_corr/token_rejected_frac"] == 0.0
     assert m["rollout_corr/weight_truncated_frac"] == 0.0
     assert m["rollout_corr/weight_min"] == 0.0
 
@@ -109,11 +134,40 @@ def test_sequence_is_band_zeroes_whole_sequences():
     # products: 3 (in [0.5, 4]), 8 (out), 0.5 (on the lower bound, in)
     w, m = weights_for([[2.0, 0.5, 3.0], [2.0, 4.0], [0.5]], rollout_is="sequence", rollout_is_threshold="0.5_4")
     expect(w, [[3.0, 3.0, 3.0], [0.0, 0.0, M], [0.5, M, M]])
-    assert m["rollout_corr/seq_rejected_frac"] == pytest.approx(1 / 3)
+    assert m["rollout_corr/weight_zeroed_frac"] == pytest.approx(2 / 6)
+    assert m["rollout_corr/seq_rejected_frac"] == 0.0
+
+
+@pytest.mark.parametrize("threshold", [5.0, "0.1_10"])
+def test_token_batch_normalize_divides_by_the_mean_over_valid_tokens(threshold):
+    # weights (0.5, 1, 3 | 2) have mean 6.5 / 4 over the valid tokens; the empty row counts for nothing
+    rows = [[0.5, 1.0, 3.0], [2.0, M, M], [M]]
+    w, m = weights_for(rows, rollout_is="token", rollout_is_threshold=threshold, rollout_is_batch_normalize=True)
+    mean = 6.5 / 4
+    expect(w, [[0.5 / mean, 1.0 / mean, 3.0 / mean], [2.0 / mean, M, M], [M, M, M]])
+    assert m["rollout_corr/weight_batch_mean"] == pytest.approx(mean, rel=1e-6)
+    assert m["rollout_corr/weight_mean"] == pytest.approx(1.0, rel=1e-6)
+
+
+def test_sequence_batch_normalize_divides_by_the_mean_over_sequences():
+    # sequence weights 3 (3 tokens) and 0.5 (1 token): mean over sequences (3 + 0.5) / 2, not over tokens
+    w, m = weights_for([[2.0, 0.5, 3.0], [0.5]], rollout_is="sequence", rollout_is_threshold=5.0,
+                       rollout_is_batch_normalize=True)  # fmt: skip
+    mean = 3.5 / 2
+    expect(w, [[3.0 / mean] * 3, [0.5 / mean, M, M]])
+    assert m["rollout_corr/weight_batch_mean"] == pytest.approx(mean, rel=1e-6)
+
+
+def test_batch_normalize_leaves_weights_whose_mean_is_tiny():
+    # every weight outside the band is 0: the mean is 0 <= 1e-8 and the weights stay as they are (verl's rule)
+    w, m = weights_for([[4.0, 5.0]], rollout_is="token", rollout_is_threshold="0.5_2", rollout_is_batch_normalize=True)
+    expect(w, [[0.0, 0.0]])
+    assert m["rollout_corr/weight_batch_mean"] == 0.0
 
 
 # ---------------------------------------------------------------------------------------------------
-# Rejection sampling: one case per option. With rollout_is=None kept tokens have weight 1.
+# Rejection sampling: one case per option; rows give r = pi_prox / pi_behav. A k1 band [lo, hi] bounds
+# pi_behav / pi_prox = 1 / r (verl's k1 statistic is -log r).
 # ---------------------------------------------------------------------------------------------------
 
 E = math.e
@@ -121,9 +175,16 @@ E = math.e
 
 # (option, threshold, ratios per row (M = masked), kept per row)
 RS_CASES = [
-    # token_k1: r in [lo, hi], bounds inclusive
+    # token_k1: 1 / r in [lo, hi], bounds inclusive
     ("token_k1", "0.5_2.0", [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),
     ("token_k1", 2.0, [[0.4, 0.5, 2.0, 2.5]], [[0, 1, 1, 0]]),  # u = 2 means [1/2, 2]
+    # asymmetric band [0.5, 1.5] on 1 / r = (1.67, 1.43, 0.53, 0.5, 0.4, 2): r in [2/3, 2] is kept. Regression:
+    # dppo used to bound r itself, keeping 0.6 and 0.7 and dropping 1.9 and 2.
+    ("token_k1", "0.5_1.5", [[0.6, 0.7, 1.9, 2.0, 2.5, 0.5]], [[0, 1, 1, 1, 0, 0]]),
+    # seq_sum_k1 on [0.8, 2.0]: 1 / prod r = 1 / (0.5 * 1.5) = 1.33 (in), 1 / (2 * 1) = 0.5 (out), 1 / 1.2 (in)
+    ("seq_sum_k1", "0.8_2.0", [[0.5, 1.5], [2.0, 1.0], [1.2, M]], [[1, 1], [0, 0], [1, 0]]),
+    # seq_mean_k1 on [0.8, 2.0]: 1 / geometric mean = 1 / sqrt(0.5) = 1.41 (in), 1 / sqrt(2) = 0.71 (out)
+    ("seq_mean_k1", "0.8_2.0", [[0.5, 1.0], [2.0, 1.0]], [[1, 1], [0, 0]]),
     # token_k2: (log r)^2 / 2 <= hi; log r = 1, -1, 1.5, 0 -> 0.5, 0.5, 1.125, 0
     ("token_k2", 0.5, [[E, 1 / E, E**1.5, 1.0]], [[1, 1, 0, 1]]),
     # token_k3: r - 1 - log r <= hi; log r = 0, 1, -1 -> 0, e - 2 = 0.718, 1/e = 0.368
@@ -151,10 +212,11 @@ RS_CASES = [
 
 @pytest.mark.parametrize("option, threshold, rows, kept", RS_CASES)
 def test_rejection_option(option, threshold, rows, kept):
-    w, m = weights_for(rows, rollout_rs=option, rollout_rs_threshold=threshold)
-    assert torch.equal(w, torch.tensor(kept, dtype=torch.float32))
-    old, _, mask = logr_inputs(rows)
+    w, keep, m = correct(rows, rollout_rs=option, rollout_rs_threshold=threshold)
+    assert w is None
     kept_t = torch.tensor(kept, dtype=torch.bool)
+    assert torch.equal(keep, kept_t)
+    mask = logr_inputs(rows)[2]
     assert m["rollout_corr/token_rejected_frac"] == pytest.approx((mask & ~kept_t).sum().item() / mask.sum().item())
 
 
@@ -164,32 +226,36 @@ def test_every_rs_option_has_a_case():
     assert tested == set(RS_OPTIONS), f"no case for {sorted(set(RS_OPTIONS) - tested)}"
 
 
-def test_chained_options_must_all_pass_and_combine_with_is():
+def test_chained_options_must_all_pass_and_weights_stay_independent():
     # token_k1 [0.5, 2] rejects the 3.0 token; seq_max_k2 <= 0.7 rejects row 1 (max k2 = (log 4)^2 / 2 = 0.96)
-    # but not row 0 (max k2 = (log 3)^2 / 2 = 0.60, from the token that token_k1 rejects).
+    # but not row 0 (max k2 = (log 3)^2 / 2 = 0.60, from the token that token_k1 rejects). The IS weights are
+    # computed on every valid token, as verl does: rejection lives in the mask only.
     rows = [[1.5, 3.0, 0.8], [4.0, 1.0], [1.2]]
-    w, m = weights_for(
+    w, keep, m = correct(
         rows, rollout_is="token", rollout_is_threshold=1.4,
         rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.5_2.0,0.7",
     )  # fmt: skip
-    expect(w, [[1.4, 0.0, 0.8], [0.0, 0.0, M], [1.2, M, M]])
+    assert torch.equal(keep, torch.tensor([[True, False, True], [False, False, False], [True, False, False]]))
+    expect(w, [[1.4, 1.4, 0.8], [1.4, 1.0, M], [1.2, M, M]])
     assert m["rollout_corr/token_rejected_frac"] == pytest.approx(3 / 6)
     assert m["rollout_corr/seq_rejected_frac"] == pytest.approx(1 / 3)  # row 0 keeps two tokens: not rejected
-    assert m["rollout_corr/weight_truncated_frac"] == pytest.approx(1 / 6)  # 1.5 -> 1.4
-    assert m["rollout_corr/ess"] == pytest.approx((1.4 + 0.8 + 1.2) ** 2 / (6 * (1.4**2 + 0.8**2 + 1.2**2)), rel=1e-5)
+    assert m["rollout_corr/weight_truncated_frac"] == pytest.approx(3 / 6)  # 1.5, 3 and 4 -> 1.4
+    ws = [1.4, 1.4, 0.8, 1.4, 1.0, 1.2]
+    assert m["rollout_corr/ess"] == pytest.approx(sum(ws) ** 2 / (6 * sum(x * x for x in ws)), rel=1e-5)
 
 
 def test_seq_rejected_frac_ignores_empty_sequences():
     # rows 0 and 1 have tokens, row 2 is empty: 1 of 2 sequences rejected, not 1 of 3
-    w, m = weights_for([[4.0], [1.0], [M]], rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0)
-    expect(w, [[0.0], [1.0], [M]])
+    _, keep, m = correct([[4.0], [1.0], [M]], rollout_rs="seq_sum_k1", rollout_rs_threshold=2.0)
+    assert torch.equal(keep, torch.tensor([[False], [True], [False]]))
     assert m["rollout_corr/seq_rejected_frac"] == pytest.approx(1 / 2)
 
 
 def test_all_masked_gives_zero_weights_and_zero_metrics():
     old = torch.full((2, 3), NAN)
-    w, m = compute_rollout_correction(old, old, torch.zeros(2, 3), RolloutCorrectionConfig(rollout_is="token"))
-    assert torch.equal(w, torch.zeros(2, 3))
+    cfg = RolloutCorrectionConfig(rollout_is="token", rollout_rs="seq_max_k3", rollout_rs_threshold=0.1)
+    w, keep, m = compute_rollout_correction_and_rejection_mask(old, old, torch.zeros(2, 3), cfg)
+    assert torch.equal(w, torch.zeros(2, 3)) and not keep.any()
     assert all(v == 0.0 for v in m.values())
 
 
@@ -205,13 +271,13 @@ def test_correction_input_errors():
     cfg = RolloutCorrectionConfig()
     match = r"rollout_log_prob has shape \(1, 1\) but response_mask has shape \(1, 2\)"
     with pytest.raises(ShapeMismatchError, match=match):
-        compute_rollout_correction(old, rollout[:, :1], mask, cfg)
+        compute_rollout_correction_and_rejection_mask(old, rollout[:, :1], mask, cfg)
     bad = rollout.clone()
     bad[0, 1] = -float("inf")
     with pytest.raises(NonFiniteError, match=r"rollout_log_prob is not finite: value -inf at index \[0, 1\]"):
-        compute_rollout_correction(old, bad, mask, cfg)
+        compute_rollout_correction_and_rejection_mask(old, bad, mask, cfg)
     with pytest.raises(TypeError, match="config must be a RolloutCorrectionConfig"):
-        compute_rollout_correction(old, rollout, mask, {"rollout_is": "token"})
+        compute_rollout_correction_and_rejection_mask(old, rollout, mask, {"rollout_is": "token"})
 
 
 @pytest.mark.parametrize("shape", [(4,), (2, 2, 2), ()])
@@ -222,12 +288,12 @@ def test_correction_rejects_non_2d_inputs(shape, rollout_is):
     cfg = RolloutCorrectionConfig(rollout_is=rollout_is)
     match = rf"response_mask must have shape \(B, T\); got shape {re.escape(str(shape))}"
     with pytest.raises(ValueError, match=match):
-        compute_rollout_correction(old, rollout, torch.ones(shape), cfg)
+        compute_rollout_correction_and_rejection_mask(old, rollout, torch.ones(shape), cfg)
 
 
 def test_bf16_inputs_give_fp32_weights():
     old, rollout, mask = logr_inputs([[0.5, 1.0, 3.0]])
-    w, _ = compute_rollout_correction(
+    w, _, _ = compute_rollout_correction_and_rejection_mask(
         old.bfloat16(), rollout.bfloat16(), mask, RolloutCorrectionConfig(rollout_is="token")
     )
     assert w.dtype == torch.float32
@@ -255,6 +321,10 @@ def test_bf16_inputs_give_fp32_weights():
         ("token_k1,seq_max_k3", "0.5_2.0,0.01", {"token_k1": (0.5, 2.0), "seq_max_k3": (None, 0.01)}),
         (" seq_sum_k1 , seq_sum_k3 ", " 1.5 , 0.2 ", {"seq_sum_k1": (1 / 1.5, 1.5), "seq_sum_k3": (None, 0.2)}),
         (["seq_mean_k2", "token_k1"], "3,0.25_4", {"seq_mean_k2": (None, 3.0), "token_k1": (0.25, 4.0)}),
+        # as verl: empty entries and repeated options are dropped (regression: dppo refused both)
+        ("token_k1,token_k1", 2.0, {"token_k1": (0.5, 2.0)}),
+        ("token_k1,", "2.0,", {"token_k1": (0.5, 2.0)}),
+        ("token_k1,,seq_max_k3", "0.5_2.0,,0.01", {"token_k1": (0.5, 2.0), "seq_max_k3": (None, 0.01)}),
     ],
 )
 def test_parse_rs_thresholds_valid(options, spec, expected):
@@ -289,7 +359,8 @@ def test_parse_rs_thresholds_valid(options, spec, expected):
         ("token_k1", "_2", r"\(lower bound\) must be a number; got ''"),
         ("token_k4", 2.0, r"rollout_rs must be None or a comma-chain of token_k1, .*; got 'token_k4'"),
         ("seq_max_k1", 2.0, r"comma-chain of"),
-        ("token_k1,token_k1", 2.0, r"lists an option twice"),
+        ("token_k1,token_k1", "2,3", r"has 2 entries .* rollout_rs has 1 options"),
+        ("token_k2", " , ", r"must be a number; got ' , '"),
         ("", 2.0, r"comma-chain of"),
         (3, 2.0, r"rollout_rs must be None or a comma-separated string"),
     ],

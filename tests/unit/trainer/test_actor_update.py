@@ -1,90 +1,134 @@
-"""The micro-batched optimizer step: accumulated gradients equal the whole mini-batch's gradient."""
+"""The micro-batched optimizer step: accumulated gradients equal the gradient of the whole mini-batch's loss,
+every term of it over the rejection-modified loss mask, in Decoupled PPO and in bypass mode."""
 
 import copy
 
 import pytest
 import torch
 
-from dppo.algo import log_probs_from_logits, policy_loss
+from dppo.algo import (
+    LOSS_AGG_MODES,
+    RolloutCorrectionConfig,
+    bypass_policy_loss,
+    compute_rollout_correction_and_rejection_mask,
+    entropy_bonus,
+    entropy_from_logits,
+    kl_loss,
+    log_probs_from_logits,
+    policy_loss,
+)
 from dppo.models import build_model
 from dppo.rollout import TrainBatch
-from dppo.trainer.actor import decoupled_loss, micro_batch_share, update_policy
+from dppo.trainer.actor import bypass_objective, decoupled_objective, update_policy
 from dppo.trainer.config import ActorConfig, ModelConfig
 
 P, R, V, B = 4, 5, 12, 11
+TERMS = dict(entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3", grad_clip=0.0)
+# Rejects a good part of the tokens of the batch below, and whole sequences through the seq option.
+REJECTION = dict(rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="1.5,0.5")
 
 
 @pytest.fixture
 def setup():
     gen = torch.Generator().manual_seed(0)
-    model = build_model(ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64), V, 1)
+    model_cfg = ModelConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64)
+    model = build_model(model_cfg, V, 1)
     mask = torch.rand(B, R, generator=gen) > 0.3
     mask[:, 0] = True
     mask[3] = False  # a sequence without valid tokens
+    input_ids = torch.randint(0, V, (B, P + R), generator=gen)
+    with torch.no_grad():  # behavior log-probs near the model's own, so that rejection keeps some tokens
+        behav = log_probs_from_logits(model(input_ids=input_ids).logits[:, P - 1 : -1], input_ids[:, P:])
+    behav = behav + 0.4 * torch.randn(B, R, generator=gen)
     batch = TrainBatch(
-        input_ids=torch.randint(0, V, (B, P + R), generator=gen),
+        input_ids=input_ids,
         response_mask=mask,
-        behav_logp=-torch.rand(B, R, generator=gen) - 1,
+        behav_logp=behav,
         scores=torch.rand(B, generator=gen),
         group_index=torch.arange(B) // 3,
         versions=torch.zeros(4, dtype=torch.long),
     )
-    prox = -torch.rand(B, R, generator=gen) - 1
+    prox = behav + 0.4 * torch.randn(B, R, generator=gen)
     adv = torch.randn(B, R, generator=gen)
-    weights = torch.rand(B, R, generator=gen) * 2
-    return model, batch, prox, adv, weights
+    ref = behav + 0.2 * torch.randn(B, R, generator=gen)
+    return model, batch, prox, adv, ref
 
 
-def grads_after_update(model, batch, prox, adv, weights, actor_cfg):
+def grads_after_update(model, batch, prox, adv, ref, actor_cfg, make_objective, rc):
     model = copy.deepcopy(model)
     optimizer = torch.optim.SGD(model.parameters(), lr=0.0)  # keeps the weights, leaves the gradients
-    metrics = update_policy(model, optimizer, batch, prox, adv, weights, decoupled_loss(actor_cfg), actor_cfg, 1.0)
-    return {n: p.grad.clone() for n, p in model.named_parameters()}, metrics
+    objective = make_objective(actor_cfg, rc)(batch, prox, adv)
+    metrics = update_policy(model, optimizer, batch, objective, actor_cfg, 1.0, ref)
+    return {n: p.grad.clone() for n, p in model.named_parameters()}, {**objective.metrics, **metrics}
 
 
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
-def test_micro_batches_accumulate_to_the_full_batch_gradient(setup, mode):
-    model, batch, prox, adv, weights = setup
-    whole_cfg = ActorConfig(micro_batch_size=B, loss_agg_mode=mode, grad_clip=0.0)
-    micro_cfg = ActorConfig(micro_batch_size=3, loss_agg_mode=mode, grad_clip=0.0)
-    whole, whole_metrics = grads_after_update(model, batch, prox, adv, weights, whole_cfg)
-    micro, micro_metrics = grads_after_update(model, batch, prox, adv, weights, micro_cfg)
-
-    # Reference: the loss of the whole batch written out directly.
-    ref_model = copy.deepcopy(model)
-    logits = ref_model(input_ids=batch.input_ids).logits[:, P - 1 : -1]
+def reference_loss(model, batch, prox, adv, ref, actor_cfg, rc, bypass):
+    """The whole mini-batch's loss written out directly: pg + entropy + KL over the loss mask."""
+    logits = model(input_ids=batch.input_ids).logits[:, P - 1 : -1]
     logp = log_probs_from_logits(logits, batch.input_ids[:, P:])
-    loss, ref_metrics = policy_loss(logp, prox, adv, batch.response_mask, weights=weights, loss_agg_mode=mode)
+    mode = actor_cfg.loss_agg_mode
+    if bypass:
+        _, keep, _ = compute_rollout_correction_and_rejection_mask(logp.detach(), batch.behav_logp,
+                                                                   batch.response_mask, rc)  # fmt: skip
+        pg, m = bypass_policy_loss(logp, batch.behav_logp, adv, batch.response_mask, rc, loss_agg_mode=mode)
+    else:
+        weights, keep, _ = compute_rollout_correction_and_rejection_mask(prox, batch.behav_logp,
+                                                                         batch.response_mask, rc)  # fmt: skip
+        pg, m = policy_loss(logp, prox, adv, keep, weights=weights, loss_agg_mode=mode)
+    assert 0 < keep.sum() < batch.response_mask.sum()  # the case under test: some tokens rejected, not all
+    bonus, em = entropy_bonus(entropy_from_logits(logits), keep, actor_cfg.entropy_coeff, mode)
+    kl, km = kl_loss(logp, ref, keep, actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type, mode)
+    return pg + bonus + kl, {**m, **em, **km}
+
+
+@pytest.mark.parametrize("bypass", [False, True], ids=["decoupled", "bypass"])
+@pytest.mark.parametrize("mode", list(LOSS_AGG_MODES))
+def test_micro_batches_accumulate_to_the_full_batch_gradient(setup, mode, bypass):
+    model, batch, prox, adv, ref = setup
+    rc = RolloutCorrectionConfig(rollout_is="token", bypass_mode=bypass, **REJECTION)
+    make_objective = bypass_objective if bypass else decoupled_objective
+    whole_cfg = ActorConfig(micro_batch_size=B, loss_agg_mode=mode, **TERMS)
+    micro_cfg = ActorConfig(micro_batch_size=3, loss_agg_mode=mode, **TERMS)
+    whole, whole_metrics = grads_after_update(model, batch, prox, adv, ref, whole_cfg, make_objective, rc)
+    micro, micro_metrics = grads_after_update(model, batch, prox, adv, ref, micro_cfg, make_objective, rc)
+
+    ref_model = copy.deepcopy(model)
+    loss, ref_metrics = reference_loss(ref_model, batch, prox, adv, ref, whole_cfg, rc, bypass)
     loss.backward()
     for name, p in ref_model.named_parameters():
         torch.testing.assert_close(whole[name], p.grad, rtol=1e-5, atol=1e-7)
         torch.testing.assert_close(micro[name], p.grad, rtol=1e-4, atol=1e-6)
-    assert micro_metrics["actor/pg_loss"] == pytest.approx(ref_metrics["actor/pg_loss"], rel=1e-5, abs=1e-7)
+    for key in ("actor/pg_loss", "actor/entropy", "actor/kl_loss", "actor/kl_coef", "actor/pg_clipfrac"):
+        assert micro_metrics[key] == pytest.approx(ref_metrics[key], rel=1e-5, abs=1e-7), key
     assert micro_metrics["actor/ratio_max"] == pytest.approx(ref_metrics["actor/ratio_max"], rel=1e-6)
     assert micro_metrics["actor/ratio_min"] == pytest.approx(ref_metrics["actor/ratio_min"], rel=1e-6)
+    assert micro_metrics["rollout_corr/token_rejected_frac"] > 0
 
 
-def test_shares_sum_to_one_for_mean_modes(setup):
-    _, batch, *_ = setup
-    mask = batch.response_mask
-    for mode in ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean"):
-        shares = [micro_batch_share(mode, mask[i : i + 4], mask) for i in range(0, B, 4)]
-        assert sum(shares) == pytest.approx(1.0)
-    with pytest.raises(KeyError, match="token-mean"):
-        micro_batch_share("no-such-mode", mask, mask)
+def test_rejected_tokens_get_no_gradient_from_any_term(setup):
+    # Regression (verl parity): rejection used to zero only the policy-gradient weight; the KL penalty and the
+    # entropy bonus still pulled on rejected tokens. Reject every token: no term may leave a gradient.
+    model, batch, prox, adv, ref = setup
+    rc = RolloutCorrectionConfig(rollout_is="token", rollout_rs="token_k2", rollout_rs_threshold=1e-12)
+    cfg = ActorConfig(micro_batch_size=3, **TERMS)
+    grads, metrics = grads_after_update(model, batch, prox, adv, ref, cfg, decoupled_objective, rc)
+    assert metrics["rollout_corr/token_rejected_frac"] == 1.0
+    assert all(torch.count_nonzero(g) == 0 for g in grads.values())
+    assert metrics["actor/pg_loss"] == metrics["actor/entropy"] == metrics["actor/kl_loss"] == 0.0
 
 
 def test_non_finite_gradient_skips_the_step(setup):
-    model, batch, prox, adv, weights = setup
+    model, batch, prox, adv, _ = setup
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
     optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
     adv = adv.clone()
     adv[0, 0] = float("inf")  # valid token: the loss rejects it
     cfg = ActorConfig(micro_batch_size=B)
+    objective = decoupled_objective(cfg, RolloutCorrectionConfig(rollout_is="token"))
     with pytest.raises(ValueError, match="advantages"):
-        update_policy(model, optimizer, batch, prox, adv, weights, decoupled_loss(cfg), cfg, 1.0)
+        update_policy(model, optimizer, batch, objective(batch, prox, adv), cfg, 1.0)
     model.lm_head.weight.register_hook(lambda g: torch.full_like(g, float("nan")))
-    metrics = update_policy(model, optimizer, batch, prox, torch.randn(B, R), weights, decoupled_loss(cfg), cfg, 1.0)
+    metrics = update_policy(model, optimizer, batch, objective(batch, prox, torch.randn(B, R)), cfg, 1.0)
     assert metrics["actor/step_skipped"] == 1.0
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n

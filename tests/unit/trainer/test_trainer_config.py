@@ -63,8 +63,7 @@ def test_overrides_are_typed_and_nested():
         (["trainer.total_steps"], ["key=value"]),
         (["trainer=3"], ["trainer is a config section"]),
         (["algorithm.rollout_correction=x"], ["algorithm.rollout_correction is a config section"]),
-        (["algorithm.rollout_correction.bypass_mode=true", "algorithm.rollout_correction.rollout_rs=token_k1",
-          "algorithm.rollout_correction.rollout_rs_threshold=2.0"], ["rollout_rs='token_k1'", "bypass mode", "ppo_clip"]),
+        (["algorithm.rollout_correction.rollout_is_batch_normalize=maybe"], ["rollout_is_batch_normalize", "maybe"]),
         (["trainer.seed=-1"], ["trainer.seed=-1", "[0, 2**64)"]),
         (["ray.num_cpus=0"], ["ray.num_cpus=0"]),
         (["ray.num_cpus=-1"], ["ray.num_cpus=-1"]),
@@ -102,12 +101,14 @@ def test_config_file_then_overrides(tmp_path):
         load_config([], config_file=tmp_path / "missing.yaml")
 
 
-def test_bypass_mode_takes_rejection_sampling_with_the_reinforce_loss():
+@pytest.mark.parametrize("loss_type", ["reinforce", "ppo_clip"])
+def test_bypass_mode_takes_rejection_sampling_with_either_loss(loss_type):
+    # Regression: ppo_clip with rollout_rs was a ConfigError; verl's bypass loss applies the rejection mask there.
     key = "algorithm.rollout_correction"
-    cfg = load_config([f"{key}.bypass_mode=true", f"{key}.loss_type=reinforce", f"{key}.rollout_rs=token_k1",
-                       f"{key}.rollout_rs_threshold=2.0"])  # fmt: skip
-    rc = cfg.algorithm.rollout_correction
-    assert rc.to_algo().rs_bounds["token_k1"] == (0.5, 2.0)
+    cfg = load_config([f"{key}.bypass_mode=true", f"{key}.loss_type={loss_type}", f"{key}.rollout_rs=token_k1",
+                       f"{key}.rollout_rs_threshold=2.0", f"{key}.rollout_is_batch_normalize=true"])  # fmt: skip
+    rc = cfg.algorithm.rollout_correction.to_algo()
+    assert rc.rs_bounds["token_k1"] == (0.5, 2.0) and rc.rollout_is_batch_normalize is True
 
 
 def test_a_task_factory_that_returns_no_task_is_a_config_error(tmp_path, monkeypatch):

@@ -1,12 +1,13 @@
 """Each documented option runs a real cycle and produces finite metrics (in-process, one global step)."""
 
 import math
+from types import SimpleNamespace
 
 import pytest
 
 import torch
 
-from dppo.algo import compute_rollout_correction, policy_loss
+from dppo.algo import bypass_policy_loss
 from dppo.trainer.ppo import PPOTrainer
 
 
@@ -16,7 +17,8 @@ from dppo.trainer.ppo import PPOTrainer
         {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.loss_type": "reinforce"},
         {"algorithm.adv_estimator": "rloo", "actor.entropy_coeff": 0.01, "actor.kl_loss_coef": 0.1},
         {"algorithm.rollout_correction.rollout_is": "sequence", "algorithm.rollout_correction.rollout_rs": "token_k1",
-         "algorithm.rollout_correction.rollout_rs_threshold": 2.0},
+         "algorithm.rollout_correction.rollout_rs_threshold": 2.0,
+         "algorithm.rollout_correction.rollout_is_batch_normalize": True},
         {"algorithm.prox_anchor": "current", "trainer.verify_old_log_prob": True},
         {"replay.max_off_policy_strategy": "drop", "replay.max_off_policy_threshold": 0},
         {"task.name": "sort", "rollout.max_new_tokens": 4, "actor.loss_agg_mode": "seq-mean-token-mean"},
@@ -61,21 +63,27 @@ def test_any_local_causal_lm_directory(small_cfg, tmp_path, arch):
 
 def test_bypass_ppo_clip_logs_how_far_pi_theta_drifted_from_pi_behav(small_cfg):
     """pi_old := pi_behav there, so pi_old / pi_behav is 1; rollout_corr/* compare pi_theta with pi_behav instead (as
-    verl does), and the loss stays the unweighted PPO loss against pi_behav."""
-    cfg = small_cfg(**{"algorithm.rollout_correction.bypass_mode": True, "trainer.total_steps": 1, "actor.lr": 0.05})
+    verl does), and the loss is bypass_policy_loss: the unweighted PPO loss against pi_behav over the tokens that
+    rejection sampling (on pi_theta / pi_behav) keeps."""
+    key = "algorithm.rollout_correction"
+    cfg = small_cfg(**{f"{key}.bypass_mode": True, f"{key}.rollout_rs": "token_k1", f"{key}.rollout_rs_threshold": 1.5,
+                       "trainer.total_steps": 1, "actor.lr": 0.05})  # fmt: skip
     trainer = PPOTrainer(cfg)
     gen = torch.Generator().manual_seed(0)
     logp, behav_logp = -torch.rand(3, 4, generator=gen), -torch.rand(3, 4, generator=gen)  # (B, R)
     advantages = torch.randn(3, 4, generator=gen)
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[0, 3] = False
-    loss, metrics = trainer.loss_fn(logp, behav_logp, behav_logp, advantages, mask, None)
+    batch = SimpleNamespace(behav_logp=behav_logp, response_mask=mask)
+    objective = trainer.objective(batch, None, advantages)
+    assert objective.loss_mask is None  # rejection on pi_theta: known per micro-batch only
+    loss, loss_mask, metrics = objective.pg_loss(logp, slice(0, 3), None)
     a = cfg.actor
-    ref_loss, ref_metrics = policy_loss(logp, behav_logp, advantages, mask, clip_ratio_low=a.clip_ratio_low,
-                                        clip_ratio_high=a.clip_ratio_high, clip_ratio_c=a.clip_ratio_c)  # fmt: skip
-    _, drift = compute_rollout_correction(logp, behav_logp, mask, trainer.rollout_correction)
-    assert loss.item() == ref_loss.item()  # no weights applied
-    assert metrics == {**ref_metrics, **drift} and drift["rollout_corr/kl_k3"] > 0
+    ref_loss, ref_metrics = bypass_policy_loss(logp, behav_logp, advantages, mask, trainer.rollout_correction,
+                                               clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
+                                               clip_ratio_c=a.clip_ratio_c)  # fmt: skip
+    assert loss.item() == ref_loss.item() and metrics == ref_metrics
+    assert 0 < loss_mask.sum() < mask.sum() and ref_metrics["rollout_corr/kl_k3"] > 0
 
     record = trainer.fit().records[0]
     # Trigger 0 trains the policy that sampled (drift 0); trigger 1 a policy one optimizer step further.
