@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   the main job (dppo train with defaults)
-#   make test   create .venv, build the extension, run the test suite
+#   make test   create .venv, build the extension, install the oracle (verl), run the test suite
 PYTHON ?= python3
 VENV   ?= .venv
 BIN    := $(VENV)/bin
@@ -9,6 +9,8 @@ TORCH_SPEC ?= torch==2.14.1
 PYTEST_ARGS ?=
 
 BUILD_INPUTS := setup.py pyproject.toml $(wildcard csrc/*)
+# verl's own functions, the oracle of tests/oracle: installed without their heavy dependencies.
+ORACLE_REQUIREMENTS := tests/oracle/requirements.txt
 
 .PHONY: all install build test demo bench clean
 
@@ -25,11 +27,15 @@ $(VENV)/.installed: $(BIN)/python $(BUILD_INPUTS)
 	$(BIN)/python -m dppo.build_info
 	touch $@
 
+$(VENV)/.oracle: $(BIN)/python $(ORACLE_REQUIREMENTS)
+	$(BIN)/python -m pip install --no-deps -r $(ORACLE_REQUIREMENTS)
+	touch $@
+
 install: $(VENV)/.installed
 
 build: install
 
-test: install
+test: install $(VENV)/.oracle
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install
