@@ -24,6 +24,7 @@ from dppo.algo.losses import (
     ppo_clip_bypass_loss,
     reinforce_bypass_loss,
 )
+from dppo.algo.prox_approx import loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
 from dppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
 from dppo.algo.rollout_correction_config import (
     RS_OPTIONS,
@@ -57,10 +58,13 @@ __all__ = [
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",
+    "loglinear_alpha",
+    "loglinear_prox_log_prob",
     "loss_normalizers",
     "parse_rollout_rs_thresholds",
     "policy_loss",
     "ppo_clip_bypass_loss",
+    "prox_approx_metrics",
     "reinforce_bypass_loss",
     "rloo_advantages",
 ]
