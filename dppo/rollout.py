@@ -17,6 +17,7 @@ class Group:
     behav_logp: torch.Tensor  # (n, R) fp32, log pi_behav of each response token at the sampling temperature
     scores: torch.Tensor  # (n,) fp32 rewards in [0, 1]
     version: int  # policy version of the weights that generated it
+    index: int = -1  # grant index in the replay buffer (set when the buffer receives it); -1 before
 
     @property
     def size(self) -> int:

@@ -13,6 +13,11 @@ How rollout is throttled depends on the strategy:
 - drop: workers generate freely up to (eta + 1) * B groups buffered or in flight; the trainer takes the
   oldest-granted groups that have arrived, and groups that are too old by then are dropped and counted.
 
+Every ticket is recorded with the worker that holds it (its holder). When a worker dies, release(holder)
+queues its outstanding tickets to be granted again, first, to whichever worker asks next, with the same
+grant indices: the groups it was generating are generated anew, none is lost and none is taken twice (a
+late put from the dead holder is refused, and so is anything it asks for afterwards).
+
 ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer is the Ray actor around it.
 """
 
@@ -37,7 +42,11 @@ class Ticket:
 
 
 class ReplayBufferCore:
-    def __init__(self, max_off_policy_threshold: int, strategy: str, groups_per_version: int, start_version: int = 0):
+    def __init__(self, max_off_policy_threshold: int, strategy: str, groups_per_version: int, start_version: int = 0,
+                 *, start_consumed: int | None = None, start_grant: int | None = None, start_dropped: int = 0):  # fmt: skip
+        """start_consumed: groups consumed before this buffer (default: every version before start_version fully,
+        start_version * groups_per_version); start_grant: grant index of its first group (default: start_consumed);
+        start_dropped: groups dropped before it (dropped_total goes on from there)."""
         if strategy not in ("drop", "wait"):
             raise ValueError(f"replay.max_off_policy_strategy must be 'drop' or 'wait'; got {strategy!r}")
         self.threshold = max_off_policy_threshold
@@ -47,12 +56,17 @@ class ReplayBufferCore:
         self.version = start_version  # newest published trainer version
         self.weights: Any = None
         self.closed = False
-        # Groups granted so far (the grant index of the next one), counted as if every version before
-        # start_version had been fully consumed.
-        self.granted = start_version * groups_per_version
+        consumed = start_version * groups_per_version if start_consumed is None else start_consumed
+        self.granted = consumed if start_grant is None else start_grant  # the grant index of the next new group
         self.next_take = self.granted  # wait: grant index of the next group the trainer takes
-        self._tickets: dict[int, int] = {}  # first grant index -> group count, of tickets not yet put
-        self.dropped_total = 0
+        # wait: the group of grant index i is the (i + _order_offset)-th the trainer consumes (before drops)
+        self._order_offset = consumed - self.granted
+        self._tickets: dict[int, tuple[int, Any]] = {}  # first grant index -> (group count, holder), not yet put
+        self._regrants: list[tuple[int, int]] = []  # (first, count) of dead holders' tickets, granted again first
+        self._dead: set = set()  # holders released as dead
+        self.regranted_total = 0
+        self.dropped_total = start_dropped
+        self._dropped_before = start_dropped
         self._dropped_since_take = 0
 
     # ---- trainer side ----------------------------------------------------------------------------
@@ -113,35 +127,55 @@ class ReplayBufferCore:
         """Groups a worker may start generating now (0: it must wait)."""
         if self.strategy == "wait":
             budget = (self.version + self.threshold + 1) * self.groups_per_version
-            return max(0, budget - (self.granted - self.dropped_total))
+            counted = self.granted + self._order_offset - (self.dropped_total - self._dropped_before)
+            return max(0, budget - counted)
         return max(0, (self.threshold + 1) * self.groups_per_version - len(self.groups) - self.in_flight)
 
-    def acquire(self, worker_version: int, num_groups: int) -> Ticket | None:
-        """A ticket for up to num_groups groups, a stop ticket once closed, or None if the worker must wait."""
-        if self.closed:
+    def acquire(self, worker_version: int, num_groups: int, holder: Any = None) -> Ticket | None:
+        """A ticket for up to num_groups groups (a dead holder's re-granted ones first), a stop ticket once closed
+        or if holder was released as dead, or None if the worker must wait."""
+        if self.closed or holder in self._dead:
             return Ticket(0, worker_version, stop=True)
         if self.weights is None:
             return None  # nothing published yet: no weights to generate with
-        granted = min(num_groups, self.grantable())
-        if granted == 0:
-            return None
-        first, self.granted = self.granted, self.granted + granted
-        self._tickets[first] = granted
+        if self._regrants:
+            first, count = self._regrants[0]
+            granted = min(num_groups, count)
+            self._regrants[0:1] = [(first + granted, count - granted)] if granted < count else []
+        else:
+            granted = min(num_groups, self.grantable())
+            if granted == 0:
+                return None
+            first, self.granted = self.granted, self.granted + granted
+        self._tickets[first] = (granted, holder)
         weights = self.weights if self.version > worker_version else None
         return Ticket(granted, self.version, weights, first=first)
 
-    def put(self, groups: list[Group], first: int) -> None:
-        """A worker's finished groups: those of its ticket whose first grant index is first, in order."""
-        if self._tickets.get(first) != len(groups):
-            raise ValueError(f"put of {len(groups)} groups at grant index {first}: no outstanding ticket "
-                             f"granted those (outstanding: {self._tickets})")  # fmt: skip
+    def put(self, groups: list[Group], first: int, holder: Any = None) -> None:
+        """holder's finished groups: those of its ticket whose first grant index is first, in order."""
+        if self._tickets.get(first) != (len(groups), holder):
+            raise ValueError(f"put of {len(groups)} groups at grant index {first} by holder {holder!r}: no outstanding "
+                             f"ticket granted those to it (outstanding: {self._tickets})")  # fmt: skip
         del self._tickets[first]
-        self.groups.update(zip(range(first, first + len(groups)), groups))
+        for index, group in enumerate(groups, first):
+            group.index = index
+            self.groups[index] = group
+
+    def release(self, holder: Any) -> int:
+        """holder died: grant its outstanding tickets again (same grant indices) and refuse it from now on; the
+        number of groups to be generated anew."""
+        self._dead.add(holder)
+        mine = sorted(first for first, (_, owner) in self._tickets.items() if owner == holder)
+        regranted = [(first, self._tickets.pop(first)[0]) for first in mine]
+        self._regrants = sorted(self._regrants + regranted)
+        count = sum(n for _, n in regranted)
+        self.regranted_total += count
+        return count
 
     @property
     def in_flight(self) -> int:
-        """Groups granted and not yet put."""
-        return sum(self._tickets.values())
+        """Groups granted and not yet put (re-granted ones waiting for a worker included)."""
+        return sum(n for n, _ in self._tickets.values()) + sum(n for _, n in self._regrants)
 
     def _drop(self) -> None:
         self.dropped_total += 1
@@ -152,6 +186,7 @@ class ReplayBufferCore:
             "replay/size": float(len(self.groups)),
             "replay/in_flight": float(self.in_flight),
             "replay/dropped_total": float(self.dropped_total),
+            "replay/regranted_total": float(self.regranted_total),
         }
 
 
@@ -176,17 +211,22 @@ class ReplayBufferActor:
         self.core.publish(weights, version)
         await self._notify()
 
-    async def put(self, groups: list[Group], first: int) -> None:
-        self.core.put(groups, first)
+    async def put(self, groups: list[Group], first: int, holder=None) -> None:
+        self.core.put(groups, first, holder)
         await self._notify()
+
+    async def release(self, holder) -> int:
+        count = self.core.release(holder)
+        await self._notify()
+        return count
 
     async def close(self) -> None:
         self.core.close()
         await self._notify()
 
-    async def acquire(self, worker_version: int, num_groups: int) -> Ticket:
+    async def acquire(self, worker_version: int, num_groups: int, holder=None) -> Ticket:
         async with self._condition():
-            while (ticket := self.core.acquire(worker_version, num_groups)) is None:
+            while (ticket := self.core.acquire(worker_version, num_groups, holder)) is None:
                 await self._condition().wait()
         return ticket
 
