@@ -16,25 +16,36 @@ from dppo.rollout import Group
 from dppo.tasks import PromptSampler, Task
 
 
+# Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
+_TICKET_STREAM = 0x71C4E7
+
+
 class RolloutGenerator:
     """One worker's model copy and sampling state; generate() returns scored groups."""
 
-    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None = None,
-                 seed_offset: int = 0):  # fmt: skip
+    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None = None):
         """task: the trainer's Task object, never looked up again by name: a worker process has only the built-in
         tasks registered, not one the driver added with register_task. model_config: the trainer model's
         transformers config; the weights arrive with the first ticket."""
         self.task = task
+        self.worker_index = worker_index
         self.model = model_from_config(model_config, cfg.model.dtype).requires_grad_(False)
-        # Distinct, reproducible streams per worker and per (re)start, so a resumed run draws new prompts.
-        seeds = np.random.SeedSequence([cfg.trainer.seed, worker_index, seed_offset]).generate_state(2)
-        self.prompts = PromptSampler(self.task, seeds[0], held_out)
-        self.generator = torch.Generator().manual_seed(int(seeds[1]))
+        self.seed = cfg.trainer.seed
+        self.prompts = PromptSampler(self.task, [self.seed, _TICKET_STREAM], held_out)  # reseeded per ticket
+        self.generator = torch.Generator()
         self.n = cfg.rollout.n
         self.temperature = cfg.rollout.temperature
         self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.answer_length
         self.micro_batch_size = cfg.actor.micro_batch_size
         self.version = -1  # no weights loaded yet
+
+    def seed_ticket(self, first: int) -> None:
+        """Draw the next groups' prompts and samples from (trainer.seed, first), the grant index of the ticket's
+        first group: what a ticket generates depends on the seed, its grant index and the weights only, not on
+        the worker or the moment (a ticket granted again after its worker died; a resumed run)."""
+        prompt_seed, sample_seed = np.random.SeedSequence([self.seed, _TICKET_STREAM, first]).generate_state(2)
+        self.prompts.rng = np.random.default_rng(prompt_seed)
+        self.generator.manual_seed(int(sample_seed))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
         self.model.load_state_dict(state_dict)
@@ -65,27 +76,30 @@ class RolloutGenerator:
 class RolloutWorkerActor:
     """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
 
-    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None, seed_offset: int,
-                 buffer):  # fmt: skip
+    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None, buffer,
+                 holder: int):  # fmt: skip
+        """holder: this incarnation's id at the replay buffer (a restarted worker gets a new one)."""
         from dppo.hostmem import keep_freed_host_memory
 
         keep_freed_host_memory()  # this actor's own process: generation's freed KV caches stay mapped
         torch.set_num_threads(cfg.rollout.num_threads)
-        self.core = RolloutGenerator(cfg, task, model_config, worker_index, held_out, seed_offset)
+        self.core = RolloutGenerator(cfg, task, model_config, worker_index, held_out)
         self.buffer = buffer
+        self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch
 
     def step(self, num_groups: int) -> int:
         """One generation boundary: wait for a ticket, load newer weights, generate; groups made (0: stopped)."""
         import ray
 
-        ticket = ray.get(self.buffer.acquire.remote(self.core.version, num_groups))
+        ticket = ray.get(self.buffer.acquire.remote(self.core.version, num_groups, self.holder))
         if ticket.stop:
             return 0
         if ticket.weights is not None:
             self.core.load_weights(ray.get(ticket.weights[0]), ticket.version)
+        self.core.seed_ticket(ticket.first)
         groups = self.core.generate(ticket.num_groups)
-        ray.get(self.buffer.put.remote(groups, ticket.first))
+        ray.get(self.buffer.put.remote(groups, ticket.first, self.holder))
         return len(groups)
 
     def run(self) -> None:
