@@ -11,14 +11,17 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
 
 Subclasses implement train_trigger (and may use begin_cycle / end_cycle / close); they never re-implement
 the loop. The driver only orchestrates: the math lives in dppo.algo.
+
+A cycle's progress is committed trigger by trigger (dppo.trainer.resume.CycleProgress). When the rollout fails
+beyond recovery (RolloutFailedError), the trainer's own state is intact: fit() checkpoints it, mid-cycle if
+need be, before it re-raises, and a resumed run picks up at that very trigger.
 """
 
 from __future__ import annotations
 
-import math
 import random
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -26,12 +29,15 @@ import torch
 
 from dppo.generation import sample_responses
 from dppo.models import build_model, cpu_state_dict
-from dppo.rollout import TrainBatch, collate
+from dppo.rollout import Group, TrainBatch, collate
 from dppo.tasks import held_out_prompts, make_task
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import DppoConfig, to_dict
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
-from dppo.trainer.rollout_source import make_rollout
+from dppo.trainer.resume import CycleProgress, RolloutStart, rng_state, set_rng_state
+from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
+
+TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
 
 
 @dataclass
@@ -49,31 +55,6 @@ class RunResult:
 
     def summary_table(self) -> str:
         return format_table(self.summary)
-
-
-@dataclass
-class _CycleMetrics:
-    """Accumulates trigger metrics into one record: timing_s/* summed, *_max / *_min extremes, the rest averaged."""
-
-    sums: dict[str, float] = field(default_factory=dict)
-    counts: dict[str, int] = field(default_factory=dict)
-    extremes: dict[str, float] = field(default_factory=dict)
-
-    def add(self, metrics: dict[str, float]) -> None:
-        for key, value in metrics.items():
-            if key.startswith("timing_s/"):
-                self.sums[key] = self.sums.get(key, 0.0) + value
-                self.counts[key] = 1
-            elif key.endswith("_max"):
-                self.extremes[key] = max(self.extremes.get(key, -math.inf), value)
-            elif key.endswith("_min"):
-                self.extremes[key] = min(self.extremes.get(key, math.inf), value)
-            else:
-                self.sums[key] = self.sums.get(key, 0.0) + value
-                self.counts[key] = self.counts.get(key, 0) + 1
-
-    def result(self) -> dict[str, float]:
-        return {**{k: self.sums[k] / self.counts[k] for k in self.sums}, **self.extremes}
 
 
 class BaseTrainer:
@@ -96,22 +77,30 @@ class BaseTrainer:
         self.held_out = held_out_prompts(self.task, cfg.trainer.seed, cfg.trainer.eval_prompts)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoint_dir = self.output_dir / "checkpoints"
+        self.checkpoints = ckpt.CheckpointDir(self.output_dir / "checkpoints")
         self.global_step = 0  # completed global steps (sync cycles)
         self.version = 0  # policy version of the live weights' last sync to the rollout
         self.local_trigger_step = 0  # trigger (optimizer step) within the current cycle, 0-based
+        self.progress = CycleProgress()  # of the current cycle
+        self.rollout_start = RolloutStart()  # where the rollout picks up; kept current as groups are taken
         self.resumed_from: Path | None = None
+        self._resumed_state: dict | None = None
         if cfg.trainer.resume:
             self._resume()
         else:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed into it later
-            for stale in ckpt.list_checkpoints(self.checkpoint_dir):
-                stale.unlink()
+            self.checkpoints.discard_run()
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
                                   resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
         self.setup()
-        self.rollout = rollout if rollout is not None else make_rollout(
-            cfg, self.task, self.model.config, self.held_out, start_version=self.version, seed_offset=self.global_step
-        )
+        # The weights of the current version, for the rollout: a cycle resumed mid-way has the cycle-start ones in
+        # its checkpoint when pi_old is those (else the rollout gets the live ones, a few optimizer steps newer).
+        self._version_weights: dict[str, torch.Tensor] | None = None
+        if self._resumed_state is not None and self._resumed_state.get("anchor") is not None:
+            self._version_weights = self._resumed_state["anchor"]
+            self.load_cycle_anchor(self._version_weights)  # the resumed cycle's pi_old
+        self._resumed_state = None
+        self._cycle_start = time.perf_counter() - self.progress.elapsed_s
+        self.rollout = rollout  # None: made by fit() (so a Ray cluster starts only once the model and checkpoint are fine)
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -146,10 +135,20 @@ class BaseTrainer:
     def load_extra_state(self, state: dict) -> None:
         pass
 
+    def cycle_anchor(self) -> dict[str, torch.Tensor] | None:
+        """The weights the rest of a started cycle needs besides the live ones (pi_old's), for a mid-cycle checkpoint."""
+        return None
+
+    def load_cycle_anchor(self, weights: dict[str, torch.Tensor]) -> None:
+        """Put back what cycle_anchor() returned (after setup(), before the resumed cycle's next trigger)."""
+
     # ---- the loop ---------------------------------------------------------------------------------
 
     def fit(self) -> RunResult:
-        """Train until trainer.total_steps global steps are done; evaluate, plot and summarize."""
+        """Train until trainer.total_steps global steps are done; evaluate, plot and summarize.
+
+        RolloutFailedError: the rollout failed beyond recovery; the trainer's state was checkpointed first and
+        the message says where (or why not)."""
         start = time.perf_counter()
         tcfg = self.cfg.trainer
         from tqdm.auto import tqdm
@@ -157,7 +156,10 @@ class BaseTrainer:
         bar = tqdm(total=tcfg.total_steps, initial=self.global_step, unit="step", desc="dppo train",
                    disable=not tcfg.progress_bar, dynamic_ncols=True)  # fmt: skip
         try:
-            self.rollout.publish(cpu_state_dict(self.model), self.version)
+            if self.rollout is None:
+                self.rollout = make_rollout(self.cfg, self.task, self.model.config, self.held_out, self.rollout_start)
+            self.rollout.publish(self._version_weights or cpu_state_dict(self.model), self.version)
+            self._version_weights = None
             self.rollout.start()
             while self.global_step < tcfg.total_steps:
                 record = self.run_cycle()
@@ -167,44 +169,64 @@ class BaseTrainer:
                                 stale=f"{record['staleness/mean']:.2f}", step_s=f"{record['timing_s/step']:.2f}")  # fmt: skip
                 if self._checkpoint_due():
                     self.save_checkpoint()
+        except RolloutFailedError as err:
+            raise RolloutFailedError(f"{err}; {self._checkpoint_after_failure()}") from None
         finally:
             bar.close()
             self.metrics.close()
             try:
-                self.rollout.close()
+                if self.rollout is not None:
+                    self.rollout.close()
             finally:
                 self.close()
         evaluation = self.evaluate()
         return self._finish(evaluation, time.perf_counter() - start)
 
     def run_cycle(self) -> dict[str, float]:
-        """One global step; returns its metrics record."""
-        cycle_start = time.perf_counter()
-        ps = self.cfg.trainer.parameter_sync_step
-        acc = _CycleMetrics()
-        staleness: list[torch.Tensor] = []
-        scores: list[torch.Tensor] = []
-        dropped = 0
-        self.begin_cycle()
-        for k in range(ps):
-            self.local_trigger_step = k
+        """One global step (the rest of it, for a cycle resumed mid-way); returns its metrics record."""
+        progress = self.progress
+        cycle_start = time.perf_counter() - progress.elapsed_s
+        self._cycle_start = cycle_start
+        if not progress.started:
+            self.begin_cycle()
+        while progress.trigger < self.cfg.trainer.parameter_sync_step:
+            self.local_trigger_step = progress.trigger
             wait_start = time.perf_counter()
-            groups, dropped_now = self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
-            acc.add({"timing_s/gen_wait": time.perf_counter() - wait_start})
-            dropped += dropped_now
+            groups, dropped = self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
+            wait_s = time.perf_counter() - wait_start
             batch = collate(groups)
-            staleness.append(self.version - batch.versions)
-            scores.append(batch.scores)
-            acc.add(self.train_trigger(batch.to(self.device)))
-        acc.add(self.end_cycle())
+            metrics = self.train_trigger(batch.to(self.device))
+            # Committed only now: a failure before this line leaves the cycle as it was before the trigger.
+            progress.metrics.add({"timing_s/gen_wait": wait_s})
+            progress.metrics.add(metrics)
+            progress.staleness.append(self.version - batch.versions)
+            progress.scores.append(batch.scores)
+            progress.dropped += dropped
+            progress.trigger += 1
+            self._taken(groups, dropped)
+        if not progress.ended:
+            progress.metrics.add(self.end_cycle())
+            progress.ended = True
         sync_start = time.perf_counter()
+        self.rollout.publish(cpu_state_dict(self.model), self.version + 1)
+        progress.metrics.add({"timing_s/weight_sync": time.perf_counter() - sync_start})
+        stats = self.rollout.stats()
         self.version += 1
-        self.rollout.publish(cpu_state_dict(self.model), self.version)
-        acc.add({"timing_s/weight_sync": time.perf_counter() - sync_start})
         self.global_step += 1
+        self.progress = CycleProgress()
+        return self._record(progress, stats, time.perf_counter() - cycle_start)
 
-        stale = torch.cat(staleness).float()
-        score = torch.cat(scores)
+    def _taken(self, groups: list[Group], dropped: int) -> None:
+        """Where a new rollout would pick up after these groups (see RolloutStart)."""
+        start = self.rollout_start
+        start.version = self.version
+        start.consumed += len(groups)
+        start.next_grant = max(start.next_grant, *(g.index + 1 for g in groups))
+        start.dropped_total += dropped
+
+    def _record(self, progress: CycleProgress, stats: dict[str, float], step_s: float) -> dict[str, float]:
+        stale = torch.cat(progress.staleness).float()
+        score = torch.cat(progress.scores)
         record = {"step": self.global_step, "version": self.version}
         record.update({
             "critic/score/mean": float(score.mean()),
@@ -212,11 +234,11 @@ class BaseTrainer:
             "critic/score/min": float(score.min()),
             "staleness/mean": float(stale.mean()),
             "staleness/max": float(stale.max()),
-            "replay/dropped": float(dropped),
+            "replay/dropped": float(progress.dropped),
         })  # fmt: skip
-        record.update(acc.result())
-        record.update(self.rollout.stats())
-        record["timing_s/step"] = time.perf_counter() - cycle_start
+        record.update(progress.metrics.result())
+        record.update(stats)
+        record["timing_s/step"] = step_s
         return record
 
     # ---- checkpoints ------------------------------------------------------------------------------
@@ -226,31 +248,91 @@ class BaseTrainer:
         return every > 0 and (self.global_step % every == 0 or self.global_step == self.cfg.trainer.total_steps)
 
     def save_checkpoint(self) -> Path:
+        """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle (progress.trigger > 0)."""
+        progress = self.progress
+        if self.rollout is not None:
+            self.rollout_start.worker_restarts = getattr(self.rollout, "worker_restarts", 0)
         state = {
             "global_step": self.global_step,
             "version": self.version,
+            "trigger": progress.trigger,
             "model": self.model.state_dict(),
             "optimizer": self.optimizer.state_dict(),
-            "rng": ckpt.rng_state(),
+            "rng": rng_state(),
             "config": to_dict(self.cfg),
             "extra": self.extra_state(),
+            "rollout": self.rollout_start.to_state(),
         }
-        return ckpt.save_checkpoint(self.checkpoint_dir, self.global_step, state)
+        if progress.started:
+            state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
+            state["anchor"] = self.cycle_anchor()
+        return self.checkpoints.save(self.global_step, self.version, lambda d: torch.save(state, d / TRAINER_FILE),
+                                     trigger=progress.trigger)  # fmt: skip
+
+    def _checkpoint_after_failure(self) -> str:
+        """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""
+        if self.cfg.trainer.checkpoint_every == 0:
+            return "no checkpoint written (trainer.checkpoint_every=0)"
+        if self.global_step == 0 and not self.progress.started:
+            return "nothing was trained yet, so no checkpoint was written"
+        where = f"step {self.global_step}" + (f", trigger {self.progress.trigger}" if self.progress.started else "")
+        name = ckpt.CheckpointId(self.global_step, self.progress.trigger).name
+        try:
+            if name in self.checkpoints.ledger["checkpoints"]:
+                path = self.checkpoints.directory / name  # nothing happened since that checkpoint
+            else:
+                path = self.save_checkpoint()
+        except Exception as err:  # noqa: BLE001  reported in the one line instead of a second traceback
+            return f"checkpointing the trainer's state at {where} failed too: {type(err).__name__}: {err}"
+        return f"the trainer's state at {where} is checkpointed in {path} (trainer.resume=true continues from it)"
 
     def _resume(self) -> None:
-        path = ckpt.latest_checkpoint(self.checkpoint_dir)
-        if path is None:
+        found = self.checkpoints.newest(self._load_checkpoint)
+        if found is None:
             return  # nothing to resume: a fresh run
-        state = ckpt.load_checkpoint(path)
+        self.resumed_from, state = found
+        self.global_step, self.version = int(state["global_step"]), int(state["version"])
+        set_rng_state(state["rng"])
+        self.load_extra_state(state.get("extra", {}))
+        if "cycle" in state:
+            self.progress = CycleProgress.from_state(state["cycle"])
+        rollout = state["rollout"]
+        self.rollout_start = RolloutStart(
+            version=self.version,
+            consumed=self.version * self.cfg.trainer.train_batch_size + self.progress.trigger * self.cfg.groups_per_trigger,
+            next_grant=int(rollout["next_grant"]), dropped_total=int(rollout["dropped_total"]),
+            worker_restarts=int(rollout["worker_restarts"]),
+        )  # fmt: skip
+        self._resumed_state = state
+
+    def _load_checkpoint(self, path: Path, manifest: dict) -> dict:
+        """The trainer state in the trusted checkpoint path, loaded into the model and optimizer; CheckpointError
+        if it does not match its manifest or does not fit this run."""
+        state = ckpt.load_torch(path / TRAINER_FILE)
         try:
+            inside = (int(state["global_step"]), int(state["trigger"]), int(state["version"]))
+            if inside != (manifest["step"], manifest["trigger"], manifest["version"]):
+                raise ckpt.CheckpointError(f"{TRAINER_FILE} holds step {inside[0]} trigger {inside[1]} version "
+                                           f"{inside[2]}, its manifest says otherwise")  # fmt: skip
+            self._check_cycle_fits(state)
             self.model.load_state_dict(state["model"])
             self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError) as err:
-            raise ckpt.CheckpointError(f"checkpoint {str(path)!r} does not fit this run's model/optimizer: {err}") from err
-        self.global_step, self.version = int(state["global_step"]), int(state["version"])
-        ckpt.set_rng_state(state["rng"])
-        self.load_extra_state(state.get("extra", {}))
-        self.resumed_from = path
+        except (RuntimeError, ValueError, KeyError, TypeError) as err:
+            if isinstance(err, ckpt.CheckpointError):
+                raise
+            raise ckpt.CheckpointError(f"does not fit this run's model/optimizer: {type(err).__name__}: {err}") from None
+        return state
+
+    def _check_cycle_fits(self, state: dict) -> None:
+        """A mid-cycle checkpoint continues its cycle: the cycle must be shaped the same in this run."""
+        if int(state["trigger"]) == 0 and "cycle" not in state:
+            return
+        keys = ("parameter_sync_step", "train_batch_size")
+        then = {k: state["config"]["trainer"][k] for k in keys}
+        now = {k: getattr(self.cfg.trainer, k) for k in keys}
+        if then != now:
+            raise ckpt.CheckpointError(f"it was written mid-cycle with trainer.{keys[0]}={then[keys[0]]}, "
+                                       f"trainer.{keys[1]}={then[keys[1]]}; this run has {now[keys[0]]}, {now[keys[1]]}")  # fmt: skip
 
     # ---- the end of a run -------------------------------------------------------------------------
 

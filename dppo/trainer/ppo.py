@@ -43,6 +43,12 @@ class PPOTrainer(BaseTrainer):
     def load_extra_state(self, state: dict) -> None:
         self._ref_state = state.get("ref_model")
 
+    def cycle_anchor(self) -> dict[str, torch.Tensor] | None:
+        return self.old_log_prob.anchor_weights()
+
+    def load_cycle_anchor(self, weights: dict[str, torch.Tensor]) -> None:
+        self.old_log_prob.load_anchor(weights)
+
     @torch.no_grad()
     def score(self, module: torch.nn.Module, batch: TrainBatch, params=None) -> torch.Tensor:
         """log pi (B, R) of module (or of module's graph on params) for the batch's responses."""

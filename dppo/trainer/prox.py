@@ -64,8 +64,30 @@ class OldLogProbStrategy:
         """Called once the cycle's last trigger is done; metrics of the cycle to log."""
         return {}
 
+    def anchor_weights(self) -> dict[str, torch.Tensor] | None:
+        """pi_old's weights as CPU tensors where they differ from the live ones mid-cycle (for a mid-cycle
+        checkpoint); None where pi_old needs no weights of its own."""
+        return None
+
+    def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
+        """Make weights (from anchor_weights()) pi_old for the rest of the current cycle."""
+
     def close(self) -> None:
         pass
+
+
+@torch.no_grad()
+def _with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], fn: Callable[[], object]) -> object:
+    """fn() while model's parameters hold weights; the live values are put back afterwards, also if fn raises."""
+    params = dict(model.named_parameters())
+    live = {name: p.detach().clone() for name, p in params.items()}
+    try:
+        for name, p in params.items():
+            p.copy_(weights[name])
+        return fn()
+    finally:
+        for name, p in params.items():
+            p.copy_(live[name])
 
 
 class BypassOldLogProb(OldLogProbStrategy):
@@ -143,6 +165,19 @@ class CycleStartOldLogProb(OldLogProbStrategy):
                 self._reader = self._choose_reader(batch, tier)
         return self._reader(self, batch)
 
+    def anchor_weights(self) -> dict[str, torch.Tensor] | None:
+        if 0 not in self._pool:
+            return None
+        self._pool.synchronize()
+        return {name: t.to("cpu", copy=True) for name, t in self._pool.view(0).items()}
+
+    def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
+        def save():
+            self._pool.save(0)
+            self._pool.synchronize()
+
+        _with_weights(self.model, weights, save)
+
     def close(self) -> None:
         self._guard.remove()
         if 0 in self._pool:
@@ -197,6 +232,12 @@ class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
             live.clear()
             self.snapshot_s += time.perf_counter() - start - forward_s
         return logp
+
+    def anchor_weights(self) -> dict[str, torch.Tensor] | None:
+        return None if self._slot is None else {name: t.clone() for name, t in self._slot.items()}
+
+    def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
+        self._slot = {name: t.to("cpu", copy=True) for name, t in weights.items()}
 
     def close(self) -> None:
         self._slot = None
@@ -264,6 +305,14 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         if diff.numel():
             self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
         return logp
+
+    def anchor_weights(self) -> dict[str, torch.Tensor] | None:
+        return self.inner.anchor_weights()
+
+    def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
+        self.inner.load_anchor(weights)
+        if self.anchor == "cycle_start":
+            self.reference = _with_weights(self.model, weights, lambda: copy.deepcopy(self.model))
 
     def end_cycle(self) -> dict[str, float]:
         diff, self.max_abs_diff = self.max_abs_diff, 0.0

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dppo.trainer import checkpoint as ckpt
+from dppo.trainer.base import TRAINER_FILE
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
 
@@ -25,15 +26,14 @@ def test_atomic_write_leaves_old_file_on_failure(tmp_path):
     assert os.listdir(tmp_path) == ["x.bin"]  # no temporary file left behind
 
 
-def test_keeps_the_newest_and_ignores_temporaries(tmp_path):
-    for step in (1, 2, 3):
-        ckpt.save_checkpoint(tmp_path, step, {"step": step}, keep=2)
-    (tmp_path / ".step_00000009.pt.abc.tmp").write_bytes(b"torn")
-    assert [p.name for p in ckpt.list_checkpoints(tmp_path)] == ["step_00000002.pt", "step_00000003.pt"]
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(tmp_path))["step"] == 3
-    (tmp_path / "step_00000004.pt").write_bytes(b"garbage")
-    with pytest.raises(ckpt.CheckpointError, match="step_00000004"):
-        ckpt.load_checkpoint(tmp_path / "step_00000004.pt")
+def saved_state(directory) -> dict:
+    """The trainer state of the newest trusted checkpoint in directory."""
+    path, state = ckpt.CheckpointDir(directory).newest(lambda p, m: ckpt.load_torch(p / TRAINER_FILE))
+    return state
+
+
+def names(directory) -> list[str]:
+    return [i.name for i in ckpt.CheckpointDir(directory).recorded()]
 
 
 @pytest.mark.parametrize("anchor", ["current", "cycle_start"])
@@ -44,8 +44,8 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
     initial = {k: v.clone() for k, v in first.model.state_dict().items()}
     first.fit()
     out = first.output_dir
-    saved = ckpt.load_checkpoint(ckpt.latest_checkpoint(out / "checkpoints"))
-    assert [p.name for p in ckpt.list_checkpoints(out / "checkpoints")] == ["step_00000002.pt", "step_00000003.pt"]
+    saved = saved_state(out / "checkpoints")
+    assert names(out / "checkpoints") == ["step_00000002", "step_00000003"]
     assert saved["global_step"] == 3 and saved["version"] == 3
     for name, tensor in first.model.state_dict().items():
         assert torch.equal(saved["model"][name], tensor)
@@ -57,7 +57,7 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
         f.write(json.dumps({"step": 4, "critic/score/mean": -1.0}) + "\n" + '{"step": 5, "crit')
 
     resumed = PPOTrainer(small_cfg(**{"trainer.total_steps": 5, "trainer.resume": True, **common}))
-    assert resumed.resumed_from.name == "step_00000003.pt"
+    assert resumed.resumed_from.name == "step_00000003"
     assert (resumed.global_step, resumed.version) == (3, 3)
     for name, tensor in resumed.model.state_dict().items():
         assert torch.equal(saved["model"][name], tensor)
@@ -72,7 +72,7 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
     assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
     assert [json.dumps(r) for r in records[:3]] == lines  # steps up to the checkpoint are kept as they were
     assert records[3]["critic/score/mean"] >= 0.0  # step 4 was re-run, not the stale line
-    assert ckpt.load_checkpoint(ckpt.latest_checkpoint(out / "checkpoints"))["global_step"] == 5
+    assert saved_state(out / "checkpoints")["global_step"] == 5
 
 
 def test_resume_without_checkpoint_starts_fresh(small_cfg):
@@ -84,10 +84,56 @@ def test_a_fresh_run_discards_an_earlier_runs_checkpoints(small_cfg):
     cfg = small_cfg(**{"trainer.total_steps": 2, "trainer.checkpoint_every": 1, "algorithm.prox_anchor": "current"})
     PPOTrainer(cfg).fit()
     out = cfg.trainer.output_dir
-    assert [p.name for p in ckpt.list_checkpoints(f"{out}/checkpoints")] == ["step_00000001.pt", "step_00000002.pt"]
+    assert names(f"{out}/checkpoints") == ["step_00000001", "step_00000002"]
     fresh = PPOTrainer(small_cfg(**{"trainer.total_steps": 1, "trainer.checkpoint_every": 1,
                                     "algorithm.prox_anchor": "current"}))  # fmt: skip
-    assert ckpt.list_checkpoints(f"{out}/checkpoints") == []
+    assert names(f"{out}/checkpoints") == [] and os.listdir(f"{out}/checkpoints") == []
     fresh.fit()
-    assert [p.name for p in ckpt.list_checkpoints(f"{out}/checkpoints")] == ["step_00000001.pt"]
+    assert names(f"{out}/checkpoints") == ["step_00000001"]
     assert [r["step"] for r in read_metrics(f"{out}/metrics.jsonl")] == [1]
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in records]
+
+
+def weights(model) -> dict:
+    return {k: v.clone() for k, v in model.state_dict().items()}
+
+
+def test_a_rollout_failure_mid_cycle_checkpoints_and_the_resumed_run_is_bitwise_the_same(small_cfg, monkeypatch):
+    """The rollout fails at step 2's second trigger: the trainer checkpoints its state there (pi_old of the cycle,
+    the cycle's metrics so far), and the resumed run ends with exactly the weights and metrics of a run that never
+    failed."""
+    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+
+    common = {"trainer.total_steps": 3, "trainer.checkpoint_every": 10, "trainer.output_dir": None}
+    out = small_cfg().trainer.output_dir
+    clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
+    clean.fit()
+    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.model)
+
+    fetch, calls = InProcessRollout.fetch, []
+
+    def failing_fetch(self, num_groups, trainer_version):
+        calls.append(trainer_version)
+        if len(calls) == 4:  # step 2 (version 1), trigger 1
+            raise RolloutFailedError("the replay buffer died")
+        return fetch(self, num_groups, trainer_version)
+
+    monkeypatch.setattr(InProcessRollout, "fetch", failing_fetch)
+    with pytest.raises(RolloutFailedError, match=r"^the replay buffer died; the trainer's state at step 1, trigger 1 "
+                                                 r"is checkpointed in .*step_00000001_trigger_1 "):  # fmt: skip
+        PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out})).fit()
+    monkeypatch.setattr(InProcessRollout, "fetch", fetch)
+    assert names(f"{out}/checkpoints") == ["step_00000001_trigger_1"]
+
+    resumed = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out, "trainer.resume": True}))
+    assert resumed.resumed_from.name == "step_00000001_trigger_1"
+    assert (resumed.global_step, resumed.progress.trigger) == (1, 1)
+    resumed.fit()
+    for name, tensor in weights(resumed.model).items():
+        assert torch.equal(tensor, expected_weights[name]), name
+    got, want = without_timing(read_metrics(f"{out}/metrics.jsonl")), without_timing(expected_records)
+    assert [{k: (v, b.get(k)) for k, v in a.items() if b.get(k) != v} for a, b in zip(got, want)] == [{}] * len(want)
+    assert got == want

@@ -1,0 +1,122 @@
+"""What a checkpoint holds besides the weights, as tensors and plain types (torch.load(weights_only=True) reads
+them): the RNG states, how far the current sync cycle got, and where the rollout picks up.
+
+A run resumed from a checkpoint continues exactly where the checkpointed one was: a boundary checkpoint
+(trigger 0) at the start of the next sync cycle, a mid-cycle one (written when the rollout failed beyond
+recovery) at the trigger it was on, with that cycle's accumulated metrics and its pi_old weights.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+# ---- RNG states ---------------------------------------------------------------------------------------
+
+
+def rng_state() -> dict:
+    """The python, numpy (legacy global) and torch RNG states as tensors and plain types."""
+    name, keys, pos, has_gauss, cached = np.random.get_state()
+    state = {
+        "python": random.getstate(),  # (version, tuple of ints, float or None)
+        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},  # fmt: skip
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_rng_state(state: dict) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((version, tuple(internal), gauss))
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+# ---- the current sync cycle -----------------------------------------------------------------------------
+
+
+@dataclass
+class CycleMetrics:
+    """Accumulates trigger metrics into one record: timing_s/* summed, *_max / *_min extremes, the rest averaged."""
+
+    sums: dict[str, float] = field(default_factory=dict)
+    counts: dict[str, int] = field(default_factory=dict)
+    extremes: dict[str, float] = field(default_factory=dict)
+
+    def add(self, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            if key.startswith("timing_s/"):
+                self.sums[key] = self.sums.get(key, 0.0) + value
+                self.counts[key] = 1
+            elif key.endswith("_max"):
+                self.extremes[key] = max(self.extremes.get(key, -math.inf), value)
+            elif key.endswith("_min"):
+                self.extremes[key] = min(self.extremes.get(key, math.inf), value)
+            else:
+                self.sums[key] = self.sums.get(key, 0.0) + value
+                self.counts[key] = self.counts.get(key, 0) + 1
+
+    def result(self) -> dict[str, float]:
+        return {**{k: self.sums[k] / self.counts[k] for k in self.sums}, **self.extremes}
+
+
+@dataclass
+class CycleProgress:
+    """How far the current sync cycle has got; committed trigger by trigger, so a failure never tears it."""
+
+    trigger: int = 0  # triggers (optimizer steps) of this cycle done
+    ended: bool = False  # end_cycle() has run (all triggers done; the weights not yet published)
+    metrics: CycleMetrics = field(default_factory=CycleMetrics)
+    staleness: list[torch.Tensor] = field(default_factory=list)  # (G,) long per trigger
+    scores: list[torch.Tensor] = field(default_factory=list)  # (G n,) fp32 per trigger
+    dropped: int = 0
+    elapsed_s: float = 0.0  # time the cycle had taken before the run stopped (resumed cycles only)
+
+    @property
+    def started(self) -> bool:
+        return self.trigger > 0 or self.ended
+
+    def to_state(self, elapsed_s: float) -> dict:
+        return {"trigger": self.trigger, "ended": self.ended, "sums": dict(self.metrics.sums),
+                "counts": dict(self.metrics.counts), "extremes": dict(self.metrics.extremes),
+                "staleness": list(self.staleness), "scores": list(self.scores), "dropped": self.dropped,
+                "elapsed_s": elapsed_s}  # fmt: skip
+
+    @staticmethod
+    def from_state(state: dict) -> CycleProgress:
+        metrics = CycleMetrics(dict(state["sums"]), dict(state["counts"]), dict(state["extremes"]))
+        return CycleProgress(int(state["trigger"]), bool(state["ended"]), metrics, list(state["staleness"]),
+                             list(state["scores"]), int(state["dropped"]), float(state["elapsed_s"]))  # fmt: skip
+
+
+# ---- where the rollout picks up -------------------------------------------------------------------------
+
+
+@dataclass
+class RolloutStart:
+    """Where a (new) rollout source starts: the policy version, the grant indices, and its running counters.
+
+    Groups are identified by their grant index in the replay buffer, and a group's prompts and samples are
+    drawn from (trainer.seed, grant index): a resumed run generates the groups the uninterrupted run would
+    have, and never one the checkpointed run had already trained on again.
+    """
+
+    version: int = 0
+    consumed: int = 0  # groups the trainer has consumed (taken) before this start, counting each version as B
+    next_grant: int = 0  # grant index of the first group this start grants (one past the last one taken)
+    dropped_total: int = 0
+    worker_restarts: int = 0
+
+    def to_state(self) -> dict:
+        return {"next_grant": self.next_grant, "dropped_total": self.dropped_total,
+                "worker_restarts": self.worker_restarts}  # fmt: skip
