@@ -2,28 +2,53 @@
 
 Both sources run the same worker step (ticket from the replay buffer -> load newer weights -> generate ->
 put) and the same replay-buffer logic; they differ only in who runs the step and when.
+
+On Ray, a rollout worker whose process dies is restarted (up to rollout.max_restarts times per worker) and
+the replay buffer grants its outstanding tickets again, so the groups it was generating are generated anew
+(rollout/worker_restarts counts the restarts). Anything the rollout cannot recover from (the replay buffer
+died, a worker's restarts are used up, a worker raised) is one RolloutFailedError naming what died.
 """
 
 from __future__ import annotations
 
-import os
+import itertools
+import logging
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from dppo.rollout import Group
 from dppo.tasks import Task
+from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
+from dppo.trainer.resume import RolloutStart
 from dppo.workers.replay_buffer import ReplayBufferActor, ReplayBufferCore
 from dppo.workers.rollout_worker import RolloutGenerator, RolloutWorkerActor
+
+log = logging.getLogger("dppo.rollout")
+
+BUFFER_TIMEOUT_S = 30.0  # how long a liveness check waits for the replay buffer to answer
+
+
+class RolloutFailedError(RuntimeError):
+    """The rollout cannot go on: the replay buffer died, a rollout worker died once more than rollout.max_restarts
+    allows, or a rollout worker raised. The message names what, in one line."""
+
+
+def _buffer_core(cfg, start: RolloutStart, cls=ReplayBufferCore):
+    return cls(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy, cfg.trainer.train_batch_size,
+               start.version, start_consumed=start.consumed, start_grant=start.next_grant,
+               start_dropped=start.dropped_total)  # fmt: skip
 
 
 class InProcessRollout:
     """trainer.mode=sync without Ray: generate each trigger's groups in this process, then take them."""
 
-    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start_version: int = 0,
-                 seed_offset: int = 0):  # fmt: skip
-        self.buffer = ReplayBufferCore(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy,
-                                       cfg.trainer.train_batch_size, start_version)  # fmt: skip
-        self.worker = RolloutGenerator(cfg, task, model_config, 0, held_out, seed_offset)
+    worker_restarts = 0
+
+    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start: RolloutStart):
+        self.buffer = _buffer_core(cfg, start)
+        self.worker = RolloutGenerator(cfg, task, model_config, 0, held_out)
 
     def start(self) -> None:
         pass
@@ -40,6 +65,7 @@ class InProcessRollout:
                 raise RuntimeError(f"replay buffer refused to grant groups in sync mode ({self.buffer.stats()})")
             if ticket.weights is not None:
                 self.worker.load_weights(ticket.weights, ticket.version)
+            self.worker.seed_ticket(ticket.first)
             self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first)
             made += ticket.num_groups
         result = self.buffer.take(num_groups, trainer_version)
@@ -47,46 +73,21 @@ class InProcessRollout:
         return result
 
     def stats(self) -> dict[str, float]:
-        return self.buffer.stats()
+        return {**self.buffer.stats(), "rollout/worker_restarts": 0.0}
 
     def close(self) -> None:
         self.buffer.close()
 
 
-class RayConnectError(ConnectionError):
-    """The Ray cluster named by ray.address or RAY_ADDRESS could not be reached or refused this process."""
+@dataclass
+class _Worker:
+    """One incarnation of rollout worker `index`."""
 
-
-def init_ray(cfg) -> bool:
-    """Connect to ray.address, else RAY_ADDRESS, else start a local cluster (quietly); nothing if this process
-    is already connected. True if this call connected (then the caller owns the connection and shuts it down).
-    RayConnectError, naming the address, if a given cluster cannot be joined."""
-    import ray
-
-    if ray.is_initialized():
-        return False
-    address = cfg.ray.address or os.environ.get("RAY_ADDRESS") or None
-    kwargs = dict(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING",
-                  configure_logging=True)  # fmt: skip
-    if address is None and cfg.ray.num_cpus is not None:
-        kwargs["num_cpus"] = cfg.ray.num_cpus
-    # Workers must import dppo from the same tree as the driver, also when it is not installed.
-    package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
-                                          "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}}  # fmt: skip
-    try:
-        ray.init(**kwargs)
-    except ConnectionError as err:  # ray raises ConnectionError (or a subclass) once its retries are spent
-        if address is None:
-            raise
-        raise RayConnectError(
-            f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): {err}. If the cluster "
-            "uses Ray's token authentication (on by default in recent Ray versions: 2.59 for local clusters, 2.61 for all), run "
-            "with RAY_AUTH_MODE=token and the cluster's token in ~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or "
-            "RAY_AUTH_TOKEN"
-        ) from err
-    return True
+    index: int
+    holder: int  # its id at the replay buffer
+    actor: Any
+    restarts: int = 0  # how often worker `index` was restarted before this incarnation
+    run: Any = None  # the ObjectRef of its run() loop (separate_async)
 
 
 class RayRollout:
@@ -96,36 +97,44 @@ class RayRollout:
     sync: the trainer asks the workers for exactly the groups of each trigger, then takes them.
     """
 
-    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start_version: int = 0,
-                 seed_offset: int = 0):  # fmt: skip
+    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start: RolloutStart):
         import ray
 
         init_ray(cfg)
-        self.mode = cfg.trainer.mode
-        self.buffer = ray.remote(num_cpus=0)(ReplayBufferActor).remote(
-            cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy,
-            cfg.trainer.train_batch_size, start_version,
-        )  # fmt: skip
-        worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
+        self.cfg, self.mode = cfg, cfg.trainer.mode
+        self.worker_restarts = start.worker_restarts
+        self.buffer = _buffer_core(cfg, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
+        self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         # The Task object itself goes to the workers (cloudpickle carries lambdas and closures): a worker process
         # has only the built-in tasks registered, so looking task.name up there would miss a register_task one.
-        task_ref = ray.put(task)
-        self.workers = [
-            worker_cls.options(scheduling_strategy="SPREAD").remote(cfg, task_ref, model_config, i, held_out,
-                                                                    seed_offset, self.buffer)  # fmt: skip
-            for i in range(cfg.rollout.num_workers)
-        ]
-        self._runs: list = []
+        self._worker_args = (ray.put(task), model_config)
+        self._held_out = held_out
+        self._holders = itertools.count()
+        self._running = False
+        self.workers = [self._spawn(i) for i in range(cfg.rollout.num_workers)]
+
+    def _spawn(self, index: int, restarts: int = 0) -> _Worker:
+        task_ref, model_config = self._worker_args
+        holder = next(self._holders)
+        actor = self._worker_cls.options(scheduling_strategy="SPREAD").remote(
+            self.cfg, task_ref, model_config, index, self._held_out, self.buffer, holder
+        )
+        worker = _Worker(index, holder, actor, restarts)
+        if self._running:
+            worker.run = actor.run.remote()
+        return worker
 
     def start(self) -> None:
         if self.mode == "separate_async":
-            self._runs = [w.run.remote() for w in self.workers]
+            self._running = True
+            for worker in self.workers:
+                worker.run = worker.actor.run.remote()
 
     def publish(self, state_dict, version: int) -> None:
         import ray
 
         # One put; the buffer hands the reference to each worker at its next generation boundary.
-        ray.get(self.buffer.publish.remote([ray.put(state_dict)], version))
+        self._from_buffer(self.buffer.publish.remote([ray.put(state_dict)], version))
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         import ray
@@ -133,45 +142,100 @@ class RayRollout:
         if self.mode == "sync":
             self._generate_lockstep(num_groups)
         take = self.buffer.take.remote(num_groups, trainer_version)
-        if self._runs:
-            # A worker loop only ends early by failing: surface its error instead of waiting forever.
-            ready, _ = ray.wait([take, *self._runs], num_returns=1)
-            if take not in ready:
-                ray.get(ready)  # raises the worker's exception
-                raise RuntimeError("a rollout worker stopped before the trainer finished")
-        return ray.get(take)
+        while True:
+            # A worker loop only ends early by failing: restart it, or raise what ended it, instead of waiting forever.
+            runs = {w.run: w for w in self.workers if w.run is not None}
+            ready, _ = ray.wait([take, *runs], num_returns=1)
+            if take in ready:
+                return self._from_buffer(take)
+            self._outcome(runs[ready[0]], ready[0])
 
     def _generate_lockstep(self, num_groups: int) -> None:
+        """Have the workers generate the trigger's groups (the buffer holds none at a trigger's start in sync mode)."""
+        while (buffered := int(self.stats()["replay/size"])) < num_groups:
+            shares = np.array_split(np.arange(num_groups - buffered), len(self.workers))
+            calls = {w.actor.step.remote(len(s)): w for w, s in zip(self.workers, shares) if len(s)}
+            made = [self._outcome(worker, ref) for ref, worker in calls.items()]  # None: died and restarted
+            if all(m == 0 for m in made):
+                raise RolloutFailedError("the rollout workers stopped before the trigger's groups were generated")
+
+    def _outcome(self, worker: _Worker, ref) -> Any:
+        """ray.get(ref), a call or the run() loop of worker: its value; None if the worker died and was restarted
+        (its tickets granted again); RolloutFailedError if it raised or its loop ended."""
         import ray
-
-        remaining = num_groups
-        while remaining > 0:
-            shares = np.array_split(np.arange(remaining), len(self.workers))
-            made = ray.get([w.step.remote(len(s)) for w, s in zip(self.workers, shares) if len(s)])
-            if sum(made) == 0:
-                raise RuntimeError("rollout workers stopped before the trigger's groups were generated")
-            remaining -= sum(made)
-
-    def stats(self) -> dict[str, float]:
-        import ray
-
-        return ray.get(self.buffer.stats.remote())
-
-    def close(self) -> None:
-        import ray
+        from ray.exceptions import RayActorError, RayTaskError
 
         try:
-            ray.get(self.buffer.close.remote())
-            if self._runs:
-                ray.get(self._runs, timeout=60)
-        finally:
-            for actor in [*self.workers, self.buffer]:
-                ray.kill(actor)
+            value = ray.get(ref)
+        except RayTaskError as err:  # first: a worker whose call to a dead buffer failed is both kinds
+            self._check_buffer()
+            cause = err.cause if getattr(err, "cause", None) is not None else err
+            raise RolloutFailedError(f"rollout worker {worker.index} raised {type(cause).__name__}: "
+                                     f"{_one_line(cause)}") from None  # fmt: skip
+        except RayActorError:
+            self._restart(worker)
+            return None
+        if ref is worker.run:
+            self._check_buffer()
+            raise RolloutFailedError(f"rollout worker {worker.index} stopped before the trainer finished")
+        return value
+
+    def _restart(self, worker: _Worker) -> None:
+        """worker's process died: a new incarnation takes its place and its outstanding tickets are granted again."""
+        import ray
+
+        self._check_buffer()
+        limit = self.cfg.rollout.max_restarts
+        if worker.restarts >= limit:
+            raise RolloutFailedError(f"rollout worker {worker.index} died and its restarts are used up "
+                                     f"({worker.restarts} of rollout.max_restarts={limit})")  # fmt: skip
+        ray.kill(worker.actor, no_restart=True)
+        regranted = self._from_buffer(self.buffer.release.remote(worker.holder))
+        self.workers[worker.index] = self._spawn(worker.index, worker.restarts + 1)
+        self.worker_restarts += 1
+        log.warning(f"rollout worker {worker.index} died; restarted it ({worker.restarts + 1} of "
+                    f"rollout.max_restarts={limit}); its {regranted} outstanding groups are generated anew")  # fmt: skip
+
+    def _check_buffer(self) -> None:
+        """RolloutFailedError if the replay buffer is dead or does not answer."""
+        from ray.exceptions import GetTimeoutError
+
+        try:
+            self._from_buffer(self.buffer.stats.remote(), timeout=BUFFER_TIMEOUT_S)
+        except GetTimeoutError:
+            raise RolloutFailedError(f"the replay buffer did not answer within {BUFFER_TIMEOUT_S:g} s") from None
+
+    def _from_buffer(self, ref, timeout: float | None = None) -> Any:
+        """ray.get of a replay-buffer call; RolloutFailedError if the buffer died."""
+        import ray
+        from ray.exceptions import RayActorError
+
+        try:
+            return ray.get(ref, timeout=timeout)
+        except RayActorError:
+            raise RolloutFailedError("the replay buffer died") from None
+
+    def stats(self) -> dict[str, float]:
+        return {**self._from_buffer(self.buffer.stats.remote()), "rollout/worker_restarts": float(self.worker_restarts)}
+
+    def close(self) -> None:
+        """Kill the workers and the buffer; never raises (any of them may be dead already)."""
+        import ray
+
+        for actor in [*(w.actor for w in self.workers), self.buffer]:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # noqa: BLE001  an actor that is gone already, or a Ray that is shutting down
+                pass
 
 
-def make_rollout(cfg, task: Task, model_config, held_out: np.ndarray | None, start_version: int = 0,
-                 seed_offset: int = 0):  # fmt: skip
+def _one_line(err: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def make_rollout(cfg, task: Task, model_config, held_out: np.ndarray | None, start: RolloutStart | None = None):
     """The rollout source cfg asks for (ray.enabled, trainer.mode); task is the trainer's Task, model_config the
-    policy's HF config."""
+    policy's HF config, start where it picks up (a fresh run's start by default)."""
     cls = RayRollout if cfg.ray.enabled else InProcessRollout
-    return cls(cfg, task, model_config, held_out, start_version, seed_offset)
+    return cls(cfg, task, model_config, held_out, start or RolloutStart())
