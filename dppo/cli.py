@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import logging
+import os
+import signal
 import sys
 import textwrap
+import threading
+import traceback
 
 USAGE_EXAMPLES = """\
 examples:
@@ -14,6 +20,42 @@ examples:
   dppo train trainer.resume=true                    # continue from the latest checkpoint
   dppo train ray.address=auto                       # run on an existing Ray cluster
 """
+
+
+# Exit codes of `dppo train`: one per kind of error of its own (each printed as one line, `dppo: error: ...`).
+EXIT_CODES = (
+    (0, "the run finished"),
+    (1, "the rollout failed beyond recovery (the replay buffer died, a worker died more often than "
+        "rollout.max_restarts allows, or a worker raised); the trainer's state was checkpointed first"),
+    (2, "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
+        "machine or cluster has (CPUs, memory for the model)"),
+    (3, "trainer.output_dir cannot be created or written"),
+    (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
+        "the run's checkpoint ledger is unreadable"),
+    (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
+    (70, "an unexpected error: a bug, or an exception in your own code (its traceback is printed)"),
+    (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
+    (143, "stopped by SIGTERM; checkpoints already written are kept"),
+)
+STOP_GRACE_S = 4.0  # after SIGINT/SIGTERM the run cleans up for at most this long, then the process exits
+
+
+def exit_code_help() -> str:
+    lines = ["exit codes (errors print one line; --debug or DPPO_DEBUG=1 adds the traceback):"]
+    for code, what in EXIT_CODES:
+        lines.extend(textwrap.wrap(what, width=96, initial_indent=f"  {code:>3}  ", subsequent_indent=" " * 7))
+    return "\n".join(lines)
+
+
+def _error_exit_codes() -> tuple:
+    """(exception class, exit code) of every error dppo reports in one line."""
+    from dppo.trainer.checkpoint import CheckpointError
+    from dppo.trainer.config import ConfigError
+    from dppo.trainer.preflight import OutputDirError
+    from dppo.trainer.ray_cluster import RayConnectError
+    from dppo.trainer.rollout_source import RolloutFailedError
+
+    return ((RolloutFailedError, 1), (ConfigError, 2), (OutputDirError, 3), (CheckpointError, 4), (RayConnectError, 5))
 
 
 def config_help() -> str:
@@ -42,6 +84,8 @@ class _HelpAction(argparse.Action):
     def __call__(self, parser, namespace, values, option_string=None):
         parser.print_help()
         print()
+        print(exit_code_help())
+        print()
         print(config_help())
         parser.exit()
 
@@ -61,30 +105,116 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("-h", "--help", action=_HelpAction, help="show this help and every config key, then exit")
     train.add_argument("--config", metavar="FILE", help="YAML file of overrides, applied before key=value ones")
     train.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
+    train.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.total_steps=20")
     return parser
 
 
+class Stopped(KeyboardInterrupt):
+    """SIGINT or SIGTERM arrived: the run stops (a KeyboardInterrupt, so no `except Exception` swallows it)."""
+
+    def __init__(self, signum: int):
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+class _StopOnSignal:
+    """Within: SIGINT and SIGTERM raise Stopped in the main thread, once; if the clean-up that follows takes more
+    than STOP_GRACE_S, the process exits anyway (a local Ray cluster's processes end with it). Checkpoints are
+    written atomically, so an exit at any moment leaves every complete one intact."""
+
+    def __init__(self):
+        self.signum: int | None = None
+        self._lock = threading.Lock()
+        self._reported = False
+        self._timer: threading.Timer | None = None
+
+    def __enter__(self):
+        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
+        return self
+
+    def __exit__(self, *exc):
+        if self._timer is not None:
+            self._timer.cancel()
+        for s, handler in self._previous.items():
+            signal.signal(s, handler)
+        return False
+
+    def _handle(self, signum, frame):
+        if self.signum is not None:
+            return  # stopping already
+        self.signum = signum
+        self._timer = threading.Timer(STOP_GRACE_S, self._exit_now)
+        self._timer.daemon = True
+        self._timer.start()
+        raise Stopped(signum)
+
+    def report(self) -> int:
+        """Print the stop line once; the exit code."""
+        with self._lock:
+            if not self._reported:
+                self._reported = True
+                name = signal.Signals(self.signum).name
+                print(f"dppo: stopped by {name}; checkpoints already written are intact "
+                      "(trainer.resume=true continues from the newest)", file=sys.stderr, flush=True)  # fmt: skip
+        return 128 + self.signum
+
+    def _exit_now(self):
+        os._exit(self.report())
+
+
+@contextlib.contextmanager
+def _warning_lines():
+    """dppo's warnings (a skipped checkpoint, a restarted worker) as `dppo: warning: ...` lines on stderr."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("dppo: warning: %(message)s"))
+    logger = logging.getLogger("dppo")
+    logger.addHandler(handler)
+    previous, logger.propagate = logger.propagate, False
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
+        logger.propagate = previous
+
+
+def _one_line(err: BaseException) -> str:
+    text = " ".join(str(err).split())
+    return text if len(text) <= 2000 else text[:1997] + "..."
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    from dppo.trainer.config import ConfigError, load_config, to_yaml
+    debug = args.debug or os.environ.get("DPPO_DEBUG", "") not in ("", "0")
+    with _StopOnSignal() as stop, _warning_lines():
+        try:
+            return _train(args)
+        except Stopped:
+            if debug:
+                traceback.print_exc()
+            return stop.report()
+        except Exception as err:  # noqa: BLE001  every error ends here: one line, or the traceback of a bug
+            for cls, code in _error_exit_codes():
+                if isinstance(err, cls):
+                    if debug:
+                        traceback.print_exc()
+                    print(f"dppo: error: {_one_line(err)}", file=sys.stderr)
+                    return code
+            traceback.print_exc()
+            print(f"dppo: internal error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+            return 70
 
-    try:
-        cfg = load_config(args.overrides, config_file=args.config)
-    except ConfigError as err:
-        print(f"dppo: error: {err}", file=sys.stderr)
-        return 2
+
+def _train(args) -> int:
+    from dppo.trainer.config import load_config, to_yaml
+
+    cfg = load_config(args.overrides, config_file=args.config)
     if args.show_config:
         print(to_yaml(cfg), end="")
         return 0
     from dppo.train import run
-    from dppo.trainer.rollout_source import RayConnectError
 
-    try:
-        run(cfg)
-    except RayConnectError as err:  # a setup problem, not a bug: one line, no traceback
-        print(f"dppo: error: {err}", file=sys.stderr)
-        return 1
+    run(cfg)
     return 0
 
 

@@ -14,18 +14,31 @@ from dppo.trainer.config import DppoConfig, to_yaml
 
 def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     """Train with cfg, print the summary and the output paths to out (default: the current sys.stdout), and
-    shut down a Ray cluster we started (one the caller had connected to stays up)."""
-    from dppo.trainer.ppo import PPOTrainer
-    from dppo.trainer.rollout_source import init_ray
+    shut down a Ray cluster we started (one the caller had connected to stays up).
 
+    Before any Ray process starts: the output directory is written to, the model's training memory is checked
+    against what is available, and the model is built and the checkpoint (trainer.resume) loaded into it."""
     from dppo.hostmem import keep_freed_host_memory
+    from dppo.tasks import make_task
+    from dppo.trainer.ppo import PPOTrainer
+    from dppo.trainer.preflight import check_cluster_fits, check_output_dir, check_training_memory
+    from dppo.trainer.rollout_source import init_ray
 
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
-    started_ray = cfg.ray.enabled and init_ray(cfg)
+    check_output_dir(cfg.trainer.output_dir)
+    check_training_memory(cfg, make_task(cfg.task.name, cfg.task.length).vocab_size)
+    trainer = PPOTrainer(cfg)
+    started_ray = False
     try:
-        trainer = PPOTrainer(cfg)
-        (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        try:
+            if cfg.ray.enabled:
+                started_ray = init_ray(cfg)
+                check_cluster_fits(cfg)
+            (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
+        except BaseException:
+            trainer.close()  # fit() never ran, so nothing else releases what the trainer built
+            raise
         if trainer.resumed_from is not None:
             print(f"resumed from {trainer.resumed_from} (global step {trainer.global_step})", file=out)
         result = trainer.fit()

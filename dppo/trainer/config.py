@@ -13,6 +13,7 @@ import ast
 import dataclasses
 import functools
 import inspect
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +36,47 @@ class ConfigError(ValueError):
     """A configuration key is unknown, has the wrong type, or has an impossible value."""
 
 
+INT64_MAX = 2**63 - 1
+
+
+def _shown(value: object) -> str:
+    """repr(value), shortened: an error message stays one readable line whatever the value."""
+    text = repr(value)
+    if isinstance(value, str) or len(text) <= 60:
+        return text
+    return f"{text[:24]}...({len(text)} characters)"
+
+
 def _require(ok: bool, key: str, value: object, expected: str) -> None:
     """Raise ConfigError naming key, value and what was expected unless ok."""
     if not ok:
-        raise ConfigError(f"{key}={value!r}: expected {expected}")
+        raise ConfigError(f"{key}={_shown(value)}: expected {expected}")
+
+
+def _check_numbers(section: object, prefix: str, unbounded: tuple[str, ...] = ()) -> None:
+    """Every float field of section finite; every int field within int64 (except those named in unbounded,
+    which check their own range). Runs before the section's own rules, which may then compute freely."""
+    for f in dataclasses.fields(section):
+        value, key = getattr(section, f.name), f"{prefix}.{f.name}"
+        if isinstance(value, bool) or f.name in unbounded:
+            continue
+        if isinstance(value, float):
+            _require(math.isfinite(value), key, value, "a finite number")
+        elif isinstance(value, int):
+            _require(-INT64_MAX - 1 <= value <= INT64_MAX, key, value, "an integer within int64 (|value| < 2**63)")
+
+
+def machine_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def _at_most_cpus(key: str, value: int) -> None:
+    cpus = machine_cpus()
+    _require(value <= cpus, key, value, f"at most the {cpus} CPUs of this machine")
 
 
 def _positive(key: str, value: float) -> None:
@@ -97,6 +135,7 @@ class TrainerConfig:
     """Show a tqdm progress bar over global steps."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "trainer", unbounded=("seed",))
         _positive("trainer.total_steps", self.total_steps)
         _positive("trainer.parameter_sync_step", self.parameter_sync_step)
         _positive("trainer.train_batch_size", self.train_batch_size)
@@ -111,6 +150,7 @@ class TrainerConfig:
             _require(torch.cuda.is_available(), "trainer.device", self.device,
                      "cpu or auto (torch.cuda.is_available() is False on this machine)")  # fmt: skip
         _positive("trainer.num_threads", self.num_threads)
+        _at_most_cpus("trainer.num_threads", self.num_threads)
         _require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
 
 
@@ -151,6 +191,7 @@ class ActorConfig:
     """KL estimator of the penalty: k1/kl, k2/mse, k3/low_var_kl."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "actor")
         _positive("actor.lr", self.lr)
         _nonnegative("actor.weight_decay", self.weight_decay)
         _positive("actor.micro_batch_size", self.micro_batch_size)
@@ -210,6 +251,7 @@ class RolloutCorrectionSection:
     def __post_init__(self) -> None:
         from dppo.algo import RolloutCorrectionConfigError
 
+        _check_numbers(self, "algorithm.rollout_correction")
         try:
             self.to_algo()
         except RolloutCorrectionConfigError as err:
@@ -233,6 +275,7 @@ class AlgorithmConfig:
     def __post_init__(self) -> None:
         from dppo.algo import ADVANTAGE_ESTIMATORS
 
+        _check_numbers(self, "algorithm")
         _one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
         _one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
 
@@ -257,7 +300,12 @@ class RolloutConfig:
     num_threads: int = 1
     """torch intra-op threads of each rollout worker."""
 
+    max_restarts: int = 3
+    """Times each rollout worker is restarted after its process dies (its outstanding groups are generated anew);
+    one more death ends the run, after a checkpoint of the trainer's state."""
+
     def __post_init__(self) -> None:
+        _check_numbers(self, "rollout")
         _positive("rollout.num_workers", self.num_workers)
         _require(self.n >= 2, "rollout.n", self.n, "at least 2 (group advantages need two responses)")
         _positive("rollout.temperature", self.temperature)
@@ -265,6 +313,7 @@ class RolloutConfig:
             _positive("rollout.max_new_tokens", self.max_new_tokens)
         _positive("rollout.groups_per_batch", self.groups_per_batch)
         _positive("rollout.num_threads", self.num_threads)
+        _nonnegative("rollout.max_restarts", self.max_restarts)
 
 
 @dataclass
@@ -279,6 +328,7 @@ class ReplayConfig:
     ones older than the threshold (counted in replay/dropped)."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "replay")
         _nonnegative("replay.max_off_policy_threshold", self.max_off_policy_threshold)
         _one_of("replay.max_off_policy_strategy", self.max_off_policy_strategy, OFF_POLICY_STRATEGIES)
 
@@ -304,6 +354,7 @@ class ModelConfig:
     """Parameter dtype of the trainer and the rollout workers."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "model")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             _positive(f"model.{key}", getattr(self, key))
         _require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
@@ -325,6 +376,7 @@ class TaskConfig:
     def __post_init__(self) -> None:
         from dppo.tasks import TASKS, task_exists
 
+        _check_numbers(self, "task")
         _require(task_exists(self.name), "task.name", self.name,
                  "a registered task (" + ", ".join(TASKS) + ") or an importable module:function")  # fmt: skip
         _positive("task.length", self.length)
@@ -344,6 +396,7 @@ class SnapshotConfig:
     def __post_init__(self) -> None:
         from dppo.trainer.prox import SNAPSHOT_STRATEGIES
 
+        _check_numbers(self, "snapshot")
         _nonnegative("snapshot.device_budget_bytes", self.device_budget_bytes)
         _one_of("snapshot.strategy", self.strategy, SNAPSHOT_STRATEGIES)
 
@@ -360,6 +413,7 @@ class RayConfig:
     """CPUs a local Ray cluster may use (null: all)."""
 
     def __post_init__(self) -> None:
+        _check_numbers(self, "ray")
         if self.num_cpus is not None:
             _positive("ray.num_cpus", self.num_cpus)
 
@@ -400,7 +454,23 @@ def validate_combinations(cfg: DppoConfig) -> None:
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
+    _check_local_workers_fit(cfg)
     _check_prompts_left_for_training(cfg)
+
+
+def _check_local_workers_fit(cfg: DppoConfig) -> None:
+    """On a local Ray cluster every rollout worker runs on this machine: their threads must fit its CPUs (on a
+    cluster of your own, dppo.train checks the cluster's CPUs once it has joined)."""
+    r = cfg.rollout
+    if not cfg.ray.enabled or cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    cpus = machine_cpus()
+    if r.num_workers * r.num_threads > cpus:
+        raise ConfigError(
+            f"rollout.num_workers={_shown(r.num_workers)} with rollout.num_threads={r.num_threads}: "
+            f"{r.num_workers * r.num_threads} worker threads, but this machine has {cpus} CPUs (a local Ray cluster "
+            "runs every rollout worker here); lower them, or join a larger cluster with ray.address"
+        )
 
 
 def _check_prompts_left_for_training(cfg: DppoConfig) -> None:

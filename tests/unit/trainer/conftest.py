@@ -37,3 +37,9 @@ def small_cfg(tmp_path):
         return load_config(small_overrides(tmp_path, **extra))
 
     return make
+
+
+@pytest.fixture
+def small_args(tmp_path):
+    """small_args(**{"dotted.key": value}) -> small_cfg's settings as `dppo train` key=value arguments."""
+    return lambda **extra: small_overrides(tmp_path, **extra)

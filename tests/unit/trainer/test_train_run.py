@@ -42,6 +42,9 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
         def __init__(self, cfg):
             self.output_dir, self.resumed_from = tmp_path, None
 
+        def close(self):
+            pass
+
         def fit(self):
             if fit_fails:
                 raise _FitFailed("training failed")
@@ -63,8 +66,10 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
 def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_settings(small_cfg, monkeypatch, capsys,
                                                                                      how):  # fmt: skip
     """ray.init's ConnectionError (what Ray raises once its retries are spent, e.g. on a token mismatch) becomes
-    `dppo: error: ...` naming the address and how to pass the cluster's token, exit code 1, no traceback."""
+    `dppo: error: ...` naming the address and how to pass the cluster's token, exit code 5, no traceback."""
     import ray
+
+    from dppo.trainer import ray_cluster
 
     from dppo.cli import main
 
@@ -73,13 +78,14 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_sett
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", refuse)
+    monkeypatch.setattr(ray_cluster, "probe", lambda address: None)  # the address answers; Ray refuses
     address = "10.0.0.7:6379"
     args = ["trainer.total_steps=1", "trainer.output_dir=" + str(small_cfg().trainer.output_dir)]
     if how == "ray.address":
         args.append(f"ray.address={address}")
     else:
         monkeypatch.setenv("RAY_ADDRESS", address)
-    assert main(["train", *args]) == 1
+    assert main(["train", *args]) == 5
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dppo: error: could not join the Ray cluster at '10.0.0.7:6379'")
     assert "RAY_AUTH_MODE=token" in err[0] and "Failed to connect to Ray cluster at 10.0.0.7:6379" in err[0]
@@ -96,3 +102,55 @@ def test_a_local_cluster_that_fails_to_start_keeps_rays_own_error(small_cfg, mon
     with pytest.raises(ConnectionError, match="no local raylet") as err:
         init_ray(small_cfg(**{"ray.enabled": True}))
     assert not isinstance(err.value, RayConnectError)
+
+
+@pytest.mark.parametrize("address, env, expected", [(None, None, "local"), (None, "", "local"), ("auto", None, "auto"),
+                                                    (None, "10.0.0.7:6379", "10.0.0.7:6379")])  # fmt: skip
+def test_no_address_always_starts_a_new_local_cluster(small_cfg, monkeypatch, address, env, expected):
+    """Without ray.address and RAY_ADDRESS Ray is told address="local" (a new cluster, never a stray `ray start`
+    one); auto and a given address are passed on (after the probe)."""
+    import ray
+
+    from dppo.trainer import ray_cluster
+
+    calls, probed = [], []
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)
+    monkeypatch.setattr(ray, "init", lambda **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(ray_cluster, "probe", probed.append)
+    if env is None:
+        monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    else:
+        monkeypatch.setenv("RAY_ADDRESS", env)
+    assert ray_cluster.init_ray(small_cfg(**{"ray.enabled": True, "ray.address": address}))
+    assert [c["address"] for c in calls] == [expected] and probed == [expected]
+
+
+def test_the_probe_refuses_what_is_not_a_grpc_server_at_once(tmp_path):
+    """A closed port and a server that does not speak HTTP/2 are one RayConnectError each, in well under Ray's
+    minutes of retries."""
+    import socket
+    import threading
+    import time
+
+    from dppo.trainer.ray_cluster import RayConnectError, probe
+
+    with socket.socket() as closed:
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    with pytest.raises(RayConnectError, match=rf"could not join the Ray cluster at '127.0.0.1:{port}'"):
+        probe(f"127.0.0.1:{port}")
+    server = socket.create_server(("", 0))  # Ray (and the probe) resolve 127.0.0.1 to this node's address
+    port = server.getsockname()[1]
+
+    def answer_http1():
+        conn, _ = server.accept()
+        conn.recv(64)
+        conn.sendall(b"HTTP/1.1 400 Bad Request\r\n\r\n")
+        conn.close()
+
+    threading.Thread(target=answer_http1, daemon=True).start()
+    start = time.monotonic()
+    with pytest.raises(RayConnectError, match="answers, but not as a Ray cluster"):
+        probe(f"127.0.0.1:{port}")
+    assert time.monotonic() - start < 5
+    server.close()

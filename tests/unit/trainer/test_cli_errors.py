@@ -1,0 +1,129 @@
+"""`dppo train`'s own errors: one line each, a distinct exit code, before anything starts; a traceback only with
+--debug (or DPPO_DEBUG=1), and for unexpected errors."""
+
+import pytest
+
+from dppo.cli import EXIT_CODES, main
+
+
+@pytest.fixture
+def run_cli(small_args, capsys):
+    """run_cli(*flags, **{"dotted.key": value}) -> (exit code, stderr lines) of `dppo train` on small_cfg's settings."""
+
+    def run(*flags: str, **overrides) -> tuple[int, list[str]]:
+        code = main(["train", *small_args(**overrides), *flags])
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    return run
+
+
+def one_error_line(lines: list[str]) -> str:
+    """The single `dppo: error:` line, which must be the last line of stderr, with no traceback anywhere."""
+    errors = [line for line in lines if line.startswith("dppo: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0], lines
+    assert not any("Traceback" in line for line in lines), lines
+    return errors[0]
+
+
+@pytest.mark.parametrize(
+    "override, fragments",
+    [
+        ({"rollout.temperature": "inf"}, ["rollout.temperature=inf", "finite"]),
+        ({"actor.lr": "inf"}, ["actor.lr=inf", "finite"]),
+        ({"actor.grad_clip": "inf"}, ["actor.grad_clip=inf", "finite"]),
+        ({"actor.weight_decay": "inf"}, ["actor.weight_decay=inf", "finite"]),
+        ({"actor.lr": "nan"}, ["actor.lr=nan"]),
+        ({"snapshot.device_budget_bytes": 10**23}, ["snapshot.device_budget_bytes=100000000000000000000000", "int64"]),
+        ({"snapshot.device_budget_bytes": "1e23"}, ["snapshot.device_budget_bytes", "1e+23"]),
+        ({"trainer.total_steps": 10**400}, ["trainer.total_steps=", "(401 characters)", "int64"]),
+        ({"rollout.num_workers": 100_000, "ray.enabled": True, "trainer.mode": "separate_async"},
+         ["rollout.num_workers=100000", "CPUs"]),  # fmt: skip
+        ({"trainer.num_threads": 100_000}, ["trainer.num_threads=100000", "CPUs of this machine"]),
+        ({"rollout.max_restarts": -1}, ["rollout.max_restarts=-1"]),
+        # 4.4e12 parameters: refused from the config's numbers, before anything is allocated
+        ({"model.hidden_size": 2**20}, ["model.hidden_size=1048576", "GiB of host memory", "use a smaller model"]),
+    ],
+)
+def test_each_config_error_is_one_line_with_exit_code_2(run_cli, override, fragments):
+    code, lines = run_cli(**override)
+    line = one_error_line(lines)
+    assert code == 2
+    for fragment in fragments:
+        assert fragment in line, line
+    assert len(line) < 600  # no tensor, no 400-digit number
+
+
+def test_an_output_directory_that_cannot_be_written_is_exit_code_3(run_cli, tmp_path):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a directory")
+    code, lines = run_cli(**{"trainer.output_dir": blocker / "run"})
+    assert code == 3
+    assert one_error_line(lines) == f"dppo: error: trainer.output_dir='{blocker / 'run'}' cannot be written: Not a directory"
+
+
+def test_checkpoints_that_do_not_fit_are_named_then_exit_code_4(run_cli, tmp_path):
+    assert run_cli(**{"trainer.checkpoint_every": 1, "algorithm.prox_anchor": "current"})[0] == 0
+    code, lines = run_cli(**{"trainer.resume": True, "model.hidden_size": 48})
+    assert code == 4
+    warnings = [line for line in lines if line.startswith("dppo: warning: skipped checkpoint ")]
+    assert [w.split(":")[2] for w in warnings] == [f" skipped checkpoint {tmp_path}/run/checkpoints/step_0000000{i}"
+                                                  for i in (2, 1)]  # fmt: skip
+    assert all(len(w.split(": ", 3)[3]) <= 300 for w in warnings)  # the reason is cut short, not every shape
+    assert "no usable checkpoint" in one_error_line(lines)
+
+
+def test_a_rollout_failure_is_one_line_exit_code_1_after_a_checkpoint(run_cli, tmp_path, monkeypatch):
+    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+
+    def dead(self, num_groups, trainer_version):
+        if trainer_version == 1:
+            raise RolloutFailedError("the replay buffer died")
+        return fetch(self, num_groups, trainer_version)
+
+    fetch = InProcessRollout.fetch
+    monkeypatch.setattr(InProcessRollout, "fetch", dead)
+    code, lines = run_cli(**{"trainer.checkpoint_every": 5, "trainer.total_steps": 3})
+    assert code == 1
+    assert one_error_line(lines) == ("dppo: error: the replay buffer died; the trainer's state at step 1 is "
+                                     f"checkpointed in {tmp_path}/run/checkpoints/step_00000001 (trainer.resume=true "
+                                     "continues from it)")  # fmt: skip
+
+
+def test_debug_adds_the_traceback_and_keeps_the_exit_code(run_cli, monkeypatch):
+    monkeypatch.setenv("DPPO_DEBUG", "1")
+    code, lines = run_cli(**{"actor.lr": "inf"})
+    assert code == 2 and lines[0].startswith("Traceback") and lines[-1].startswith("dppo: error: actor.lr=inf")
+    monkeypatch.delenv("DPPO_DEBUG")
+    code, lines = run_cli("--debug", **{"actor.lr": "inf"})
+    assert code == 2 and lines[0].startswith("Traceback")
+
+
+def test_an_unexpected_error_keeps_its_traceback_and_is_exit_code_70(run_cli, monkeypatch):
+    import dppo.train
+
+    monkeypatch.setattr(dppo.train, "run", lambda cfg: 1 / 0)
+    code, lines = run_cli()
+    assert code == 70 and lines[0].startswith("Traceback") and lines[-1].startswith("dppo: internal error: ZeroDiv")
+
+
+def test_the_exit_codes_are_distinct_and_documented():
+    codes = [code for code, _ in EXIT_CODES]
+    assert len(set(codes)) == len(codes)
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[3] / "README.md").read_text()
+    section = readme[readme.index("## When things go wrong"):]
+    for code, _ in EXIT_CODES:
+        assert f"| {code} |" in section, code
+
+
+def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, monkeypatch):
+    from dppo.trainer import preflight, ray_cluster
+    from dppo.trainer.config import ConfigError
+
+    monkeypatch.setattr(ray_cluster, "cluster_cpus", lambda: 3.0)
+    cfg = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 2, "rollout.num_threads": 2})
+    with pytest.raises(ConfigError, match="rollout.num_workers=2 with rollout.num_threads=2: 4 worker threads, but "
+                                          "the Ray cluster has 3 CPUs"):  # fmt: skip
+        preflight.check_cluster_fits(cfg)
+    preflight.check_cluster_fits(small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 3}))
