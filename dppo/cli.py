@@ -6,10 +6,8 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import sys
 import textwrap
-import threading
 import traceback
 
 USAGE_EXAMPLES = """\
@@ -37,7 +35,6 @@ EXIT_CODES = (
     (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
     (143, "stopped by SIGTERM; checkpoints already written are kept"),
 )
-STOP_GRACE_S = 4.0  # after SIGINT/SIGTERM the run cleans up for at most this long, then the process exits
 
 
 def exit_code_help() -> str:
@@ -110,59 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class Stopped(KeyboardInterrupt):
-    """SIGINT or SIGTERM arrived: the run stops (a KeyboardInterrupt, so no `except Exception` swallows it)."""
-
-    def __init__(self, signum: int):
-        super().__init__(signal.Signals(signum).name)
-        self.signum = signum
-
-
-class _StopOnSignal:
-    """Within: SIGINT and SIGTERM raise Stopped in the main thread, once; if the clean-up that follows takes more
-    than STOP_GRACE_S, the process exits anyway (a local Ray cluster's processes end with it). Checkpoints are
-    written atomically, so an exit at any moment leaves every complete one intact."""
-
-    def __init__(self):
-        self.signum: int | None = None
-        self._lock = threading.Lock()
-        self._reported = False
-        self._timer: threading.Timer | None = None
-
-    def __enter__(self):
-        self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGINT, signal.SIGTERM)}
-        return self
-
-    def __exit__(self, *exc):
-        if self._timer is not None:
-            self._timer.cancel()
-        for s, handler in self._previous.items():
-            signal.signal(s, handler)
-        return False
-
-    def _handle(self, signum, frame):
-        if self.signum is not None:
-            return  # stopping already
-        self.signum = signum
-        self._timer = threading.Timer(STOP_GRACE_S, self._exit_now)
-        self._timer.daemon = True
-        self._timer.start()
-        raise Stopped(signum)
-
-    def report(self) -> int:
-        """Print the stop line once; the exit code."""
-        with self._lock:
-            if not self._reported:
-                self._reported = True
-                name = signal.Signals(self.signum).name
-                print(f"dppo: stopped by {name}; checkpoints already written are intact "
-                      "(trainer.resume=true continues from the newest)", file=sys.stderr, flush=True)  # fmt: skip
-        return 128 + self.signum
-
-    def _exit_now(self):
-        os._exit(self.report())
-
-
 @contextlib.contextmanager
 def _warning_lines():
     """dppo's warnings (a skipped checkpoint, a restarted worker) as `dppo: warning: ...` lines on stderr."""
@@ -186,13 +130,17 @@ def _one_line(err: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("DPPO_DEBUG", "") not in ("", "0")
-    with _StopOnSignal() as stop, _warning_lines():
+    from dppo.stopping import StopOnSignal
+
+    with StopOnSignal() as stop, _warning_lines():
         try:
             return _train(args)
-        except Stopped:
+        except KeyboardInterrupt:  # Stopped, or what Ray made of it (ray.get raises a plain KeyboardInterrupt)
             if debug:
                 traceback.print_exc()
-            return stop.report()
+            if stop.signum is None:
+                return stop.report()
+            stop.finish()  # ends the process
         except Exception as err:  # noqa: BLE001  every error ends here: one line, or the traceback of a bug
             for cls, code in _error_exit_codes():
                 if isinstance(err, cls):

@@ -18,34 +18,37 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
 
     Before any Ray process starts: the output directory is written to, the model's training memory is checked
     against what is available, and the model is built and the checkpoint (trainer.resume) loaded into it."""
+    import ray
+
     from dppo.hostmem import keep_freed_host_memory
     from dppo.tasks import make_task
     from dppo.trainer.ppo import PPOTrainer
     from dppo.trainer.preflight import check_cluster_fits, check_output_dir, check_training_memory
-    from dppo.trainer.rollout_source import init_ray
+    from dppo.trainer.ray_cluster import init_ray, probe_cluster
 
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_output_dir(cfg.trainer.output_dir)
     check_training_memory(cfg, make_task(cfg.task.name, cfg.task.length).vocab_size)
+    if cfg.ray.enabled:
+        probe_cluster(cfg)  # an address that cannot be joined fails now, not after the model is built
     trainer = PPOTrainer(cfg)
-    started_ray = False
+    ours = cfg.ray.enabled and not ray.is_initialized()  # a cluster we start (also half-way) we shut down
     try:
         try:
             if cfg.ray.enabled:
-                started_ray = init_ray(cfg)
+                init_ray(cfg)
                 check_cluster_fits(cfg)
             (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
         except BaseException:
             trainer.close()  # fit() never ran, so nothing else releases what the trainer built
             raise
         if trainer.resumed_from is not None:
-            print(f"resumed from {trainer.resumed_from} (global step {trainer.global_step})", file=out)
+            within = f", trigger {trainer.progress.trigger}" if trainer.progress.started else ""
+            print(f"resumed from {trainer.resumed_from} (global step {trainer.global_step}{within})", file=out)
         result = trainer.fit()
     finally:
-        if started_ray:
-            import ray
-
+        if ours:
             ray.shutdown()
     print("\nsummary:", file=out)
     print(result.summary_table(), file=out)

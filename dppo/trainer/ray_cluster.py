@@ -89,24 +89,38 @@ def _bounded_first_connect():
             os.environ.pop(key, None)
 
 
+def probe_cluster(cfg) -> None:
+    """probe() the cluster cfg names, unless this process is connected to one already."""
+    import ray
+
+    if not ray.is_initialized():
+        probe(cluster_address(cfg))
+
+
 @contextlib.contextmanager
 def _caller_signal_handlers():
-    """ray.init installs its own SIGTERM handler (sys.exit) as it starts; where the caller installed one of its
-    own, Ray is kept from replacing it, also while ray.init runs (a SIGTERM then reaches the caller's handler)."""
+    """Where the caller installed a SIGTERM handler of its own (`dppo train` does), it keeps receiving SIGTERM
+    during ray.init and after. ray.init would replace it twice: with a Python handler (sys.exit) as it starts, and
+    with Ray's C++ failure-signal handler (a stack dump, then abort) once the driver's core worker exists. The
+    first is skipped; the second is not installed in this process (Ray's RAY_DISABLE_FAILURE_SIGNAL_HANDLER, for
+    this driver only: the cluster's own processes keep theirs); the caller's handler is put back afterwards."""
     previous = signal.getsignal(signal.SIGTERM) if _in_main_thread() else None
     if not callable(previous):
         yield
         return
-    from ray._private import utils
+    from ray._private import ray_constants, utils
 
-    original = getattr(utils, "set_sigterm_handler", None)
-    if original is not None:
-        utils.set_sigterm_handler = lambda handler: None
+    saved = {}
+    for module, name, value in ((utils, "set_sigterm_handler", lambda handler: None),
+                                (ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True)):  # fmt: skip
+        if hasattr(module, name):
+            saved[module, name] = getattr(module, name)
+            setattr(module, name, value)
     try:
         yield
     finally:
-        if original is not None:
-            utils.set_sigterm_handler = original
+        for (module, name), value in saved.items():
+            setattr(module, name, value)
         signal.signal(signal.SIGTERM, previous)
 
 

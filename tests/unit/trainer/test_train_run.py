@@ -5,6 +5,7 @@ import json
 import pytest
 
 import dppo.trainer.ppo
+from dppo.cli import main
 from dppo.train import run
 from dppo.trainer.base import RunResult
 
@@ -70,8 +71,6 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_sett
     import ray
 
     from dppo.trainer import ray_cluster
-
-    from dppo.cli import main
 
     def refuse(**kwargs):
         raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
@@ -154,3 +153,18 @@ def test_the_probe_refuses_what_is_not_a_grpc_server_at_once(tmp_path):
         probe(f"127.0.0.1:{port}")
     assert time.monotonic() - start < 5
     server.close()
+
+
+def test_an_unreachable_address_is_one_line_and_exit_code_5_at_once(small_args, capsys, monkeypatch):
+    """`dppo train ray.address=127.0.0.1:1` (nothing listens there): Ray alone would retry for minutes."""
+    import time
+
+    import ray
+
+    monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process
+    start = time.monotonic()
+    code = main(["train", *small_args(**{"ray.enabled": True, "trainer.mode": "separate_async"}),
+                 "ray.address=127.0.0.1:1"])  # fmt: skip
+    assert time.monotonic() - start < 30 and code == 5
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dppo: error: could not join the Ray cluster at '127.0.0.1:1'")

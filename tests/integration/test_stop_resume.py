@@ -1,0 +1,165 @@
+"""`dppo train` as a process, stopped: SIGTERM ends a run and its Ray cluster within 5 s and the run resumes; a sync
+run SIGKILLed and resumed ends bitwise as if never interrupted."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+THRESHOLD = 1
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+
+
+def tiny(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
+    return [
+        f"trainer.output_dir={output_dir}",
+        f"trainer.total_steps={total_steps}",
+        "trainer.parameter_sync_step=2",
+        "trainer.train_batch_size=8",
+        "trainer.eval_prompts=8",
+        "trainer.progress_bar=false",
+        "rollout.n=4",
+        "rollout.groups_per_batch=4",
+        f"replay.max_off_policy_threshold={THRESHOLD}",
+        "task.length=3",
+        "model.hidden_size=32",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "model.intermediate_size=64",
+        "ray.num_cpus=2",
+        *extra,
+    ]
+
+
+def records(path: Path) -> list[dict]:
+    from dppo.trainer.report import read_metrics
+
+    return read_metrics(path) if path.exists() else []
+
+
+def wait_for(condition, timeout_s: float, what: str) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+# ---- `dppo train` as a process: SIGTERM, an unreachable cluster, SIGKILL and an exact resume --------------------
+
+
+def start(args: list[str], log: Path) -> subprocess.Popen:
+    with open(log, "wb") as f:
+        # A new session: the run and every process it starts (its local Ray cluster) can be found by its id.
+        return subprocess.Popen([sys.executable, "-m", "dppo.train", *args], cwd=REPO, env=ENV, stdout=f,
+                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+def session(sid: int) -> list[int]:
+    """The live (not zombie) processes of session sid."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat="], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid, s, stat in zip(out[::3], out[1::3], out[2::3]) if int(s) == sid and stat[0] != "Z"]
+
+
+def kill_session(sid: int) -> None:
+    for pid in session(sid):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def newest_trainer_state(checkpoints: Path) -> dict:
+    from dppo.trainer import checkpoint as ckpt
+    from dppo.trainer.base import TRAINER_FILE
+
+    return ckpt.CheckpointDir(checkpoints).newest(lambda path, manifest: ckpt.load_torch(path / TRAINER_FILE))[1]
+
+
+def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_resumes(tmp_path):
+    """Two workers (the wait strategy takes groups in grant order, so even then none is dropped); SIGTERM mid-run:
+    the run and its local Ray cluster are gone within 5 s, exit code 143, one line; the resumed run keeps the
+    steps up to its last checkpoint as they were and redoes only the later ones."""
+    out, log = tmp_path / "run", tmp_path / "first.log"
+    metrics = out / "metrics.jsonl"
+    proc = start(tiny(out, 1000, "trainer.checkpoint_every=2", "rollout.num_workers=2"), log)
+    try:
+        wait_for(lambda: len(records(metrics)) >= 5 or proc.poll() is not None, 150, "step 5")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert len(session(proc.pid)) > 3  # the driver and its local Ray cluster (GCS, raylet, workers, ...)
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        code = proc.wait(timeout=30)
+        wait_for(lambda: not session(proc.pid), 30, "the Ray processes to end")
+        stopped_s = time.monotonic() - sent
+    finally:
+        kill_session(proc.pid)
+    assert stopped_s < 5.0, stopped_s
+    assert code == 143, log.read_text()[-3000:]
+    lines = log.read_text().strip().splitlines()
+    assert lines[-1].startswith("dppo: stopped by SIGTERM; checkpoints already written are intact")
+    assert not any("Traceback" in line for line in lines), lines
+    before = records(metrics)
+    last = newest_trainer_state(out / "checkpoints")["global_step"]  # the last checkpoint verifies and loads
+    assert last % 2 == 0 and 4 <= last <= len(before)
+    total = last + 2
+
+    resumed = subprocess.run([sys.executable, "-m", "dppo.train", *tiny(out, total, "trainer.checkpoint_every=2",
+                                                                        "rollout.num_workers=2", "trainer.resume=true")],
+                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=150, start_new_session=True)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / f'step_{last:08d}'} (global step {last})" in resumed.stdout
+    assert f"metrics: {metrics}" in resumed.stdout and "plot:" in resumed.stdout
+    assert (out / "training_curves.png").stat().st_size > 10_000
+    after = records(metrics)
+    assert [r["step"] for r in after] == list(range(1, total + 1))  # every step once
+    assert after[:last] == before[:last]  # steps up to the checkpoint are the stopped run's own lines
+    required = ["critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "staleness/mean",
+                "timing_s/step", "timing_s/gen_wait", "timing_s/old_log_prob", "timing_s/snapshot",
+                "timing_s/update_actor", "rollout_corr/weight_mean", "rollout_corr/kl_k1", "rollout/worker_restarts"]  # fmt: skip
+    for r in after:
+        assert all(key in r for key in required), (r["step"], [k for k in required if k not in r])
+        # versions advance once per step and no consumed group is older than allowed
+        assert r["version"] == r["step"] and 0.0 <= r["staleness/mean"] <= r["staleness/max"] <= THRESHOLD
+        assert r["replay/dropped_total"] == 0.0  # the wait strategy never drops, with any number of workers
+    summary = json.loads((out / "summary.json").read_text())
+    assert 0.0 <= summary["evaluation"]["eval/accuracy"] <= 1.0
+
+
+def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
+    """trainer.mode=sync on the CPU: a run SIGKILLed after step 3 (checkpoint every 2 steps) and resumed ends with
+    the weights and metrics of a run that was never interrupted, bit for bit."""
+    from dppo.trainer.config import load_config
+    from dppo.trainer.ppo import PPOTrainer
+
+    total = 6
+    sync = ["trainer.mode=sync", "ray.enabled=false", "trainer.checkpoint_every=2"]
+    clean = PPOTrainer(load_config(tiny(tmp_path / "clean", total, *sync)))
+    clean.fit()
+    out, log = tmp_path / "killed", tmp_path / "killed.log"
+    proc = start(tiny(out, total, *sync), log)
+    try:
+        wait_for(lambda: len(records(out / "metrics.jsonl")) >= 3 or proc.poll() is not None, 120, "step 3")
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == -signal.SIGKILL and len(records(out / "metrics.jsonl")) < total
+    resumed = subprocess.run([sys.executable, "-m", "dppo.train", *tiny(out, total, *sync, "trainer.resume=true")],
+                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed from" in resumed.stdout
+    final = newest_trainer_state(out / "checkpoints")
+    assert final["global_step"] == total
+    for name, tensor in clean.model.state_dict().items():
+        assert torch.equal(final["model"][name], tensor), name
+    untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rs]  # noqa: E731
+    assert untimed(records(out / "metrics.jsonl")) == untimed(records(tmp_path / "clean" / "metrics.jsonl"))
