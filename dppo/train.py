@@ -23,13 +23,16 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     from dppo.hostmem import keep_freed_host_memory
     from dppo.tasks import make_task
     from dppo.trainer.ppo import PPOTrainer
-    from dppo.trainer.preflight import check_cluster_fits, check_output_dir, check_training_memory
+    from dppo.trainer.preflight import (check_cluster_fits, check_output_dir, check_sequence_length,
+                                        check_training_memory, run_shape)
     from dppo.trainer.ray_cluster import init_ray, probe_cluster
 
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_output_dir(cfg.trainer.output_dir)
-    check_training_memory(cfg, make_task(cfg.task.name, cfg.task.length).vocab_size)
+    shape = run_shape(cfg, make_task(cfg.task.name, cfg.task.length))
+    check_sequence_length(cfg, shape)
+    check_training_memory(cfg, shape)
     if cfg.ray.enabled:
         probe_cluster(cfg)  # an address that cannot be joined fails now, not after the model is built
     trainer = PPOTrainer(cfg)

@@ -479,14 +479,24 @@ def _check_prompts_left_for_training(cfg: DppoConfig) -> None:
     Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
     from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
 
+    import numpy as np
+
     t, task_cfg = cfg.trainer, cfg.task
     try:
         task = make_task(task_cfg.name, task_cfg.length)
+        task.sample_prompts(np.random.default_rng(0), 1)  # a prompt of this length can be made at all
     except (UnknownTaskError, TypeError) as err:  # TypeError: the factory returned something other than a Task
         raise ConfigError(f"task.name={task_cfg.name!r}: {err}") from None
+    except MemoryError:
+        raise ConfigError(f"task.length={_shown(task_cfg.length)}: a single prompt of task {task_cfg.name!r} "
+                          "cannot be allocated") from None  # fmt: skip
     if t.eval_prompts == 0:
         return
-    held_out = held_out_prompts(task, t.seed, t.eval_prompts)
+    try:
+        held_out = held_out_prompts(task, t.seed, t.eval_prompts)
+    except MemoryError:
+        raise ConfigError(f"trainer.eval_prompts={_shown(t.eval_prompts)}: the held-out prompts cannot be "
+                          "allocated") from None  # fmt: skip
     where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
     if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
         raise ConfigError(

@@ -1,8 +1,9 @@
 """Checks `dppo train` makes before it builds the model or starts Ray: what would otherwise fail minutes later.
 
 - the output directory can be created and written (OutputDirError);
-- the model's training memory (weights, gradients, Adam's two moments, a snapshot slot, the rollout copies on
-  this machine) fits the memory available, counted from the config without allocating anything (ConfigError);
+- a prompt and a response fit the model's positions, and the run's memory (the model's weights, gradients,
+  Adam's two moments, a snapshot slot, the rollout copies on this machine, and each process's batch tensors)
+  fits the memory available, counted from the config without allocating anything (ConfigError);
 - on a Ray cluster of the user's own, the rollout workers' threads fit the cluster's CPUs (ConfigError).
 """
 
@@ -10,7 +11,10 @@ from __future__ import annotations
 
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+
+import numpy as np
 
 from dppo.trainer.config import ConfigError, DppoConfig
 
@@ -39,7 +43,21 @@ def check_output_dir(path: str | os.PathLike) -> None:
         raise OutputDirError(f"trainer.output_dir={str(path)!r} cannot be written: {reason}") from None
 
 
-# ---- memory ------------------------------------------------------------------------------------------
+# ---- the model and the batches, from the config -------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class RunShape:
+    """What the config implies for memory, known without allocating anything."""
+
+    params: int  # model parameters
+    vocab_size: int
+    prompt_length: int  # P
+    response_length: int  # R
+    max_positions: int | None  # the model's max_position_embeddings, if it has one
+    layers: int = 0  # transformer layers, hidden size, key/value width (0 where the config does not say)
+    hidden: int = 0
+    kv_width: int = 0
 
 
 def tiny_model_parameters(vocab_size: int, hidden: int, layers: int, intermediate: int) -> int:
@@ -48,18 +66,63 @@ def tiny_model_parameters(vocab_size: int, hidden: int, layers: int, intermediat
     return 2 * vocab_size * hidden + layers * per_layer + hidden  # embeddings, lm_head, layers, final norm
 
 
-def model_parameters(cfg: DppoConfig, vocab_size: int) -> int:
-    """Parameters of the model cfg describes, counted without allocating it (model.path: built on the meta device)."""
+def run_shape(cfg: DppoConfig, task) -> RunShape:
+    """The RunShape of cfg with task (its Task): model.path's model is built on the meta device, the tiny one counted."""
+    prompt_length = task.sample_prompts(np.random.default_rng(0), 1).shape[1]
+    response_length = cfg.rollout.max_new_tokens or task.answer_length
     m = cfg.model
     if m.path is None:
-        return tiny_model_parameters(vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+        from dppo.models import tiny_model_config
 
-    config = AutoConfig.from_pretrained(m.path, local_files_only=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        config = tiny_model_config(task.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
+        params = tiny_model_parameters(task.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
+        vocab_size = task.vocab_size
+    else:
+        import torch
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+        vocab_size = config.vocab_size
+    if m.path is None:
+        layers, hidden, kv_width = m.num_hidden_layers, m.hidden_size, m.hidden_size
+    else:
+        layers, hidden, kv_width = _widths(config)
+    return RunShape(params, vocab_size, prompt_length, response_length, getattr(config, "max_position_embeddings", None),
+                    layers, hidden, kv_width)  # fmt: skip
+
+
+def _widths(config) -> tuple[int, int, int]:
+    """(layers, hidden size, key/value width) of a transformers config; 0 for what it does not name."""
+    layers, hidden = getattr(config, "num_hidden_layers", 0) or 0, getattr(config, "hidden_size", 0) or 0
+    heads = getattr(config, "num_attention_heads", 0) or 0
+    kv_heads = getattr(config, "num_key_value_heads", None) or heads
+    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
+    return layers, hidden, kv_heads * head_dim
+
+
+def check_sequence_length(cfg: DppoConfig, shape: RunShape) -> None:
+    """ConfigError if prompt + response is longer than the model has positions for."""
+    length = shape.prompt_length + shape.response_length
+    if shape.max_positions is not None and length > shape.max_positions:
+        raise ConfigError(f"a prompt of {shape.prompt_length} tokens (task.length={cfg.task.length}) and a response "
+                          f"of {shape.response_length} (rollout.max_new_tokens, else the task's answer length) are "
+                          f"{length} positions, but the model has {shape.max_positions} (max_position_embeddings)")  # fmt: skip
+
+
+def batch_bytes(cfg: DppoConfig, shape: RunShape) -> tuple[int, int]:
+    """Lower bounds of the memory of generating a batch (token ids, one step's logits, the KV cache) and of
+    updating on a trigger's mini-batch (token ids, one micro-batch's logits and its saved layer outputs)."""
+    b, n, length = DTYPE_BYTES[cfg.model.dtype], cfg.rollout.n, shape.prompt_length + shape.response_length
+    generated = cfg.rollout.groups_per_batch * n  # sequences a worker generates at once
+    trigger = cfg.groups_per_trigger * n  # sequences of one optimizer step
+    micro = min(cfg.actor.micro_batch_size, trigger)
+    generate = 8 * length * generated + b * generated * (shape.vocab_size + 2 * shape.layers * length * shape.kv_width)
+    update = 8 * length * trigger + b * micro * ((shape.response_length + 1) * shape.vocab_size +
+                                                 shape.layers * length * shape.hidden)  # fmt: skip
+    return generate, update
 
 
 def available_host_bytes() -> int:
@@ -90,26 +153,32 @@ def _rollout_copies_here(cfg: DppoConfig) -> int:
     return cfg.rollout.num_workers if local else 0
 
 
-def check_training_memory(cfg: DppoConfig, vocab_size: int) -> None:
-    """ConfigError if the model cannot be trained in the memory available (a lower bound: no activations)."""
+def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
+    """ConfigError if the run cannot fit in the memory available. A lower bound (no other activations), so what it
+    refuses would certainly fail."""
     from dppo.trainer.prox import select_strategy_name
 
-    params = model_parameters(cfg, vocab_size)
-    copy_bytes = params * DTYPE_BYTES[cfg.model.dtype]
+    copy_bytes = shape.params * DTYPE_BYTES[cfg.model.dtype]
     trainer_copies = 4 + (1 if cfg.actor.kl_loss_coef > 0 else 0)  # weights, grads, 2 Adam moments (+ KL reference)
     snapshot = 1 if select_strategy_name(cfg).startswith("cycle_start") else 0
     rollout = _rollout_copies_here(cfg)
+    generate, update = batch_bytes(cfg, shape)
     on_gpu = _trainer_on_gpu(cfg)
-    host_copies = snapshot + rollout + (0 if on_gpu else trainer_copies)
-    what = (f"{params:,} parameters in {cfg.model.dtype}, {_model_keys(cfg)}")
+    what = f"{shape.params:,} parameters in {cfg.model.dtype}, {_model_keys(cfg)}"
     if on_gpu:
         import torch
 
         free, _ = torch.cuda.mem_get_info()
-        _require_fits(trainer_copies * copy_bytes, free, what, "GPU", "weights, gradients and Adam's two moments")
+        _require_fits(trainer_copies * copy_bytes + update, free, what, "GPU",
+                      "weights, gradients, Adam's two moments, an update's batch")  # fmt: skip
+    if not cfg.ray.enabled:  # one process generates, then updates
+        batches = generate if on_gpu else max(generate, update)
+    else:
+        batches = rollout * generate + (0 if on_gpu else update)
+    host = (snapshot + rollout + (0 if on_gpu else trainer_copies)) * copy_bytes + batches
     parts = ("weights, gradients and Adam's two moments, " if not on_gpu else "") + \
-        f"{snapshot} snapshot slot(s) and {rollout} rollout model copies"  # fmt: skip
-    _require_fits(host_copies * copy_bytes, available_host_bytes(), what, "host", parts)
+        f"{snapshot} snapshot slot(s), {rollout} rollout model copies, their batches"  # fmt: skip
+    _require_fits(host, available_host_bytes(), what, "host", parts)
 
 
 def _trainer_on_gpu(cfg: DppoConfig) -> bool:
@@ -130,8 +199,10 @@ def _model_keys(cfg: DppoConfig) -> str:
 
 def _require_fits(need: int, available: int, what: str, where: str, parts: str) -> None:
     if need > available:
-        raise ConfigError(f"the model ({what}) needs at least {need / GIB:,.1f} GiB of {where} memory to train "
-                          f"({parts}), but {available / GIB:,.1f} GiB is available; use a smaller model")  # fmt: skip
+        raise ConfigError(f"the run ({what}; batches from rollout.n, rollout.groups_per_batch, "
+                          f"trainer.train_batch_size, actor.micro_batch_size) needs at least {need / GIB:,.1f} GiB of "
+                          f"{where} memory ({parts}), but {available / GIB:,.1f} GiB is available; use a smaller "
+                          "model or smaller batches")  # fmt: skip
 
 
 # ---- a cluster of the user's own ----------------------------------------------------------------------

@@ -42,6 +42,10 @@ def one_error_line(lines: list[str]) -> str:
         ({"rollout.max_restarts": -1}, ["rollout.max_restarts=-1"]),
         # 4.4e12 parameters: refused from the config's numbers, before anything is allocated
         ({"model.hidden_size": 2**20}, ["model.hidden_size=1048576", "GiB of host memory", "use a smaller model"]),
+        ({"rollout.n": 10**8}, ["rollout.n", "GiB of host memory", "smaller batches"]),  # the batches' KV caches
+        ({"rollout.max_new_tokens": 300}, ["a response of 300", "305 positions", "has 256 (max_position_embeddings)"]),
+        ({"task.length": 10**12}, ["task.length=1000000000000: a single prompt of task 'copy' cannot be allocated"]),
+        ({"trainer.eval_prompts": 10**12}, ["trainer.eval_prompts=1000000000000: the held-out prompts cannot be"]),
     ],
 )
 def test_each_config_error_is_one_line_with_exit_code_2(run_cli, override, fragments):
@@ -127,3 +131,19 @@ def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, mon
                                           "the Ray cluster has 3 CPUs"):  # fmt: skip
         preflight.check_cluster_fits(cfg)
     preflight.check_cluster_fits(small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 3}))
+
+
+@pytest.mark.parametrize("sizes", [(12, 64, 2, 128), (12, 32, 1, 64), (1000, 96, 3, 200)])
+def test_the_parameter_count_of_the_memory_check_is_the_models(sizes):
+    """The pre-flight counts the tiny model's parameters without building it: the same number as the model."""
+    import torch
+
+    from dppo.models import tiny_model_config
+    from dppo.trainer.preflight import tiny_model_parameters
+
+    vocab, hidden, layers, intermediate = sizes
+    with torch.device("meta"):
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_config(tiny_model_config(vocab, hidden, layers, 4, intermediate))
+    assert tiny_model_parameters(vocab, hidden, layers, intermediate) == sum(p.numel() for p in model.parameters())
