@@ -109,11 +109,13 @@ class TrainerConfig:
     """Where metrics.jsonl, the plot, the summary and checkpoints/ are written."""
 
     checkpoint_every: int = 10
-    """Write a checkpoint every this many global steps (0: never; the last step is always saved if > 0)."""
+    """Write a checkpoint every this many global steps (0: never; if > 0 the last step is always saved, and so is
+    the trainer's state when the rollout fails beyond recovery)."""
 
     resume: bool = False
-    """Continue from the latest checkpoint in output_dir/checkpoints (fresh if there is none); false starts
-    fresh and deletes the checkpoints and metrics an earlier run left in output_dir."""
+    """Continue from the newest valid checkpoint in output_dir/checkpoints, passing over corrupt or foreign ones
+    with a warning (fresh if there is none; an error if there are some but none valid); false starts fresh and
+    deletes the checkpoints the earlier run recorded there, and its metrics."""
 
     mode: str = "separate_async"
     """separate_async: rollout workers generate while the trainer trains; sync: rollout and training in lockstep."""
