@@ -5,9 +5,11 @@ the cluster's token gets dppo's one-line error."""
 import json
 import os
 import secrets
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,7 +44,11 @@ def test_dppo_train_joins_a_cluster_started_with_ray_start(tmp_path):
     env.pop("RAY_ADDRESS", None)
     head = [RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
             "--disable-usage-stats"]  # fmt: skip
-    subprocess.run(head, env=env, check=True, capture_output=True, timeout=120)
+    # In a session of its own, so that its daemons can be stopped by their session id at the end: `ray stop`
+    # would end every Ray cluster on the machine, other test runs' included.
+    starter = subprocess.Popen(head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    output, _ = starter.communicate(timeout=120)
+    assert starter.returncode == 0, output[-4000:]
     try:
         job = train(env, address, tmp_path / "run")
         assert job.returncode == 0, job.stderr[-4000:]
@@ -59,4 +65,23 @@ def test_dppo_train_joins_a_cluster_started_with_ray_start(tmp_path):
         assert last.startswith(f"dppo: error: could not join the Ray cluster at '{address}'"), refused.stderr[-4000:]
         assert "Traceback" not in refused.stderr
     finally:
-        subprocess.run([RAY, "stop"], env=env, capture_output=True, timeout=120)
+        stop_session(starter.pid)
+
+
+def session(sid: int) -> list[int]:
+    """The live (not zombie) processes of session sid."""
+    out = subprocess.run(["ps", "-e", "-o", "pid=,sid=,stat="], capture_output=True, text=True).stdout.split()
+    return [int(pid) for pid, s, stat in zip(out[::3], out[1::3], out[2::3]) if int(s) == sid and stat[0] != "Z"]
+
+
+def stop_session(sid: int, grace_s: float = 3.0) -> None:
+    """SIGTERM the processes of session sid (the cluster `ray start` left running), SIGKILL what outlives grace_s."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in session(sid):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.monotonic() + grace_s
+        while session(sid) and time.monotonic() < deadline:
+            time.sleep(0.2)
