@@ -15,7 +15,7 @@ examples:
   dppo train                                        # the demo: separate-async Decoupled PPO on `copy`
   dppo train trainer.mode=sync trainer.total_steps=20
   dppo train algorithm.rollout_correction.bypass_mode=true trainer.output_dir=outputs/bypass
-  dppo train trainer.resume=true                    # continue from the latest checkpoint
+  dppo train trainer.resume=true                    # continue from the newest valid checkpoint
   dppo train ray.address=auto                       # run on an existing Ray cluster
 """
 
