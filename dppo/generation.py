@@ -6,7 +6,7 @@ import inspect
 
 import torch
 
-from dppo.models import accepts_logits_to_keep
+from dppo.models import accepts_logits_to_keep, position_ids_from_mask
 
 
 def _cache_kwarg(model: torch.nn.Module) -> str:
@@ -29,12 +29,15 @@ def sample_responses(
     generator: torch.Generator | None = None,
     eos_token: int | None = None,
     pad_token: int = 0,
+    attention_mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample responses (B, R) and their mask (B, R) for prompts (B, P) of equal length.
+    """Sample responses (B, R) and their mask (B, R) for prompts (B, P), R <= max_new_tokens.
 
     temperature 0 decodes greedily. A response ends after eos_token (kept, mask 1) or after
-    max_new_tokens tokens; positions after the end hold pad_token with mask 0. One prefill pass, then one
-    single-token pass per new token over the KV cache.
+    max_new_tokens tokens; positions after the end hold pad_token with mask 0, and R is cut to the longest
+    response. One prefill pass, then one single-token pass per new token over the KV cache.
+    attention_mask: (B, P), 0 on the left padding of shorter prompts (None: no prompt padded); every pass
+    then gets the mask and each row's own position ids, so a padded row samples as it would alone.
     """
     if max_new_tokens <= 0:
         raise ValueError(f"max_new_tokens must be > 0; got {max_new_tokens}")
@@ -45,8 +48,15 @@ def sample_responses(
     responses = torch.full((batch, max_new_tokens), pad_token, dtype=torch.long, device=prompts.device)
     mask = torch.zeros((batch, max_new_tokens), dtype=torch.bool, device=prompts.device)
     done = torch.zeros(batch, dtype=torch.bool, device=prompts.device)
+    padding = {}
+    if attention_mask is not None:
+        attention_mask = attention_mask.long()
+        positions = position_ids_from_mask(attention_mask)  # (B, P)
+        padding = {"attention_mask": attention_mask, "position_ids": positions}
+        next_position = positions[:, -1:] + 1  # (B, 1)
     # the prefill needs the logits of the last prompt position only
-    out = model(input_ids=prompts, use_cache=True, **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))
+    out = model(input_ids=prompts, use_cache=True, **padding,
+                **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # fmt: skip
     for t in range(max_new_tokens):
         logits = out.logits[:, -1].float()  # (B, V)
         if temperature > 0:
@@ -61,5 +71,10 @@ def sample_responses(
             if bool(done.all()):
                 break
         if t + 1 < max_new_tokens:
-            out = model(input_ids=token[:, None], use_cache=True, **{cache_kw: _cache_of(out)})
-    return responses, mask
+            if attention_mask is not None:  # the new token attends to the prompt's real tokens and itself
+                attention_mask = torch.cat([attention_mask, attention_mask.new_ones(batch, 1)], dim=1)
+                padding = {"attention_mask": attention_mask, "position_ids": next_position}
+                next_position = next_position + 1
+            out = model(input_ids=token[:, None], use_cache=True, **padding, **{cache_kw: _cache_of(out)})
+    length = int(mask.sum(1).max()) if batch else 0  # every response ended (EOS) by then
+    return responses[:, :length], mask[:, :length]

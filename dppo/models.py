@@ -91,8 +91,20 @@ def _accepts_logits_to_keep(model_type: type) -> bool:
     return "logits_to_keep" in inspect.signature(model_type.forward).parameters
 
 
-def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
-                   logits_to_keep: int | None = None) -> torch.Tensor:  # fmt: skip
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Position ids (B, S) of left-padded rows: each real token's index within its own row (pads: 0)."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def _drop_shared_left_padding(input_ids: torch.Tensor, attention_mask: torch.Tensor):
+    """input_ids and attention_mask without the leading columns that are padding in every row (positions come
+    from the mask, so nothing else changes): a micro-batch pays for its own longest prompt, not the batch's."""
+    first = int(attention_mask.any(0).long().argmax())
+    return (input_ids[:, first:], attention_mask[:, first:]) if first else (input_ids, attention_mask)
+
+
+def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None, logits_to_keep: int | None = None,
+                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """Logits (B, S, V) of model on input_ids (B, S); with params, of model's graph run on other weights.
 
     params: None (the model's own weights); a Mapping name -> tensor (e.g. SnapshotPool.view(k)), run with
@@ -101,8 +113,15 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
     parameters are neither read nor changed.
     logits_to_keep: only the logits of the last logits_to_keep positions, (B, logits_to_keep, V); where the
     model takes transformers' logits_to_keep its LM head runs on those positions alone.
+    attention_mask: (B, S), 0 on padding; None when no row is padded. With it the model also gets position ids
+    counted over each row's own tokens, so a left-padded row scores as it would alone.
     """
     kwargs = {"input_ids": input_ids, "use_cache": False}
+    if attention_mask is not None:
+        if logits_to_keep is not None:
+            input_ids, attention_mask = _drop_shared_left_padding(input_ids, attention_mask)
+        kwargs.update(input_ids=input_ids, attention_mask=attention_mask,
+                      position_ids=position_ids_from_mask(attention_mask))  # fmt: skip
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     keep_in_head = logits_to_keep is not None and head is not None and accepts_logits_to_keep(model)
     if keep_in_head:
@@ -136,7 +155,7 @@ def _contiguous_input(module: torch.nn.Module):
 
 
 def forward_response_logits(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int,
-                            params=None) -> torch.Tensor:  # fmt: skip
+                            params=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """The logits (B, R, V) that predict the last R = response_length tokens of input_ids (B, P + R).
 
     Only the R + 1 last positions go through the LM head (the prompt's own logits are never needed, and with
@@ -144,13 +163,15 @@ def forward_response_logits(model: torch.nn.Module, input_ids: torch.Tensor, res
     so the last position is dropped: a view, which log_probs_from_logits and entropy_from_logits walk chunk
     by chunk.
     """
-    logits = forward_logits(model, input_ids, params, logits_to_keep=response_length + 1)  # (B, R + 1, V)
+    logits = forward_logits(model, input_ids, params, response_length + 1, attention_mask)  # (B, R + 1, V)
     return logits[:, :-1]
 
 
 def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int, temperature: float,
-                       micro_batch_size: int, params=None) -> torch.Tensor:  # fmt: skip
+                       micro_batch_size: int, params=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
     """log pi(response token | prefix) (B, R) fp32 for sequences input_ids (B, P + R), micro-batched.
+
+    attention_mask: (B, P + R), 0 on (left) prompt padding; None when no prompt is padded.
 
     Differentiable when called with grad enabled. The same function scores behavior, old and new
     log-probs everywhere, so equal weights give bitwise-equal results on the CPU.
@@ -161,6 +182,7 @@ def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response
     chunks = []
     for start in range(0, input_ids.shape[0], micro_batch_size):
         ids = input_ids[start : start + micro_batch_size]
-        logits = forward_response_logits(model, ids, response_length, params)  # (b, R, V) predicts labels
+        mask = None if attention_mask is None else attention_mask[start : start + micro_batch_size]
+        logits = forward_response_logits(model, ids, response_length, params, mask)  # (b, R, V) predicts labels
         chunks.append(log_probs_from_logits(logits, labels[start : start + micro_batch_size], temperature))
     return torch.cat(chunks) if len(chunks) > 1 else chunks[0]

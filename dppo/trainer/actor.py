@@ -151,7 +151,8 @@ def update_policy(
     optimizer.zero_grad(set_to_none=True)
     for start in range(0, batch.num_sequences, actor_cfg.micro_batch_size):
         sl = slice(start, start + actor_cfg.micro_batch_size)
-        logits = forward_response_logits(model, batch.input_ids[sl], response_length)  # (b, R, V)
+        attention_mask = None if batch.attention_mask is None else batch.attention_mask[sl]
+        logits = forward_response_logits(model, batch.input_ids[sl], response_length, None, attention_mask)  # (b, R, V)
         logp = log_probs_from_logits(logits, batch.input_ids[sl, prompt_length:], temperature)  # (b, R)
         loss, loss_mask, m = objective.pg_loss(logp, sl, normalizers)
         if actor_cfg.entropy_coeff > 0:

@@ -53,7 +53,7 @@ class PPOTrainer(BaseTrainer):
     def score(self, module: torch.nn.Module, batch: TrainBatch, params=None) -> torch.Tensor:
         """log pi (B, R) of module (or of module's graph on params) for the batch's responses."""
         return response_log_probs(module, batch.input_ids, batch.response_length, self.cfg.rollout.temperature,
-                                  self.cfg.actor.micro_batch_size, params)  # fmt: skip
+                                  self.cfg.actor.micro_batch_size, params, batch.attention_mask)  # fmt: skip
 
     def train_trigger(self, batch: TrainBatch) -> dict[str, float]:
         start = time.perf_counter()

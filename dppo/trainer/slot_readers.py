@@ -75,7 +75,9 @@ def stream_of(strategy: CycleStartOldLogProb, batch: TrainBatch) -> StreamedWeig
     None if the model's forward pass cannot be streamed (the reason is kept in strategy.stream_error)."""
     if strategy.stream is None and strategy.stream_error is None:
         try:
-            schedule = trace_schedule(strategy.model, lambda: forward_logits(strategy.model, batch.input_ids[:1]))
+            mask = None if batch.attention_mask is None else batch.attention_mask[:1]
+            schedule = trace_schedule(strategy.model, lambda: forward_logits(strategy.model, batch.input_ids[:1],
+                                                                             attention_mask=mask))  # fmt: skip
         except NotStreamableError as err:
             strategy.stream_error = str(err)
         else:
