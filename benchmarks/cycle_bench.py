@@ -294,7 +294,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
         base = PPOTrainer(make_cfg(2, MODES["bypass"]), rollout=_NoRollout())
         params = sum(p.numel() for p in base.model.parameters())
         nbytes = sum(p.nbytes for p in base.model.parameters())
-        batches = synthetic_batches(base.task.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
+        batches = synthetic_batches(base.source.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
         print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
               f"built in {time.perf_counter() - built:.1f} s]", flush=True)  # fmt: skip
         if cuda:  # the old-log-prob check is stated for fp32 on a GPU: a model of its own, same size and seed
@@ -302,7 +302,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
                 return make_cfg(ps, {**overrides, "model.dtype": "float32"})
 
             fp32 = PPOTrainer(make_fp32_cfg(2, MODES["bypass"]), rollout=_NoRollout())
-            check_batches = synthetic_batches(base.task.vocab_size, GPU_CHECK_BATCH, 3, device)
+            check_batches = synthetic_batches(base.source.vocab_size, GPU_CHECK_BATCH, 3, device)
             check = check_old_log_probs(fp32, make_fp32_cfg, check_batches, cuda)
             fp32.close()
             del fp32

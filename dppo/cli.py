@@ -31,6 +31,8 @@ EXIT_CODES = (
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
         "the run's checkpoint ledger is unreadable"),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
+    (6, "the data cannot be used: a data file, column or row, the tokenizer of model.path, or the reward function "
+        "(the line names which; a reward function that fails on a Ray worker ends the rollout, code 1, same line)"),
     (70, "an unexpected error: a bug, or an exception in your own code (its traceback is printed)"),
     (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
     (143, "stopped by SIGTERM; checkpoints already written are kept"),
@@ -46,13 +48,15 @@ def exit_code_help() -> str:
 
 def _error_exit_codes() -> tuple:
     """(exception class, exit code) of every error dppo reports in one line."""
+    from dppo.data import DataError
     from dppo.trainer.checkpoint import CheckpointError
     from dppo.trainer.config import ConfigError
     from dppo.trainer.preflight import OutputDirError
     from dppo.trainer.ray_cluster import RayConnectError
     from dppo.trainer.rollout_source import RolloutFailedError
 
-    return ((RolloutFailedError, 1), (ConfigError, 2), (OutputDirError, 3), (CheckpointError, 4), (RayConnectError, 5))
+    return ((RolloutFailedError, 1), (ConfigError, 2), (OutputDirError, 3), (CheckpointError, 4), (RayConnectError, 5),
+            (DataError, 6))
 
 
 def config_help() -> str:

@@ -21,7 +21,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     import ray
 
     from dppo.hostmem import keep_freed_host_memory
-    from dppo.tasks import make_task
+    from dppo.data import make_prompt_source
     from dppo.trainer.ppo import PPOTrainer
     from dppo.trainer.preflight import (check_cluster_fits, check_output_dir, check_sequence_length,
                                         check_training_memory, run_shape)
@@ -30,12 +30,13 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_output_dir(cfg.trainer.output_dir)
-    shape = run_shape(cfg, make_task(cfg.task.name, cfg.task.length))
+    source = make_prompt_source(cfg)  # reads and checks any data files (one line naming what is wrong)
+    shape = run_shape(cfg, source)
     check_sequence_length(cfg, shape)
     check_training_memory(cfg, shape)
     if cfg.ray.enabled:
         probe_cluster(cfg)  # an address that cannot be joined fails now, not after the model is built
-    trainer = PPOTrainer(cfg)
+    trainer = PPOTrainer(cfg, source=source)
     ours = cfg.ray.enabled and not ray.is_initialized()  # a cluster we start (also half-way) we shut down
     try:
         try:

@@ -8,6 +8,10 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
         metrics <- train_trigger(collate(groups))
     end_cycle()
     rollout.publish(weights, version + 1)          one put; workers load it at their next batch
+    evaluate() every trainer.test_freq steps       greedy, on the source's eval prompts
+
+Prompts, rewards and the evaluation set come from one PromptSource (dppo.data): an integer task, or text
+data from parquet files (data.train_files); the loop does not know which.
 
 Subclasses implement train_trigger (and may use begin_cycle / end_cycle / close); they never re-implement
 the loop. The driver only orchestrates: the math lives in dppo.algo.
@@ -29,8 +33,8 @@ import torch
 
 from dppo.generation import sample_responses
 from dppo.models import build_model, cpu_state_dict
-from dppo.rollout import Group, TrainBatch, collate
-from dppo.tasks import held_out_prompts, make_task
+from dppo.data.source import PromptSource, Scores, make_prompt_source
+from dppo.rollout import Group, TrainBatch, collate, left_pad
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import DppoConfig, to_dict
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
@@ -57,24 +61,35 @@ class RunResult:
         return format_table(self.summary)
 
 
+def _reward_extras(groups: list[Group]) -> dict[str, float]:
+    """reward/extra/<key>: the mean over the groups' responses of each extra number of the reward function."""
+    extras: dict[str, list[torch.Tensor]] = {}
+    for group in groups:
+        for key, values in group.reward_extra.items():
+            extras.setdefault(key, []).append(values)
+    return {f"reward/extra/{key}": float(torch.cat(parts).nanmean()) for key, parts in extras.items()}
+
+
 class BaseTrainer:
     """The loop, rollout plumbing, checkpoints and outputs; subclasses provide train_trigger."""
 
-    def __init__(self, cfg: DppoConfig, rollout=None):
+    def __init__(self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None):
+        """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg), which reads and
+        checks any data files; dppo.train.run builds it before Ray starts). rollout: where groups come from
+        (default: made by fit())."""
         self.cfg = cfg
         torch.set_num_threads(cfg.trainer.num_threads)
         self.device = self._device(cfg.trainer.device)
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
         torch.manual_seed(cfg.trainer.seed)
-        self.task = make_task(cfg.task.name, cfg.task.length)
-        self.response_length = cfg.rollout.max_new_tokens or self.task.answer_length
-        self.model = build_model(cfg.model, self.task.vocab_size, seed=cfg.trainer.seed).to(self.device)
+        self.source = source if source is not None else make_prompt_source(cfg)
+        self.response_length = cfg.rollout.max_new_tokens or self.source.response_length
+        self.model = build_model(cfg.model, self.source.vocab_size, seed=cfg.trainer.seed).to(self.device)
         # fused: one kernel over all parameters; on the CPU 5x faster than the per-tensor loop (94M fp32
         # parameters, one thread: 143 ms instead of 730 ms a step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay, fused=True)  # fmt: skip
-        self.held_out = held_out_prompts(self.task, cfg.trainer.seed, cfg.trainer.eval_prompts)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = ckpt.CheckpointDir(self.output_dir / "checkpoints")
@@ -157,12 +172,16 @@ class BaseTrainer:
                    disable=not tcfg.progress_bar, dynamic_ncols=True)  # fmt: skip
         try:
             if self.rollout is None:
-                self.rollout = make_rollout(self.cfg, self.task, self.model.config, self.held_out, self.rollout_start)
+                self.rollout = make_rollout(self.cfg, self.source, self.model.config, self.rollout_start)
             self.rollout.publish(self._version_weights or cpu_state_dict(self.model), self.version)
             self._version_weights = None
             self.rollout.start()
             while self.global_step < tcfg.total_steps:
                 record = self.run_cycle()
+                if self._eval_due():
+                    eval_start = time.perf_counter()
+                    record.update(self.evaluate())
+                    record["timing_s/testing"] = time.perf_counter() - eval_start
                 self.metrics.write(record)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['critic/score/mean']:.3f}",
@@ -180,7 +199,14 @@ class BaseTrainer:
             finally:
                 self.close()
         evaluation = self.evaluate()
+        if evaluation and self.metrics.records:  # the final evaluation joins the last step's line
+            self.metrics.amend_last(evaluation)
         return self._finish(evaluation, time.perf_counter() - start)
+
+    def _eval_due(self) -> bool:
+        """trainer.test_freq says so (the last step's evaluation is the final one, after the loop)."""
+        freq = self.cfg.trainer.test_freq
+        return freq > 0 and self.global_step % freq == 0 and self.global_step < self.cfg.trainer.total_steps
 
     def run_cycle(self) -> dict[str, float]:
         """One global step (the rest of it, for a cycle resumed mid-way); returns its metrics record."""
@@ -194,8 +220,8 @@ class BaseTrainer:
             wait_start = time.perf_counter()
             groups, dropped = self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
             wait_s = time.perf_counter() - wait_start
-            batch = collate(groups)
-            metrics = self.train_trigger(batch.to(self.device))
+            batch = collate(groups, self.source.pad_token)
+            metrics = {**self.train_trigger(batch.to(self.device)), **_reward_extras(groups)}
             # Committed only now: a failure before this line leaves the cycle as it was before the trigger.
             progress.metrics.add({"timing_s/gen_wait": wait_s})
             progress.metrics.add(metrics)
@@ -338,17 +364,21 @@ class BaseTrainer:
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 512) -> dict[str, float]:
-        """Greedy decoding on the held-out prompts: mean reward and exact-match accuracy."""
-        if len(self.held_out) == 0:
+        """Greedy decoding on the source's eval prompts, scored by the source: eval/* for a task (mean reward and
+        exact match on held-out prompts), val/score/<data_source> for text data (data.val_files)."""
+        prompts = self.source.eval_prompts()
+        if len(prompts) == 0:
             return {}
-        rewards = []
-        for start in range(0, len(self.held_out), batch_size):
-            prompts = torch.from_numpy(self.held_out[start : start + batch_size]).to(self.device)
-            responses, mask = sample_responses(self.model, prompts, self.response_length, 0.0, None, self.task.eos_token)
-            rewards.append(self.task.rewards(prompts.cpu().numpy(), responses.cpu().numpy(), mask.cpu().numpy()))
-        reward = np.concatenate(rewards)
-        return {"eval/reward": float(reward.mean()), "eval/accuracy": float((reward >= 1.0).mean()),
-                "eval/prompts": float(len(reward))}  # fmt: skip
+        source, scores = self.source, []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            ids, mask = left_pad(chunk.token_ids, source.pad_token)
+            responses, response_mask = sample_responses(
+                self.model, ids.to(self.device), self.response_length, 0.0, None, source.eos_token, source.pad_token,
+                None if mask is None else mask.to(self.device),
+            )  # fmt: skip
+            scores.append(source.score(chunk, responses.cpu().numpy(), response_mask.cpu().numpy()).scores)
+        return source.eval_metrics(prompts, Scores(np.concatenate(scores)))
 
     def _finish(self, evaluation: dict[str, float], wall_s: float) -> RunResult:
         import json

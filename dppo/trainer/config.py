@@ -124,8 +124,13 @@ class TrainerConfig:
     """Debug: compare the old log-probs with those of a deep copy of the anchor weights (debug/old_log_prob_max_abs_diff)."""
 
     eval_prompts: int = 256
-    """Held-out prompts scored with greedy decoding at the end (never sampled for training, so the task needs more
-    distinct prompts than this: 10**task.length for the built-in tasks); 0 skips the eval."""
+    """Task runs: held-out prompts scored with greedy decoding (never sampled for training, so the task needs more
+    distinct prompts than this: 10**task.length for the built-in tasks); 0 skips the eval. Text data is
+    evaluated on data.val_files instead."""
+
+    test_freq: int = -1
+    """Greedy evaluation every this many global steps, its metrics in that step's line of metrics.jsonl; -1 or 0:
+    only at the end (the final evaluation always runs and joins the last step's line)."""
 
     device: str = "auto"
     """Trainer device: cpu, cuda or auto (cuda when available). Rollout workers generate on the CPU."""
@@ -294,7 +299,7 @@ class RolloutConfig:
     """Sampling temperature (the log-probs of the loss use the same temperature)."""
 
     max_new_tokens: Optional[int] = None
-    """Response length limit; null: the task's answer length."""
+    """Response length limit; null: data.max_response_length for text data, the task's answer length for a task."""
 
     groups_per_batch: int = 32
     """Prompt groups a worker generates per batch; weights are reloaded between batches."""
@@ -384,6 +389,78 @@ class TaskConfig:
         _positive("task.length", self.length)
 
 
+def _check_data_files(key: str, files: object) -> None:
+    """files: null, one path, or a non-empty list of paths, each an existing file."""
+    if files is None:
+        return
+    paths = [files] if isinstance(files, str) else files
+    _require(isinstance(paths, (list, tuple)) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
+             key, files, "a parquet file path or a non-empty list of them")  # fmt: skip
+    for path in paths:
+        _require(os.path.isfile(path), key, files, f"existing files; {path!r} does not exist")
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None
+    """Parquet file(s) of training prompts in verl's format (columns prompt, data_source,
+    reward_model.ground_truth, optional extra_info): one path or a list. Set: train on text with the tokenizer
+    and chat template of model.path; null: train on task.name."""
+
+    val_files: Any = None
+    """Parquet file(s) of the greedy evaluation (val/score/<data_source>) at the end and every trainer.test_freq
+    steps; null: no evaluation."""
+
+    prompt_key: str = "prompt"
+    """Column holding each row's chat messages, a list of {role, content}."""
+
+    max_prompt_length: int = 512
+    """Longest prompt in tokens, counted after the chat template (see data.truncation)."""
+
+    max_response_length: int = 512
+    """Response tokens to generate at most (rollout.max_new_tokens overrides it when set); a response also ends
+    at the tokenizer's EOS token."""
+
+    truncation: str = "error"
+    """A prompt longer than max_prompt_length: error (stop before training, naming the row and its length), left
+    (keep its last tokens) or right (keep its first tokens)."""
+
+    shuffle: bool = True
+    """Shuffle the training rows anew every epoch (false: file order)."""
+
+    seed: Optional[int] = None
+    """Seed of the shuffling; null: trainer.seed."""
+
+    def __post_init__(self) -> None:
+        from dppo.data.text import TRUNCATIONS
+
+        _check_data_files("data.train_files", self.train_files)
+        _check_data_files("data.val_files", self.val_files)
+        _require(bool(self.prompt_key), "data.prompt_key", self.prompt_key, "a column name")
+        _positive("data.max_prompt_length", self.max_prompt_length)
+        _positive("data.max_response_length", self.max_response_length)
+        _one_of("data.truncation", self.truncation, TRUNCATIONS)
+        if self.seed is not None:
+            _require(0 <= self.seed < 2**64, "data.seed", self.seed, "an integer in [0, 2**64) or null")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    """Python file defining the reward function of text data, verl's signature: compute_score(data_source,
+    solution_str, ground_truth, extra_info=None) -> a float, or a dict with "score" (its other numeric entries
+    are logged as reward/extra/<key> means); null: the built-in GSM8K-style reward (the last number of the
+    response against the answer after '####' in ground_truth)."""
+
+    name: str = "compute_score"
+    """The function's name in path."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            _require(os.path.isfile(self.path), "custom_reward_function.path", self.path, "an existing Python file")
+        _require(self.name.isidentifier(), "custom_reward_function.name", self.name, "a Python function name")
+
+
 @dataclass
 class SnapshotConfig:
     device_budget_bytes: int = 0
@@ -429,6 +506,8 @@ class DppoConfig:
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     model: ModelConfig = field(default_factory=ModelConfig)
     task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
     snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
     ray: RayConfig = field(default_factory=RayConfig)
 
@@ -457,6 +536,23 @@ def validate_combinations(cfg: DppoConfig) -> None:
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
     _check_local_workers_fit(cfg)
+    _check_data_or_task(cfg)
+
+
+def _check_data_or_task(cfg: DppoConfig) -> None:
+    """Text data needs a model directory (its tokenizer); the data-only keys need text data; a task must leave
+    prompts to train on."""
+    if cfg.data.train_files is not None:
+        if cfg.model.path is None:
+            raise ConfigError(
+                f"data.train_files={cfg.data.train_files!r} needs model.path: a local model directory holding the "
+                "tokenizer (and its chat template) that turns the prompts into tokens"
+            )
+        return
+    for key, value in (("data.val_files", cfg.data.val_files), ("custom_reward_function.path", cfg.custom_reward_function.path)):
+        if value is not None:
+            raise ConfigError(f"{key}={value!r} is for text data, but data.train_files is null (the run trains on "
+                              f"task.name={cfg.task.name!r}); set data.train_files or drop {key}")  # fmt: skip
     _check_prompts_left_for_training(cfg)
 
 

@@ -14,7 +14,6 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 
 from dppo.trainer.config import ConfigError, DppoConfig
 
@@ -67,9 +66,10 @@ def tiny_model_parameters(vocab_size: int, hidden: int, layers: int, intermediat
 
 
 def run_shape(cfg: DppoConfig, task) -> RunShape:
-    """The RunShape of cfg with task (its Task): model.path's model is built on the meta device, the tiny one counted."""
-    prompt_length = task.sample_prompts(np.random.default_rng(0), 1).shape[1]
-    response_length = cfg.rollout.max_new_tokens or task.answer_length
+    """The RunShape of cfg with task (its dppo.data PromptSource): model.path's model is built on the meta device,
+    the tiny one counted."""
+    prompt_length = task.prompt_length
+    response_length = cfg.rollout.max_new_tokens or task.response_length
     m = cfg.model
     if m.path is None:
         from dppo.models import tiny_model_config

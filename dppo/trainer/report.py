@@ -32,6 +32,13 @@ class MetricsLog:
         self._file.write(json.dumps(record) + "\n")
         self._file.flush()
 
+    def amend_last(self, values: dict) -> None:
+        """Merge values into the last record and rewrite the file atomically (the final evaluation joins the
+        last step's line; the file must be closed)."""
+        self.records[-1] = {**self.records[-1], **values}
+        text = "".join(json.dumps(r) + "\n" for r in self.records).encode()
+        atomic_write_bytes(self.path, lambda f: f.write(text))
+
     def close(self) -> None:
         self._file.close()
 
@@ -70,6 +77,9 @@ def plot_run(records: list[dict], path: str | os.PathLike, evaluation: dict[str,
     ax_reward.plot(steps, [r["critic/score/mean"] for r in records], label="mean sampled reward")
     if evaluation and "eval/reward" in evaluation:
         ax_reward.axhline(evaluation["eval/reward"], ls="--", c="gray", label="greedy eval reward (end)")
+    for key in sorted({k for r in records for k in r if k.startswith("val/score/")}):
+        points = [(r["step"], r[key]) for r in records if key in r]
+        ax_reward.plot(*zip(*points), "o--", label=f"greedy {key}")
     ax_reward.set_ylabel("reward")
     ax_reward.set_ylim(0, 1.02)
     ax_reward.grid(alpha=0.3)
@@ -104,8 +114,7 @@ def summarize(records: list[dict], evaluation: dict[str, float], wall_s: float) 
         ("wall time (s)", fmt(wall_s, 1)),
         ("reward, first 10% of steps", fmt(tail_mean(records, "critic/score/mean", head=True))),
         ("reward, last 10% of steps", fmt(tail_mean(records, "critic/score/mean"))),
-        ("greedy eval reward", fmt(evaluation.get("eval/reward", math.nan))),
-        ("greedy eval exact match", fmt(evaluation.get("eval/accuracy", math.nan))),
+        *_evaluation_rows(evaluation, fmt),
         ("mean step time (s)", fmt(sum(step_times) / len(step_times) if step_times else math.nan)),
         ("mean staleness", fmt(tail_mean(records, "staleness/mean", fraction=1.0), 2)),
         ("max staleness", fmt(max((r["staleness/max"] for r in records), default=math.nan), 0)),
@@ -114,6 +123,15 @@ def summarize(records: list[dict], evaluation: dict[str, float], wall_s: float) 
     for key in (*TIME_PARTS, "timing_s/snapshot"):
         rows.append((f"total {key.split('/')[1]} (s)", fmt(sum(r.get(key, 0.0) for r in records), 2)))
     return rows
+
+
+def _evaluation_rows(evaluation: dict[str, float], fmt) -> list[tuple[str, str]]:
+    """The final greedy evaluation: val/score/<data_source> of text data, else a task's reward and exact match."""
+    val = sorted((key, value) for key, value in evaluation.items() if key.startswith("val/"))
+    if val:
+        return [(f"greedy {key}", fmt(value)) for key, value in val]
+    return [("greedy eval reward", fmt(evaluation.get("eval/reward", math.nan))),
+            ("greedy eval exact match", fmt(evaluation.get("eval/accuracy", math.nan)))]  # fmt: skip
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:

@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
+from dppo.data.source import PromptSource
 from dppo.rollout import Group
-from dppo.tasks import Task
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
 from dppo.workers.replay_buffer import ReplayBufferActor, ReplayBufferCore
@@ -46,9 +46,9 @@ class InProcessRollout:
 
     worker_restarts = 0
 
-    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start: RolloutStart):
+    def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
         self.buffer = _buffer_core(cfg, start)
-        self.worker = RolloutGenerator(cfg, task, model_config, 0, held_out)
+        self.worker = RolloutGenerator(cfg, source, model_config, 0)
 
     def start(self) -> None:
         pass
@@ -97,7 +97,7 @@ class RayRollout:
     sync: the trainer asks the workers for exactly the groups of each trigger, then takes them.
     """
 
-    def __init__(self, cfg, task: Task, model_config, held_out: np.ndarray | None, start: RolloutStart):
+    def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
         import ray
 
         init_ray(cfg)
@@ -105,19 +105,19 @@ class RayRollout:
         self.worker_restarts = start.worker_restarts
         self.buffer = _buffer_core(cfg, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
-        # The Task object itself goes to the workers (cloudpickle carries lambdas and closures): a worker process
-        # has only the built-in tasks registered, so looking task.name up there would miss a register_task one.
-        self._worker_args = (ray.put(task), model_config)
-        self._held_out = held_out
+        # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker
+        # process has only the built-in tasks registered, so looking task.name up there would miss a
+        # register_task one; text data arrives tokenized, with the tokenizer and the reward function.
+        self._worker_args = (ray.put(source), model_config)
         self._holders = itertools.count()
         self._running = False
         self.workers = [self._spawn(i) for i in range(cfg.rollout.num_workers)]
 
     def _spawn(self, index: int, restarts: int = 0) -> _Worker:
-        task_ref, model_config = self._worker_args
+        source_ref, model_config = self._worker_args
         holder = next(self._holders)
         actor = self._worker_cls.options(scheduling_strategy="SPREAD").remote(
-            self.cfg, task_ref, model_config, index, self._held_out, self.buffer, holder
+            self.cfg, source_ref, model_config, index, self.buffer, holder
         )
         worker = _Worker(index, holder, actor, restarts)
         if self._running:
@@ -234,8 +234,8 @@ def _one_line(err: BaseException, limit: int = 300) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def make_rollout(cfg, task: Task, model_config, held_out: np.ndarray | None, start: RolloutStart | None = None):
-    """The rollout source cfg asks for (ray.enabled, trainer.mode); task is the trainer's Task, model_config the
-    policy's HF config, start where it picks up (a fresh run's start by default)."""
+def make_rollout(cfg, source: PromptSource, model_config, start: RolloutStart | None = None):
+    """The rollout source cfg asks for (ray.enabled, trainer.mode); source is the trainer's PromptSource,
+    model_config the policy's HF config, start where it picks up (a fresh run's start by default)."""
     cls = RayRollout if cfg.ray.enabled else InProcessRollout
-    return cls(cfg, task, model_config, held_out, start or RolloutStart())
+    return cls(cfg, source, model_config, start or RolloutStart())

@@ -12,8 +12,8 @@ import torch
 
 from dppo.generation import sample_responses
 from dppo.models import model_from_config, response_log_probs
-from dppo.rollout import Group
-from dppo.tasks import PromptSampler, Task
+from dppo.data.source import PromptSource
+from dppo.rollout import Group, left_pad
 
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
@@ -23,19 +23,19 @@ _TICKET_STREAM = 0x71C4E7
 class RolloutGenerator:
     """One worker's model copy and sampling state; generate() returns scored groups."""
 
-    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None = None):
-        """task: the trainer's Task object, never looked up again by name: a worker process has only the built-in
-        tasks registered, not one the driver added with register_task. model_config: the trainer model's
-        transformers config; the weights arrive with the first ticket."""
-        self.task = task
+    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int):
+        """source: the trainer's PromptSource object, never rebuilt from the config here: a worker process has only
+        the built-in tasks registered, not one the driver added with register_task, and need not see the data
+        files. model_config: the trainer model's transformers config; the weights arrive with the first ticket."""
+        self.source = source
         self.worker_index = worker_index
         self.model = model_from_config(model_config, cfg.model.dtype).requires_grad_(False)
         self.seed = cfg.trainer.seed
-        self.prompts = PromptSampler(self.task, [self.seed, _TICKET_STREAM], held_out)  # reseeded per ticket
+        self.prompts = source.sampler([self.seed, _TICKET_STREAM])  # positioned per ticket
         self.generator = torch.Generator()
         self.n = cfg.rollout.n
         self.temperature = cfg.rollout.temperature
-        self.max_new_tokens = cfg.rollout.max_new_tokens or self.task.answer_length
+        self.max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
         self.micro_batch_size = cfg.actor.micro_batch_size
         self.version = -1  # no weights loaded yet
 
@@ -44,7 +44,7 @@ class RolloutGenerator:
         first group: what a ticket generates depends on the seed, its grant index and the weights only, not on
         the worker or the moment (a ticket granted again after its worker died; a resumed run)."""
         prompt_seed, sample_seed = np.random.SeedSequence([self.seed, _TICKET_STREAM, first]).generate_state(2)
-        self.prompts.rng = np.random.default_rng(prompt_seed)
+        self.prompts.start_ticket(first, int(prompt_seed))
         self.generator.manual_seed(int(sample_seed))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
@@ -56,34 +56,38 @@ class RolloutGenerator:
         """num_groups fresh prompts, n sampled responses each, scored and tagged with the current version."""
         if self.version < 0:
             raise RuntimeError("RolloutGenerator.generate called before any weights were loaded")
-        prompts = torch.from_numpy(self.prompts.sample(num_groups)).repeat_interleave(self.n, 0)  # (G n, P)
-        responses, mask = sample_responses(
-            self.model, prompts, self.max_new_tokens, self.temperature, self.generator, self.task.eos_token
-        )  # (G n, R) each
+        source = self.source
+        prompts = self.prompts.sample(num_groups).repeat(self.n)  # G n rows
+        prompt_ids, prompt_mask = left_pad(prompts.token_ids, source.pad_token)  # (G n, P) each; mask None: no padding
+        responses, mask = sample_responses(self.model, prompt_ids, self.max_new_tokens, self.temperature,
+                                           self.generator, source.eos_token, source.pad_token, prompt_mask)  # fmt: skip
         # Behavior log-probs are re-scored with a full forward pass by the same function the trainer uses,
         # so that pi_behav and pi_old agree bitwise when the weights agree.
-        behav_logp = response_log_probs(
-            self.model, torch.cat([prompts, responses], 1), responses.shape[1], self.temperature, self.micro_batch_size
-        )
-        scores = torch.from_numpy(self.task.rewards(prompts.numpy(), responses.numpy(), mask.numpy()))
+        attention_mask = None if prompt_mask is None else torch.cat([prompt_mask, mask.long()], 1)
+        behav_logp = response_log_probs(self.model, torch.cat([prompt_ids, responses], 1), responses.shape[1],
+                                        self.temperature, self.micro_batch_size, attention_mask=attention_mask)  # fmt: skip
+        scored = source.score(prompts, responses.numpy(), mask.numpy())
+        scores = torch.from_numpy(scored.scores)
+        extra = {key: torch.from_numpy(values) for key, values in scored.extra.items()}
+        width = prompt_ids.shape[1]
         return [
-            Group(prompts[i], responses[i : i + self.n], mask[i : i + self.n], behav_logp[i : i + self.n],
-                  scores[i : i + self.n], self.version)  # fmt: skip
-            for i in range(0, prompts.shape[0], self.n)
+            Group(prompt_ids[i, width - len(prompts.token_ids[i]) :], responses[i : i + self.n], mask[i : i + self.n],
+                  behav_logp[i : i + self.n], scores[i : i + self.n], self.version,
+                  reward_extra={key: values[i : i + self.n] for key, values in extra.items()})  # fmt: skip
+            for i in range(0, prompt_ids.shape[0], self.n)
         ]
 
 
 class RolloutWorkerActor:
     """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
 
-    def __init__(self, cfg, task: Task, model_config, worker_index: int, held_out: np.ndarray | None, buffer,
-                 holder: int):  # fmt: skip
+    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int, buffer, holder: int):
         """holder: this incarnation's id at the replay buffer (a restarted worker gets a new one)."""
         from dppo.hostmem import keep_freed_host_memory
 
         keep_freed_host_memory()  # this actor's own process: generation's freed KV caches stay mapped
         torch.set_num_threads(cfg.rollout.num_threads)
-        self.core = RolloutGenerator(cfg, task, model_config, worker_index, held_out)
+        self.core = RolloutGenerator(cfg, source, model_config, worker_index)
         self.buffer = buffer
         self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch

@@ -40,7 +40,7 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
     monkeypatch.setattr(ray, "shutdown", lambda: (calls.append("shutdown"), state.update(up=False)))
 
     class StandInTrainer:
-        def __init__(self, cfg):
+        def __init__(self, cfg, source=None):
             self.output_dir, self.resumed_from = tmp_path, None
 
         def close(self):

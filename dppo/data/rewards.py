@@ -1,0 +1,163 @@
+"""Reward functions with verl's signature, run on the rollout workers (and on the trainer for evaluation).
+
+    compute_score(data_source, solution_str, ground_truth, extra_info=None) -> float | {"score": float, ...}
+
+The function is called with keyword arguments, once per response. A dict's other numeric entries are
+averaged and logged as reward/extra/<key>. An exception, a non-finite score or a value of another kind
+stops the run with a RewardFunctionError naming the function, the data_source and the row: a reward that
+silently became 0 would train the policy on noise.
+
+custom_reward_function.path names a Python file; it is read once on the driver and executed again in each
+process that scores (so the workers need neither the file nor its module on their path).
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import re
+import types
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from dppo.data.errors import DataFileError, RewardFunctionError
+
+ScoreFn = Callable[..., object]
+
+_NUMBER = re.compile(r"-?(?:\d[\d,]*(?:\.\d+)?|\.\d+)")
+
+
+def _as_number(text: str) -> float | None:
+    try:
+        return float(text.replace(",", "").replace("$", "").strip().rstrip("."))
+    except ValueError:
+        return None
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in text (commas and a leading minus allowed), or None."""
+    found = _NUMBER.findall(text)
+    return found[-1] if found else None
+
+
+def gsm8k_compute_score(data_source: str, solution_str: str, ground_truth: str, extra_info=None) -> float:
+    """The built-in default: 1.0 if the last number of the response equals the answer, else 0.0.
+
+    The answer is what follows '####' in ground_truth (GSM8K's format), or all of ground_truth if it has
+    none; numbers compare by value ("1,000" == "1000" == "1000.0"), anything else as stripped text.
+    """
+    answer = str(ground_truth).split("####")[-1].strip()
+    response = last_number(solution_str)
+    if response is None:
+        return 0.0
+    expected = _as_number(answer)
+    if expected is None:
+        return float(response.replace(",", "") == answer)
+    got = _as_number(response)
+    return float(got is not None and got == expected)
+
+
+def _one_line(text: str) -> str:
+    return " ".join(str(text).split())
+
+
+class RewardFunction:
+    """compute_score from custom_reward_function.path (the built-in gsm8k_compute_score when path is None).
+
+    Picklable: it carries the file's text, not the compiled function, and compiles it where it is first called.
+    """
+
+    def __init__(self, path: str | None = None, name: str = "compute_score"):
+        self.path, self.name = path, name
+        self._source: str | None = None
+        if path is not None:
+            try:
+                with open(path, encoding="utf-8") as f:
+                    self._source = f.read()
+            except OSError as err:
+                raise DataFileError(f"custom_reward_function.path={path!r}: cannot read it ({_one_line(err)})") from None
+        self._fn: ScoreFn | None = None
+        self.function()  # compile now: a broken file or a missing name fails before any worker starts
+
+    @property
+    def label(self) -> str:
+        """How messages name the function: 'compute_score' in 'my_reward.py', or the built-in default."""
+        return "the built-in gsm8k reward" if self.path is None else f"{self.name!r} in {self.path!r}"
+
+    def function(self) -> ScoreFn:
+        if self._fn is None:
+            self._fn = gsm8k_compute_score if self.path is None else self._compile()
+        return self._fn
+
+    def _compile(self) -> ScoreFn:
+        module = types.ModuleType("dppo_custom_reward")
+        module.__file__ = self.path
+        try:
+            exec(compile(self._source, self.path, "exec"), module.__dict__)  # noqa: S102 - the user's own file
+        except Exception as err:
+            raise RewardFunctionError(f"custom_reward_function.path={self.path!r} failed to load: "
+                                      f"{type(err).__name__}: {_one_line(err)}") from err  # fmt: skip
+        fn = getattr(module, self.name, None)
+        if not callable(fn):
+            defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
+            raise RewardFunctionError(f"custom_reward_function.path={self.path!r} defines no function "
+                                      f"custom_reward_function.name={self.name!r}; it defines: {', '.join(defined) or 'none'}")  # fmt: skip
+        return fn
+
+    def __getstate__(self) -> dict:
+        return {**self.__dict__, "_fn": None}
+
+    def __call__(self, data_source: str, solution_str: str, ground_truth, extra_info, where: str) -> tuple[float, dict]:
+        """(score, numeric extras) of one response; where names the row for the error message."""
+        context = f"(data_source={data_source!r}, {where})"
+        try:
+            result = self.function()(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
+                                     extra_info=extra_info)  # fmt: skip
+        except RewardFunctionError:
+            raise
+        except Exception as err:
+            raise RewardFunctionError(f"reward function {self.label} raised {type(err).__name__}: "
+                                      f"{_one_line(err)} {context}") from err  # fmt: skip
+        extras = {}
+        if isinstance(result, dict):
+            if "score" not in result:
+                raise RewardFunctionError(f"reward function {self.label} returned a dict without 'score' "
+                                          f"(keys: {', '.join(map(str, result))}) {context}")  # fmt: skip
+            extras = {k: float(v) for k, v in result.items() if k != "score" and _is_real(v)}
+            result = result["score"]
+        if not _is_real(result):
+            raise RewardFunctionError(f"reward function {self.label} returned {type(result).__name__} "
+                                      f"{_one_line(repr(result))[:80]}; expected a float or a dict with 'score' {context}")  # fmt: skip
+        score = float(result)
+        if not math.isfinite(score):
+            raise RewardFunctionError(f"reward function {self.label} returned the non-finite score {score} {context}")
+        return score, extras
+
+
+def _is_real(value: object) -> bool:
+    return isinstance(value, (numbers.Real, np.bool_)) and not isinstance(value, complex)
+
+
+@dataclass(frozen=True)
+class RewardRow:
+    """What a reward function is told about a response's prompt, and where the row came from."""
+
+    data_source: str
+    ground_truth: object
+    extra_info: object
+    where: str  # "row 17 of 'train.parquet'"
+
+
+def score_texts(fn: RewardFunction, rows: Sequence[RewardRow], texts: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """Scores (N,) fp32 and extras {key: (N,) fp32, NaN where a response's dict lacked the key}."""
+    scores = np.empty(len(texts), dtype=np.float32)
+    extras: dict[str, np.ndarray] = {}
+    for i, (row, text) in enumerate(zip(rows, texts)):
+        scores[i], extra = fn(row.data_source, text, row.ground_truth, row.extra_info, row.where)
+        for key, value in extra.items():
+            if key not in extras:
+                extras[key] = np.full(len(texts), np.nan, dtype=np.float32)
+            extras[key][i] = value
+    return scores, extras
