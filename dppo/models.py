@@ -48,7 +48,8 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
     if model_cfg.path is not None:
         if not os.path.isdir(model_cfg.path):
             raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
-        model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True).to(dtype)
+        with _quiet_loading():
+            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True).to(dtype)
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"model at {model_cfg.path!r} has vocab_size {model.config.vocab_size}; the task needs {vocab_size}"
@@ -61,6 +62,20 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
             model = Qwen2ForCausalLM(config).to(dtype)
     model.config.use_cache = False  # training passes never need the KV cache
     return model.eval()
+
+
+@contextlib.contextmanager
+def _quiet_loading():
+    """Within: transformers shows no progress bar (a run's terminal output is its own progress bar and summary)."""
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def model_from_config(hf_config, dtype: str) -> torch.nn.Module:

@@ -3,7 +3,29 @@ import os
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
+import importlib.util  # noqa: E402
+from pathlib import Path  # noqa: E402
+
 import pytest  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def load_example(name: str):
+    """A script of examples/ as a module (examples/ is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"example_{name}", REPO / "examples" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def text_example(tmp_path_factory):
+    """examples/text_reverse.py's model, tokenizer, parquet files and reward, built small once per session:
+    {"model", "train", "val", "reward"} -> Path, and "module" -> the example module."""
+    example = load_example("text_reverse")
+    paths = example.build(tmp_path_factory.mktemp("text_example"), num_train=256, num_val=16)
+    return {**paths, "module": example}
 
 
 def _cuda_available() -> bool:

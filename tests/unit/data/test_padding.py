@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from dppo.generation import _cache_kwarg, sample_responses
+from dppo.generation import sample_responses
 from dppo.models import forward_logits, response_log_probs
 from dppo.rollout import Group, TrainBatch, collate, left_pad
 
@@ -73,21 +73,22 @@ def test_greedy_generation_of_a_padded_batch_equals_each_prompt_alone_and_stops_
     assert response_mask[1].sum() <= 3
 
 
-def test_sampled_tokens_follow_the_same_distribution_padded_and_alone(model):
-    """The KV-cache steps of a padded row see the row's own positions: its step-2 distribution equals alone's."""
-    prompt = _prompts([3], seed=4)[0]
-    longer = _prompts([8], seed=5)[0]
-    ids, mask = left_pad([prompt, longer], PAD)
-    with torch.no_grad():
-        first = torch.tensor([[int(model(input_ids=torch.from_numpy(prompt)[None]).logits[0, -1].argmax())]])
-        seq = torch.cat([torch.from_numpy(prompt)[None], first], 1)
-        expected = torch.log_softmax(model(input_ids=seq).logits[0, -1], -1)
-        out = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), use_cache=True)
-        step_mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
-        step = model(input_ids=torch.tensor([[int(first)], [1]]), attention_mask=step_mask,
-                     position_ids=torch.tensor([[3], [8]]), use_cache=True,
-                     **{_cache_kwarg(model): getattr(out, "cache", None) or out.past_key_values})  # fmt: skip
-    torch.testing.assert_close(torch.log_softmax(step.logits[0, -1], -1), expected, rtol=0, atol=1e-5)
+def test_every_kv_cache_step_of_a_padded_row_computes_the_logits_of_the_row_alone(model):
+    """Each sampling step of a left-padded row (prefill and KV-cache steps) must see the row's own positions: its
+    logits equal those of a full forward pass over the row's unpadded tokens (1e-5)."""
+    prompts = _prompts([3, 8, 5], seed=4)
+    ids, mask = left_pad(prompts, PAD)
+    step_logits = []
+    handle = model.register_forward_hook(lambda module, args, out: step_logits.append(out.logits[:, -1].detach()))
+    responses, response_mask = sample_responses(model, ids, 5, 1.0, torch.Generator().manual_seed(0),
+                                                pad_token=PAD, attention_mask=mask)  # fmt: skip
+    handle.remove()
+    assert len(step_logits) == 5 and response_mask.all()
+    for i, prompt in enumerate(prompts):
+        alone = torch.cat([torch.from_numpy(prompt), responses[i]])[None]
+        with torch.no_grad():
+            reference = model(input_ids=alone).logits[0, len(prompt) - 1 : -1]  # (5, V): predicts each response token
+        torch.testing.assert_close(torch.stack([s[i] for s in step_logits]), reference, rtol=0, atol=1e-5)
 
 
 def test_train_batch_rows_keep_groups_and_versions():
