@@ -122,7 +122,7 @@ def train_overrides(paths: dict[str, Path], output_dir: str | Path) -> list[str]
         "data.max_prompt_length=32",
         "data.max_response_length=6",
         f"custom_reward_function.path={paths['reward']}",
-        "trainer.total_steps=60",
+        "trainer.total_steps=70",
         "trainer.train_batch_size=64",
         "trainer.parameter_sync_step=2",
         "trainer.test_freq=10",
