@@ -140,7 +140,7 @@ def test_bad_data_stops_dppo_train_with_one_line_before_ray_starts(text_args, tm
     monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray started before the data was checked"))
     bad = _write(tmp_path / "bad.parquet", [{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "1"}}])
     args = text_args(**{"data.train_files": bad, "ray.enabled": True, "trainer.mode": "separate_async"})
-    assert main(["train", *args]) == 1
+    assert main(["train", *args]) == 6
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
     assert err[0].startswith(f"dppo: error: data file {bad!r} has no column 'data_source'")

@@ -9,18 +9,20 @@ from dppo.rollout import collate
 from dppo.trainer.ppo import PPOTrainer
 
 
-def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_cfg):
+def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_cfg, monkeypatch):
+    from dppo.trainer.rollout_source import InProcessRollout
+
     trainer = PPOTrainer(text_cfg(**{"trainer.total_steps": 3, "trainer.test_freq": 2}))
     eos = trainer.source.tokenizer.convert_tokens_to_ids("<|im_end|>")
     groups_seen = []
-    fetch = trainer.rollout.fetch
+    fetch = InProcessRollout.fetch
 
-    def recording_fetch(num_groups, version):
-        groups, dropped = fetch(num_groups, version)
+    def recording_fetch(self, num_groups, version):
+        groups, dropped = fetch(self, num_groups, version)
         groups_seen.extend(groups)
         return groups, dropped
 
-    trainer.rollout.fetch = recording_fetch
+    monkeypatch.setattr(InProcessRollout, "fetch", recording_fetch)
     result = trainer.fit()
     records = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
