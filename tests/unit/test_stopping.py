@@ -17,13 +17,14 @@ from dppo.stopping import StopOnSignal
 with StopOnSignal(grace_s=1.0) as stop:
     # a child with a child of its own, as the raylet with its agents
     child = subprocess.Popen(["sh", "-c", "sleep 300 >/dev/null 2>&1 & echo $! > " + sys.argv[1] + "; wait"])
-    print("ready", flush=True)
+    try:  # "ready" is printed inside the try: the test signals once it has read it, maybe before print returns
+        print("ready", flush=True)
+        time.sleep(60)
+    except KeyboardInterrupt:  # the clean-up stops the child, orphaning the grandchild (as ray.shutdown
+        child.kill()  # does with the agents); then a main thread that does not give up: the grace timer ends it
+        print("ignoring", flush=True)
     while True:
-        try:
-            time.sleep(60)
-        except KeyboardInterrupt:  # the clean-up stops the child, orphaning the grandchild (as ray.shutdown
-            child.kill()  # does with the agents); then a main thread that does not give up: the grace timer ends it
-            print("ignoring", flush=True)
+        time.sleep(60)
 """
 
 
