@@ -60,6 +60,7 @@ from dppo.hostmem import keep_freed_host_memory
 from dppo.rollout import TrainBatch
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.worker_group import LocalWorkerGroup
 
 # name -> (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size) of the Qwen2-style model
 SIZES = {
@@ -128,11 +129,21 @@ def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_di
     return load_config([f"{k}={v}" for k, v in overrides.items()])
 
 
+def rank_of(trainer: PPOTrainer):
+    """The trainer's one actor rank, in this process (ray.enabled=false): model, optimizer, old_log_prob, score."""
+    return trainer.actor.local_rank
+
+
 def mode_trainer(base: PPOTrainer, cfg) -> PPOTrainer:
-    """A trainer for cfg's algorithm settings sharing base's model, optimizer and task (PPOTrainer.setup())."""
+    """A trainer for cfg's algorithm settings sharing base's model, optimizer and task (PPOTrainer.setup(), and
+    the rank's ActorRank.setup_update() on a copy of base's rank)."""
     trainer = copy.copy(base)
     trainer.cfg = cfg
     trainer.setup()
+    rank = copy.copy(rank_of(base))
+    rank.cfg = cfg
+    rank.setup_update()
+    trainer.actor = LocalWorkerGroup(rank)
     return trainer
 
 
@@ -173,12 +184,12 @@ class Clock:
 
 
 class OldLogProbTimer:
-    """Wraps trainer.old_log_prob.compute and sums its time over a cycle."""
+    """Wraps the rank's old_log_prob.compute and sums its time over a cycle."""
 
     def __init__(self, trainer: PPOTrainer, clock: Clock) -> None:
         self.clock, self.spans = clock, []
-        self.inner = trainer.old_log_prob.compute
-        trainer.old_log_prob.compute = self
+        self.inner = rank_of(trainer).old_log_prob.compute
+        rank_of(trainer).old_log_prob.compute = self
 
     def __call__(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
         start = self.clock.start()
@@ -213,11 +224,11 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
     """One 3-trigger cycle per CHECKED mode from the same weights and optimizer state; the old log-probs of
     every trigger compared with those of a deep copy of the cycle-start weights. On a GPU also measures the
     streamed pass's peak extra device memory (over the same forward pass on the live weights)."""
-    model, optimizer = base.model, base.optimizer
+    model, optimizer, score = rank_of(base).model, rank_of(base).optimizer, rank_of(base).score
     start_model = {k: v.clone() for k, v in model.state_dict().items()}
     start_optim = copy.deepcopy(optimizer.state_dict())
     anchor = copy.deepcopy(model)
-    expected = [base.score(anchor, b) for b in batches[:3]]
+    expected = [score(anchor, b) for b in batches[:3]]
     del anchor
     worst, equal, live_moved, memory = 0.0, True, True, {}
     for mode in CHECKED:
@@ -228,20 +239,21 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
         if cuda and mode == "decoupled-stream":
             memory = stream_memory(trainer, batches)
         got = []
-        inner = trainer.old_log_prob.compute
+        strategy = rank_of(trainer).old_log_prob
+        inner = strategy.compute
 
         def capture(trigger, batch, inner=inner, got=got):
             logp = inner(trigger, batch)
             got.append(logp.clone())
             return logp
 
-        trainer.old_log_prob.compute = capture
+        strategy.compute = capture
         run_cycle(trainer, 3, batches, Clock(False))
         if cuda and mode == "decoupled-stream":  # stream is None if the model fell back to swap (it warned)
-            stream = trainer.old_log_prob.stream
+            stream = strategy.stream
             memory["staging_bytes"] = stream.streamer.staging_bytes if stream is not None else 0
-        live_moved &= not torch.equal(base.score(model, batches[2]), expected[2])  # else the check proves nothing
-        trainer.close()
+        live_moved &= not torch.equal(score(model, batches[2]), expected[2])  # else the check proves nothing
+        rank_of(trainer).old_log_prob.close()
         for logp, want in zip(got, expected, strict=True):
             equal &= torch.equal(logp, want)
             worst = max(worst, float((logp - want).abs().max()))
@@ -254,7 +266,7 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
 
 def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
     """Peak device memory of one streamed old-log-prob pass minus that of the same pass on the live weights."""
-    strategy = trainer.old_log_prob
+    strategy = rank_of(trainer).old_log_prob
     strategy.compute(0, batches[0])  # fills slot 0
     strategy.compute(1, batches[1])  # traces the schedule and allocates the staging buffers
     if strategy.stream is None:  # the model could not be streamed: the reader fell back to swap (it warned)
@@ -272,9 +284,9 @@ def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
     strategy.pool.release()  # the staging buffers count as extra: let the streamed pass allocate them again
     streamed = peak(lambda: strategy.compute(1, batches[1]))
     strategy.pool.clear(0)
-    live = peak(lambda: trainer.score(trainer.model, batches[1]))
+    live = peak(lambda: rank_of(trainer).score(rank_of(trainer).model, batches[1]))
     steps = strategy.stream.schedule.steps
-    sizes = dict(trainer.model.named_parameters(remove_duplicate=False))
+    sizes = dict(rank_of(trainer).model.named_parameters(remove_duplicate=False))
     largest = max(sum(sizes[n].nbytes for n in step) for step in steps)
     limit = 2 * largest + 2 * ALIGN_BYTES * (1 + max(len(s) for s in steps))
     return {"extra_peak_bytes": streamed - live, "two_steps_bytes": 2 * largest, "limit_bytes": limit,
@@ -292,9 +304,9 @@ def run_size(size: str, args, device: torch.device) -> dict:
 
         built = time.perf_counter()
         base = PPOTrainer(make_cfg(2, MODES["bypass"]), rollout=_NoRollout())
-        params = sum(p.numel() for p in base.model.parameters())
-        nbytes = sum(p.nbytes for p in base.model.parameters())
-        batches = synthetic_batches(base.source.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
+        params = sum(p.numel() for p in rank_of(base).model.parameters())
+        nbytes = sum(p.nbytes for p in rank_of(base).model.parameters())
+        batches = synthetic_batches(base.task.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
         print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
               f"built in {time.perf_counter() - built:.1f} s]", flush=True)  # fmt: skip
         if cuda:  # the old-log-prob check is stated for fp32 on a GPU: a model of its own, same size and seed
@@ -322,13 +334,13 @@ def run_size(size: str, args, device: torch.device) -> dict:
             for rep in range(args.repeats):
                 order = list(MODES)[rep % len(MODES):] + list(MODES)[: rep % len(MODES)]  # rotate who goes first
                 for mode in order:
-                    before = trainers[mode].old_log_prob.moved_bytes
+                    before = rank_of(trainers[mode]).old_log_prob.moved_bytes
                     cycles[mode].append(run_cycle(trainers[mode], ps, batches, clock))
                     logp_s[mode].append(timers[mode].take_s())
-                    moved[mode] = trainers[mode].old_log_prob.moved_bytes - before
-            readers = {mode: reader_of(t.old_log_prob) for mode, t in trainers.items()}
+                    moved[mode] = rank_of(trainers[mode]).old_log_prob.moved_bytes - before
+            readers = {mode: reader_of(rank_of(t).old_log_prob) for mode, t in trainers.items()}
             for trainer in trainers.values():
-                trainer.close()
+                rank_of(trainer).old_log_prob.close()
             del trainers, timers
             rows.extend(size_rows(size, params, ps, cycles, logp_s, moved, readers))
             print(f"  ps={ps}: " + ", ".join(f"{m} {statistics.median(c):.3f}s" for m, c in cycles.items()), flush=True)

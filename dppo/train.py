@@ -17,11 +17,13 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     shut down a Ray cluster we started (one the caller had connected to stays up).
 
     Before any Ray process starts: the output directory is written to, the model's training memory is checked
-    against what is available, and the model is built and the checkpoint (trainer.resume) loaded into it."""
+    against what is available, and the checkpoint to resume from (trainer.resume) is chosen and its trainer
+    state read. The actor's ranks (Ray actors with ray.enabled) then build the model and load their shards."""
     import ray
 
     from dppo.hostmem import keep_freed_host_memory
-    from dppo.data import make_prompt_source
+    from dppo.tasks import make_task
+    from dppo.trainer.base import find_resume_point
     from dppo.trainer.ppo import PPOTrainer
     from dppo.trainer.preflight import (check_cluster_fits, check_output_dir, check_sequence_length,
                                         check_training_memory, run_shape)
@@ -34,15 +36,17 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     shape = run_shape(cfg, source)
     check_sequence_length(cfg, shape)
     check_training_memory(cfg, shape)
+    resume_point = find_resume_point(cfg) if cfg.trainer.resume else None
     if cfg.ray.enabled:
-        probe_cluster(cfg)  # an address that cannot be joined fails now, not after the model is built
-    trainer = PPOTrainer(cfg, source=source)
+        probe_cluster(cfg)  # an address that cannot be joined fails now, not after the ranks are placed
     ours = cfg.ray.enabled and not ray.is_initialized()  # a cluster we start (also half-way) we shut down
     try:
+        if cfg.ray.enabled:
+            init_ray(cfg)
+            check_cluster_fits(cfg)
+        trainer = PPOTrainer(cfg, resume_point=resume_point)
+        print(trainer.actor.describe(), file=out, flush=True)
         try:
-            if cfg.ray.enabled:
-                init_ray(cfg)
-                check_cluster_fits(cfg)
             (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
         except BaseException:
             trainer.close()  # fit() never ran, so nothing else releases what the trainer built

@@ -4,6 +4,10 @@ The loss math lives in dppo.algo; this module slices micro-batches, aggregates e
 micro-batch (policy gradient, entropy bonus, KL penalty) over the loss mask with the normalizers of the whole
 mini-batch's loss mask, so that the accumulated gradient is the gradient of the whole mini-batch's loss, and
 steps. The loss mask is the response mask after rejection sampling.
+
+On a sharded actor each rank runs update_policy on its part of the mini-batch (dppo.workers.actor_rank): the
+normalizers and the metrics' token counts are then summed over the ranks (peers), FSDP2 sums the ranks'
+gradients (so dp_size stays 1), and the gradient norm is clipped on the global norm.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from dppo.algo import (
 )
 from dppo.models import forward_response_logits
 from dppo.rollout import TrainBatch
+from dppo.workers.collectives import RankGroup
+from dppo.workers.fsdp import clip_grad_norm_
 
 # pg_loss(logp (b, R), sl, normalizers) -> (loss, loss mask (b, R) bool, metrics) for the micro-batch batch[sl]
 PgLoss = Callable[[torch.Tensor, slice, LossNormalizers], "tuple[torch.Tensor, torch.Tensor, dict[str, float]]"]
@@ -103,19 +109,38 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
     return objective
 
 
-def _merge(parts: list[tuple[dict[str, float], float, float]], sum_scale: float) -> dict[str, float]:
-    """Mini-batch metrics from (metrics, valid tokens, loss-mask tokens) per micro-batch.
+def select_objective(cfg) -> Callable[..., Objective]:
+    """objective(batch, prox_logp, advantages) -> Objective for cfg: Decoupled PPO's, or bypass mode's."""
+    rc = cfg.algorithm.rollout_correction
+    make_objective = bypass_objective if rc.bypass_mode else decoupled_objective
+    return make_objective(cfg.actor, rc.to_algo())
+
+
+def global_normalizers(mask: torch.Tensor, peers: RankGroup) -> LossNormalizers:
+    """loss_normalizers of the whole mini-batch whose loss mask (on this rank) is mask (b, R): summed over the
+    ranks. dp_size stays 1: FSDP2 sums the ranks' gradients instead of averaging them."""
+    local = loss_normalizers(mask)
+    counts = peers.all_reduce_sum(torch.stack([local.batch_num_tokens, local.global_batch_size]))
+    return LossNormalizers(batch_num_tokens=counts[0], global_batch_size=counts[1])
+
+
+def _merge(parts: list[tuple[dict[str, float], float, float]], sum_scale: float, peers: RankGroup) -> dict[str, float]:
+    """Mini-batch metrics from (metrics, valid tokens, loss-mask tokens) per micro-batch (of this rank).
 
     Summed terms add up (times sum_scale); _max/_min keys take the max/min; the rest are token means, weighted
-    by the micro-batch's tokens: valid tokens for rollout_corr/* (over the response mask), loss-mask tokens
-    for the others.
+    by the micro-batch's share of the whole mini-batch's tokens (over every rank): valid tokens for
+    rollout_corr/* (over the response mask), loss-mask tokens for the others. Summed over the ranks
+    (dppo.workers.collectives), the values are those of the whole mini-batch.
     """
-    totals = [sum(p[1] for p in parts), sum(p[2] for p in parts)]
+    local = torch.tensor([sum(p[1] for p in parts), sum(p[2] for p in parts)], dtype=torch.float64)
+    totals = peers.all_reduce_sum(local).tolist()
     merged: dict[str, float] = {}
     for metrics, *tokens in parts:
+        if tokens[0] == 0:  # a micro-batch without valid tokens (padding rows) has nothing to report
+            continue
         for key, value in metrics.items():
             i = 0 if key.startswith("rollout_corr/") else 1
-            share = tokens[i] / totals[i] if totals[i] else 1.0 / len(parts)
+            share = tokens[i] / totals[i] if totals[i] else 1.0 / (len(parts) * peers.world_size)
             if key in _SUMMED_METRICS:
                 merged[key] = merged.get(key, 0.0) + sum_scale * value
             elif key.endswith("_max"):
@@ -135,18 +160,21 @@ def update_policy(
     actor_cfg,
     temperature: float,
     ref_logp: torch.Tensor | None = None,
+    peers: RankGroup | None = None,
 ) -> dict[str, float]:
     """Accumulate gradients over micro-batches of the mini-batch, clip, and take one optimizer step.
 
     Every term is aggregated over the loss mask with the normalizers of the whole mini-batch's loss mask
     (dppo.algo.loss_normalizers): known before the forward passes, they are passed to every micro-batch;
     found per micro-batch (objective.loss_mask is None), the micro-batches' sums are divided by them at the end.
+    peers: the actor's ranks when batch is this rank's part of the mini-batch (None: it is all of it).
     """
+    peers = peers or RankGroup()
     response_length = batch.response_length
     prompt_length = batch.input_ids.shape[1] - response_length
     mode = actor_cfg.loss_agg_mode
     deferred = objective.loss_mask is None
-    normalizers = _SUM_NORMALIZERS if deferred else loss_normalizers(objective.loss_mask)
+    normalizers = _SUM_NORMALIZERS if deferred else global_normalizers(objective.loss_mask, peers)
     parts, loss_masks = [], []
     optimizer.zero_grad(set_to_none=True)
     for start in range(0, batch.num_sequences, actor_cfg.micro_batch_size):
@@ -168,13 +196,14 @@ def update_policy(
         loss_masks.append(loss_mask)
     sum_scale = 1.0
     if deferred:  # divide the accumulated sums by the whole mini-batch's normalizer
-        sum_scale = 1.0 / float(agg_divisor(mode, LossNormalizers(), torch.cat(loss_masks)))
+        loss_mask = torch.cat(loss_masks)
+        sum_scale = 1.0 / float(agg_divisor(mode, global_normalizers(loss_mask, peers), loss_mask))
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(sum_scale)
-    metrics = _merge(parts, sum_scale)
+    metrics = _merge(parts, sum_scale, peers)
     max_norm = actor_cfg.grad_clip if actor_cfg.grad_clip > 0 else math.inf
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm))
+    grad_norm = clip_grad_norm_(model.parameters(), max_norm)  # the global norm, over every rank's shards
     if math.isfinite(grad_norm):
         optimizer.step()
     else:  # a non-finite gradient would poison the weights and Adam's moments; skip this step

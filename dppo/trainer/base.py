@@ -7,18 +7,22 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
         groups <- rollout.fetch(train_batch_size / parameter_sync_step, version)
         metrics <- train_trigger(collate(groups))
     end_cycle()
-    rollout.publish(weights, version + 1)          one put; workers load it at their next batch
-    evaluate() every trainer.test_freq steps       greedy, on the source's eval prompts
+    rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
 
-Prompts, rewards and the evaluation set come from one PromptSource (dppo.data): an integer task, or text
-data from parquet files (data.train_files); the loop does not know which.
-
-Subclasses implement train_trigger (and may use begin_cycle / end_cycle / close); they never re-implement
-the loop. The driver only orchestrates: the math lives in dppo.algo.
+The policy, its optimizer and its snapshots live on the actor's ranks (self.actor, a worker group of
+dppo.workers.actor_rank.ActorRank; dppo.trainer.worker_group); this process holds no model until the end,
+when it loads the last published weights for the evaluation. Subclasses implement train_trigger (and may use
+begin_cycle / end_cycle / close); they never re-implement the loop. The driver only orchestrates: the math
+lives in dppo.algo, called here on whole groups (advantages) or on the ranks.
 
 A cycle's progress is committed trigger by trigger (dppo.trainer.resume.CycleProgress). When the rollout fails
 beyond recovery (RolloutFailedError), the trainer's own state is intact: fit() checkpoints it, mid-cycle if
-need be, before it re-raises, and a resumed run picks up at that very trigger.
+need be (with pi_old's weights, from the ranks' slot 0), before it re-raises, and a resumed run picks up at
+that very trigger. When an actor rank dies (RankDiedError) its shards are lost: the run ends, and the last
+checkpoint is where it resumes.
+
+A checkpoint is a directory (dppo.trainer.checkpoint) holding trainer.pt (this process's state) and actor/,
+the ranks' torch.distributed.checkpoint shards (dppo.workers.sharded_state), which load at any world size.
 """
 
 from __future__ import annotations
@@ -32,16 +36,58 @@ import numpy as np
 import torch
 
 from dppo.generation import sample_responses
-from dppo.models import build_model, cpu_state_dict
-from dppo.data.source import PromptSource, Scores, make_prompt_source
-from dppo.rollout import Group, TrainBatch, collate, left_pad
+from dppo.models import model_from_config
+from dppo.rollout import Group, TrainBatch, collate
+from dppo.tasks import held_out_prompts, make_task
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import DppoConfig, to_dict
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
 from dppo.trainer.resume import CycleProgress, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
+from dppo.trainer.worker_group import RankDiedError, make_worker_group
+from dppo.workers.sharded_state import UnsafeCheckpointError
 
 TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
+ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
+
+# (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
+ResumePoint = tuple[Path, dict]
+
+
+def find_resume_point(cfg: DppoConfig, checkpoints: ckpt.CheckpointDir | None = None) -> ResumePoint | None:
+    """The newest trusted checkpoint of cfg's run whose trainer state fits cfg (None: there is none), passing over
+    the others with a warning line each; CheckpointError if there are some but none fits. Reads no shard and
+    needs no Ray: the actor's shards are loaded once the ranks run (BaseTrainer)."""
+    checkpoints = checkpoints or ckpt.CheckpointDir(Path(cfg.trainer.output_dir) / "checkpoints")
+    return checkpoints.newest(lambda path, manifest: _read_trainer_state(cfg, path, manifest))
+
+
+def _read_trainer_state(cfg: DppoConfig, path: Path, manifest: dict) -> dict:
+    """TRAINER_FILE of the trusted checkpoint path, checked against its manifest and cfg; CheckpointError if not."""
+    state = ckpt.load_torch(path / TRAINER_FILE)
+    try:
+        inside = (int(state["global_step"]), int(state["trigger"]), int(state["version"]))
+        if inside != (manifest["step"], manifest["trigger"], manifest["version"]):
+            raise ckpt.CheckpointError(f"{TRAINER_FILE} holds step {inside[0]} trigger {inside[1]} version "
+                                       f"{inside[2]}, its manifest says otherwise")  # fmt: skip
+        if f"{ACTOR_DIR}/.metadata" not in manifest["files"]:
+            raise ckpt.CheckpointError(f"it holds no actor shards ({ACTOR_DIR}/): written by an older dppo")
+        _check_cycle_fits(cfg, state)
+    except (ValueError, KeyError, TypeError) as err:
+        raise ckpt.CheckpointError(f"{TRAINER_FILE} does not fit this run: {type(err).__name__}: {err}") from None
+    return state
+
+
+def _check_cycle_fits(cfg: DppoConfig, state: dict) -> None:
+    """A mid-cycle checkpoint continues its cycle: the cycle must be shaped the same in this run."""
+    if int(state["trigger"]) == 0 and "cycle" not in state:
+        return
+    keys = ("parameter_sync_step", "train_batch_size")
+    then = {k: state["config"]["trainer"][k] for k in keys}
+    now = {k: getattr(cfg.trainer, k) for k in keys}
+    if then != now:
+        raise ckpt.CheckpointError(f"it was written mid-cycle with trainer.{keys[0]}={then[keys[0]]}, "
+                                   f"trainer.{keys[1]}={then[keys[1]]}; this run has {now[keys[0]]}, {now[keys[1]]}")  # fmt: skip
 
 
 @dataclass
@@ -73,23 +119,18 @@ def _reward_extras(groups: list[Group]) -> dict[str, float]:
 class BaseTrainer:
     """The loop, rollout plumbing, checkpoints and outputs; subclasses provide train_trigger."""
 
-    def __init__(self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None):
-        """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg), which reads and
-        checks any data files; dppo.train.run builds it before Ray starts). rollout: where groups come from
-        (default: made by fit())."""
+    def __init__(self, cfg: DppoConfig, rollout=None, resume_point: ResumePoint | None = None):
+        """rollout: where the groups come from (None: made by fit()). resume_point: what trainer.resume=true
+        continues from, if the caller found it already (find_resume_point, before any Ray process started)."""
         self.cfg = cfg
         torch.set_num_threads(cfg.trainer.num_threads)
-        self.device = self._device(cfg.trainer.device)
+        self.device = self._device(cfg.trainer.device)  # where this process evaluates the final weights
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
         torch.manual_seed(cfg.trainer.seed)
-        self.source = source if source is not None else make_prompt_source(cfg)
-        self.response_length = cfg.rollout.max_new_tokens or self.source.response_length
-        self.model = build_model(cfg.model, self.source.vocab_size, seed=cfg.trainer.seed).to(self.device)
-        # fused: one kernel over all parameters; on the CPU 5x faster than the per-tensor loop (94M fp32
-        # parameters, one thread: 143 ms instead of 730 ms a step)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
-                                           weight_decay=cfg.actor.weight_decay, fused=True)  # fmt: skip
+        self.task = make_task(cfg.task.name, cfg.task.length)
+        self.response_length = cfg.rollout.max_new_tokens or self.task.answer_length
+        self.held_out = held_out_prompts(self.task, cfg.trainer.seed, cfg.trainer.eval_prompts)
         self.output_dir = Path(cfg.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = ckpt.CheckpointDir(self.output_dir / "checkpoints")
@@ -99,23 +140,26 @@ class BaseTrainer:
         self.progress = CycleProgress()  # of the current cycle
         self.rollout_start = RolloutStart()  # where the rollout picks up; kept current as groups are taken
         self.resumed_from: Path | None = None
-        self._resumed_state: dict | None = None
-        if cfg.trainer.resume:
-            self._resume()
-        else:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed into it later
+        self.policy: torch.nn.Module | None = None  # the final weights, loaded for evaluate()
+        # A cycle resumed mid-way publishes its pi_old (the current version's weights) rather than the live ones.
+        self._publish_anchor = False
+        if cfg.trainer.resume and resume_point is None:
+            resume_point = find_resume_point(cfg, self.checkpoints)
+        elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
             self.checkpoints.discard_run()
-        self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
-                                  resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
-        self.setup()
-        # The weights of the current version, for the rollout: a cycle resumed mid-way has the cycle-start ones in
-        # its checkpoint when pi_old is those (else the rollout gets the live ones, a few optimizer steps newer).
-        self._version_weights: dict[str, torch.Tensor] | None = None
-        if self._resumed_state is not None and self._resumed_state.get("anchor") is not None:
-            self._version_weights = self._resumed_state["anchor"]
-            self.load_cycle_anchor(self._version_weights)  # the resumed cycle's pi_old
-        self._resumed_state = None
+        self.actor = make_worker_group(cfg, self.task.vocab_size)
+        try:
+            self.model_config = self.actor.model_config()
+            if resume_point is not None:
+                self._resume(resume_point)
+            self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
+                                      resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
+            self.setup()
+        except BaseException:
+            self.actor.close()  # the ranks hold processes and placement groups of the cluster: free them
+            raise
         self._cycle_start = time.perf_counter() - self.progress.elapsed_s
-        self.rollout = rollout  # None: made by fit() (so a Ray cluster starts only once the model and checkpoint are fine)
+        self.rollout = rollout  # None: made by fit()
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -141,21 +185,8 @@ class BaseTrainer:
         return {}
 
     def close(self) -> None:
-        """Release what setup() built."""
-
-    def extra_state(self) -> dict:
-        """Subclass state to checkpoint."""
-        return {}
-
-    def load_extra_state(self, state: dict) -> None:
-        pass
-
-    def cycle_anchor(self) -> dict[str, torch.Tensor] | None:
-        """The weights the rest of a started cycle needs besides the live ones (pi_old's), for a mid-cycle checkpoint."""
-        return None
-
-    def load_cycle_anchor(self, weights: dict[str, torch.Tensor]) -> None:
-        """Put back what cycle_anchor() returned (after setup(), before the resumed cycle's next trigger)."""
+        """Release what setup() built, and the actor's ranks."""
+        self.actor.close()
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -163,7 +194,8 @@ class BaseTrainer:
         """Train until trainer.total_steps global steps are done; evaluate, plot and summarize.
 
         RolloutFailedError: the rollout failed beyond recovery; the trainer's state was checkpointed first and
-        the message says where (or why not)."""
+        the message says where (or why not). RankDiedError: an actor rank died; the message names it and the
+        last checkpoint."""
         start = time.perf_counter()
         tcfg = self.cfg.trainer
         from tqdm.auto import tqdm
@@ -172,9 +204,9 @@ class BaseTrainer:
                    disable=not tcfg.progress_bar, dynamic_ncols=True)  # fmt: skip
         try:
             if self.rollout is None:
-                self.rollout = make_rollout(self.cfg, self.source, self.model.config, self.rollout_start)
-            self.rollout.publish(self._version_weights or cpu_state_dict(self.model), self.version)
-            self._version_weights = None
+                self.rollout = make_rollout(self.cfg, self.task, self.model_config, self.held_out, self.rollout_start)
+            self.publish_weights(self.version, anchor=self._publish_anchor)
+            self._publish_anchor = False
             self.rollout.start()
             while self.global_step < tcfg.total_steps:
                 record = self.run_cycle()
@@ -188,8 +220,15 @@ class BaseTrainer:
                                 stale=f"{record['staleness/mean']:.2f}", step_s=f"{record['timing_s/step']:.2f}")  # fmt: skip
                 if self._checkpoint_due():
                     self.save_checkpoint()
+            if len(self.held_out):
+                self.policy = self._load_policy(self._published)  # before the ranks (and the weights they own) go
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self._checkpoint_after_failure()}") from None
+        except RankDiedError as err:
+            latest = self.checkpoints.recorded()
+            where = (f"its last checkpoint {self.checkpoints.directory / latest[-1].name} is intact "
+                     f"(trainer.resume=true continues from it)" if latest else "no checkpoint had been written")  # fmt: skip
+            raise RankDiedError(f"{err}; the run stopped after global step {self.global_step}, {where}") from None
         finally:
             bar.close()
             self.metrics.close()
@@ -220,8 +259,8 @@ class BaseTrainer:
             wait_start = time.perf_counter()
             groups, dropped = self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
             wait_s = time.perf_counter() - wait_start
-            batch = collate(groups, self.source.pad_token)
-            metrics = {**self.train_trigger(batch.to(self.device)), **_reward_extras(groups)}
+            batch = collate(groups)
+            metrics = self.train_trigger(batch)  # the ranks move their part of it to their device
             # Committed only now: a failure before this line leaves the cycle as it was before the trigger.
             progress.metrics.add({"timing_s/gen_wait": wait_s})
             progress.metrics.add(metrics)
@@ -234,7 +273,7 @@ class BaseTrainer:
             progress.metrics.add(self.end_cycle())
             progress.ended = True
         sync_start = time.perf_counter()
-        self.rollout.publish(cpu_state_dict(self.model), self.version + 1)
+        self.publish_weights(self.version + 1)
         progress.metrics.add({"timing_s/weight_sync": time.perf_counter() - sync_start})
         stats = self.rollout.stats()
         self.version += 1
@@ -267,6 +306,22 @@ class BaseTrainer:
         record["timing_s/step"] = step_s
         return record
 
+    def publish_weights(self, version: int, anchor: bool = False) -> None:
+        """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
+        once); anchor: pi_old's weights instead (a cycle resumed mid-way)."""
+        self._published = self.actor.rollout_weights(anchor)
+        self.rollout.publish(self._published, version)
+
+    def _load_policy(self, weights) -> torch.nn.Module:
+        """A plain model on self.device holding weights: a state dict, or [ObjectRef] of one."""
+        if isinstance(weights, list):
+            import ray
+
+            weights = ray.get(weights[0])
+        model = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
+        model.load_state_dict(weights)
+        return model
+
     # ---- checkpoints ------------------------------------------------------------------------------
 
     def _checkpoint_due(self) -> bool:
@@ -274,7 +329,8 @@ class BaseTrainer:
         return every > 0 and (self.global_step % every == 0 or self.global_step == self.cfg.trainer.total_steps)
 
     def save_checkpoint(self) -> Path:
-        """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle (progress.trigger > 0)."""
+        """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle (progress.trigger > 0, with pi_old's
+        weights from the ranks' slot 0). Every rank writes its shards into actor/ (DCP), this process trainer.pt."""
         progress = self.progress
         if self.rollout is not None:
             self.rollout_start.worker_restarts = getattr(self.rollout, "worker_restarts", 0)
@@ -282,18 +338,18 @@ class BaseTrainer:
             "global_step": self.global_step,
             "version": self.version,
             "trigger": progress.trigger,
-            "model": self.model.state_dict(),
-            "optimizer": self.optimizer.state_dict(),
             "rng": rng_state(),
             "config": to_dict(self.cfg),
-            "extra": self.extra_state(),
             "rollout": self.rollout_start.to_state(),
         }
         if progress.started:
             state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
-            state["anchor"] = self.cycle_anchor()
-        return self.checkpoints.save(self.global_step, self.version, lambda d: torch.save(state, d / TRAINER_FILE),
-                                     trigger=progress.trigger)  # fmt: skip
+
+        def write(staging: Path) -> None:
+            state["anchor"] = self.actor.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            torch.save(state, staging / TRAINER_FILE)
+
+        return self.checkpoints.save(self.global_step, self.version, write, trigger=progress.trigger)
 
     def _checkpoint_after_failure(self) -> str:
         """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""
@@ -312,16 +368,45 @@ class BaseTrainer:
             return f"checkpointing the trainer's state at {where} failed too: {type(err).__name__}: {err}"
         return f"the trainer's state at {where} is checkpointed in {path} (trainer.resume=true continues from it)"
 
-    def _resume(self) -> None:
-        found = self.checkpoints.newest(self._load_checkpoint)
-        if found is None:
-            return  # nothing to resume: a fresh run
-        self.resumed_from, state = found
+    def _resume(self, point: ResumePoint) -> None:
+        """Continue from point's checkpoint: the ranks load their shards, resharded to this world size (and pi_old's
+        weights if it was written mid-cycle). One that does not fit the ranks is passed over with a warning line,
+        and the older trusted ones are tried in turn, as CheckpointDir.newest does with the trainer states."""
+        candidates = self.checkpoints.candidates()
+        older = candidates[candidates.index(point[0]) + 1 :] if point[0] in candidates else []
+        skipped = []
+        for path in [point[0], *older]:
+            try:
+                state = point[1] if path == point[0] else _read_trainer_state(self.cfg, path, self.checkpoints.trusted(path))
+                self._load_actor(path, state)
+            except ckpt.CheckpointError as err:
+                reason = ckpt._one_line(str(err))
+                self.checkpoints.warn(f"skipped checkpoint {path}: {reason}")
+                skipped.append(f"{path.name}: {reason}")
+                continue
+            return self._resumed(path, state)
+        raise ckpt.CheckpointError(f"no usable checkpoint in {str(self.checkpoints.directory)!r}; skipped "
+                                   f"{len(skipped)} (newest: {skipped[0]})")  # fmt: skip
+
+    def _load_actor(self, path: Path, state: dict) -> None:
+        """The actor's shards of checkpoint path into the ranks; CheckpointError if they do not fit or are unsafe."""
+        try:
+            self.actor.load_checkpoint(str(path / ACTOR_DIR), bool(state.get("anchor")))
+        except UnsafeCheckpointError as err:
+            raise ckpt.CheckpointError(f"was not loaded: {err}") from err
+        except (RuntimeError, ValueError, KeyError) as err:
+            if isinstance(err, RankDiedError):
+                raise
+            raise ckpt.CheckpointError(f"does not fit this run's model/optimizer: {type(err).__name__}: {err}") from err
+
+    def _resumed(self, path: Path, state: dict) -> None:
+        """The trainer's own state from a checkpoint whose shards the ranks hold now."""
+        self.resumed_from = path
         self.global_step, self.version = int(state["global_step"]), int(state["version"])
         set_rng_state(state["rng"])
-        self.load_extra_state(state.get("extra", {}))
         if "cycle" in state:
             self.progress = CycleProgress.from_state(state["cycle"])
+        self._publish_anchor = bool(state.get("anchor"))
         rollout = state["rollout"]
         self.rollout_start = RolloutStart(
             version=self.version,
@@ -329,56 +414,22 @@ class BaseTrainer:
             next_grant=int(rollout["next_grant"]), dropped_total=int(rollout["dropped_total"]),
             worker_restarts=int(rollout["worker_restarts"]),
         )  # fmt: skip
-        self._resumed_state = state
-
-    def _load_checkpoint(self, path: Path, manifest: dict) -> dict:
-        """The trainer state in the trusted checkpoint path, loaded into the model and optimizer; CheckpointError
-        if it does not match its manifest or does not fit this run."""
-        state = ckpt.load_torch(path / TRAINER_FILE)
-        try:
-            inside = (int(state["global_step"]), int(state["trigger"]), int(state["version"]))
-            if inside != (manifest["step"], manifest["trigger"], manifest["version"]):
-                raise ckpt.CheckpointError(f"{TRAINER_FILE} holds step {inside[0]} trigger {inside[1]} version "
-                                           f"{inside[2]}, its manifest says otherwise")  # fmt: skip
-            self._check_cycle_fits(state)
-            self.model.load_state_dict(state["model"])
-            self.optimizer.load_state_dict(state["optimizer"])
-        except (RuntimeError, ValueError, KeyError, TypeError) as err:
-            if isinstance(err, ckpt.CheckpointError):
-                raise
-            raise ckpt.CheckpointError(f"does not fit this run's model/optimizer: {type(err).__name__}: {err}") from None
-        return state
-
-    def _check_cycle_fits(self, state: dict) -> None:
-        """A mid-cycle checkpoint continues its cycle: the cycle must be shaped the same in this run."""
-        if int(state["trigger"]) == 0 and "cycle" not in state:
-            return
-        keys = ("parameter_sync_step", "train_batch_size")
-        then = {k: state["config"]["trainer"][k] for k in keys}
-        now = {k: getattr(self.cfg.trainer, k) for k in keys}
-        if then != now:
-            raise ckpt.CheckpointError(f"it was written mid-cycle with trainer.{keys[0]}={then[keys[0]]}, "
-                                       f"trainer.{keys[1]}={then[keys[1]]}; this run has {now[keys[0]]}, {now[keys[1]]}")  # fmt: skip
 
     # ---- the end of a run -------------------------------------------------------------------------
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 512) -> dict[str, float]:
-        """Greedy decoding on the source's eval prompts, scored by the source: eval/* for a task (mean reward and
-        exact match on held-out prompts), val/score/<data_source> for text data (data.val_files)."""
-        prompts = self.source.eval_prompts()
-        if len(prompts) == 0:
+        """Greedy decoding on the held-out prompts with the final weights: mean reward and exact-match accuracy."""
+        if len(self.held_out) == 0 or self.policy is None:
             return {}
-        source, scores = self.source, []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            ids, mask = left_pad(chunk.token_ids, source.pad_token)
-            responses, response_mask = sample_responses(
-                self.model, ids.to(self.device), self.response_length, 0.0, None, source.eos_token, source.pad_token,
-                None if mask is None else mask.to(self.device),
-            )  # fmt: skip
-            scores.append(source.score(chunk, responses.cpu().numpy(), response_mask.cpu().numpy()).scores)
-        return source.eval_metrics(prompts, Scores(np.concatenate(scores)))
+        rewards = []
+        for start in range(0, len(self.held_out), batch_size):
+            prompts = torch.from_numpy(self.held_out[start : start + batch_size]).to(self.device)
+            responses, mask = sample_responses(self.policy, prompts, self.response_length, 0.0, None, self.task.eos_token)
+            rewards.append(self.task.rewards(prompts.cpu().numpy(), responses.cpu().numpy(), mask.cpu().numpy()))
+        reward = np.concatenate(rewards)
+        return {"eval/reward": float(reward.mean()), "eval/accuracy": float((reward >= 1.0).mean()),
+                "eval/prompts": float(len(reward))}  # fmt: skip
 
     def _finish(self, evaluation: dict[str, float], wall_s: float) -> RunResult:
         import json

@@ -30,6 +30,7 @@ PROX_ANCHORS = ("cycle_start", "current")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
+FSDP_MODES = ("auto", "always")
 
 
 class ConfigError(ValueError):
@@ -136,7 +137,19 @@ class TrainerConfig:
     """Trainer device: cpu, cuda or auto (cuda when available). Rollout workers generate on the CPU."""
 
     num_threads: int = 1
-    """torch intra-op threads of the trainer process (rollout workers use rollout.num_threads)."""
+    """torch intra-op threads of each actor rank (rollout workers use rollout.num_threads)."""
+
+    nnodes: int = 1
+    """Nodes the actor's ranks span (verl's key); world size = nnodes x n_gpus_per_node. Needs ray.enabled=true
+    above 1, and a filesystem that every node sees under trainer.output_dir (each rank writes its checkpoint shards)."""
+
+    n_gpus_per_node: int = 1
+    """Actor ranks per node (verl's key): one GPU each on CUDA; on the CPU, one process each. A world size above 1
+    shards the policy with FSDP2 (see actor.fsdp)."""
+
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective between the actor ranks: a rank that waits longer for the others raises
+    instead of hanging (a dead rank is noticed by the driver at once)."""
 
     progress_bar: bool = True
     """Show a tqdm progress bar over global steps."""
@@ -158,6 +171,10 @@ class TrainerConfig:
                      "cpu or auto (torch.cuda.is_available() is False on this machine)")  # fmt: skip
         _positive("trainer.num_threads", self.num_threads)
         _at_most_cpus("trainer.num_threads", self.num_threads)
+        _positive("trainer.nnodes", self.nnodes)
+        _positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
+        _require(0 < self.collective_timeout_s < float("inf"), "trainer.collective_timeout_s", self.collective_timeout_s,
+                 "a finite number of seconds > 0")  # fmt: skip
         _require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
 
 
@@ -197,6 +214,10 @@ class ActorConfig:
     kl_loss_type: str = "low_var_kl"
     """KL estimator of the penalty: k1/kl, k2/mse, k3/low_var_kl."""
 
+    fsdp: str = "auto"
+    """Sharding of the actor: auto (FSDP2 when the world size is above 1, the plain module at world size 1) or
+    always (FSDP2 at every world size, one rank included)."""
+
     def __post_init__(self) -> None:
         _check_numbers(self, "actor")
         _positive("actor.lr", self.lr)
@@ -212,6 +233,7 @@ class ActorConfig:
         _nonnegative("actor.entropy_coeff", self.entropy_coeff)
         _nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
         _one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
+        _one_of("actor.fsdp", self.fsdp, FSDP_MODES)
 
 
 @dataclass
@@ -464,13 +486,15 @@ class CustomRewardFunctionConfig:
 @dataclass
 class SnapshotConfig:
     device_budget_bytes: int = 0
-    """Device memory the snapshot pool may use for slots (0: host slots only)."""
+    """Device memory each actor rank's snapshot pool may use for its slots, which hold that rank's shards
+    (0: host slots only)."""
 
     strategy: str = "auto"
     """How triggers k >= 1 score with the cycle-start snapshot: auto (fastest that fits), view
     (functional_call over the slot in place: CPU weights or a device-tier slot), stream (layer by layer
     from a host slot, prefetched behind the compute), swap (pool.swapped), or reference (verl v1's
-    blocking save/restore/restore, for comparison only)."""
+    blocking save/restore/restore, for comparison only). A sharded (FSDP2) actor takes auto, swap or reference
+    only: FSDP2 gathers from its own parameters, so view and stream would read the live weights."""
 
     def __post_init__(self) -> None:
         from dppo.trainer.prox import SNAPSHOT_STRATEGIES
@@ -530,6 +554,17 @@ def validate_combinations(cfg: DppoConfig) -> None:
         )
     if not cfg.ray.enabled and t.mode != "sync":
         raise ConfigError(f"ray.enabled=false runs the rollout in-process and needs trainer.mode=sync; got trainer.mode={t.mode!r}")
+    world_size = t.nnodes * t.n_gpus_per_node
+    if world_size > 1 and not cfg.ray.enabled:
+        raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: a world size "
+                          "above 1 runs its ranks as Ray actors; ray.enabled=false runs one rank in this process")  # fmt: skip
+    if world_size > 1 or cfg.actor.fsdp == "always":
+        from dppo.trainer.prox import InexactUnderShardingError, check_reader_for_sharding
+
+        try:
+            check_reader_for_sharding(cfg.snapshot.strategy)
+        except InexactUnderShardingError as err:
+            raise ConfigError(f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})") from None
     if t.verify_old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
         raise ConfigError(
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "

@@ -14,6 +14,12 @@
 
 New readers register in SLOT_READERS; new strategies in OLD_LOG_PROB_STRATEGIES. An exception in any
 strategy propagates and leaves the live weights and the optimizer state as they were.
+
+Under FSDP2 (a sharded model, dppo.workers.fsdp) every strategy runs rank-locally on the rank's own shards;
+slot 0 holds the local shards. FSDP2 all-gathers from the storage it registered, not from what a forward
+pass is handed, so view (functional_call over the slot) and stream (the slot substituted block by block)
+would silently compute with the live weights there: they are refused (SHARDED_READERS lists what works), and
+auto reads with swap, which writes slot 0 into that very storage and back.
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ import torch
 from dppo.algo import UnknownNameError
 from dppo.rollout import TrainBatch
 from dppo.trainer.slot_readers import SLOT_READERS, choose_reader, stream_of
+from dppo.workers.fsdp import is_sharded, local_tensor
 
 # score(module, batch, params) -> log pi (B, R) fp32 without grad; params None means module's own weights.
 ScoreFn = Callable[[torch.nn.Module, TrainBatch, "dict[str, torch.Tensor] | None"], torch.Tensor]
@@ -34,6 +41,24 @@ ScoreFn = Callable[[torch.nn.Module, TrainBatch, "dict[str, torch.Tensor] | None
 
 class UnknownStrategyError(UnknownNameError):
     """A strategy or slot-reader name that is not registered (the message lists the valid names)."""
+
+
+# snapshot.strategy values that are exact on a sharded (FSDP2) model; see the module docstring.
+SHARDED_READERS = ("auto", "swap", "reference")
+
+
+class InexactUnderShardingError(ValueError):
+    """A slot reader that FSDP2 would silently bypass (it would compute with the live weights)."""
+
+
+def check_reader_for_sharding(name: str) -> None:
+    """InexactUnderShardingError naming `name` and the readers that work, unless it is exact under FSDP2."""
+    if name not in SHARDED_READERS:
+        raise InexactUnderShardingError(
+            f"snapshot.strategy={name!r} is not exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from "
+            f"the parameters it registered, so the {name} reader would compute with the live weights instead of "
+            f"slot 0; use one of {', '.join(SHARDED_READERS)}"
+        )
 
 
 class OldLogProbStrategy:
@@ -66,7 +91,7 @@ class OldLogProbStrategy:
 
     def anchor_weights(self) -> dict[str, torch.Tensor] | None:
         """pi_old's weights as CPU tensors where they differ from the live ones mid-cycle (for a mid-cycle
-        checkpoint); None where pi_old needs no weights of its own."""
+        checkpoint; a sharded model's local shards); None where pi_old needs no weights of its own."""
         return None
 
     def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
@@ -76,18 +101,22 @@ class OldLogProbStrategy:
         pass
 
 
-@torch.no_grad()
-def _with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], fn: Callable[[], object]) -> object:
-    """fn() while model's parameters hold weights; the live values are put back afterwards, also if fn raises."""
-    params = dict(model.named_parameters())
+def with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], fn: Callable[[], object]) -> object:
+    """fn() while model's parameters hold weights; the live values are put back afterwards, also if fn raises.
+
+    weights are what anchor_weights() returns: a sharded model's local shards (written into the storage FSDP2
+    gathers from), else whole tensors."""
+    params = {name: local_tensor(p) for name, p in model.named_parameters()}
     live = {name: p.detach().clone() for name, p in params.items()}
     try:
-        for name, p in params.items():
-            p.copy_(weights[name])
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(weights[name])
         return fn()
     finally:
-        for name, p in params.items():
-            p.copy_(live[name])
+        with torch.no_grad():
+            for name, p in params.items():
+                p.copy_(live[name])
 
 
 class BypassOldLogProb(OldLogProbStrategy):
@@ -126,6 +155,7 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         self._guard = self._pool.guard(optimizer)
         self.stream = None  # the StreamedWeights of the stream reader, traced at its first read
         self.stream_error: str | None = None  # why the model cannot be streamed, once a trace has failed
+        self.sharded = is_sharded(model)
         self.use_reader(reader or cfg.snapshot.strategy)
 
     @property
@@ -139,14 +169,17 @@ class CycleStartOldLogProb(OldLogProbStrategy):
 
     def use_reader(self, name: str) -> None:
         """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read, and
-        again whenever slot 0 has moved to another tier since)."""
-        self._reader = None if name == "auto" else _lookup(SLOT_READERS, name, "slot reader")
+        again whenever slot 0 has moved to another tier since). A sharded model allows SHARDED_READERS only."""
+        reader = None if name == "auto" else _lookup(SLOT_READERS, name, "slot reader")
+        if self.sharded:
+            check_reader_for_sharding(name)
+        self._reader = reader
         self._auto = name == "auto"
         self._reader_tier: str | None = None  # the tier of slot 0 that auto chose the reader for
         self.reader_name = name
 
     def _choose_reader(self, batch: TrainBatch, tier: str) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
-        name = choose_reader(self.device_type, tier, lambda: stream_of(self, batch) is not None)
+        name = choose_reader(self.device_type, tier, lambda: stream_of(self, batch) is not None, self.sharded)
         self.reader_name, self._reader_tier = name, tier
         return SLOT_READERS[name]
 
@@ -176,7 +209,7 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             self._pool.save(0)
             self._pool.synchronize()
 
-        _with_weights(self.model, weights, save)
+        with_weights(self.model, weights, save)
 
     def close(self) -> None:
         self._guard.remove()
@@ -188,8 +221,8 @@ class CycleStartOldLogProb(OldLogProbStrategy):
 class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
     """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
 
-    Trigger 0: blocking per-parameter pageable save of the live weights into a dict slot, then the forward
-    pass. Trigger k >= 1: save the live weights into a temporary dict, restore slot 0 into the live
+    Trigger 0: blocking per-parameter pageable save of the live weights (a sharded model's local shards) into
+    a dict slot, then the forward pass. Trigger k >= 1: save the live weights into a temporary dict, restore slot 0 into the live
     parameters (per-parameter .to(device) + copy_), the forward pass, restore the live weights, clear the
     temporary dict: three full weight transfers, none overlapped with anything.
     """
@@ -200,17 +233,17 @@ class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
     def __init__(self, model, optimizer, score, cfg):
         super().__init__(model, optimizer, score, cfg)
         self._slot: dict[str, torch.Tensor] | None = None
-        self._nbytes = sum(p.nbytes for p in model.parameters())
+        self._nbytes = sum(local_tensor(p).nbytes for p in model.parameters())
 
     def _save(self) -> dict[str, torch.Tensor]:
         self.moved_bytes += self._nbytes
-        return {name: p.detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+        return {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
 
     @torch.no_grad()
     def _restore(self, state: dict[str, torch.Tensor]) -> None:
         self.moved_bytes += self._nbytes
         for name, p in self.model.named_parameters():
-            p.copy_(state[name].to(p.device))
+            local_tensor(p).copy_(state[name].to(p.device))  # in place: a shard's storage is what FSDP2 gathers
 
     def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
         start = time.perf_counter()
@@ -269,17 +302,18 @@ def select_strategy_name(cfg) -> str:
 
 
 class VerifiedOldLogProb(OldLogProbStrategy):
-    """Wraps a strategy; scores every batch again with an independent deep copy of the anchor weights.
+    """Wraps a strategy; scores every batch again with an independent copy of the anchor weights.
 
-    end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob used - deep copy's| over
-    the valid tokens of the cycle.
+    copy_model(model) makes that copy (default copy.deepcopy; a sharded actor gathers its full weights into a
+    plain module). end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob used - the
+    copy's| over the valid tokens of the cycle.
     """
 
-    def __init__(self, inner: OldLogProbStrategy):
+    def __init__(self, inner: OldLogProbStrategy, copy_model: Callable[[torch.nn.Module], torch.nn.Module] = copy.deepcopy):
         if inner.anchor is None:
             raise ValueError(f"strategy {inner.name!r} does not recompute old log-probs; there is nothing to verify")
         super().__init__(inner.model, inner.optimizer, inner.score, inner.cfg)
-        self.inner = inner
+        self.inner, self.copy_model = inner, copy_model
         self.name, self.anchor = inner.name, inner.anchor
         self.reference: torch.nn.Module | None = None
         self.max_abs_diff = 0.0
@@ -297,7 +331,7 @@ class VerifiedOldLogProb(OldLogProbStrategy):
 
     def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
         if trigger == 0 or self.anchor == "current":
-            self.reference = copy.deepcopy(self.model)  # the anchor weights, independent of the snapshot
+            self.reference = self.copy_model(self.model)  # the anchor weights, independent of the snapshot
         logp = self.inner.compute(trigger, batch)
         expected = self.score(self.reference, batch, None)
         mask = batch.response_mask
@@ -312,7 +346,7 @@ class VerifiedOldLogProb(OldLogProbStrategy):
     def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
         self.inner.load_anchor(weights)
         if self.anchor == "cycle_start":
-            self.reference = _with_weights(self.model, weights, lambda: copy.deepcopy(self.model))
+            self.reference = with_weights(self.model, weights, lambda: self.copy_model(self.model))
 
     def end_cycle(self) -> dict[str, float]:
         diff, self.max_abs_diff = self.max_abs_diff, 0.0
@@ -322,10 +356,12 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         self.inner.close()
 
 
-def make_old_log_prob(model, optimizer, score: ScoreFn, cfg, name: str | None = None) -> OldLogProbStrategy:
-    """The strategy named name (default: select_strategy_name(cfg)), verified if trainer.verify_old_log_prob."""
+def make_old_log_prob(model, optimizer, score: ScoreFn, cfg, name: str | None = None,
+                      copy_model: Callable[[torch.nn.Module], torch.nn.Module] = copy.deepcopy) -> OldLogProbStrategy:  # fmt: skip
+    """The strategy named name (default: select_strategy_name(cfg)), verified if trainer.verify_old_log_prob
+    (with references made by copy_model)."""
     name = name or select_strategy_name(cfg)
     strategy = _lookup(OLD_LOG_PROB_STRATEGIES, name, "old-log-prob strategy")(model, optimizer, score, cfg)
     if cfg.trainer.verify_old_log_prob:
-        strategy = VerifiedOldLogProb(strategy)
+        strategy = VerifiedOldLogProb(strategy, copy_model)
     return strategy

@@ -130,11 +130,13 @@ class RayRollout:
             for worker in self.workers:
                 worker.run = worker.actor.run.remote()
 
-    def publish(self, state_dict, version: int) -> None:
+    def publish(self, weights, version: int) -> None:
+        """weights: [ObjectRef] of a state dict already in the object store (the actor's rank 0 put it there),
+        or a state dict, put here once. The buffer hands the reference to each worker at its next boundary."""
         import ray
 
-        # One put; the buffer hands the reference to each worker at its next generation boundary.
-        self._from_buffer(self.buffer.publish.remote([ray.put(state_dict)], version))
+        refs = weights if isinstance(weights, list) else [ray.put(weights)]  # rank 0 put them there, or one put here
+        self._from_buffer(self.buffer.publish.remote(refs, version))
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         import ray

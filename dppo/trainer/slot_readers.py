@@ -31,12 +31,15 @@ if TYPE_CHECKING:
     from dppo.trainer.prox import CycleStartOldLogProb
 
 
-def choose_reader(device_type: str, slot_tier: str, streamable: Callable[[], bool]) -> str:
+def choose_reader(device_type: str, slot_tier: str, streamable: Callable[[], bool], sharded: bool = False) -> str:
     """snapshot.strategy=auto: view where the slot's tensors can feed the model in place, else stream, else swap.
 
     device_type: where the live weights are ("cpu", "cuda"); slot_tier: pool.tier(0) ("host" or "device");
-    streamable(): whether the model's forward pass splits into blocks (only asked when it matters).
+    streamable(): whether the model's forward pass splits into blocks (only asked when it matters);
+    sharded: an FSDP2 model, which all-gathers from its own storage: only swap is exact there (dppo.trainer.prox).
     """
+    if sharded:
+        return "swap"
     if slot_tier == "device" or device_type == "cpu":
         return "view"  # zero transfers: the slot is already where the model computes
     return "stream" if streamable() else "swap"

@@ -127,7 +127,7 @@ def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, stra
     }  # fmt: skip
     trainer = PPOTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]))
     result = trainer.fit()
-    strategy = trainer.old_log_prob.inner
+    strategy = trainer.actor.local_rank.old_log_prob.inner
     assert strategy.reader_name == reader
     stats = strategy.pool.stats()
     assert stats[reader]["count" if reader == "view" else "bytes"] > 0

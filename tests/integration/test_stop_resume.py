@@ -157,9 +157,13 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
+    from dppo.trainer.base import ACTOR_DIR
+    from dppo.workers.sharded_state import load_full_weights
+
     final = newest_trainer_state(out / "checkpoints")
     assert final["global_step"] == total
-    for name, tensor in clean.model.state_dict().items():
-        assert torch.equal(final["model"][name], tensor), name
+    weights = load_full_weights(out / "checkpoints" / f"step_{total:08d}" / ACTOR_DIR)
+    for name, tensor in clean.actor.local_rank.model.state_dict().items():
+        assert torch.equal(weights[name], tensor), name
     untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rs]  # noqa: E731
     assert untimed(records(out / "metrics.jsonl")) == untimed(records(tmp_path / "clean" / "metrics.jsonl"))

@@ -1,13 +1,17 @@
-"""Atomic checkpoints and in-process resume: state restored bitwise, metrics after the checkpoint dropped."""
+"""Atomic checkpoints and in-process resume: state restored bitwise, metrics after the checkpoint dropped; the actor's
+shards (torch.distributed.checkpoint) loaded without running code from the files."""
 
+import hashlib
+import io
 import json
 import os
+import pickle
 
 import pytest
 import torch
 
 from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.base import TRAINER_FILE
+from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
 
@@ -41,14 +45,14 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
     # The KL reference model is state too: it must be the run's initial weights after a resume.
     common = {"trainer.checkpoint_every": 2, "actor.kl_loss_coef": 0.1, "algorithm.prox_anchor": anchor}
     first = PPOTrainer(small_cfg(**{"trainer.total_steps": 3, **common}))
-    initial = {k: v.clone() for k, v in first.model.state_dict().items()}
+    rank = first.actor.local_rank  # ray.enabled=false: the one actor rank, in this process
+    initial = weights(rank.model)
     first.fit()
     out = first.output_dir
     saved = saved_state(out / "checkpoints")
     assert names(out / "checkpoints") == ["step_00000002", "step_00000003"]
-    assert saved["global_step"] == 3 and saved["version"] == 3
-    for name, tensor in first.model.state_dict().items():
-        assert torch.equal(saved["model"][name], tensor)
+    assert saved["global_step"] == 3 and saved["version"] == 3 and saved["anchor"] is False
+    saved_model, saved_optimizer = weights(rank.model), rank.optimizer.state_dict()  # what step 3's checkpoint holds
 
     # A run killed after step 3's checkpoint had logged steps 4 and 5 (the last line torn mid-write).
     lines = (out / "metrics.jsonl").read_text().splitlines()
@@ -57,15 +61,17 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
         f.write(json.dumps({"step": 4, "critic/score/mean": -1.0}) + "\n" + '{"step": 5, "crit')
 
     resumed = PPOTrainer(small_cfg(**{"trainer.total_steps": 5, "trainer.resume": True, **common}))
+    rank = resumed.actor.local_rank
     assert resumed.resumed_from.name == "step_00000003"
     assert (resumed.global_step, resumed.version) == (3, 3)
-    for name, tensor in resumed.model.state_dict().items():
-        assert torch.equal(saved["model"][name], tensor)
-    opt_state = resumed.optimizer.state_dict()["state"]
-    for index, tensors in saved["optimizer"]["state"].items():
+    for name, tensor in rank.model.state_dict().items():
+        assert torch.equal(saved_model[name], tensor)
+    opt_state = rank.optimizer.state_dict()["state"]
+    assert opt_state.keys() == saved_optimizer["state"].keys()
+    for index, tensors in saved_optimizer["state"].items():
         for key, value in tensors.items():
             assert torch.equal(opt_state[index][key], value)
-    for name, tensor in resumed.ref_model.state_dict().items():  # the run's initial weights, not step 3's
+    for name, tensor in rank.ref_model.state_dict().items():  # the run's initial weights, not step 3's
         assert torch.equal(initial[name], tensor)
     resumed.fit()
     records = read_metrics(out / "metrics.jsonl")
@@ -111,7 +117,7 @@ def test_a_rollout_failure_mid_cycle_checkpoints_and_the_resumed_run_is_bitwise_
     out = small_cfg().trainer.output_dir
     clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
     clean.fit()
-    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.model)
+    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.actor.local_rank.model)
 
     fetch, calls = InProcessRollout.fetch, []
 
@@ -127,13 +133,74 @@ def test_a_rollout_failure_mid_cycle_checkpoints_and_the_resumed_run_is_bitwise_
         PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out})).fit()
     monkeypatch.setattr(InProcessRollout, "fetch", fetch)
     assert names(f"{out}/checkpoints") == ["step_00000001_trigger_1"]
+    assert saved_state(f"{out}/checkpoints")["anchor"] is True  # pi_old of the cycle, in the actor's shards
 
     resumed = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out, "trainer.resume": True}))
     assert resumed.resumed_from.name == "step_00000001_trigger_1"
     assert (resumed.global_step, resumed.progress.trigger) == (1, 1)
     resumed.fit()
-    for name, tensor in weights(resumed.model).items():
+    for name, tensor in weights(resumed.actor.local_rank.model).items():
         assert torch.equal(tensor, expected_weights[name]), name
     got, want = without_timing(read_metrics(f"{out}/metrics.jsonl")), without_timing(expected_records)
     assert [{k: (v, b.get(k)) for k, v in a.items() if b.get(k) != v} for a, b in zip(got, want)] == [{}] * len(want)
     assert got == want
+
+
+class _Payload:
+    """Unpickling it writes a file: what a hostile checkpoint would do."""
+
+    def __init__(self, path):
+        self.path = str(path)
+
+    def __reduce__(self):
+        return (exec, (f"open({self.path!r}, 'w').write('pwned')",))
+
+
+def forge(checkpoint) -> None:
+    """Seal a tampered checkpoint as its writer would: manifest hashes and the run's ledger updated to match (what
+    someone who can write the run's directory can do)."""
+    manifest = json.loads((checkpoint / ckpt.MANIFEST).read_text())
+    for name, entry in manifest["files"].items():
+        entry["sha256"], entry["bytes"] = ckpt.sha256_file(checkpoint / name), (checkpoint / name).stat().st_size
+    data = json.dumps(manifest, indent=1, sort_keys=True).encode()
+    (checkpoint / ckpt.MANIFEST).write_bytes(data)
+    ledger_path = checkpoint.parent / ckpt.LEDGER
+    ledger = json.loads(ledger_path.read_text())
+    ledger["checkpoints"][checkpoint.name]["manifest_sha256"] = hashlib.sha256(data).hexdigest()
+    ledger_path.write_text(json.dumps(ledger))
+
+
+def test_a_forged_actor_checkpoint_runs_no_code_on_resume(small_cfg, tmp_path):
+    """DCP reads .metadata with pickle.load; dppo's reader allows DCP's own metadata types only, so even a checkpoint
+    whose manifest and ledger entry were forged to match cannot run code."""
+    common = {"trainer.checkpoint_every": 1, "algorithm.prox_anchor": "current"}
+    PPOTrainer(small_cfg(**{"trainer.total_steps": 1, **common})).fit()
+    checkpoint = tmp_path / "run" / "checkpoints" / "step_00000001"
+    marker = tmp_path / "pwned"
+    (checkpoint / ACTOR_DIR / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    forge(checkpoint)
+    with pytest.raises(ckpt.CheckpointError, match=r"was not loaded: checkpoint metadata refers to builtins.exec"):
+        PPOTrainer(small_cfg(**{"trainer.total_steps": 2, "trainer.resume": True, **common}))
+    assert not marker.exists()
+
+
+def test_dcp_values_load_without_running_code(tmp_path):
+    """DCP's own planner loads non-tensor values with torch.load(weights_only=False); dppo's does not."""
+    from types import SimpleNamespace
+
+    from dppo.workers.sharded_state import UnsafeCheckpointError, _safe_reader_classes
+
+    _, planner_cls = _safe_reader_classes()
+    planner = planner_cls()
+    planner.flatten_state_dict, planner.state_dict = False, {}
+    item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optimizer.param_groups.0.lr"))
+    payload = io.BytesIO()
+    torch.save(_Payload(tmp_path / "pwned"), payload)
+    with pytest.raises(UnsafeCheckpointError, match="optimizer.param_groups.0.lr"):
+        planner.load_bytes(item, io.BytesIO(payload.getvalue()))
+    assert not (tmp_path / "pwned").exists()
+    value = io.BytesIO()
+    torch.save({"lr": 0.5, "betas": (0.9, 0.99)}, value)
+    value.seek(0)
+    planner.load_bytes(item, value)  # plain values still load
+    assert planner.state_dict["optimizer.param_groups.0.lr"] == {"lr": 0.5, "betas": (0.9, 0.99)}

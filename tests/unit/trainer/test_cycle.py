@@ -38,21 +38,22 @@ class ProbeTrainer(PPOTrainer):
     def setup(self):
         super().setup()
         self.checks = []
-        strategy = self.old_log_prob
+        rank = self.actor.local_rank  # ray.enabled=false: the one actor rank, in this process
+        strategy = rank.old_log_prob
         inner = strategy.compute
 
         def compute(trigger, batch):
             if trigger == 0:
-                self.anchor = copy.deepcopy(self.model)  # the cycle-start weights, independent of any snapshot
-            before = params_of(self.model)
+                self.anchor = copy.deepcopy(rank.model)  # the cycle-start weights, independent of any snapshot
+            before = params_of(rank.model)
             logp = inner(trigger, batch)
-            after = params_of(self.model)
+            after = params_of(rank.model)
             self.checks.append({
                 "step": self.global_step,
                 "trigger": trigger,
-                "equal_to_anchor": torch.equal(logp, self.score(self.anchor, batch)),
+                "equal_to_anchor": torch.equal(logp, rank.score(self.anchor, batch)),
                 "live_unchanged": all(torch.equal(before[k], after[k]) for k in before),
-                "live_differs": not torch.equal(self.score(self.model, batch), logp),
+                "live_differs": not torch.equal(rank.score(rank.model, batch), logp),
             })  # fmt: skip
             return logp
 
@@ -89,23 +90,25 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
     trainer.fit()
     assert len(trainer.checks) == 8
     assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
+    old_log_prob = trainer.actor.local_rank.old_log_prob
     if strategy == "reference":
-        assert trainer.old_log_prob.name == "cycle_start_reference" and trainer.old_log_prob.pool is None
+        assert old_log_prob.name == "cycle_start_reference" and old_log_prob.pool is None
     else:  # the reader really went through the pool
         reader = {"auto": "view"}.get(strategy, strategy)  # auto on the CPU: the slot in place
-        assert trainer.old_log_prob.reader_name == reader
+        assert old_log_prob.reader_name == reader
         if reader == "stream":  # the pool counts each pass, even though on the CPU it copies nothing
-            assert trainer.old_log_prob.stream.passes == 12  # 2 cycles x 3 triggers x 2 micro-batches of <= 5
-            assert trainer.old_log_prob.pool.stats()["stream"]["count"] == 12
+            assert old_log_prob.stream.passes == 12  # 2 cycles x 3 triggers x 2 micro-batches of <= 5
+            assert old_log_prob.pool.stats()["stream"]["count"] == 12
         else:
-            assert trainer.old_log_prob.pool.stats()[reader]["count"] > 0
+            assert old_log_prob.pool.stats()[reader]["count"] > 0
 
 
 @pytest.mark.parametrize("ps", [2, 4])
 def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
     trainer = ProbeTrainer(cycle_cfg(small_cfg, ps, False))
-    pool = trainer.old_log_prob.pool
-    assert trainer.old_log_prob.name == "cycle_start" and pool is not None
+    old_log_prob = trainer.actor.local_rank.old_log_prob
+    pool = old_log_prob.pool
+    assert old_log_prob.name == "cycle_start" and pool is not None
     trainer.fit()
     assert pool.stats()["save"]["count"] == 2
 
@@ -114,33 +117,35 @@ def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
 def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 1 if anchor == "cycle_start" and not bypass else 2, bypass,
                                    **{"algorithm.prox_anchor": anchor}))  # fmt: skip
-    assert trainer.old_log_prob.pool is None
-    assert not isinstance(trainer.old_log_prob, CycleStartOldLogProb)
+    old_log_prob = trainer.actor.local_rank.old_log_prob
+    assert old_log_prob.pool is None
+    assert not isinstance(old_log_prob, CycleStartOldLogProb)
 
 
 @pytest.mark.parametrize("strategy", ["view", "swap", "stream", "reference"])
 @pytest.mark.parametrize("fail_at", [0, 1, 3])
 def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg, strategy, fail_at):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.total_steps": 1, "snapshot.strategy": strategy}))
+    rank = trainer.actor.local_rank
     state = {}
-    inner = trainer.old_log_prob.compute
+    inner = rank.old_log_prob.compute
 
     def boom(module, args, kwargs):
         raise RuntimeError("injected failure in the pi_old forward pass")
 
     def compute(trigger, batch):
         if trigger == fail_at:
-            state["params"], state["optimizer"] = params_of(trainer.model), optimizer_state_of(trainer.optimizer)
-            trainer.model.register_forward_pre_hook(boom, with_kwargs=True)
+            state["params"], state["optimizer"] = params_of(rank.model), optimizer_state_of(rank.optimizer)
+            rank.model.register_forward_pre_hook(boom, with_kwargs=True)
         return inner(trigger, batch)
 
-    trainer.old_log_prob.compute = compute
+    rank.old_log_prob.compute = compute
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.fit()
-    assert_params_equal(state["params"], params_of(trainer.model))
-    assert_optimizer_state_equal(state["optimizer"], optimizer_state_of(trainer.optimizer))
+    assert_params_equal(state["params"], params_of(rank.model))
+    assert_optimizer_state_equal(state["optimizer"], optimizer_state_of(rank.optimizer))
     if fail_at > 0 and strategy != "reference":
-        assert trainer.old_log_prob.reader_name == strategy
+        assert rank.old_log_prob.reader_name == strategy
 
 
 def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg):
@@ -152,7 +157,7 @@ def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg):
 
 def test_verify_old_log_prob_reports_old_log_probs_that_are_off_and_resets_each_cycle(small_cfg):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True}))
-    inner = trainer.old_log_prob.inner
+    inner = trainer.actor.local_rank.old_log_prob.inner
     compute = inner.compute
 
     def off_in_the_first_cycle(trigger, batch):
@@ -180,8 +185,8 @@ def test_metrics_of_a_cycle(small_cfg):
 def test_unknown_reader_and_strategy_names_list_the_valid_ones(small_cfg):
     from dppo.trainer.prox import UnknownStrategyError, make_old_log_prob
 
-    trainer = PPOTrainer(cycle_cfg(small_cfg, 2, False))
+    rank = PPOTrainer(cycle_cfg(small_cfg, 2, False)).actor.local_rank
     with pytest.raises(UnknownStrategyError, match="'fast'.*view, swap, stream"):
-        trainer.old_log_prob.use_reader("fast")
+        rank.old_log_prob.use_reader("fast")
     with pytest.raises(KeyError, match="bypass, current, cycle_start, cycle_start_reference"):
-        make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg, name="nope")
+        make_old_log_prob(rank.model, rank.optimizer, rank.score, rank.cfg, name="nope")

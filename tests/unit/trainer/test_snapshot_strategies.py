@@ -70,10 +70,10 @@ class _FakeTierPool:
 def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeypatch, tier, model_streamable, expected):
     monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg))
-    strategy = trainer.old_log_prob
+    strategy = trainer.actor.local_rank.old_log_prob
     strategy._pool = _FakeTierPool(strategy.pool, tier)
     if not model_streamable:  # a parent reads a block's weight directly: no block order exists
-        read_embedding_outside_its_block(trainer.model)
+        read_embedding_outside_its_block(trainer.actor.local_rank.model)
     trainer.fit()
     assert strategy.reader_name == expected
     streamed = strategy.stream is not None and strategy.stream.passes == 6  # 3 triggers x 2 micro-batches
@@ -87,7 +87,7 @@ def test_auto_chooses_again_when_slot_0_lands_in_another_tier(small_cfg, monkeyp
     the view reader (it would raise on CUDA weights) but stream it."""
     monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"trainer.total_steps": 2}))
-    strategy = trainer.old_log_prob
+    strategy = trainer.actor.local_rank.old_log_prob
     fake = _FakeTierPool(strategy.pool, "device")
     strategy._pool = fake
     chosen = []
@@ -110,7 +110,7 @@ def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs
     from dppo.trainer.streaming import StreamedWeights
 
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream", "trainer.verify_old_log_prob": True}))
-    strategy = trainer.old_log_prob.inner
+    strategy = trainer.actor.local_rank.old_log_prob.inner
     score = strategy.score
 
     def score_without_staging_memory(module, batch, params):
@@ -128,11 +128,12 @@ def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs
 
 def test_explicit_stream_on_a_model_that_cannot_stream_warns_and_swaps(small_cfg):
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream"}))
-    read_embedding_outside_its_block(trainer.model)
+    rank = trainer.actor.local_rank
+    read_embedding_outside_its_block(rank.model)
     with pytest.warns(RuntimeWarning, match="cannot be streamed .*using 'swap'"):
         trainer.fit()
-    assert trainer.old_log_prob.reader_name == "swap"
-    assert trainer.old_log_prob.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
+    assert rank.old_log_prob.reader_name == "swap"
+    assert rank.old_log_prob.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
 
 
 def test_view_with_a_host_slot_and_cuda_weights_is_a_clear_error(small_cfg, monkeypatch):
@@ -151,10 +152,11 @@ def test_view_with_a_host_slot_and_cuda_weights_is_a_clear_error(small_cfg, monk
 ])  # fmt: skip
 def test_weight_bytes_each_strategy_moves_in_a_cycle(small_cfg, strategy, copies_per_cycle):
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": strategy}))
-    nbytes = sum(p.nbytes for p in trainer.model.parameters())
+    rank = trainer.actor.local_rank
+    nbytes = sum(p.nbytes for p in rank.model.parameters())
     trainer.fit()
-    assert trainer.old_log_prob.moved_bytes == copies_per_cycle * nbytes
-    pool = trainer.old_log_prob.pool
+    assert rank.old_log_prob.moved_bytes == copies_per_cycle * nbytes
+    pool = rank.old_log_prob.pool
     if pool is not None:  # the engine's own byte counts agree with the trainer's
         pool.synchronize()
         stats = pool.stats()
@@ -167,33 +169,33 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
     slow_pool = functools.partial(dppo.snapshot.SnapshotPool, _copy_delay_s=delay_s)
     monkeypatch.setattr(dppo.snapshot, "SnapshotPool", slow_pool)
     trainer = PPOTrainer(strategy_cfg(small_cfg))
-    strategy = trainer.old_log_prob
-    before = {name: p.detach().clone() for name, p in trainer.model.named_parameters()}
-    ids = torch.randint(0, trainer.source.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
+    rank = trainer.actor.local_rank
+    strategy = rank.old_log_prob
+    before = {name: p.detach().clone() for name, p in rank.model.named_parameters()}
+    ids = torch.randint(0, trainer.task.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
     batch = TrainBatch(ids, torch.ones(8, 4, dtype=torch.bool), torch.zeros(8, 4), torch.zeros(8),
                        torch.arange(8), torch.zeros(8, dtype=torch.long))  # fmt: skip
     start = time.perf_counter()
     strategy.compute(0, batch)  # save(0) + the forward pass over the live weights
     assert time.perf_counter() - start < delay_s, "the save must not block the old-log-prob forward pass"
     with torch.no_grad():
-        for p in trainer.model.parameters():
+        for p in rank.model.parameters():
             p.grad = torch.ones_like(p)
-    trainer.optimizer.step()  # pool.guard: waits for the pending save before it writes a weight
+    rank.optimizer.step()  # pool.guard: waits for the pending save before it writes a weight
     slot = strategy.pool.view(0)
     for name, value in before.items():
         assert torch.equal(slot[name], value), name
-        assert not torch.equal(dict(trainer.model.named_parameters())[name], value), name
+        assert not torch.equal(dict(rank.model.named_parameters())[name], value), name
     trainer.close()
 
 
 def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(small_cfg):
-    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"}))
-    assert isinstance(trainer.old_log_prob, ReferenceCycleStartOldLogProb)
-    trainer = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"}))
-    assert trainer.old_log_prob.name == "current"
-    trainer = PPOTrainer(strategy_cfg(small_cfg))
-    assert isinstance(trainer.old_log_prob, CycleStartOldLogProb) and trainer.old_log_prob.reader_name == "auto"
-    strategy = make_old_log_prob(trainer.model, trainer.optimizer, trainer.score, trainer.cfg,
-                                 name="cycle_start_reference")  # fmt: skip
+    rank = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"})).actor.local_rank
+    assert isinstance(rank.old_log_prob, ReferenceCycleStartOldLogProb)
+    rank = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"})).actor.local_rank
+    assert rank.old_log_prob.name == "current"
+    rank = PPOTrainer(strategy_cfg(small_cfg)).actor.local_rank
+    assert isinstance(rank.old_log_prob, CycleStartOldLogProb) and rank.old_log_prob.reader_name == "auto"
+    strategy = make_old_log_prob(rank.model, rank.optimizer, rank.score, rank.cfg, name="cycle_start_reference")
     with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):
         strategy.compute(2, None)

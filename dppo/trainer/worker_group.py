@@ -1,0 +1,235 @@
+"""The actor as a worker group: trainer.nnodes x trainer.n_gpus_per_node ActorRanks behind one object.
+
+    actor = make_worker_group(cfg, vocab_size)
+    metrics = actor.update_actor(trigger, batch, advantages)   # DP: the batch split over the ranks
+    actor.save_model_to_cpu(0)                                  # ALL: every rank snapshots its own shards
+
+actor.<method>(...) calls dppo.workers.actor_rank.ActorRank.<method> on every rank at once and applies the
+method's dispatch mode (dppo.workers.dispatch). Two ways to hold the ranks, one rank class:
+
+- RayWorkerGroup (ray.enabled=true): each rank is a Ray actor. One placement group per node, one bundle per
+  rank (a GPU and a CPU on CUDA, a CPU on the CPU), STRICT_PACK so a node's ranks sit together; with several
+  nodes each group is pinned to its own node (a label selector on Ray's node id), nodes that have room taken
+  in order, the driver's first. The ranks meet at rank 0's node address on a free port (NCCL or gloo).
+- LocalWorkerGroup (ray.enabled=false): the one rank in this process (tests and debugging).
+
+Failures: if a rank's process dies, the call raises RankDiedError naming the rank and its node, once the other
+ranks (which would wait for it in a collective until trainer.collective_timeout_s) have been killed; any
+other error of a rank is raised after the same clean-up.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dppo.workers.actor_rank import ActorRank
+from dppo.workers.dispatch import ALL, DP, RANK0, collect, dispatch_mode, split_args
+
+PLACEMENT_TIMEOUT_S = 120.0  # how long the ranks' placement groups may take to be placed
+
+
+class RankDiedError(RuntimeError):
+    """An actor rank's process died (killed, or crashed); the message names the rank and its node."""
+
+
+class PlacementError(RuntimeError):
+    """The Ray cluster cannot host the actor's ranks (nodes, GPUs or CPUs missing)."""
+
+
+class WorkerGroup:
+    """world_size ActorRanks; group.<registered method>(*args) runs it on all of them (see the module docstring)."""
+
+    world_size: int = 1
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):
+            raise AttributeError(name)
+        mode = dispatch_mode(ActorRank, name)
+
+        def call(*args: Any) -> Any:
+            return self._dispatch(name, mode, args)
+
+        call.__name__, call.__doc__ = name, getattr(ActorRank, name).__doc__
+        return call
+
+    def _dispatch(self, name: str, mode: str, args: tuple) -> Any:
+        per_rank = split_args(args, self.world_size) if mode == DP else [list(args)] * self.world_size
+        return collect(mode, self._run(name, per_rank))
+
+    def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
+        raise NotImplementedError
+
+    def rollout_weights(self, anchor: bool = False):
+        """The whole model's weights as the rollout takes them (see ActorRank.rollout_weights)."""
+        raise NotImplementedError
+
+    def describe(self) -> str:
+        """One line: how many ranks, sharded or not, and where each runs."""
+        where = ", ".join(f"rank {n['rank']} on node {n['node_ip']} (id {(n['node_id'] or '-')[:8]}, pid {n['pid']})"
+                          for n in self.nodes)  # fmt: skip
+        return f"actor: {self.world_size} rank(s), {'FSDP2' if self.sharded else 'plain module'}: {where}"
+
+    def close(self) -> None:
+        raise NotImplementedError
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """The single rank of ray.enabled=false, in this process (local_rank: the ActorRank itself)."""
+
+    def __init__(self, rank: ActorRank) -> None:
+        self.world_size = 1
+        self.local_rank = rank
+        self.sharded = rank.sharded
+        self.nodes = [rank.node_info()]
+
+    @classmethod
+    def create(cls, cfg, vocab_size: int) -> LocalWorkerGroup:
+        rank = ActorRank(cfg, 0, 1, vocab_size)
+        rank.init_model(*rank.master_address())
+        return cls(rank)
+
+    def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
+        return [getattr(self.local_rank, name)(*per_rank[0])]
+
+    def rollout_weights(self, anchor: bool = False):
+        return self._dispatch("rollout_weights", RANK0, (False, anchor))
+
+    def close(self) -> None:
+        self.local_rank.close()
+
+
+def _resources(cfg, use_gpu: bool) -> dict[str, float]:
+    """One rank's bundle."""
+    return {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
+
+
+def use_gpus(cfg) -> bool:
+    """Whether the ranks go on GPUs: trainer.device=cuda, or auto on a cluster that has GPUs."""
+    import ray
+
+    device = cfg.trainer.device
+    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
+
+
+def choose_nodes(nnodes: int, per_node: int, bundle: dict[str, float]) -> list[str]:
+    """Ids of nnodes alive Ray nodes that can each hold per_node bundles, the driver's node first."""
+    import ray
+
+    here = ray.get_runtime_context().get_node_id()
+    fits = [n for n in ray.nodes() if n["Alive"]
+            and all(n["Resources"].get(k, 0) >= per_node * v for k, v in bundle.items())]  # fmt: skip
+    fits.sort(key=lambda n: n["NodeID"] != here)
+    if len(fits) < nnodes:
+        have = [{k: n["Resources"].get(k, 0) for k in bundle} for n in ray.nodes() if n["Alive"]]
+        raise PlacementError(
+            f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node}: needs {nnodes} Ray node(s) with "
+            f"{ {k: per_node * v for k, v in bundle.items()} } each, found {len(fits)} (alive nodes have {have})"
+        )
+    return [n["NodeID"] for n in fits[:nnodes]]
+
+
+def place_ranks(nnodes: int, per_node: int, bundle: dict[str, float]) -> list:
+    """One ready STRICT_PACK placement group per node, one bundle per rank, each pinned to its own node."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    groups = [placement_group([bundle] * per_node, strategy="STRICT_PACK",
+                              bundle_label_selector=[{"ray.io/node-id": node}] * per_node)
+              for node in choose_nodes(nnodes, per_node, bundle)]  # fmt: skip
+    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)
+    if len(ready) < len(groups):
+        for g in groups:
+            remove_placement_group(g)
+        raise PlacementError(f"the actor's ranks ({nnodes} node(s) x {per_node} bundles of {bundle}) were not "
+                             f"placed within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources()} free")  # fmt: skip
+    return groups
+
+
+class RayWorkerGroup(WorkerGroup):
+    """The ranks as Ray actors (see the module docstring)."""
+
+    def __init__(self, cfg, vocab_size: int) -> None:
+        import ray
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from dppo.workers.actor_rank import uses_fsdp
+
+        nnodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
+        self.world_size = nnodes * per_node
+        self.sharded = uses_fsdp(cfg, self.world_size)
+        gpu = use_gpus(cfg)
+        bundle = _resources(cfg, gpu)
+        self._groups = place_ranks(nnodes, per_node, bundle)
+        self._dead = False
+        rank_cls = ray.remote(ActorRank)
+        # no runtime_env of their own: the ranks can start in the job's idle worker processes (torch's threads
+        # are set in init_model)
+        self._actors = [
+            rank_cls.options(
+                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
+            ).remote(cfg, rank, self.world_size, vocab_size, True)
+            for rank, (group, index) in enumerate((g, i) for g in self._groups for i in range(per_node))
+        ]  # fmt: skip
+        self.nodes = [{"rank": rank, "node_id": None, "node_ip": "?", "pid": None} for rank in range(self.world_size)]
+        self.nodes = self._dispatch("node_info", ALL, ())
+        master = ray.get(self._actors[0].master_address.remote())
+        self._dispatch("init_model", ALL, master)
+
+    def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
+        if self._dead:
+            raise RuntimeError(f"the actor's worker group was shut down after a failure; cannot call {name}")
+        return self._wait([getattr(actor, name).remote(*args) for actor, args in zip(self._actors, per_rank)])
+
+    def _wait(self, futures: list) -> list[Any]:
+        """Every rank's result; on the first failure the whole group is torn down and the error raised."""
+        import ray
+
+        pending = list(futures)
+        while pending:
+            ready, pending = ray.wait(pending, num_returns=1)
+            try:
+                ray.get(ready[0])
+            except ray.exceptions.RayActorError as err:
+                rank = futures.index(ready[0])
+                self._abort()
+                raise RankDiedError(self._died(rank, err)) from None
+            except BaseException:
+                self._abort()
+                raise
+        return ray.get(futures)
+
+    def _died(self, rank: int, err: BaseException) -> str:
+        node = self.nodes[rank]
+        reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        node_id = (node["node_id"] or "?")[:12]
+        return (f"actor rank {rank} of {self.world_size} died (node {node['node_ip']}, node id {node_id}, "
+                f"pid {node['pid']}): {reason}")  # fmt: skip
+
+    def _abort(self) -> None:
+        """Kill every rank (the living ones may be waiting in a collective for a dead one) and free the nodes."""
+        import ray
+        from ray.util.placement_group import remove_placement_group
+
+        self._dead = True
+        for actor in self._actors:
+            ray.kill(actor, no_restart=True)
+        for group in self._groups:
+            remove_placement_group(group)
+
+    def rollout_weights(self, anchor: bool = False):
+        return self._dispatch("rollout_weights", RANK0, (True, anchor))
+
+    def close(self) -> None:
+        if self._dead:
+            return
+        try:
+            self._dispatch("close", ALL, ())
+        finally:
+            if not self._dead:
+                self._abort()
+
+
+def make_worker_group(cfg, vocab_size: int) -> WorkerGroup:
+    """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process."""
+    return RayWorkerGroup(cfg, vocab_size) if cfg.ray.enabled else LocalWorkerGroup.create(cfg, vocab_size)
