@@ -24,9 +24,10 @@ examples:
 EXIT_CODES = (
     (0, "the run finished"),
     (1, "the rollout failed beyond recovery (the replay buffer died, a worker died more often than "
-        "rollout.max_restarts allows, or a worker raised); the trainer's state was checkpointed first"),
+        "rollout.max_restarts allows, or a worker raised); the trainer's state was checkpointed first. Or an actor "
+        "rank died: its shards are lost, so the line names the rank, its node and the last checkpoint"),
     (2, "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
-        "machine or cluster has (CPUs, memory for the model)"),
+        "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks)"),
     (3, "trainer.output_dir cannot be created or written"),
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
         "the run's checkpoint ledger is unreadable"),
@@ -54,9 +55,10 @@ def _error_exit_codes() -> tuple:
     from dppo.trainer.preflight import OutputDirError
     from dppo.trainer.ray_cluster import RayConnectError
     from dppo.trainer.rollout_source import RolloutFailedError
+    from dppo.trainer.worker_group import PlacementError, RankDiedError
 
-    return ((RolloutFailedError, 1), (ConfigError, 2), (OutputDirError, 3), (CheckpointError, 4), (RayConnectError, 5),
-            (DataError, 6))
+    return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (OutputDirError, 3),
+            (CheckpointError, 4), (RayConnectError, 5))  # fmt: skip
 
 
 def config_help() -> str:

@@ -67,6 +67,17 @@ def test_overrides_are_typed_and_nested():
         (["trainer.seed=-1"], ["trainer.seed=-1", "[0, 2**64)"]),
         (["ray.num_cpus=0"], ["ray.num_cpus=0"]),
         (["ray.num_cpus=-1"], ["ray.num_cpus=-1"]),
+        (["trainer.nnodes=0"], ["trainer.nnodes=0"]),
+        (["trainer.n_gpus_per_node=0"], ["trainer.n_gpus_per_node=0"]),
+        (["trainer.collective_timeout_s=inf"], ["trainer.collective_timeout_s=inf"]),
+        (["actor.fsdp=never"], ["actor.fsdp", "never", "'auto', 'always'"]),
+        # a sharded actor refuses the readers FSDP2 would bypass, naming the ones that work
+        (["trainer.n_gpus_per_node=2", "snapshot.strategy=view"],
+         ["snapshot.strategy='view' is not exact on a sharded (FSDP2) actor", "auto, swap, reference", "world size 2"]),
+        (["trainer.nnodes=2", "snapshot.strategy=stream"], ["snapshot.strategy='stream'", "auto, swap, reference"]),
+        (["actor.fsdp=always", "snapshot.strategy=view"], ["snapshot.strategy='view'", "actor.fsdp='always'"]),
+        (["trainer.n_gpus_per_node=2", "ray.enabled=false", "trainer.mode=sync"],
+         ["trainer.n_gpus_per_node=2", "ray.enabled=false runs one rank"]),
         # Too few distinct prompts for the held-out set: all would be held out, none left to train on.
         (["task.length=2"], ["trainer.eval_prompts=256", "task.length=2", "only 100 distinct prompts"]),
         (["task.length=1"], ["trainer.eval_prompts=256", "task.length=1", "only 10 distinct prompts"]),

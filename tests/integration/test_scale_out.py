@@ -1,0 +1,263 @@
+"""The actor as two FSDP2 ranks (Ray actors, gloo) against one: the same update, exact old log-probs for every
+snapshot strategy a sharded actor allows, verl's snapshot calls on every rank's shard, and DCP checkpoints that
+resume at world size 2 and at world size 1.
+
+One Ray cluster and ONE world-size-2 trainer serve the whole module (starting two rank processes costs more
+than the training steps); the tests drive its cycles themselves (BaseTrainer.run_cycle) and run in file order:
+the comparison with world size 1 first, on fresh weights. All trainers read the same pre-generated groups.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import ray
+import torch
+
+from dppo.models import build_model
+from dppo.rollout import Group
+from dppo.tasks import held_out_prompts, make_task
+from dppo.trainer import checkpoint_dir
+from dppo.trainer.config import load_config
+from dppo.trainer.ppo import PPOTrainer
+from dppo.workers.rollout_worker import RolloutGenerator
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run on the ranks come from here
+
+
+def overrides(output_dir: Path, world_size: int, **extra) -> dict:
+    return {
+        "trainer.output_dir": str(output_dir),
+        "trainer.n_gpus_per_node": world_size,
+        "trainer.mode": "sync",
+        "ray.enabled": world_size > 1,
+        "trainer.total_steps": 100,  # the tests run the cycles themselves
+        "trainer.parameter_sync_step": 2,
+        "trainer.train_batch_size": 6,  # 3 groups of 3 per trigger: 9 sequences, split 5 + 4 (and one padding row)
+        "trainer.eval_prompts": 8,
+        "trainer.checkpoint_every": 0,
+        "trainer.progress_bar": False,
+        "trainer.verify_old_log_prob": True,
+        "rollout.n": 3,
+        "task.length": 3,
+        "model.hidden_size": 32,
+        "model.num_hidden_layers": 2,
+        "model.num_attention_heads": 2,
+        "model.intermediate_size": 64,
+        "actor.micro_batch_size": 2,  # 3 micro-batches on each rank, the last one of rank 1 padding only
+        "actor.lr": 0.01,
+        "actor.entropy_coeff": 0.01,
+        "actor.kl_loss_coef": 0.1,  # a KL reference model, sharded like the policy
+        **extra,
+    }
+
+
+def make_cfg(output_dir: Path, world_size: int, **extra):
+    return load_config([f"{k}={v}" for k, v in overrides(output_dir, world_size, **extra).items()])
+
+
+class FixedRollout:
+    """The same groups, in the same order, for every trainer (stamped with the version that takes them)."""
+
+    def __init__(self, groups: list[Group]) -> None:
+        self.groups, self.taken = groups, 0
+
+    def start(self) -> None:
+        pass
+
+    def publish(self, weights, version: int) -> None:
+        pass
+
+    def fetch(self, num_groups: int, trainer_version: int):
+        groups = self.groups[self.taken : self.taken + num_groups]
+        assert len(groups) == num_groups, "the test ran out of groups"
+        self.taken += num_groups
+        return [dataclasses.replace(g, version=trainer_version) for g in groups], 0
+
+    def stats(self) -> dict[str, float]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@pytest.fixture(scope="module")
+def groups(tmp_path_factory) -> list[Group]:
+    """Groups sampled from the initial weights, as a rollout worker would (behavior log-probs included)."""
+    cfg = make_cfg(tmp_path_factory.mktemp("groups"), 1)
+    task = make_task(cfg.task.name, cfg.task.length)
+    model = build_model(cfg.model, task.vocab_size, seed=cfg.trainer.seed)
+    generator = RolloutGenerator(cfg, task, model.config, 0, held_out_prompts(task, 0, cfg.trainer.eval_prompts))
+    generator.load_weights(model.state_dict(), 0)
+    return generator.generate(120)
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    """A new local Ray cluster (never one someone else left running) that can see this tree's dppo."""
+    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
+             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}})  # fmt: skip
+    yield
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def ws2(cluster, groups, tmp_path_factory):
+    trainer = PPOTrainer(make_cfg(tmp_path_factory.mktemp("ws2"), 2), rollout=FixedRollout(groups))
+    yield trainer
+    trainer.close()
+
+
+def run_cycles(trainer: PPOTrainer, cycles: int) -> list[dict]:
+    """Metrics of every trigger of `cycles` sync cycles."""
+    triggers = []
+    train_trigger = trainer.train_trigger
+    trainer.train_trigger = lambda batch: triggers.append(train_trigger(batch)) or triggers[-1]
+    try:
+        records = [trainer.run_cycle() for _ in range(cycles)]
+    finally:
+        trainer.train_trigger = train_trigger
+    return triggers, records
+
+
+def full_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
+    weights = trainer.actor.rollout_weights()
+    return ray.get(weights[0]) if isinstance(weights, list) else weights
+
+
+def full_optimizer_state(rank) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(rank.model, rank.optimizer,
+                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+
+
+def reconfigure(trainer: PPOTrainer, **extra) -> None:
+    """Other algorithm settings for the driver and every rank, over the same weights and optimizer."""
+    cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor.world_size, **extra)
+
+    def on_rank(rank, cfg):
+        rank.old_log_prob.close()
+        rank.cfg = cfg
+        rank.setup_update()
+
+    trainer.cfg = cfg
+    trainer.actor.execute(on_rank, cfg)
+
+
+# ---- tests, in this order ------------------------------------------------------------------------
+
+
+def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
+    assert ws2.global_step == 0, "runs first, on the initial weights"
+    ranks = ws2.actor.nodes
+    assert [n["rank"] for n in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"] != os.getpid()
+    ws1 = PPOTrainer(make_cfg(tmp_path, 1), rollout=FixedRollout(groups))
+    assert ws1.actor.world_size == 1 and ws1.actor.local_rank.sharded is False  # the plain module
+    one, one_records = run_cycles(ws1, 3)
+    two, two_records = run_cycles(ws2, 3)
+    # trigger 0: pi_theta = pi_old, so the PPO term is ~0; its gradient, the entropy and the grad norm are not
+    for key in ("actor/grad_norm", "actor/entropy", "rollout_corr/kl_k1"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5), key
+    for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac"):  # trigger 1: all moved
+        assert two[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-7), key
+    assert one[1]["actor/kl_loss"] > 0 and one[1]["actor/pg_loss"] != 0
+    assert [r["debug/old_log_prob_max_abs_diff"] for r in two_records] == [0.0] * 3
+    expected = ws1.actor.local_rank.model.state_dict()
+    got = full_weights(ws2)
+    assert got.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(got[name], value, rtol=1e-4, atol=1e-4, msg=name)
+    ws1.close()
+
+
+@pytest.mark.parametrize("strategy", ["auto", "swap", "reference"])
+def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strategy):
+    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8,
+                        "snapshot.strategy": strategy})  # fmt: skip
+    triggers, records = run_cycles(ws2, 2)
+    assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
+    assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
+    used = ws2.actor.execute(lambda rank: getattr(rank.old_log_prob.inner, "reader_name", rank.old_log_prob.name))
+    assert used == [{"auto": "swap", "swap": "swap", "reference": "cycle_start_reference"}[strategy]] * 2
+
+
+@pytest.mark.parametrize("reader", ["live", "view"])
+def test_a_reader_that_computes_with_the_live_weights_is_caught(ws2, reader):
+    """verify_old_log_prob would see a reader that reads the live weights: here one that does so on purpose, and
+    the view reader (refused under FSDP2), whose functional_call FSDP2 overrides with its own gathered weights."""
+
+    def force_reader(rank, reader):
+        from dppo.trainer.slot_readers import SLOT_READERS
+
+        strategy = rank.old_log_prob.inner
+        strategy._auto, strategy.reader_name = False, reader
+        strategy._reader = SLOT_READERS["view"] if reader == "view" else lambda s, batch: s.score(s.model, batch)
+
+    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8})
+    ws2.actor.execute(force_reader, reader)
+    _, records = run_cycles(ws2, 1)
+    assert records[0]["debug/old_log_prob_max_abs_diff"] > 1e-4
+
+
+def test_snapshot_calls_reach_every_rank_and_each_holds_its_own_shard(ws2):
+    reconfigure(ws2)  # back to auto
+    model_bytes = sum(t.nbytes for t in full_weights(ws2).values())
+    before = full_weights(ws2)
+    ws2.actor.save_model_to_cpu(1)
+    memory = ws2.actor.snapshot_memory()
+    assert sum(m["nbytes"] for m in memory) == model_bytes  # the shards partition the model
+    for m in memory:  # host bytes per rank: model bytes / 2 (dim-0 shards; one row of padding at most)
+        assert abs(m["nbytes"] - model_bytes / 2) <= 0.01 * model_bytes, (m, model_bytes)
+        assert m["host_bytes"] >= m["nbytes"] and m["device_bytes"] == 0
+    run_cycles(ws2, 1)
+    moved = full_weights(ws2)
+    assert any(not torch.equal(moved[k], v) for k, v in before.items())
+    ws2.actor.restore_model_from_cpu(1)
+    for name, value in full_weights(ws2).items():
+        assert torch.equal(value, before[name]), name
+    ws2.actor.clear_cpu_model(1)
+    assert ws2.actor.execute(lambda rank: 1 in rank.pool) == [False, False]
+
+
+def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1(ws2, groups):
+    path = ws2.save_checkpoint()
+    assert path.name == f"step_{ws2.global_step:08d}"
+    manifest = checkpoint_dir.verify(path)
+    shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
+    assert shards == ["actor/__0_0.distcp", "actor/__1_0.distcp"]  # each rank wrote its own
+    saved, step = full_weights(ws2), ws2.global_step
+    saved_optimizer = ws2.actor.execute(full_optimizer_state)[0]
+
+    # 1: a fresh in-process trainer resumes the world-size-2 checkpoint (DCP reshards it)
+    ws1 = PPOTrainer(make_cfg(Path(ws2.cfg.trainer.output_dir), 1, **{"trainer.resume": True}),
+                     rollout=FixedRollout(groups))  # fmt: skip
+    assert ws1.resumed_from == path and ws1.global_step == step
+    rank = ws1.actor.local_rank
+    for name, value in rank.model.state_dict().items():
+        assert torch.equal(value, saved[name]), name
+    optimizer = full_optimizer_state(rank)
+    assert optimizer["param_groups"] == saved_optimizer["param_groups"]
+    for name, state in saved_optimizer["state"].items():
+        for key, value in state.items():
+            assert torch.equal(optimizer["state"][name][key], value), (name, key)
+    triggers, _ = run_cycles(ws1, 1)
+    assert triggers[0]["actor/kl_loss"] > 0  # the KL reference came back too: the initial weights, not these
+    ws1.close()
+
+    # 2: the world-size-2 ranks, moved on, resume it again
+    run_cycles(ws2, 1)
+    ws2._resume(path)
+    assert ws2.global_step == step
+    for name, value in full_weights(ws2).items():
+        assert torch.equal(value, saved[name]), name
+    for name, state in ws2.actor.execute(full_optimizer_state)[0]["state"].items():
+        for key, value in state.items():
+            assert torch.equal(saved_optimizer["state"][name][key], value), (name, key)
