@@ -36,6 +36,10 @@ a deep copy of the cycle-start weights (bitwise on the CPU, within 1e-6 on a GPU
 pass's peak extra device memory is at most two steps' (layers') bytes plus alignment.
 Prints a table and writes JSON (--out). Defaults finish in under 3 minutes on a 2-core CPU.
 
+--world-size N (N > 1) adds, at the largest size, a sync cycle of the actor as N FSDP2 ranks against one rank
+(both Ray actors on a local cluster), with each rank's snapshot bytes, pool host bytes and resident memory,
+and a target line: the ranks' snapshot bytes add up to the model's, 1/N each (benchmarks/cycle_world_sizes.py).
+
 The process keeps freed host memory mapped (dppo.hostmem, as `dppo train` does; --no-malloc-tuning turns
 it off): with glibc's defaults every step page-faults its gradients in again, which on the CPU costs a
 tenth of a cycle and makes single cycles vary by tens of percent.
@@ -49,6 +53,7 @@ import json
 import os
 import platform
 import statistics
+import sys
 import tempfile
 import time
 from datetime import datetime, timezone
@@ -433,6 +438,17 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
     return out
 
 
+def _load_sibling(name: str):
+    """benchmarks/<name>.py as a module (benchmarks/ is not a package)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="run on CUDA with the GPU sizes (bf16, host slots)")
@@ -441,6 +457,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--ps", nargs="+", type=int, default=[1, 2, 4, 8], help="parameter_sync_step values")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/cycle_bench.json"))
+    parser.add_argument("--world-size", type=int, default=1,
+                        help="also time the actor as this many FSDP2 ranks (Ray, gloo on the CPU) against one rank")  # fmt: skip
     parser.add_argument("--no-malloc-tuning", action="store_true",
                         help="leave glibc's malloc thresholds at their defaults (see dppo.hostmem)")  # fmt: skip
     args = parser.parse_args(argv)
@@ -448,6 +466,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--gpu: torch.cuda.is_available() is False")
     if min(args.ps) < 1 or args.repeats < 1:
         parser.error(f"--ps values and --repeats must be >= 1, got {args.ps} and {args.repeats}")
+    if args.world_size < 1 or (args.world_size > 1 and args.gpu):
+        parser.error(f"--world-size must be >= 1, and > 1 only on the CPU here; got {args.world_size}")
     device = torch.device("cuda" if args.gpu else "cpu")
     sizes = args.sizes or (GPU_SIZES if args.gpu else CPU_SIZES)
 
@@ -469,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
         results.append(run_size(size, args, device))
         # written after every size, so that a run stopped by a time limit keeps what it measured
         args.out.write_text(json.dumps({"meta": meta, "results": results, "partial": True}, indent=1))
+    world_sizes = None
+    if args.world_size > 1:
+        world_size_bench = _load_sibling("cycle_world_sizes")
+        largest = max(sizes, key=lambda name: SIZES[name])
+        world_sizes = world_size_bench.run(sys.modules[__name__], largest, args.world_size, args.repeats)
     meta["loadavg_after"] = os.getloadavg()
     meta["wall_s"] = time.perf_counter() - started
     rows = [r for res in results for r in res["rows"]]
@@ -482,10 +507,12 @@ def main(argv: list[str] | None = None) -> int:
     print("exposed snap = cycle(mode) - cycle(recompute-only): only what the snapshot work adds")
     print_table(rows)
     goals = targets(results, args.gpu)
+    if world_sizes is not None:
+        goals += world_size_bench.report(world_sizes)
     print()
     for line, ok in goals:
         print(f"{'PASS' if ok else 'FAIL'}  {line}")
-    args.out.write_text(json.dumps({"meta": meta, "results": results, "targets": [
+    args.out.write_text(json.dumps({"meta": meta, "results": results, "world_sizes": world_sizes, "targets": [
         {"line": line, "pass": ok} for line, ok in goals]}, indent=1))  # fmt: skip
     print(f"wrote {args.out}")
     return 0 if all(ok for _, ok in goals) else 1

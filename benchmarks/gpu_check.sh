@@ -3,8 +3,10 @@
 #   1. build dppo._C with the CUDA engine (in place, no network needed)       limit 100 s
 #   2. run the CUDA tests (pytest -m cuda)                                    limit  75 s
 #   3. run benchmarks/snapshot_bench.py on the GPU (3 repeats)                limit 100 s
-#   4. run benchmarks/cycle_bench.py with its GPU sizes (2 repeats)           limit 200 s
-# The limits add up to 475 s (under 8 minutes), so that the whole script fits the device tool's
+#   4. run benchmarks/cycle_bench.py with its GPU sizes (2 repeats)           limit 180 s
+#   5. run benchmarks/fsdp_cycle.py: the actor at world size 1 plain and FSDP2, limit  70 s
+#      and at world size = GPU count when there are several GPUs
+# The limits add up to 525 s (under 9 minutes), so that the whole script fits the device tool's
 # 10-minute limit on one command with its start-up, and a step that hangs cannot eat the session's time.
 # and write every log and JSON file flat into one folder: $1, else $OUT, else bench_out/gpu_check.
 #
@@ -77,12 +79,23 @@ step snapshot_bench 100 "$PY" benchmarks/snapshot_bench.py --repeats 3 --out "$R
 # words it; old log-probs within 1e-6 in fp32; streamed pass's peak extra memory <= two steps) go into
 # the summary.
 if [[ -f benchmarks/cycle_bench.py ]]; then
-  step cycle_bench 200 "$PY" benchmarks/cycle_bench.py --gpu --repeats 2 --out "$RESULTS/cycle_bench.json"
+  step cycle_bench 180 "$PY" benchmarks/cycle_bench.py --gpu --repeats 2 --out "$RESULTS/cycle_bench.json"
   mapfile -t CYCLE_TARGETS < <(grep -E "^(PASS|FAIL)  " "$RESULTS/cycle_bench.log" || true)
   SUMMARY+=("${CYCLE_TARGETS[@]}")
 else
   SUMMARY+=("$(printf '%-16s %-18s' cycle_bench 'skipped (absent)')")
 fi
+# ---------------------------------------------------------------------------------------------------
+
+# ---- the sharded actor (issue 9) ----------------------------------------------------------------------
+# Two global steps of the trainer in sync mode (fp32, verify_old_log_prob on): the plain module and FSDP2 over
+# one rank, in this process (NCCL, a process group of one); with several GPUs also FSDP2 over all of them as Ray
+# actors (needs ray). PASS/FAIL: old-log-prob max |diff| <= 1e-6 for each; the first cycle's grad norm of the
+# FSDP2 runs within 1e-4 of the plain module's.
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 1)
+step fsdp_cycle 70 "$PY" benchmarks/fsdp_cycle.py --device cuda --world-size "$NGPU" --out "$RESULTS/fsdp_cycle.json"
+mapfile -t FSDP_TARGETS < <(grep -E "^(PASS|FAIL)  " "$RESULTS/fsdp_cycle.log" || true)
+SUMMARY+=("${FSDP_TARGETS[@]}")
 # ---------------------------------------------------------------------------------------------------
 
 {

@@ -134,7 +134,8 @@ class TrainerConfig:
     only at the end (the final evaluation always runs and joins the last step's line)."""
 
     device: str = "auto"
-    """Trainer device: cpu, cuda or auto (cuda when available). Rollout workers generate on the CPU."""
+    """The actor ranks' device: cpu, cuda or auto (a GPU per rank when the Ray cluster has GPUs; without Ray, cuda
+    when available). Rollout workers generate on the CPU."""
 
     num_threads: int = 1
     """torch intra-op threads of each actor rank (rollout workers use rollout.num_threads)."""
