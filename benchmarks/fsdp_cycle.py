@@ -1,4 +1,4 @@
-"""Does the FSDP2 actor train as the plain one on this machine, and what does a sync cycle cost at world size 1 and N?
+"""Does the FSDP2 actor train as the plain one on this machine's devices, at world size 1 and N, with exact old log-probs?
 
 Runs dppo's trainer (sync mode, parameter_sync_step 4, trainer.verify_old_log_prob=true, fp32 so that the
 old-log-prob check is stated in fp32) for --steps global steps, three ways:
@@ -10,7 +10,9 @@ old-log-prob check is stated in fp32) for --steps global steps, three ways:
 All three sample their first cycle from the same initial weights with the same seeds, so their first cycles see
 the same groups. PASS/FAIL lines: every run's debug/old_log_prob_max_abs_diff <= 1e-6 (0.0 on the CPU); the
 first cycle's grad norm of fsdp-1 and fsdp-N within 1e-4 relative of plain's. Prints each run's median cycle
-time; writes JSON (--out). benchmarks/gpu_check.sh runs it on a GPU machine.
+time, the verification included (it gathers the whole model once a cycle and scores every batch twice, so these
+times are not the actor's cost: cycle_bench.py --world-size measures that); writes JSON (--out).
+benchmarks/gpu_check.sh runs it on a GPU machine.
 """
 
 from __future__ import annotations
@@ -52,7 +54,7 @@ def run(name: str, args, **extra) -> dict:
            "first_grad_norm": records[0]["actor/grad_norm"],
            "old_log_prob_max_abs_diff": max(r["debug/old_log_prob_max_abs_diff"] for r in records)}  # fmt: skip
     print(f"{name:>8}: world size {row['world_size']}, {'FSDP2' if row['sharded'] else 'plain'}, cycle "
-          f"{row['cycle_s']:.3f} s (built in {built_s:.1f} s), first grad norm {row['first_grad_norm']:.6g}, "
+          f"{row['cycle_s']:.3f} s with the verification (built in {built_s:.1f} s), first grad norm {row['first_grad_norm']:.6g}, "
           f"old-log-prob max |diff| {row['old_log_prob_max_abs_diff']:.2e}", flush=True)  # fmt: skip
     return row
 
