@@ -153,11 +153,23 @@ def _rollout_copies_here(cfg: DppoConfig) -> int:
     return cfg.rollout.num_workers if local else 0
 
 
+def _ranks_here(cfg: DppoConfig) -> int:
+    """The actor's ranks on this machine: all of them in-process or on a local cluster, none (as far as this machine
+    can tell) on a cluster of the user's own."""
+    if not cfg.ray.enabled:
+        return 1
+    local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node if local else 0
+
+
 def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
     """ConfigError if the run cannot fit in the memory available. A lower bound (no other activations), so what it
-    refuses would certainly fail."""
+    refuses would certainly fail. The actor's weights, gradients, Adam moments and snapshot slot are sharded over
+    its world size ranks (one GPU each), each rank updating on its part of a trigger's mini-batch."""
     from dppo.trainer.prox import select_strategy_name
 
+    world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    ranks_here = _ranks_here(cfg)
     copy_bytes = shape.params * DTYPE_BYTES[cfg.model.dtype]
     trainer_copies = 4 + (1 if cfg.actor.kl_loss_coef > 0 else 0)  # weights, grads, 2 Adam moments (+ KL reference)
     snapshot = 1 if select_strategy_name(cfg).startswith("cycle_start") else 0
@@ -165,17 +177,18 @@ def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
     generate, update = batch_bytes(cfg, shape)
     on_gpu = _trainer_on_gpu(cfg)
     what = f"{shape.params:,} parameters in {cfg.model.dtype}, {_model_keys(cfg)}"
-    if on_gpu:
+    if on_gpu and ranks_here:
         import torch
 
         free, _ = torch.cuda.mem_get_info()
-        _require_fits(trainer_copies * copy_bytes + update, free, what, "GPU",
-                      "weights, gradients, Adam's two moments, an update's batch")  # fmt: skip
+        _require_fits(trainer_copies * copy_bytes // world_size + update, free, what, "GPU",
+                      f"a 1/{world_size} shard of the weights, gradients and Adam's two moments, an update's batch")  # fmt: skip
     if not cfg.ray.enabled:  # one process generates, then updates
         batches = generate if on_gpu else max(generate, update)
     else:
-        batches = rollout * generate + (0 if on_gpu else update)
-    host = (snapshot + rollout + (0 if on_gpu else trainer_copies)) * copy_bytes + batches
+        batches = rollout * generate + (0 if on_gpu else update * ranks_here)
+    actor_copies = snapshot + (0 if on_gpu else trainer_copies)  # of the actor's ranks, on this machine's host
+    host = rollout * copy_bytes + actor_copies * copy_bytes * ranks_here // world_size + batches
     parts = ("weights, gradients and Adam's two moments, " if not on_gpu else "") + \
         f"{snapshot} snapshot slot(s), {rollout} rollout model copies, their batches"  # fmt: skip
     _require_fits(host, available_host_bytes(), what, "host", parts)

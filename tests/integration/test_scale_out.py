@@ -21,7 +21,7 @@ import torch
 from dppo.models import build_model
 from dppo.rollout import Group
 from dppo.tasks import held_out_prompts, make_task
-from dppo.trainer import checkpoint_dir
+from dppo.trainer.base import find_resume_point
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.rollout_worker import RolloutGenerator
@@ -233,7 +233,7 @@ def test_snapshot_calls_reach_every_rank_and_each_holds_its_own_shard(ws2):
 def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_alike(ws2, groups):
     path = ws2.save_checkpoint()
     assert path.name == f"step_{ws2.global_step:08d}"
-    manifest = checkpoint_dir.verify(path)
+    manifest = ws2.checkpoints.trusted(path)
     shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
     assert shards == ["actor/__0_0.distcp", "actor/__1_0.distcp"]  # each rank wrote its own
     saved, step = full_weights(ws2), ws2.global_step
@@ -254,7 +254,9 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
 
     # 2: the world-size-2 ranks, moved on, resume it again
     run_cycles(ws2, 1)
-    ws2._resume(path)
+    point = find_resume_point(ws2.cfg)
+    assert point[0] == path
+    ws2._resume(point)
     assert ws2.global_step == step
     for name, value in full_weights(ws2).items():
         assert torch.equal(value, saved[name]), name

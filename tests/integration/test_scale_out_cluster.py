@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dppo.trainer import checkpoint_dir
+from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 
@@ -115,9 +115,10 @@ def test_two_nodes_train_async_and_a_killed_rank_ends_the_run_in_one_line_then_i
     assert f"pid {pid}" in errors[0] and "Traceback" not in stderr_text, stderr_text[-3000:]
 
     # the checkpoints are intact: the newest verifies, and training continues from it, at world size 1
-    latest = checkpoint_dir.latest_checkpoint(out / "checkpoints")
-    assert latest is not None and f"its last checkpoint {latest} is intact" in errors[0]
-    step = checkpoint_dir.verify(latest)["step"]
+    checkpoints = ckpt.CheckpointDir(out / "checkpoints")
+    latest = checkpoints.directory / checkpoints.recorded()[-1].name
+    assert f"its last checkpoint {latest} is intact" in errors[0]
+    step = checkpoints.trusted(latest)["step"]  # it verifies: every file as its manifest says
     assert step >= 1
     cfg = load_config([*overrides(out, step + 1, "trainer.resume=true"), "trainer.nnodes=1", "ray.enabled=false",
                        "trainer.mode=sync"])  # fmt: skip
