@@ -311,7 +311,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
         base = PPOTrainer(make_cfg(2, MODES["bypass"]), rollout=_NoRollout())
         params = sum(p.numel() for p in rank_of(base).model.parameters())
         nbytes = sum(p.nbytes for p in rank_of(base).model.parameters())
-        batches = synthetic_batches(base.task.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
+        batches = synthetic_batches(base.source.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
         print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
               f"built in {time.perf_counter() - built:.1f} s]", flush=True)  # fmt: skip
         if cuda:  # the old-log-prob check is stated for fp32 on a GPU: a model of its own, same size and seed

@@ -43,7 +43,7 @@ def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str
                                              "trainer.n_gpus_per_node": world_size}, "cpu", out_dir, WS_BATCH)  # fmt: skip
     trainer = PPOTrainer(cfg, rollout=bench._NoRollout())
     try:
-        batches = bench.synthetic_batches(trainer.task.vocab_size, WS_BATCH, WS_PS, torch.device("cpu"))
+        batches = bench.synthetic_batches(trainer.source.vocab_size, WS_BATCH, WS_PS, torch.device("cpu"))
         clock = bench.Clock(False)
         bench.run_cycle(trainer, WS_PS, batches, clock)  # warm-up: arenas, the swap scratch
         cycles = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]

@@ -58,7 +58,7 @@ def _error_exit_codes() -> tuple:
     from dppo.trainer.worker_group import PlacementError, RankDiedError
 
     return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (OutputDirError, 3),
-            (CheckpointError, 4), (RayConnectError, 5))  # fmt: skip
+            (CheckpointError, 4), (RayConnectError, 5), (DataError, 6))  # fmt: skip
 
 
 def config_help() -> str:

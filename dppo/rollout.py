@@ -7,8 +7,7 @@ never looks at the pad tokens after a response), so equal-length prompts pay not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import ClassVar
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -47,9 +46,6 @@ class TrainBatch:
     versions: torch.Tensor  # (G,) long, policy version of each group
     attention_mask: torch.Tensor | None = None  # (B, P + R) long: 0 on prompt padding and after the response; None: no prompt padded
 
-    # Fields with one entry per group rather than per sequence: kept whole when rows are selected.
-    GROUP_FIELDS: ClassVar[tuple[str, ...]] = ("versions",)
-
     @property
     def response_length(self) -> int:
         return self.response_mask.shape[1]
@@ -59,13 +55,25 @@ class TrainBatch:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device | str) -> TrainBatch:
-        return TrainBatch(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        moved = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return TrainBatch(**{name: None if t is None else t.to(device) for name, t in moved.items()})
 
-    def rows(self, index: torch.Tensor) -> TrainBatch:
-        """The sequences at index (1-D long, repeats allowed): every per-sequence field indexed, group fields whole."""
-        values = {f.name: getattr(self, f.name) for f in fields(self)}
-        return TrainBatch(**{name: value if name in self.GROUP_FIELDS else value[index.to(value.device)]
-                             for name, value in values.items()})  # fmt: skip
+    def __getitem__(self, rows: slice | torch.Tensor) -> TrainBatch:
+        """The sequences rows (a slice: views; an index tensor: copies), with the groups they belong to
+        renumbered 0.. in order and versions cut to those groups."""
+        group_index = self.group_index[rows]
+        groups, group_index = torch.unique(group_index, sorted=True, return_inverse=True)
+        return TrainBatch(
+            input_ids=self.input_ids[rows],
+            response_mask=self.response_mask[rows],
+            behav_logp=self.behav_logp[rows],
+            scores=self.scores[rows],
+            group_index=group_index,
+            versions=self.versions[groups],
+            attention_mask=None if self.attention_mask is None else self.attention_mask[rows],
+        )
+
+    select = __getitem__
 
 
 def left_pad(token_ids: np.ndarray | list[np.ndarray], pad_token: int) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -22,7 +22,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     import ray
 
     from dppo.hostmem import keep_freed_host_memory
-    from dppo.tasks import make_task
+    from dppo.data import make_prompt_source
     from dppo.trainer.base import find_resume_point
     from dppo.trainer.ppo import PPOTrainer
     from dppo.trainer.preflight import (check_cluster_fits, check_output_dir, check_sequence_length,
@@ -44,7 +44,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         if cfg.ray.enabled:
             init_ray(cfg)
             check_cluster_fits(cfg)
-        trainer = PPOTrainer(cfg, resume_point=resume_point)
+        trainer = PPOTrainer(cfg, source=source, resume_point=resume_point)
         print(trainer.actor.describe(), file=out, flush=True)
         try:
             (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))

@@ -8,10 +8,14 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
         metrics <- train_trigger(collate(groups))
     end_cycle()
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
+    evaluate() every trainer.test_freq steps       greedy, on the source's eval prompts
+
+Prompts, rewards and the evaluation set come from one PromptSource (dppo.data): an integer task, or text
+data from parquet files (data.train_files); the loop does not know which.
 
 The policy, its optimizer and its snapshots live on the actor's ranks (self.actor, a worker group of
-dppo.workers.actor_rank.ActorRank; dppo.trainer.worker_group); this process holds no model until the end,
-when it loads the last published weights for the evaluation. Subclasses implement train_trigger (and may use
+dppo.workers.actor_rank.ActorRank; dppo.trainer.worker_group); this process holds no model but the one it
+evaluates, loaded from the weights last published to the rollout. Subclasses implement train_trigger (and may use
 begin_cycle / end_cycle / close); they never re-implement the loop. The driver only orchestrates: the math
 lives in dppo.algo, called here on whole groups (advantages) or on the ranks.
 
@@ -36,9 +40,9 @@ import numpy as np
 import torch
 
 from dppo.generation import sample_responses
+from dppo.data.source import PromptSource, Scores, make_prompt_source
 from dppo.models import model_from_config
-from dppo.rollout import Group, TrainBatch, collate
-from dppo.tasks import held_out_prompts, make_task
+from dppo.rollout import Group, TrainBatch, collate, left_pad
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import DppoConfig, to_dict
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
@@ -119,18 +123,20 @@ def _reward_extras(groups: list[Group]) -> dict[str, float]:
 class BaseTrainer:
     """The loop, rollout plumbing, checkpoints and outputs; subclasses provide train_trigger."""
 
-    def __init__(self, cfg: DppoConfig, rollout=None, resume_point: ResumePoint | None = None):
-        """rollout: where the groups come from (None: made by fit()). resume_point: what trainer.resume=true
-        continues from, if the caller found it already (find_resume_point, before any Ray process started)."""
+    def __init__(self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None,
+                 resume_point: ResumePoint | None = None):  # fmt: skip
+        """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg), which reads and
+        checks any data files; dppo.train.run builds it before Ray starts). rollout: where groups come from
+        (default: made by fit()). resume_point: what trainer.resume=true continues from, if the caller found it
+        already (find_resume_point, before any Ray process started)."""
         self.cfg = cfg
         torch.set_num_threads(cfg.trainer.num_threads)
         self.device = self._device(cfg.trainer.device)  # where this process evaluates the final weights
         random.seed(cfg.trainer.seed)
         np.random.seed(cfg.trainer.seed % 2**32)
         torch.manual_seed(cfg.trainer.seed)
-        self.task = make_task(cfg.task.name, cfg.task.length)
-        self.response_length = cfg.rollout.max_new_tokens or self.task.answer_length
-        self.held_out = held_out_prompts(self.task, cfg.trainer.seed, cfg.trainer.eval_prompts)
+        self.source = source if source is not None else make_prompt_source(cfg)
+        self.response_length = cfg.rollout.max_new_tokens or self.source.response_length
         self.output_dir = Path(cfg.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = ckpt.CheckpointDir(self.output_dir / "checkpoints")
@@ -140,14 +146,15 @@ class BaseTrainer:
         self.progress = CycleProgress()  # of the current cycle
         self.rollout_start = RolloutStart()  # where the rollout picks up; kept current as groups are taken
         self.resumed_from: Path | None = None
-        self.policy: torch.nn.Module | None = None  # the final weights, loaded for evaluate()
+        self.policy: torch.nn.Module | None = None  # what evaluate() decodes with: the weights of policy_version
+        self.policy_version = -1
         # A cycle resumed mid-way publishes its pi_old (the current version's weights) rather than the live ones.
         self._publish_anchor = False
         if cfg.trainer.resume and resume_point is None:
             resume_point = find_resume_point(cfg, self.checkpoints)
         elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
             self.checkpoints.discard_run()
-        self.actor = make_worker_group(cfg, self.task.vocab_size)
+        self.actor = make_worker_group(cfg, self.source.vocab_size)
         try:
             self.model_config = self.actor.model_config()
             if resume_point is not None:
@@ -204,7 +211,7 @@ class BaseTrainer:
                    disable=not tcfg.progress_bar, dynamic_ncols=True)  # fmt: skip
         try:
             if self.rollout is None:
-                self.rollout = make_rollout(self.cfg, self.task, self.model_config, self.held_out, self.rollout_start)
+                self.rollout = make_rollout(self.cfg, self.source, self.model_config, self.rollout_start)
             self.publish_weights(self.version, anchor=self._publish_anchor)
             self._publish_anchor = False
             self.rollout.start()
@@ -220,8 +227,8 @@ class BaseTrainer:
                                 stale=f"{record['staleness/mean']:.2f}", step_s=f"{record['timing_s/step']:.2f}")  # fmt: skip
                 if self._checkpoint_due():
                     self.save_checkpoint()
-            if len(self.held_out):
-                self.policy = self._load_policy(self._published)  # before the ranks (and the weights they own) go
+            if len(self.source.eval_prompts()):
+                self._current_policy()  # the final weights, before the ranks (which own them in Ray) go
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self._checkpoint_after_failure()}") from None
         except RankDiedError as err:
@@ -259,8 +266,9 @@ class BaseTrainer:
             wait_start = time.perf_counter()
             groups, dropped = self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
             wait_s = time.perf_counter() - wait_start
-            batch = collate(groups)
-            metrics = self.train_trigger(batch)  # the ranks move their part of it to their device
+            batch = collate(groups, self.source.pad_token)
+            # the ranks move their part of the batch to their device
+            metrics = {**self.train_trigger(batch), **_reward_extras(groups)}
             # Committed only now: a failure before this line leaves the cycle as it was before the trigger.
             progress.metrics.add({"timing_s/gen_wait": wait_s})
             progress.metrics.add(metrics)
@@ -309,18 +317,23 @@ class BaseTrainer:
     def publish_weights(self, version: int, anchor: bool = False) -> None:
         """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
         once); anchor: pi_old's weights instead (a cycle resumed mid-way)."""
-        self._published = self.actor.rollout_weights(anchor)
+        self._published, self._published_version = self.actor.rollout_weights(anchor), version
         self.rollout.publish(self._published, version)
 
-    def _load_policy(self, weights) -> torch.nn.Module:
-        """A plain model on self.device holding weights: a state dict, or [ObjectRef] of one."""
-        if isinstance(weights, list):
-            import ray
+    def _current_policy(self) -> torch.nn.Module:
+        """A plain model on self.device holding the weights last published (a state dict, or [ObjectRef] of one),
+        loaded again only when a newer version was published."""
+        if self.policy is None or self.policy_version != self._published_version:
+            weights = self._published
+            if isinstance(weights, list):
+                import ray
 
-            weights = ray.get(weights[0])
-        model = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
-        model.load_state_dict(weights)
-        return model
+                weights = ray.get(weights[0])
+            if self.policy is None:
+                self.policy = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
+            self.policy.load_state_dict(weights)
+            self.policy_version = self._published_version
+        return self.policy
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
@@ -419,17 +432,23 @@ class BaseTrainer:
 
     @torch.no_grad()
     def evaluate(self, batch_size: int = 512) -> dict[str, float]:
-        """Greedy decoding on the held-out prompts with the final weights: mean reward and exact-match accuracy."""
-        if len(self.held_out) == 0 or self.policy is None:
+        """Greedy decoding on the source's eval prompts with the weights last published, scored by the source:
+        eval/* for a task (mean reward and exact match on held-out prompts), val/score/<data_source> for text
+        data (data.val_files)."""
+        prompts = self.source.eval_prompts()
+        if len(prompts) == 0 or getattr(self, "_published", None) is None:
             return {}
-        rewards = []
-        for start in range(0, len(self.held_out), batch_size):
-            prompts = torch.from_numpy(self.held_out[start : start + batch_size]).to(self.device)
-            responses, mask = sample_responses(self.policy, prompts, self.response_length, 0.0, None, self.task.eos_token)
-            rewards.append(self.task.rewards(prompts.cpu().numpy(), responses.cpu().numpy(), mask.cpu().numpy()))
-        reward = np.concatenate(rewards)
-        return {"eval/reward": float(reward.mean()), "eval/accuracy": float((reward >= 1.0).mean()),
-                "eval/prompts": float(len(reward))}  # fmt: skip
+        policy = self._current_policy()  # fit() loaded the last version before the ranks went
+        source, scores = self.source, []
+        for start in range(0, len(prompts), batch_size):
+            chunk = prompts[start : start + batch_size]
+            ids, mask = left_pad(chunk.token_ids, source.pad_token)
+            responses, response_mask = sample_responses(
+                policy, ids.to(self.device), self.response_length, 0.0, None, source.eos_token, source.pad_token,
+                None if mask is None else mask.to(self.device),
+            )  # fmt: skip
+            scores.append(source.score(chunk, responses.cpu().numpy(), response_mask.cpu().numpy()).scores)
+        return source.eval_metrics(prompts, Scores(np.concatenate(scores)))
 
     def _finish(self, evaluation: dict[str, float], wall_s: float) -> RunResult:
         import json

@@ -122,7 +122,7 @@ class ActorRank:
         """log pi (B, R) of module (or of module's graph on params) for the batch's responses; a sharded
         module is resharded afterwards, so the next pass gathers what its shards hold then."""
         logp = response_log_probs(module, batch.input_ids, batch.response_length, self.cfg.rollout.temperature,
-                                  self.cfg.actor.micro_batch_size, params)  # fmt: skip
+                                  self.cfg.actor.micro_batch_size, params, batch.attention_mask)  # fmt: skip
         if self.sharded:
             reshard(module)
         return logp

@@ -70,9 +70,8 @@ def split_rows(batch: TrainBatch, world_size: int) -> list[TrainBatch]:
     """batch split over world_size ranks (shard_index), padding rows masked out (response_mask all False)."""
     shards = []
     for index, real in zip(shard_index(batch.num_sequences, world_size), real_rows(batch.num_sequences, world_size)):
-        shard = batch.rows(index)
+        shard = batch[index]  # every per-sequence field's rows (copies), the groups renumbered
         if real < len(index):
-            shard.response_mask = shard.response_mask.clone()
             shard.response_mask[real:] = False
         shards.append(shard)
     return shards

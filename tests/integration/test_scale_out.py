@@ -18,9 +18,9 @@ import pytest
 import ray
 import torch
 
+from dppo.data import make_prompt_source
 from dppo.models import build_model
 from dppo.rollout import Group
-from dppo.tasks import held_out_prompts, make_task
 from dppo.trainer.base import find_resume_point
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
@@ -92,10 +92,11 @@ class FixedRollout:
 def groups(tmp_path_factory) -> list[Group]:
     """Groups sampled from the initial weights, as a rollout worker would (behavior log-probs included)."""
     cfg = make_cfg(tmp_path_factory.mktemp("groups"), 1)
-    task = make_task(cfg.task.name, cfg.task.length)
-    model = build_model(cfg.model, task.vocab_size, seed=cfg.trainer.seed)
-    generator = RolloutGenerator(cfg, task, model.config, 0, held_out_prompts(task, 0, cfg.trainer.eval_prompts))
+    source = make_prompt_source(cfg)
+    model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
+    generator = RolloutGenerator(cfg, source, model.config, 0)
     generator.load_weights(model.state_dict(), 0)
+    generator.seed_ticket(0)
     return generator.generate(120)
 
 

@@ -4,7 +4,7 @@ Adam moments, and ranks on a cluster of the user's own take nothing from this ma
 import pytest
 import torch
 
-from dppo.tasks import make_task
+from dppo.data import make_prompt_source
 from dppo.trainer import preflight
 from dppo.trainer.config import ConfigError
 
@@ -12,7 +12,7 @@ GIB = 2**30
 
 
 def shape_and_bytes(cfg):
-    shape = preflight.run_shape(cfg, make_task(cfg.task.name, cfg.task.length))
+    shape = preflight.run_shape(cfg, make_prompt_source(cfg))
     return shape, shape.params * 4  # fp32
 
 

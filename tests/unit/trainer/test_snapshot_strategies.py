@@ -172,7 +172,7 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
     rank = trainer.actor.local_rank
     strategy = rank.old_log_prob
     before = {name: p.detach().clone() for name, p in rank.model.named_parameters()}
-    ids = torch.randint(0, trainer.task.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, trainer.source.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
     batch = TrainBatch(ids, torch.ones(8, 4, dtype=torch.bool), torch.zeros(8, 4), torch.zeros(8),
                        torch.arange(8), torch.zeros(8, dtype=torch.long))  # fmt: skip
     start = time.perf_counter()

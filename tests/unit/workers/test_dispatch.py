@@ -9,7 +9,7 @@ import torch
 from dppo.algo import LOSS_AGG_MODES, agg_loss, loss_normalizers
 from dppo.rollout import TrainBatch
 from dppo.workers.collectives import as_share, combine
-from dppo.workers.dispatch import ALL, DP, RANK0, collect, dispatch_mode, register, split_args, split_rows
+from dppo.workers.dispatch import ALL, DP, RANK0, collect, dispatch_mode, register, shard_index, split_args, split_rows
 
 
 def make_batch(num_rows: int, groups: int = 3, R: int = 4) -> TrainBatch:
@@ -23,6 +23,7 @@ def make_batch(num_rows: int, groups: int = 3, R: int = 4) -> TrainBatch:
         scores=torch.rand(num_rows, generator=gen),
         group_index=torch.arange(num_rows) * groups // num_rows,
         versions=torch.arange(groups),
+        attention_mask=torch.ones(num_rows, 7, dtype=torch.long),  # every field must travel with its rows
     )
 
 
@@ -37,12 +38,13 @@ def test_split_rows_gives_every_rank_the_same_row_count_and_loses_or_adds_nothin
     # the real rows, in order, are the batch's; every field travels (group fields whole)
     kept = torch.cat([s.input_ids[r] for s, r in zip(shards, real)])
     assert torch.equal(kept, batch.input_ids[batch.response_mask.any(-1)])
-    for field in dataclasses.fields(TrainBatch):
-        for shard in shards:
+    for shard, index in zip(shards, shard_index(num_rows, world_size)):
+        for field in dataclasses.fields(TrainBatch):
             value = getattr(shard, field.name)
-            if field.name in TrainBatch.GROUP_FIELDS:
-                assert torch.equal(value, getattr(batch, field.name))
-            else:
+            if field.name == "versions":  # per group: the shard's groups, renumbered 0.. in group_index
+                assert torch.equal(value, batch.versions[batch.group_index[index].unique()])
+                assert torch.equal(value[shard.group_index], batch.versions[batch.group_index[index]])
+            elif value is not None:
                 assert value.shape[0] == shard.num_sequences, field.name
     # padding adds no token and no sequence: the ranks' normalizers sum to the batch's
     whole = loss_normalizers(batch.response_mask)
