@@ -60,6 +60,21 @@ class Objective:
     metrics: dict[str, float] = field(default_factory=dict)
     """Metrics of the work done before the forward passes (the rollout correction in Decoupled PPO)."""
 
+    finish: Callable[[torch.Tensor], dict[str, float]] | None = None
+    """Metrics that need the training forward's log-probs of the whole mini-batch (B, R), called after the step
+    (the rollout correction when pi_prox comes from those log-probs)."""
+
+    logp_parts: list[torch.Tensor] = field(default_factory=list)
+    """The training forward's log-probs, detached, one (b, R) per micro-batch (update_policy appends them)."""
+
+    def logp(self) -> torch.Tensor:
+        """The training forward's detached log-probs of the whole mini-batch (B, R), once update_policy ran."""
+        return torch.cat(self.logp_parts) if len(self.logp_parts) != 1 else self.logp_parts[0]
+
+    def finish_metrics(self) -> dict[str, float]:
+        """metrics, with finish's added."""
+        return self.metrics if self.finish is None else {**self.metrics, **self.finish(self.logp())}
+
 
 def _clip_settings(actor_cfg) -> dict:
     """The clip and aggregation keyword arguments every policy loss takes, from the actor config."""
@@ -69,23 +84,51 @@ def _clip_settings(actor_cfg) -> dict:
 
 def decoupled_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
     """Decoupled PPO: ratio pi_theta / pi_prox times the IS weight pi_prox / pi_behav, over the tokens that
-    rejection sampling keeps; the correction is computed once for the mini-batch."""
+    rejection sampling keeps.
+
+    prox: log pi_prox (B, R) known before the forward passes (the correction is computed once for the
+    mini-batch), or a ProxFn (dppo.trainer.prox_method) that derives it from each micro-batch's training
+    forward: the correction is then computed per micro-batch (every option of it is per token or per sequence;
+    IS batch normalization, which is not, never gets here), the loss mask is found per micro-batch, and the
+    rollout_corr/* metrics are computed on the whole mini-batch after the step (finish)."""
     clip = _clip_settings(actor_cfg)
 
-    def objective(batch: TrainBatch, prox_logp: torch.Tensor, advantages: torch.Tensor) -> Objective:
+    def objective(batch: TrainBatch, prox, advantages: torch.Tensor) -> Objective:
+        if not isinstance(prox, torch.Tensor):
+            return _per_micro_batch(batch, prox, advantages, rollout_correction, clip)
         weights, loss_mask, metrics = compute_rollout_correction_and_rejection_mask(
-            prox_logp, batch.behav_logp, batch.response_mask, rollout_correction
+            prox, batch.behav_logp, batch.response_mask, rollout_correction
         )  # (B, R) each
 
         def pg_loss(logp, sl, normalizers):
             w = None if weights is None else weights[sl]
-            loss, m = policy_loss(logp, prox_logp[sl], advantages[sl], loss_mask[sl], weights=w,
+            loss, m = policy_loss(logp, prox[sl], advantages[sl], loss_mask[sl], weights=w,
                                   normalizers=normalizers, **clip)  # fmt: skip
             return loss, loss_mask[sl], m
 
         return Objective(pg_loss, loss_mask, metrics)
 
     return objective
+
+
+def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollout_correction, clip: dict) -> Objective:
+    """decoupled_objective's Objective when log pi_prox comes from the training forward (prox_of, a ProxFn)."""
+
+    def pg_loss(logp, sl, normalizers):
+        prox = prox_of(logp.detach(), sl)  # (b, R)
+        weights, loss_mask, _ = compute_rollout_correction_and_rejection_mask(
+            prox, batch.behav_logp[sl], batch.response_mask[sl], rollout_correction
+        )  # (b, R) each
+        loss, m = policy_loss(logp, prox, advantages[sl], loss_mask, weights=weights, normalizers=normalizers, **clip)
+        return loss, loss_mask, m
+
+    def finish(logp: torch.Tensor) -> dict[str, float]:
+        prox = prox_of(logp, slice(None))  # (B, R): the micro-batches' prox, elementwise as they were
+        return compute_rollout_correction_and_rejection_mask(prox, batch.behav_logp, batch.response_mask,
+                                                             rollout_correction)[2]  # fmt: skip
+
+    known = batch.response_mask if rollout_correction.rollout_rs is None else None  # nothing is rejected
+    return Objective(pg_loss, known, finish=finish)
 
 
 def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
@@ -110,7 +153,8 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
 
 
 def select_objective(cfg) -> Callable[..., Objective]:
-    """objective(batch, prox_logp, advantages) -> Objective for cfg: Decoupled PPO's, or bypass mode's."""
+    """objective(batch, prox, advantages) -> Objective for cfg: Decoupled PPO's, or bypass mode's (prox: log pi_prox
+    (B, R), or a ProxFn; see decoupled_objective)."""
     rc = cfg.algorithm.rollout_correction
     make_objective = bypass_objective if rc.bypass_mode else decoupled_objective
     return make_objective(cfg.actor, rc.to_algo())
@@ -182,6 +226,7 @@ def update_policy(
         attention_mask = None if batch.attention_mask is None else batch.attention_mask[sl]
         logits = forward_response_logits(model, batch.input_ids[sl], response_length, None, attention_mask)  # (b, R, V)
         logp = log_probs_from_logits(logits, batch.input_ids[sl, prompt_length:], temperature)  # (b, R)
+        objective.logp_parts.append(logp.detach())
         loss, loss_mask, m = objective.pg_loss(logp, sl, normalizers)
         if actor_cfg.entropy_coeff > 0:
             entropy = entropy_from_logits(logits, temperature=temperature)  # (b, R)

@@ -254,8 +254,10 @@ class RolloutCorrectionSection:
     rollout_is_batch_normalize: bool = False
     """Divide the IS weights by their mean so that they average 1 (token: over the valid tokens; sequence: over the
     non-empty sequences). Decoupled PPO takes the mean over the trigger's whole mini-batch, so it needs every old
-    log-prob of the mini-batch before the first micro-batch's loss; bypass mode takes it per micro-batch, as
-    verl's bypass loss does. A mean <= 1e-8 leaves the weights as they are (verl's rule)."""
+    log-prob of the mini-batch before the first micro-batch's loss: where pi_old is the live weights (trigger 0,
+    prox_anchor=current, parameter_sync_step=1) they then come from a no-grad forward pass of their own instead of
+    the training forward's, and prox_logp_method=loglinear is refused. Bypass mode takes the mean per
+    micro-batch, as verl's bypass loss does. A mean <= 1e-8 leaves the weights as they are (verl's rule)."""
 
     rollout_rs: Optional[str] = None
     """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2. Rejected tokens leave the loss mask:
@@ -298,16 +300,30 @@ class AlgorithmConfig:
 
     prox_anchor: str = "cycle_start"
     """Proximal policy of the PPO ratio: cycle_start (weights at the start of the sync cycle, via a snapshot)
-    or current (AReaL: recomputed with the live weights before each optimizer step). Ignored in bypass mode."""
+    or current (AReaL: the live weights at each optimizer step, whose log-probs the training forward pass gives,
+    detached: no extra pass). Ignored in bypass mode."""
+
+    prox_logp_method: str = "recompute"
+    """Where the PPO ratio's log pi_prox comes from (prox_anchor=cycle_start): recompute (exact: slot 0 at triggers
+    k >= 1, the training forward's own log-probs where pi_prox is the live weights), loglinear (AReaL's
+    approximation log pi_behav + alpha (log pi_theta - log pi_behav), alpha = (v_prox - v_behav) / (v_theta -
+    v_behav) in optimizer steps: no snapshot and no extra forward pass; close to exact while a cycle's steps move
+    the log-probs little and about steadily: small lr, few triggers per cycle, samples at most a cycle or two
+    stale), or metrics (recompute, plus loglinear's error against it: prox_approx/abs_err_mean|max of
+    log pi_prox and prox_approx/is_weight_abs_err_mean|max of the IS weight, over valid tokens). loglinear is
+    refused with bypass_mode, prox_anchor=current, rollout_is_batch_normalize and trainer.verify_old_log_prob;
+    metrics with bypass_mode and prox_anchor=current."""
 
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 
     def __post_init__(self) -> None:
         from dppo.algo import ADVANTAGE_ESTIMATORS
+        from dppo.trainer.prox_method import PROX_LOGP_METHODS
 
         _check_numbers(self, "algorithm")
         _one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
         _one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
+        _one_of("algorithm.prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
 
 
 @dataclass
@@ -571,8 +587,35 @@ def validate_combinations(cfg: DppoConfig) -> None:
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
+    _check_prox_logp_method(cfg)
     _check_local_workers_fit(cfg)
     _check_data_or_task(cfg)
+
+
+def _check_prox_logp_method(cfg: DppoConfig) -> None:
+    """algorithm.prox_logp_method=loglinear|metrics only where there is a cycle-start pi_prox to approximate, and
+    loglinear only where pi_prox may come micro-batch by micro-batch and nobody expects it exact."""
+    a = cfg.algorithm
+    method, rc = a.prox_logp_method, a.rollout_correction
+    if method == "recompute":
+        return
+    key = f"algorithm.prox_logp_method={method}"
+    if rc.bypass_mode:
+        raise ConfigError(f"{key} approximates pi_prox, but algorithm.rollout_correction.bypass_mode=true has none "
+                          "(pi_prox := pi_behav); drop one of them")  # fmt: skip
+    if a.prox_anchor == "current":
+        raise ConfigError(f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
+                          "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
+                          "for free; use prox_logp_method=recompute or prox_anchor=cycle_start")  # fmt: skip
+    if method != "loglinear":
+        return
+    if rc.rollout_is is not None and rc.rollout_is_batch_normalize:
+        raise ConfigError(f"{key} derives pi_prox from each micro-batch's training forward pass, but "
+                          "algorithm.rollout_correction.rollout_is_batch_normalize=true needs the whole mini-batch's "
+                          "IS weights before the first one; use prox_logp_method=recompute or drop the normalization")  # fmt: skip
+    if cfg.trainer.verify_old_log_prob:
+        raise ConfigError(f"trainer.verify_old_log_prob=true checks exact old log-probs, but {key} approximates "
+                          "them; use prox_logp_method=metrics to measure the approximation's error")  # fmt: skip
 
 
 def _check_data_or_task(cfg: DppoConfig) -> None:

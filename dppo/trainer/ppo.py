@@ -22,7 +22,7 @@ class PPOTrainer(BaseTrainer):
 
     def train_trigger(self, batch: TrainBatch) -> dict[str, float]:
         advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask)  # (B, R)
-        metrics = self.actor.update_actor(self.local_trigger_step, batch, advantages)
+        metrics = self.actor.update_actor(self.local_trigger_step, batch, advantages, self.version)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics
 

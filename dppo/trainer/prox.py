@@ -1,16 +1,26 @@
 """Old (proximal) log-probs of a sync cycle: a small registry of strategies, chosen once per run.
 
     bypass       old := behavior log-probs that came with the samples; no recompute, no snapshot.
-    current      AReaL's prox_anchor=current: recompute with the live weights before each optimizer step.
+    current      AReaL's prox_anchor=current: pi_old is the live weights at every trigger, so the old log-probs
+                 are the training forward pass's own, detached (compute returns None: no pass of its own).
                  Also used for cycle_start when parameter_sync_step == 1 (slot 0 would never be read).
     cycle_start  Decoupled PPO: every trigger uses the weights of the cycle start. Trigger 0 saves the live
-                 weights into snapshot slot 0 asynchronously, concurrently with its own old-log-prob forward
-                 pass over the live weights (both only read them; pool.guard fences the first optimizer step
-                 on the copy); trigger k >= 1 scores with slot 0 through a slot reader (view, stream or swap,
-                 see dppo.trainer.slot_readers) chosen by snapshot.strategy, leaving the live weights alone.
+                 weights into snapshot slot 0 asynchronously and returns None: pi_old is the live weights, whose
+                 log-probs the training forward pass gives (the copy and that pass only read the weights;
+                 pool.guard fences the first optimizer step on the copy); trigger k >= 1 scores with slot 0
+                 through a slot reader (view, stream or swap, see dppo.trainer.slot_readers) chosen by
+                 snapshot.strategy, leaving the live weights alone.
     cycle_start_reference
                  snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking per-parameter
                  pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
+    loglinear    algorithm.prox_logp_method=loglinear: no snapshot and no pass; the old log-probs are
+                 approximated from the training forward's (dppo.trainer.prox_method), so compute returns None.
+
+None from compute means "no separate pass": the update takes log pi_old from its own forward pass
+(dppo.trainer.prox_method). Where an option needs the whole mini-batch's old log-probs before the first
+backward pass (needs_whole_mini_batch), fuse_live is False and the live-weight triggers run a no-grad pass of
+their own, as before. After the update, record_used(batch, prox_logp) hands the strategy the old log-probs the
+loss used (trainer.verify_old_log_prob compares those).
 
 New readers register in SLOT_READERS; new strategies in OLD_LOG_PROB_STRATEGIES. An exception in any
 strategy propagates and leaves the live weights and the optimizer state as they were.
@@ -61,8 +71,17 @@ def check_reader_for_sharding(name: str) -> None:
         )
 
 
+def needs_whole_mini_batch(cfg) -> bool:
+    """Whether cfg's rollout correction needs every old log-prob of the mini-batch before the first micro-batch's
+    loss (IS batch normalization divides by the mini-batch's mean weight): then the old log-probs of the live
+    weights cannot come from the training forward pass, micro-batch by micro-batch."""
+    rc = cfg.algorithm.rollout_correction
+    return rc.rollout_is is not None and rc.rollout_is_batch_normalize
+
+
 class OldLogProbStrategy:
-    """Computes log pi_old (B, R) for the trigger-th optimizer step of a sync cycle."""
+    """Computes log pi_old (B, R) for the trigger-th optimizer step of a sync cycle, or None where the training
+    forward pass gives them (see the module docstring)."""
 
     name = ""
     anchor: str | None = None  # whose weights pi_old is: "cycle_start", "current", or None (behavior policy)
@@ -71,14 +90,24 @@ class OldLogProbStrategy:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, cfg):
         self.model, self.optimizer, self.score, self.cfg = model, optimizer, score, cfg
         self.snapshot_s = 0.0  # seconds spent in snapshot calls since the last take_snapshot_s()
+        # None where pi_old is the live weights (the training forward's log-probs); False: a no-grad pass instead
+        self.fuse_live = not needs_whole_mini_batch(cfg)
 
     @property
     def pool(self):
         """The SnapshotPool in use, or None if this strategy takes no snapshot."""
         return None
 
-    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
         raise NotImplementedError
+
+    def live(self, batch: TrainBatch) -> torch.Tensor | None:
+        """pi_old is the live weights: None (the training forward pass's log-probs), or a no-grad pass where
+        fuse_live is off."""
+        return None if self.fuse_live else self.score(self.model, batch, None)
+
+    def record_used(self, batch: TrainBatch, prox_logp: torch.Tensor) -> None:
+        """Called after the update with the old log-probs (B, R) its loss used."""
 
     def take_snapshot_s(self) -> float:
         """Seconds spent in snapshot calls since the last call."""
@@ -130,8 +159,19 @@ class CurrentOldLogProb(OldLogProbStrategy):
     name = "current"
     anchor = "current"
 
-    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
-        return self.score(self.model, batch, None)
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
+        return self.live(batch)
+
+
+class LoglinearOldLogProb(OldLogProbStrategy):
+    """algorithm.prox_logp_method=loglinear: no snapshot, no pass; the update approximates log pi_old from its
+    own forward pass (dppo.trainer.prox_method.loglinear_prox)."""
+
+    name = "loglinear"
+    anchor = "cycle_start"  # what it approximates
+
+    def compute(self, trigger: int, batch: TrainBatch) -> None:
+        return None
 
 
 def _lookup(registry: dict, name: str, what: str):
@@ -183,13 +223,13 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         self.reader_name, self._reader_tier = name, tier
         return SLOT_READERS[name]
 
-    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
         if trigger == 0:
             start = time.perf_counter()
-            self._pool.save(0)  # returns at once; the copy reads the weights while the forward pass below runs
+            self._pool.save(0)  # returns at once; the copy reads the weights while the training forward runs
             self.snapshot_s += time.perf_counter() - start
             self.moved_bytes += self._pool.nbytes
-            return self.score(self.model, batch, None)
+            return self.live(batch)
         if 0 not in self._pool:
             raise RuntimeError(f"trigger {trigger}: snapshot slot 0 is empty; trigger 0 of the cycle must run first")
         if self._auto:  # a save may land in another tier than the last one (device budget taken meanwhile)
@@ -222,7 +262,7 @@ class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
     """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
 
     Trigger 0: blocking per-parameter pageable save of the live weights (a sharded model's local shards) into
-    a dict slot, then the forward pass. Trigger k >= 1: save the live weights into a temporary dict, restore
+    a dict slot; the old log-probs are the training forward pass's (as every strategy's where pi_old is live). Trigger k >= 1: save the live weights into a temporary dict, restore
     slot 0 into the live parameters (per-parameter .to(device) + copy_), the forward pass, restore the live
     weights, clear the temporary dict: three full weight transfers, none overlapped with anything.
     """
@@ -245,12 +285,12 @@ class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
         for name, p in self.model.named_parameters():
             local_tensor(p).copy_(state[name].to(p.device))  # in place: a shard's storage is what FSDP2 gathers
 
-    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
         start = time.perf_counter()
         if trigger == 0:
             self._slot = self._save()
             self.snapshot_s += time.perf_counter() - start
-            return self.score(self.model, batch, None)
+            return self.live(batch)
         if self._slot is None:
             raise RuntimeError(f"trigger {trigger}: the reference slot 0 is empty; trigger 0 of a cycle comes first")
         live = self._save()
@@ -281,6 +321,7 @@ OLD_LOG_PROB_STRATEGIES: dict[str, type[OldLogProbStrategy]] = {
     "current": CurrentOldLogProb,
     "cycle_start": CycleStartOldLogProb,
     "cycle_start_reference": ReferenceCycleStartOldLogProb,
+    "loglinear": LoglinearOldLogProb,
 }
 
 # Values of snapshot.strategy: a slot reader, "auto" (choose_reader) or "reference" (cycle_start_reference).
@@ -291,6 +332,8 @@ def select_strategy_name(cfg) -> str:
     """The strategy cfg asks for (see the module docstring)."""
     if cfg.algorithm.rollout_correction.bypass_mode:
         return "bypass"
+    if cfg.algorithm.prox_logp_method == "loglinear":
+        return "loglinear"
     if cfg.algorithm.prox_anchor == "current" or cfg.trainer.parameter_sync_step == 1:
         return "current"
     return "cycle_start_reference" if cfg.snapshot.strategy == "reference" else "cycle_start"
@@ -305,8 +348,9 @@ class VerifiedOldLogProb(OldLogProbStrategy):
     """Wraps a strategy; scores every batch again with an independent copy of the anchor weights.
 
     copy_model(model) makes that copy (default copy.deepcopy; a sharded actor gathers its full weights into a
-    plain module). end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob used - the
-    copy's| over the valid tokens of the cycle.
+    plain module). end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob the loss used
+    (record_used: a separate pass's, or the training forward's own, detached) - the copy's| over the valid
+    tokens of the cycle.
     """
 
     def __init__(self, inner: OldLogProbStrategy, copy_model: Callable[[torch.nn.Module], torch.nn.Module] = copy.deepcopy):
@@ -316,6 +360,7 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         self.inner, self.copy_model = inner, copy_model
         self.name, self.anchor = inner.name, inner.anchor
         self.reference: torch.nn.Module | None = None
+        self._expected: torch.Tensor | None = None  # (B, R) the reference's log-probs of the trigger's batch
         self.max_abs_diff = 0.0
 
     @property
@@ -329,16 +374,21 @@ class VerifiedOldLogProb(OldLogProbStrategy):
     def take_snapshot_s(self) -> float:
         return self.inner.take_snapshot_s()
 
-    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor:
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
         if trigger == 0 or self.anchor == "current":
             self.reference = self.copy_model(self.model)  # the anchor weights, independent of the snapshot
-        logp = self.inner.compute(trigger, batch)
-        expected = self.score(self.reference, batch, None)
-        mask = batch.response_mask
-        diff = (logp - expected).abs()[mask]
+        # scored now, before the update moves the live weights; compared in record_used with what the loss used
+        self._expected = self.score(self.reference, batch, None)
+        return self.inner.compute(trigger, batch)
+
+    def record_used(self, batch: TrainBatch, prox_logp: torch.Tensor) -> None:
+        self.inner.record_used(batch, prox_logp)
+        expected, self._expected = self._expected, None
+        if expected is None:
+            raise RuntimeError("record_used without a compute before it: there is nothing to compare with")
+        diff = (prox_logp - expected).abs()[batch.response_mask]
         if diff.numel():
             self.max_abs_diff = max(self.max_abs_diff, float(diff.max()))
-        return logp
 
     def anchor_weights(self) -> dict[str, torch.Tensor] | None:
         return self.inner.anchor_weights()

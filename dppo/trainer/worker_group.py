@@ -1,7 +1,7 @@
 """The actor as a worker group: trainer.nnodes x trainer.n_gpus_per_node ActorRanks behind one object.
 
     actor = make_worker_group(cfg, vocab_size)
-    metrics = actor.update_actor(trigger, batch, advantages)   # DP: the batch split over the ranks
+    metrics = actor.update_actor(trigger, batch, advantages, version)   # DP: the batch split over the ranks
     actor.save_model_to_cpu(0)                                  # ALL: every rank snapshots its own shards
 
 actor.<method>(...) calls dppo.workers.actor_rank.ActorRank.<method> on every rank at once and applies the

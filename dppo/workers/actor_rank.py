@@ -99,15 +99,17 @@ class ActorRank:
         self.setup_update()
 
     def setup_update(self) -> None:
-        """The objective (the loss and the rollout correction) and the old-log-prob strategy of self.cfg, over the model and the
-        optimizer built (benchmarks call it again on a copy of the rank with other algorithm settings)."""
+        """The objective (the loss and the rollout correction), the old-log-prob strategy and the prox_logp_method of
+        self.cfg, over the model and the optimizer built (benchmarks call it again on a copy of the rank with other algorithm settings)."""
         from dppo.trainer.actor import select_objective
         from dppo.trainer.prox import make_old_log_prob
+        from dppo.trainer.prox_method import make_prox_method
 
         cfg = self.cfg
         self.rollout_correction = cfg.algorithm.rollout_correction.to_algo()
         self.objective = select_objective(cfg)
         self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg, copy_model=self.plain_copy)
+        self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method)
         self._pool = None  # a pool for the snapshot calls when the old-log-prob strategy keeps none
 
     @register(RANK0)
@@ -139,23 +141,32 @@ class ActorRank:
     # ---- the step ----------------------------------------------------------------------------------
 
     @register(DP)
-    def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor) -> dict[str, float]:
+    def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor, version: int) -> dict[str, float]:
         """Old log-probs, rollout correction and one optimizer step on this rank's shard of the mini-batch;
-        the metrics of the whole mini-batch (the same on every rank)."""
+        the metrics of the whole mini-batch (the same on every rank). version: the trainer's policy version at
+        the cycle start (algorithm.prox_logp_method=loglinear counts steps from it)."""
         from dppo.trainer.actor import update_policy
+        from dppo.trainer.prox_method import StepVersions
 
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
         start = time.perf_counter()
-        prox_logp = self.old_log_prob.compute(trigger, batch)  # (b, R)
+        old_logp = self.old_log_prob.compute(trigger, batch)  # (b, R), or None: from the training forward
         old_log_prob_s = time.perf_counter() - start
-        objective = self.objective(batch, prox_logp, advantages)  # the rollout correction, in Decoupled PPO
-        valid = batch.response_mask.sum()
-        metrics = as_share(objective.metrics, float(valid) / max(1.0, float(self.peers.all_reduce_sum(valid))))
+        steps = StepVersions.of(batch, version, trigger, self.cfg.trainer.parameter_sync_step)
+        prox = self.prox_method.prox(old_logp, batch, steps)  # (b, R), or a ProxFn of the training forward
+        objective = self.objective(batch, prox, advantages)  # the rollout correction, in Decoupled PPO
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
-        metrics.update(update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
-                                     self.cfg.rollout.temperature, ref_logp, self.peers))  # fmt: skip
-        metrics["timing_s/update_actor"] = time.perf_counter() - start
+        metrics = update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
+                                self.cfg.rollout.temperature, ref_logp, self.peers)  # fmt: skip
+        update_s = time.perf_counter() - start
+        logp = objective.logp()  # (b, R) the training forward's, detached: log pi_theta before the step
+        prox_logp = prox if isinstance(prox, torch.Tensor) else prox(logp, slice(None))  # (b, R) what the loss used
+        self.old_log_prob.record_used(batch, prox_logp)
+        own = {**objective.finish_metrics(), **self.prox_method.metrics(logp, prox_logp, batch, steps)}
+        valid = batch.response_mask.sum()
+        metrics.update(as_share(own, float(valid) / max(1.0, float(self.peers.all_reduce_sum(valid)))))
+        metrics["timing_s/update_actor"] = update_s
         metrics["timing_s/old_log_prob"] = old_log_prob_s
         metrics["timing_s/snapshot"] = self.old_log_prob.take_snapshot_s()
         return self.peers.reduce_metrics(metrics)

@@ -33,14 +33,15 @@ def assert_optimizer_state_equal(a, b):
 
 
 class ProbeTrainer(PPOTrainer):
-    """Records, around every old-log-prob computation, what an independent reference says it should be."""
+    """Records, around every old-log-prob computation, what an independent reference says the old log-probs the
+    loss uses should be (they come from a separate pass, or from the training forward pass itself)."""
 
     def setup(self):
         super().setup()
         self.checks = []
         rank = self.actor.local_rank  # ray.enabled=false: the one actor rank, in this process
         strategy = rank.old_log_prob
-        inner = strategy.compute
+        inner, inner_used = strategy.compute, strategy.record_used
 
         def compute(trigger, batch):
             if trigger == 0:
@@ -48,16 +49,24 @@ class ProbeTrainer(PPOTrainer):
             before = params_of(rank.model)
             logp = inner(trigger, batch)
             after = params_of(rank.model)
-            self.checks.append({
+            self.pending = {
                 "step": self.global_step,
                 "trigger": trigger,
-                "equal_to_anchor": torch.equal(logp, rank.score(self.anchor, batch)),
+                "separate_pass": logp is not None,
                 "live_unchanged": all(torch.equal(before[k], after[k]) for k in before),
-                "live_differs": not torch.equal(rank.score(rank.model, batch), logp),
-            })  # fmt: skip
+                "expected": rank.score(self.anchor, batch),
+                "live": rank.score(rank.model, batch),
+            }  # fmt: skip
             return logp
 
-        strategy.compute = compute
+        def record_used(batch, prox_logp):
+            inner_used(batch, prox_logp)
+            check = self.pending
+            check["equal_to_anchor"] = torch.equal(prox_logp, check.pop("expected"))
+            check["live_differs"] = not torch.equal(check.pop("live"), prox_logp)
+            self.checks.append(check)
+
+        strategy.compute, strategy.record_used = compute, record_used
 
 
 def cycle_cfg(small_cfg, ps, bypass, **extra):
@@ -82,6 +91,8 @@ def test_old_log_probs_are_the_cycle_start_policy_bitwise(small_cfg, ps, bypass)
         assert check["live_unchanged"], check
         if check["trigger"] > 0:
             assert check["live_differs"], "the live weights must have moved, or the test proves nothing"
+        # a pass of its own only where pi_old is not the live weights (bypass: the behavior log-probs, no pass)
+        assert check["separate_pass"] == (bypass or check["trigger"] > 0), check
 
 
 @pytest.mark.parametrize("strategy", ["auto", "view", "swap", "stream", "reference"])

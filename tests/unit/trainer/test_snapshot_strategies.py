@@ -176,12 +176,11 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
     batch = TrainBatch(ids, torch.ones(8, 4, dtype=torch.bool), torch.zeros(8, 4), torch.zeros(8),
                        torch.arange(8), torch.zeros(8, dtype=torch.long))  # fmt: skip
     start = time.perf_counter()
-    strategy.compute(0, batch)  # save(0) + the forward pass over the live weights
-    assert time.perf_counter() - start < delay_s, "the save must not block the old-log-prob forward pass"
-    with torch.no_grad():
-        for p in rank.model.parameters():
-            p.grad = torch.ones_like(p)
-    rank.optimizer.step()  # pool.guard: waits for the pending save before it writes a weight
+    assert strategy.compute(0, batch) is None  # save(0); pi_old's log-probs will be the training forward's own
+    assert time.perf_counter() - start < delay_s, "the save must not block the training forward pass"
+    strategy.compute = lambda trigger, batch: None  # the update below: trigger 0 again, without a second save
+    advantages = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    rank.update_actor(0, batch, advantages, 0)  # pool.guard: the step waits for the pending save before it writes
     slot = strategy.pool.view(0)
     for name, value in before.items():
         assert torch.equal(slot[name], value), name

@@ -1,0 +1,164 @@
+"""Where log pi_prox comes from: the training forward pass where pi_old is the live weights (no pass of its own,
+the same update as with one), loglinear's approximation (no snapshot, no pass), and metrics' measured error."""
+
+import copy
+
+import pytest
+import torch
+
+import dppo.snapshot
+import dppo.trainer.actor
+from dppo.algo import loglinear_prox_log_prob
+from dppo.rollout import TrainBatch
+from dppo.trainer.ppo import PPOTrainer
+from dppo.workers.actor_rank import ActorRank
+
+P, R, V, B = 3, 5, 12, 11
+# Rejects a good part of the tokens of the batch below, and whole sequences through the seq option.
+REJECTION = {"algorithm.rollout_correction.rollout_rs": "token_k1,seq_max_k2",
+             "algorithm.rollout_correction.rollout_rs_threshold": "1.5,0.5"}  # fmt: skip
+
+
+def make_rank(small_cfg, **extra) -> ActorRank:
+    cfg = small_cfg(**{"actor.lr": 0.01, "actor.micro_batch_size": 4, **extra})
+    rank = ActorRank(cfg, 0, 1, V)
+    rank.init_model(*rank.master_address())
+    return rank
+
+
+def make_batch(model, versions=(0, 0, 0, 0)) -> tuple[TrainBatch, torch.Tensor]:
+    """B sequences in 4 groups (versions: each group's policy version), a sequence without valid tokens, behavior
+    log-probs near the model's own (so that rejection keeps some tokens), and advantages."""
+    gen = torch.Generator().manual_seed(0)
+    input_ids = torch.randint(0, V, (B, P + R), generator=gen)
+    mask = torch.rand(B, R, generator=gen) > 0.3
+    mask[:, 0] = True
+    mask[3] = False
+    with torch.no_grad():
+        logits = model(input_ids=input_ids).logits[:, P - 1 : -1]
+        behav = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, P:, None])[..., 0]
+    batch = TrainBatch(input_ids=input_ids, response_mask=mask, behav_logp=behav + 0.3 * torch.randn(B, R, generator=gen),
+                       scores=torch.rand(B, generator=gen), group_index=torch.arange(B) // 3,
+                       versions=torch.tensor(versions))  # fmt: skip
+    return batch, torch.randn(B, R, generator=gen)
+
+
+def count_forwards(model) -> list:
+    calls = []
+    model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+def params(model) -> dict[str, torch.Tensor]:
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def capture_prox_of_loss(monkeypatch) -> list[torch.Tensor]:
+    """Every old_log_prob (b, R) that reaches the policy loss, micro-batch by micro-batch."""
+    seen, inner = [], dppo.trainer.actor.policy_loss
+
+    def policy_loss(logp, old_log_prob, *args, **kwargs):
+        seen.append(old_log_prob.detach().clone())
+        return inner(logp, old_log_prob, *args, **kwargs)
+
+    monkeypatch.setattr(dppo.trainer.actor, "policy_loss", policy_loss)
+    return seen
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+@pytest.mark.parametrize("anchor", ["cycle_start", "current"])
+def test_live_pi_old_from_the_training_forward_updates_as_a_separate_pass(small_cfg, mode, anchor):
+    """Trigger 0 (cycle_start) and every trigger of current: no old-log-prob pass, the same weights and metrics."""
+    results = {}
+    for fuse in (True, False):
+        rank = make_rank(small_cfg, **{"actor.loss_agg_mode": mode, "algorithm.prox_anchor": anchor, **REJECTION})
+        rank.old_log_prob.fuse_live = fuse  # False: the no-grad pass of before (IS batch normalization's fallback)
+        batch, adv = make_batch(rank.model)
+        forwards = count_forwards(rank.model)
+        metrics = [rank.update_actor(k, batch, adv, 0) for k in range(2 if anchor == "current" else 1)]
+        grads = {name: p.grad.clone() for name, p in rank.model.named_parameters()}  # the last step's
+        results[fuse] = params(rank.model), grads, metrics, len(forwards)
+        rank.close()
+    (fused, fused_grads, fused_metrics, fused_forwards) = results[True]
+    (separate, separate_grads, separate_metrics, separate_forwards) = results[False]
+    micro_batches = -(-B // 4)
+    assert fused_forwards == micro_batches * len(fused_metrics)  # the training forward passes only
+    assert separate_forwards == 2 * micro_batches * len(fused_metrics)
+    for name, value in separate_grads.items():
+        torch.testing.assert_close(fused_grads[name], value, rtol=1e-5, atol=1e-7)
+    # Adam's first steps move every weight by about lr = 0.01 whatever the gradient's size, so a gradient of
+    # ~1e-8 that differs in its last bits moves its weight by ~1e-6 more or less: within 1e-3 of a step
+    for name, value in separate.items():
+        torch.testing.assert_close(fused[name], value, rtol=0, atol=1e-5)
+    for got, want in zip(fused_metrics, separate_metrics):
+        assert 0 < got["rollout_corr/token_rejected_frac"] < 1  # the case under test: some tokens rejected
+        for key, value in want.items():
+            if not key.startswith("timing_s/"):
+                assert got[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+
+
+def test_is_batch_normalization_keeps_the_separate_pass(small_cfg):
+    rank = make_rank(small_cfg, **{"algorithm.rollout_correction.rollout_is_batch_normalize": True})
+    batch, adv = make_batch(rank.model)
+    assert rank.old_log_prob.fuse_live is False
+    assert rank.old_log_prob.compute(0, batch) is not None
+    metrics = rank.update_actor(0, batch, adv, 0)
+    assert metrics["rollout_corr/weight_mean"] == pytest.approx(1.0, rel=1e-5)  # normalized over the mini-batch
+    rank.close()
+
+
+def test_loglinear_prox_in_the_loss_is_loglinear_prox_log_prob(small_cfg, monkeypatch):
+    monkeypatch.setattr(dppo.snapshot, "SnapshotPool", None)  # loglinear must make no pool at all
+    rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "loglinear", "trainer.parameter_sync_step": 4,
+                                   "trainer.train_batch_size": 8})  # fmt: skip
+    assert rank.old_log_prob.pool is None and rank.old_log_prob.name == "loglinear"
+    batch, adv = make_batch(rank.model, versions=(1, 2, 3, 3))  # optimizer steps 4, 8, 12, 12
+    theta = rank.score(copy.deepcopy(rank.model), batch)  # (B, R) log pi_theta before the step, independently
+    seen = capture_prox_of_loss(monkeypatch)
+    forwards = count_forwards(rank.model)
+    rank.update_actor(2, batch, adv, 3)  # v_prox = 12, v_theta = 14
+    expected = loglinear_prox_log_prob(theta, batch.behav_logp, batch.response_mask, v_prox=12, v_theta=14,
+                                       v_behav=torch.tensor([4, 8, 12, 12])[batch.group_index])  # fmt: skip
+    used = torch.cat(seen)
+    mask = batch.response_mask
+    torch.testing.assert_close(used[mask], expected[mask], rtol=0, atol=0)
+    assert len(forwards) == 3  # the training forward's micro-batches, nothing else
+    # alpha 0.8 and 2/3 for the older groups, 0 for the newest: pi_prox is neither pi_behav nor pi_theta there
+    old_rows = mask & (batch.group_index < 2)[:, None]
+    assert not torch.allclose(used[old_rows], batch.behav_logp[old_rows])
+    assert not torch.allclose(used[old_rows], theta[old_rows])
+    new_rows = mask & (batch.group_index >= 2)[:, None]
+    torch.testing.assert_close(used[new_rows], batch.behav_logp[new_rows], rtol=0, atol=0)
+    rank.close()
+
+
+def test_metrics_reports_loglinear_error_against_the_exact_prox(small_cfg):
+    rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "metrics", "trainer.parameter_sync_step": 4,
+                                   "trainer.train_batch_size": 8, "actor.lr": 0.05})  # fmt: skip
+    batch, adv = make_batch(rank.model, versions=(0, 1, 1, 1))
+    anchor = copy.deepcopy(rank.model)  # pi_prox: the cycle-start weights (version 1, step 4)
+    rank.update_actor(0, batch, adv, 1)
+    rank.update_actor(1, batch, adv, 1)
+    theta = rank.score(copy.deepcopy(rank.model), batch)  # log pi_theta at trigger 2, independently
+    metrics = rank.update_actor(2, batch, adv, 1)
+    exact = rank.score(anchor, batch)
+    mask = batch.response_mask
+    # group 0 (step 0): alpha = (4 - 0) / (6 - 0); the others (step 4) take pi_behav
+    alpha = torch.where(batch.group_index == 0, 4 / 6, 0.0)[:, None]
+    approx = batch.behav_logp + alpha * (theta - batch.behav_logp)
+    err = (approx - exact).abs()[mask]
+    w_err = (torch.exp(approx - batch.behav_logp) - torch.exp(exact - batch.behav_logp)).abs()[mask]
+    assert float(err.max()) > 1e-3  # the weights moved: the approximation is off, and measurably so
+    assert metrics["prox_approx/abs_err_mean"] == pytest.approx(float(err.mean()), rel=1e-4)
+    assert metrics["prox_approx/abs_err_max"] == pytest.approx(float(err.max()), rel=1e-4)
+    assert metrics["prox_approx/is_weight_abs_err_mean"] == pytest.approx(float(w_err.mean()), rel=1e-4)
+    assert metrics["prox_approx/is_weight_abs_err_max"] == pytest.approx(float(w_err.max()), rel=1e-4)
+    rank.close()
+
+
+def test_loglinear_and_metrics_runs_train_and_log(small_cfg):
+    for method in ("loglinear", "metrics"):
+        result = PPOTrainer(small_cfg(**{"algorithm.prox_logp_method": method})).fit()
+        keys = set(result.records[-1])
+        assert ("prox_approx/abs_err_mean" in keys) == (method == "metrics"), method
+        assert all(r["actor/grad_norm"] > 0 for r in result.records)
