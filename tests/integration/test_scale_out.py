@@ -20,7 +20,7 @@ import torch
 
 from dppo.data import make_prompt_source
 from dppo.models import build_model
-from dppo.rollout import Group
+from dppo.rollout import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
@@ -191,6 +191,45 @@ def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strat
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
     used = ws2.actor.execute(lambda rank: getattr(rank.old_log_prob.inner, "reader_name", rank.old_log_prob.name))
     assert used == [{"auto": "swap", "swap": "swap", "reference": "cycle_start_reference"}[strategy]] * 2
+
+
+def set_fuse_live(rank, fuse: bool) -> None:
+    getattr(rank.old_log_prob, "inner", rank.old_log_prob).fuse_live = fuse
+
+
+def local_grads(rank) -> dict[str, torch.Tensor]:
+    from dppo.workers.fsdp import local_tensor
+
+    return {name: local_tensor(p.grad).clone() for name, p in rank.model.named_parameters()}
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean"])
+def test_world_size_2_takes_live_pi_old_from_the_training_forward_as_a_separate_pass_would(ws2, groups, mode):
+    """Trigger 0 from the same weights (slot 2), once from the training forward and once with the separate no-grad
+    pass: every rank's gradient shards and the whole mini-batch's metrics agree (the optimizer state does not
+    enter the gradients), and verify_old_log_prob finds the training forward's log-probs exact."""
+    reconfigure(ws2, **{"actor.loss_agg_mode": mode, "algorithm.rollout_correction.rollout_rs": "token_k1",
+                        "algorithm.rollout_correction.rollout_rs_threshold": 1.02})  # fmt: skip
+    batch = collate(groups[:3], ws2.source.pad_token)  # 9 sequences: 5 + 4 and one padding row
+    advantages = ws2.advantages(batch.scores, batch.group_index, batch.response_mask)
+    ws2.actor.save_model_to_cpu(2)
+    results = {}
+    for fuse in (True, False):
+        ws2.actor.restore_model_from_cpu(2)
+        ws2.actor.execute(set_fuse_live, fuse)
+        metrics = ws2.actor.update_actor(0, batch, advantages, ws2.version)
+        results[fuse] = metrics, ws2.actor.execute(local_grads), ws2.actor.end_cycle()
+    ws2.actor.restore_model_from_cpu(2)
+    ws2.actor.clear_cpu_model(2)
+    (fused, fused_grads, fused_check), (separate, separate_grads, separate_check) = results[True], results[False]
+    assert 0 < fused["rollout_corr/token_rejected_frac"] < 1  # the case under test: some tokens rejected
+    for key, value in separate.items():
+        if not key.startswith("timing_s/"):
+            assert fused[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key
+    for got, want in zip(fused_grads, separate_grads, strict=True):  # rank by rank
+        for name, value in want.items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=1e-7)
+    assert fused_check["debug/old_log_prob_max_abs_diff"] == separate_check["debug/old_log_prob_max_abs_diff"] == 0.0
 
 
 @pytest.mark.parametrize("reader", ["live", "view"])
