@@ -25,7 +25,10 @@ def test_cycle_bench_runs_every_mode_and_checks_the_old_log_probs(tmp_path, caps
     for (ps, mode), r in rows.items():  # one round: the medians are the round's own differences
         assert r["overhead_vs_bypass_s"] == r["cycles_s"][0] - rows[ps, "bypass"]["cycles_s"][0]
         assert r["exposed_snapshot_s"] == r["cycles_s"][0] - rows[ps, "recompute-only"]["cycles_s"][0]
-        assert r["reader"] == {1: "current"}.get(ps, r["reader"]) if mode != "bypass" else r["reader"] == "bypass"
+        if mode in ("bypass", "loglinear"):
+            assert r["reader"] == mode and r["moved_mb"] == 0  # no snapshot at all
+        else:
+            assert r["reader"] == {1: "current"}.get(ps, r["reader"])
     assert rows[2, "decoupled-auto"]["reader"] == "view" and rows[2, "decoupled-reference"]["reader"] == "reference"
     nbytes_mb = result["bytes"] / 1e6
     assert rows[2, "decoupled-auto"]["moved_mb"] == nbytes_mb  # the save of trigger 0 only
@@ -39,3 +42,5 @@ def test_cycle_bench_runs_every_mode_and_checks_the_old_log_probs(tmp_path, caps
     assert [t["line"] for t in data["targets"][:2]] == targets
     assert data["meta"]["malloc_tuning"] is not None  # glibc here: freed memory stays mapped
     assert "PASS  old log-probs, tiny" in printed
+    (loglinear,) = [t for t in data["targets"] if t["line"].startswith("loglinear target, tiny: loglinear - bypass")]
+    assert "x of recompute-only - bypass" in loglinear["line"] and "target <= 0.1x" in loglinear["line"]
