@@ -38,8 +38,9 @@ minus recompute-only):
          exposed_snapshot(decoupled-auto) <= 10% of cycle(bypass), with a host slot
 Issue 12 (same sizes and sums): loglinear - bypass <= 0.1x of recompute-only - bypass (what one separate
 old-log-prob pass per trigger adds).
-Checks: the old log-probs (those the loss used) of every decoupled mode (and of the stream and view readers) equal each other and
-a deep copy of the cycle-start weights (bitwise on the CPU, within 1e-6 on a GPU); on a GPU, the streamed
+Checks: the old log-probs the loss used in every decoupled mode (and with the stream and view readers) equal
+each other and a deep copy of the cycle-start weights (bitwise on the CPU, within 1e-6 on a GPU; trigger 0's
+are the training forward pass's own); on a GPU, the streamed
 pass's peak extra device memory is at most two steps' (layers') bytes plus alignment.
 Prints a table and writes JSON (--out). Defaults finish in under 3 minutes on a 2-core CPU.
 

@@ -262,9 +262,10 @@ class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
     """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
 
     Trigger 0: blocking per-parameter pageable save of the live weights (a sharded model's local shards) into
-    a dict slot; the old log-probs are the training forward pass's (as every strategy's where pi_old is live). Trigger k >= 1: save the live weights into a temporary dict, restore
-    slot 0 into the live parameters (per-parameter .to(device) + copy_), the forward pass, restore the live
-    weights, clear the temporary dict: three full weight transfers, none overlapped with anything.
+    a dict slot; the old log-probs are the training forward pass's (as every strategy's where pi_old is live).
+    Trigger k >= 1: save the live weights into a temporary dict, restore slot 0 into the live parameters
+    (per-parameter .to(device) + copy_), the forward pass, restore the live weights, clear the temporary dict:
+    three full weight transfers, none overlapped with anything.
     """
 
     name = "cycle_start_reference"

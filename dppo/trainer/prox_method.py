@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dppo.algo import loglinear_prox_log_prob, prox_approx_metrics
+from dppo.algo import UnknownNameError, loglinear_prox_log_prob, prox_approx_metrics
 from dppo.rollout import TrainBatch
 
 # prox(logp (b, R) of the training forward, detached; sl: the micro-batch's rows of the batch) -> log pi_prox (b, R)
@@ -65,7 +65,8 @@ class Recompute:
     def prox(self, old_logp: torch.Tensor | None, batch: TrainBatch, steps: StepVersions) -> torch.Tensor | ProxFn:
         return live_prox if old_logp is None else old_logp
 
-    def metrics(self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch, steps: StepVersions) -> dict[str, float]:
+    def metrics(self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch,
+                steps: StepVersions) -> dict[str, float]:  # fmt: skip
         """Metrics of the step from the training forward's log-probs logp (B, R) and the prox the loss used."""
         return {}
 
@@ -91,8 +92,6 @@ assert tuple(_METHODS) == PROX_LOGP_METHODS
 
 def make_prox_method(name: str) -> Recompute:
     """The method named name (one of PROX_LOGP_METHODS; the config has checked it)."""
-    from dppo.algo import UnknownNameError
-
     if name not in _METHODS:
         raise UnknownNameError(f"unknown algorithm.prox_logp_method {name!r}; valid names: {', '.join(_METHODS)}")
     return _METHODS[name]()
