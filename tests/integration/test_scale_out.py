@@ -45,6 +45,7 @@ def overrides(output_dir: Path, world_size: int, **extra) -> dict:
         "trainer.checkpoint_every": 0,
         "trainer.progress_bar": False,
         "trainer.verify_old_log_prob": True,
+        "algorithm.prox_logp_method": "metrics",  # exact, and loglinear's error merged over the ranks
         "rollout.n": 3,
         "task.length": 3,
         "model.hidden_size": 32,
@@ -176,6 +177,12 @@ def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-5), key
     for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/pg_clipfrac"):  # trigger 1: all moved
         assert two[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-7), key
+    # loglinear's error, merged over micro-batches and ranks: from cycle 1 on, pi_prox has left the initial weights
+    # that sampled the groups (stamped with the current version, so loglinear takes pi_behav): a real error
+    for key in ("prox_approx/abs_err_mean", "prox_approx/abs_err_max", "prox_approx/is_weight_abs_err_mean",
+                "prox_approx/is_weight_abs_err_max"):  # fmt: skip
+        assert two[3][key] == pytest.approx(one[3][key], rel=1e-4, abs=1e-7), key
+    assert one[3]["prox_approx/abs_err_max"] > 1e-4
     assert one[1]["actor/kl_loss"] > 0 and one[1]["actor/pg_loss"] != 0
     assert [r["debug/old_log_prob_max_abs_diff"] for r in two_records] == [0.0] * 3
     assert_weights_close(full_weights(ws2), ws1.actor.local_rank.model.state_dict())
@@ -308,7 +315,7 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
     # its own loss mask and the normalizers are known only once every micro-batch has run: the same update.
     bypass = {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.rollout_rs": "token_k1",
               "algorithm.rollout_correction.rollout_rs_threshold": 2.0, "actor.loss_agg_mode": "seq-mean-token-mean",
-              "trainer.verify_old_log_prob": False}  # fmt: skip
+              "trainer.verify_old_log_prob": False, "algorithm.prox_logp_method": "recompute"}  # fmt: skip
     ws1.rollout.taken = ws2.rollout.taken
     for trainer in (ws1, ws2):
         reconfigure(trainer, **bypass)

@@ -159,8 +159,12 @@ def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg
         assert rank.old_log_prob.reader_name == strategy
 
 
-def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg):
-    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True}))
+@pytest.mark.parametrize("anchor", ["cycle_start", "current"])
+def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg, anchor):
+    """Slot 0's old log-probs, and the training forward's own where pi_old is the live weights (trigger 0, and
+    every trigger of prox_anchor=current), against a deep copy of pi_old's weights."""
+    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True,
+                                                            "algorithm.prox_anchor": anchor}))  # fmt: skip
     result = trainer.fit()
     diffs = [r["debug/old_log_prob_max_abs_diff"] for r in result.records]
     assert diffs == [0.0, 0.0]
