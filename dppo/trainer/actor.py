@@ -67,13 +67,25 @@ class Objective:
     logp_parts: list[torch.Tensor] = field(default_factory=list)
     """The training forward's log-probs, detached, one (b, R) per micro-batch (update_policy appends them)."""
 
+    prox_parts: list[torch.Tensor] = field(default_factory=list)
+    """log pi_prox (b, R) per micro-batch where pg_loss derives it from the training forward (else empty)."""
+
     def logp(self) -> torch.Tensor:
         """The training forward's detached log-probs of the whole mini-batch (B, R), once update_policy ran."""
-        return torch.cat(self.logp_parts) if len(self.logp_parts) != 1 else self.logp_parts[0]
+        return _cat(self.logp_parts)
+
+    def prox_logp(self) -> torch.Tensor | None:
+        """log pi_prox (B, R) that pg_loss derived micro-batch by micro-batch, once update_policy ran; None where
+        it was known before the forward passes."""
+        return _cat(self.prox_parts) if self.prox_parts else None
 
     def finish_metrics(self) -> dict[str, float]:
         """metrics, with finish's added."""
         return self.metrics if self.finish is None else {**self.metrics, **self.finish(self.logp())}
+
+
+def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(parts) if len(parts) != 1 else parts[0]
 
 
 def _clip_settings(actor_cfg) -> dict:
@@ -116,6 +128,7 @@ def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollo
 
     def pg_loss(logp, sl, normalizers):
         prox = prox_of(logp.detach(), sl)  # (b, R)
+        objective.prox_parts.append(prox)
         weights, loss_mask, _ = compute_rollout_correction_and_rejection_mask(
             prox, batch.behav_logp[sl], batch.response_mask[sl], rollout_correction
         )  # (b, R) each
@@ -123,12 +136,12 @@ def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollo
         return loss, loss_mask, m
 
     def finish(logp: torch.Tensor) -> dict[str, float]:
-        prox = prox_of(logp, slice(None))  # (B, R): the micro-batches' prox, elementwise as they were
-        return compute_rollout_correction_and_rejection_mask(prox, batch.behav_logp, batch.response_mask,
-                                                             rollout_correction)[2]  # fmt: skip
+        return compute_rollout_correction_and_rejection_mask(objective.prox_logp(), batch.behav_logp,
+                                                             batch.response_mask, rollout_correction)[2]  # fmt: skip
 
     known = batch.response_mask if rollout_correction.rollout_rs is None else None  # nothing is rejected
-    return Objective(pg_loss, known, finish=finish)
+    objective = Objective(pg_loss, known, finish=finish)
+    return objective
 
 
 def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:

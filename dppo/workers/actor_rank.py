@@ -161,7 +161,7 @@ class ActorRank:
                                 self.cfg.rollout.temperature, ref_logp, self.peers)  # fmt: skip
         update_s = time.perf_counter() - start
         logp = objective.logp()  # (b, R) the training forward's, detached: log pi_theta before the step
-        prox_logp = prox if isinstance(prox, torch.Tensor) else prox(logp, slice(None))  # (b, R) what the loss used
+        prox_logp = prox if isinstance(prox, torch.Tensor) else objective.prox_logp()  # (b, R) what the loss used
         self.old_log_prob.record_used(batch, prox_logp)
         own = {**objective.finish_metrics(), **self.prox_method.metrics(logp, prox_logp, batch, steps)}
         valid = batch.response_mask.sum()
