@@ -4,8 +4,9 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
 
     begin_cycle()
     for k in 0 .. parameter_sync_step - 1:        self.local_trigger_step = k
-        groups <- rollout.fetch(train_batch_size / parameter_sync_step, version)
-        metrics <- train_trigger(collate(groups))
+        groups <- the mini-batch held since trigger 0, or rollout.fetch(train_batch_size / parameter_sync_step, version)
+        k == 0 (scores_ahead): hold the later mini-batches that have arrived, scored now (score_ahead)
+        metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
     evaluate() every trainer.test_freq steps       greedy, on the source's eval prompts
@@ -46,8 +47,9 @@ from dppo.rollout import Group, TrainBatch, collate, left_pad
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import DppoConfig, to_dict
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
-from dppo.trainer.resume import CycleProgress, RolloutStart, rng_state, set_rng_state
+from dppo.trainer.resume import CycleProgress, HeldBatch, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
+from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 from dppo.workers.sharded_state import UnsafeCheckpointError
 
@@ -183,8 +185,18 @@ class BaseTrainer:
     def begin_cycle(self) -> None:
         """Called before trigger 0 of each sync cycle."""
 
-    def train_trigger(self, batch: TrainBatch) -> dict[str, float]:
-        """One optimizer step on batch; returns its metrics (timing_s/* keys are summed over the cycle)."""
+    def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
+        """One optimizer step on batch; returns its metrics (timing_s/* keys are summed over the cycle).
+        prox_logp: batch's old log-probs (B, R), scored ahead at trigger 0 (score_ahead), or None."""
+        raise NotImplementedError
+
+    # Whether trigger 0 takes the cycle's later mini-batches that have arrived and scores them (score_ahead).
+    scores_ahead = False
+
+    def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
+        """At trigger 0, before its optimizer step: old log-probs (B, R) of each of the cycle's later mini-batches
+        in batches; whole_cycle: they are all of them (no later trigger needs anything else). Only called where
+        scores_ahead is true."""
         raise NotImplementedError
 
     def end_cycle(self) -> dict[str, float]:
@@ -263,20 +275,27 @@ class BaseTrainer:
             self.begin_cycle()
         while progress.trigger < self.cfg.trainer.parameter_sync_step:
             self.local_trigger_step = progress.trigger
+            held = progress.ahead[0] if progress.ahead else None  # taken and scored at trigger 0
             wait_start = time.perf_counter()
-            groups, dropped = self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
+            groups, dropped = (held.groups, 0) if held else self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
             wait_s = time.perf_counter() - wait_start
+            ahead = self._score_ahead() if progress.trigger == 0 else None
             batch = collate(groups, self.source.pad_token)
             # the ranks move their part of the batch to their device
-            metrics = {**self.train_trigger(batch), **_reward_extras(groups)}
+            metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
             # Committed only now: a failure before this line leaves the cycle as it was before the trigger.
             progress.metrics.add({"timing_s/gen_wait": wait_s})
             progress.metrics.add(metrics)
             progress.staleness.append(self.version - batch.versions)
             progress.scores.append(batch.scores)
-            progress.dropped += dropped
             progress.trigger += 1
-            self._taken(groups, dropped)
+            if held:
+                progress.ahead.pop(0)  # its groups were counted as taken at trigger 0
+            else:
+                progress.dropped += dropped
+                self._taken(groups, dropped)
+            if ahead is not None:
+                self._hold(ahead)
         if not progress.ended:
             progress.metrics.add(self.end_cycle())
             progress.ended = True
@@ -289,12 +308,34 @@ class BaseTrainer:
         self.progress = CycleProgress()
         return self._record(progress, stats, time.perf_counter() - cycle_start)
 
+    def _score_ahead(self) -> Ahead | None:
+        """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
+        would take them and scored with the live weights, which are pi_old (dppo.trainer.score_ahead); None where
+        the trainer does not score ahead."""
+        if not self.scores_ahead:
+            return None
+        later = self.cfg.trainer.parameter_sync_step - 1
+        start = time.perf_counter()
+        taken, dropped = take_ready(self.rollout, later, self.cfg.groups_per_trigger, self.version)
+        batches = [collate(groups, self.source.pad_token) for groups in taken]
+        prox_logps = self.score_ahead(batches, whole_cycle=len(taken) == later)
+        held = [HeldBatch(groups, logp) for groups, logp in zip(taken, prox_logps, strict=True)]
+        return Ahead(held, dropped, len(held) / later, time.perf_counter() - start)
+
+    def _hold(self, ahead: Ahead) -> None:
+        """Commit trigger 0's score-ahead: the held mini-batches wait in the cycle's progress for their triggers."""
+        progress = self.progress
+        progress.ahead = ahead.held
+        progress.dropped += ahead.dropped
+        progress.metrics.add({"snapshot/scored_ahead_frac": ahead.fraction, "timing_s/score_ahead": ahead.seconds})
+        self._taken([g for held in ahead.held for g in held.groups], ahead.dropped)
+
     def _taken(self, groups: list[Group], dropped: int) -> None:
         """Where a new rollout would pick up after these groups (see RolloutStart)."""
         start = self.rollout_start
         start.version = self.version
         start.consumed += len(groups)
-        start.next_grant = max(start.next_grant, *(g.index + 1 for g in groups))
+        start.next_grant = max([start.next_grant, *(g.index + 1 for g in groups)])
         start.dropped_total += dropped
 
     def _record(self, progress: CycleProgress, stats: dict[str, float], step_s: float) -> dict[str, float]:
@@ -423,7 +464,8 @@ class BaseTrainer:
         rollout = state["rollout"]
         self.rollout_start = RolloutStart(
             version=self.version,
-            consumed=self.version * self.cfg.trainer.train_batch_size + self.progress.trigger * self.cfg.groups_per_trigger,
+            consumed=self.version * self.cfg.trainer.train_batch_size + self.progress.trigger * self.cfg.groups_per_trigger
+            + sum(held.num_groups for held in self.progress.ahead),
             next_grant=int(rollout["next_grant"]), dropped_total=int(rollout["dropped_total"]),
             worker_restarts=int(rollout["worker_restarts"]),
         )  # fmt: skip

@@ -513,6 +513,13 @@ class SnapshotConfig:
     blocking save/restore/restore, for comparison only). A sharded (FSDP2) actor takes auto, swap or reference
     only: FSDP2 gathers from its own parameters, so view and stream would read the live weights."""
 
+    score_ahead: bool = True
+    """At trigger 0 of a Decoupled PPO cycle, also take the cycle's later mini-batches that have already arrived
+    (the same groups, in the same order, their triggers would take) and score them with the live weights,
+    which are pi_old then: those triggers read no slot, and a cycle whose later mini-batches all arrived in
+    time takes no snapshot (snapshot/scored_ahead_frac). In trainer.mode=sync the rollout generates the whole
+    cycle's groups at trigger 0 (the same samples). Old log-probs and weights are bitwise those of false."""
+
     def __post_init__(self) -> None:
         from dppo.trainer.prox import SNAPSHOT_STRATEGIES
 

@@ -4,14 +4,19 @@ Per trigger the driver computes the advantages on whole groups (dppo.algo, befor
 the ranks) and calls the actor's update once: every rank computes old log-probs with the strategy
 of dppo.trainer.prox on its shard, the rollout correction, the policy loss (normalized over the whole
 mini-batch) and one optimizer step (dppo.workers.actor_rank). Which policy plays pi_old is the strategy's
-business; which loss is used is chosen once per rank; the trigger itself has no algorithm branches.
+business; which loss is used is chosen once per rank; the trigger itself has no algorithm branches. Where the
+strategy would read slot 0 (snapshot.score_ahead), trigger 0 scores the cycle's later mini-batches that have
+arrived with the live weights instead (dppo.trainer.score_ahead).
 """
 
 from __future__ import annotations
 
+import torch
+
 from dppo.rollout import TrainBatch
 from dppo.trainer.actor import advantage_fn
 from dppo.trainer.base import BaseTrainer
+from dppo.trainer.prox import scores_ahead
 
 
 class PPOTrainer(BaseTrainer):
@@ -19,10 +24,16 @@ class PPOTrainer(BaseTrainer):
 
     def setup(self) -> None:
         self.advantages = advantage_fn(self.cfg.algorithm)
+        self.scores_ahead = scores_ahead(self.cfg)
 
-    def train_trigger(self, batch: TrainBatch) -> dict[str, float]:
+    def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
+        if whole_cycle:  # before trigger 0's update: its strategy then takes no snapshot
+            self.actor.skip_snapshot()
+        return [self.actor.score_ahead(batch) for batch in batches]
+
+    def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
         advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask)  # (B, R)
-        metrics = self.actor.update_actor(self.local_trigger_step, batch, advantages, self.version)
+        metrics = self.actor.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics
 

@@ -109,6 +109,15 @@ class OldLogProbStrategy:
     def record_used(self, batch: TrainBatch, prox_logp: torch.Tensor) -> None:
         """Called after the update with the old log-probs (B, R) its loss used."""
 
+    def scored_ahead(self, trigger: int, batch: TrainBatch, prox_logp: torch.Tensor) -> torch.Tensor:
+        """log pi_old (B, R) of trigger's mini-batch, scored ahead by the driver (dppo.trainer.score_ahead) with the
+        live weights before trigger 0's optimizer step, which are pi_old: used as they are, no slot read."""
+        return prox_logp
+
+    def skip_snapshot(self) -> None:
+        """The cycle about to start reads no slot (every later mini-batch was scored ahead): its trigger 0 takes no
+        snapshot. A strategy that takes none has nothing to skip."""
+
     def take_snapshot_s(self) -> float:
         """Seconds spent in snapshot calls since the last call."""
         seconds, self.snapshot_s = self.snapshot_s, 0.0
@@ -197,6 +206,8 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         self.stream_error: str | None = None  # why the model cannot be streamed, once a trace has failed
         self.sharded = is_sharded(model)
         self.use_reader(reader or cfg.snapshot.strategy)
+        self._skip_next = False  # skip_snapshot() was called: the next trigger 0 takes no snapshot
+        self._slot_is_pi_old = False  # slot 0 holds this cycle's pi_old (a cycle that skipped it holds an older one)
 
     @property
     def pool(self):
@@ -223,15 +234,23 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         self.reader_name, self._reader_tier = name, tier
         return SLOT_READERS[name]
 
+    def skip_snapshot(self) -> None:
+        self._skip_next = True
+
     def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
         if trigger == 0:
-            start = time.perf_counter()
-            self._pool.save(0)  # returns at once; the copy reads the weights while the training forward runs
-            self.snapshot_s += time.perf_counter() - start
-            self.moved_bytes += self._pool.nbytes
+            self._slot_is_pi_old, self._skip_next = not self._skip_next, False
+            if self._slot_is_pi_old:
+                start = time.perf_counter()
+                self._pool.save(0)  # returns at once; the copy reads the weights while the training forward runs
+                self.snapshot_s += time.perf_counter() - start
+                self.moved_bytes += self._pool.nbytes
             return self.live(batch)
         if 0 not in self._pool:
             raise RuntimeError(f"trigger {trigger}: snapshot slot 0 is empty; trigger 0 of the cycle must run first")
+        if not self._slot_is_pi_old:
+            raise RuntimeError(f"trigger {trigger}: this cycle took no snapshot (skip_snapshot: every later mini-batch "
+                               "was to be scored ahead), so slot 0 does not hold its pi_old")  # fmt: skip
         if self._auto:  # a save may land in another tier than the last one (device budget taken meanwhile)
             tier = self._pool.tier(0)
             if self._reader is None or tier != self._reader_tier:
@@ -239,8 +258,8 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         return self._reader(self, batch)
 
     def anchor_weights(self) -> dict[str, torch.Tensor] | None:
-        if 0 not in self._pool:
-            return None
+        if 0 not in self._pool or not self._slot_is_pi_old:
+            return None  # a cycle scored wholly ahead needs no pi_old weights: its old log-probs are kept
         self._pool.synchronize()
         return {name: t.to("cpu", copy=True) for name, t in self._pool.view(0).items()}
 
@@ -250,6 +269,7 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             self._pool.synchronize()
 
         with_weights(self.model, weights, save)
+        self._slot_is_pi_old = True
 
     def close(self) -> None:
         self._guard.remove()
@@ -329,6 +349,12 @@ OLD_LOG_PROB_STRATEGIES: dict[str, type[OldLogProbStrategy]] = {
 SNAPSHOT_STRATEGIES = ("auto", *SLOT_READERS, "reference")
 
 
+def scores_ahead(cfg) -> bool:
+    """Whether the driver scores a cycle's later mini-batches ahead at trigger 0 (snapshot.score_ahead): only
+    where they would read slot 0 otherwise (the cycle_start strategy)."""
+    return cfg.snapshot.score_ahead and select_strategy_name(cfg) == "cycle_start"
+
+
 def select_strategy_name(cfg) -> str:
     """The strategy cfg asks for (see the module docstring)."""
     if cfg.algorithm.rollout_correction.bypass_mode:
@@ -350,8 +376,10 @@ class VerifiedOldLogProb(OldLogProbStrategy):
 
     copy_model(model) makes that copy (default copy.deepcopy; a sharded actor gathers its full weights into a
     plain module). end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob the loss used
-    (record_used: a separate pass's, or the training forward's own, detached) - the copy's| over the valid
-    tokens of the cycle.
+    (record_used: a separate pass's, the training forward's own, detached, or one scored ahead) - the copy's|
+    over the valid tokens of the cycle. A cycle resumed mid-way whose checkpoint kept no pi_old weights (every
+    later mini-batch was scored ahead, so none were needed) has no copy to check its scored-ahead old log-probs
+    against: debug/old_log_prob_unverified counts those mini-batches.
     """
 
     def __init__(self, inner: OldLogProbStrategy, copy_model: Callable[[torch.nn.Module], torch.nn.Module] = copy.deepcopy):
@@ -363,6 +391,8 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         self.reference: torch.nn.Module | None = None
         self._expected: torch.Tensor | None = None  # (B, R) the reference's log-probs of the trigger's batch
         self.max_abs_diff = 0.0
+        self.unverified = 0  # scored-ahead mini-batches of the cycle that had no reference to check against
+        self._unverifiable = False  # the trigger's old log-probs were scored ahead and there is no reference
 
     @property
     def pool(self):
@@ -382,9 +412,21 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         self._expected = self.score(self.reference, batch, None)
         return self.inner.compute(trigger, batch)
 
+    def scored_ahead(self, trigger: int, batch: TrainBatch, prox_logp: torch.Tensor) -> torch.Tensor:
+        # none to compare with in a cycle resumed mid-way that kept no pi_old weights (all of it scored ahead)
+        self._expected = None if self.reference is None else self.score(self.reference, batch, None)
+        self._unverifiable = self.reference is None
+        return self.inner.scored_ahead(trigger, batch, prox_logp)
+
+    def skip_snapshot(self) -> None:
+        self.inner.skip_snapshot()
+
     def record_used(self, batch: TrainBatch, prox_logp: torch.Tensor) -> None:
         self.inner.record_used(batch, prox_logp)
         expected, self._expected = self._expected, None
+        if expected is None and self._unverifiable:
+            self.unverified, self._unverifiable = self.unverified + 1, False
+            return
         if expected is None:
             raise RuntimeError("record_used without a compute before it: there is nothing to compare with")
         diff = (prox_logp - expected).abs()[batch.response_mask]
@@ -401,7 +443,11 @@ class VerifiedOldLogProb(OldLogProbStrategy):
 
     def end_cycle(self) -> dict[str, float]:
         diff, self.max_abs_diff = self.max_abs_diff, 0.0
-        return {**self.inner.end_cycle(), "debug/old_log_prob_max_abs_diff": diff}
+        metrics = {**self.inner.end_cycle(), "debug/old_log_prob_max_abs_diff": diff}
+        if self.unverified:
+            metrics["debug/old_log_prob_unverified"] = float(self.unverified)
+            self.unverified = 0
+        return metrics
 
     def close(self) -> None:
         self.inner.close()

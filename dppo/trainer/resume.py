@@ -3,7 +3,9 @@ them): the RNG states, how far the current sync cycle got, and where the rollout
 
 A run resumed from a checkpoint continues exactly where the checkpointed one was: a boundary checkpoint
 (trigger 0) at the start of the next sync cycle, a mid-cycle one (written when the rollout failed beyond
-recovery) at the trigger it was on, with that cycle's accumulated metrics and its pi_old weights.
+recovery) at the trigger it was on, with that cycle's accumulated metrics, its pi_old weights (where a later
+trigger still reads slot 0) and the mini-batches taken and scored ahead for its later triggers, with their old
+log-probs (dppo.trainer.score_ahead).
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
+
+from dppo.rollout import Group
 
 # ---- RNG states ---------------------------------------------------------------------------------------
 
@@ -70,6 +74,37 @@ class CycleMetrics:
         return {**{k: self.sums[k] / self.counts[k] for k in self.sums}, **self.extremes}
 
 
+def group_state(group: Group) -> dict:
+    """group as tensors and plain types."""
+    return {"prompt": group.prompt, "responses": group.responses, "response_mask": group.response_mask,
+            "behav_logp": group.behav_logp, "scores": group.scores, "version": int(group.version),
+            "index": int(group.index), "reward_extra": dict(group.reward_extra)}  # fmt: skip
+
+
+def group_from_state(state: dict) -> Group:
+    return Group(state["prompt"], state["responses"], state["response_mask"], state["behav_logp"], state["scores"],
+                 int(state["version"]), int(state["index"]), dict(state["reward_extra"]))  # fmt: skip
+
+
+@dataclass
+class HeldBatch:
+    """A later mini-batch of the cycle, taken and scored ahead at trigger 0, waiting for its trigger."""
+
+    groups: list[Group]
+    prox_logp: torch.Tensor  # (B, R) fp32: log pi_old of collate(groups), scored with the cycle-start weights
+
+    @property
+    def num_groups(self) -> int:
+        return len(self.groups)
+
+    def to_state(self) -> dict:
+        return {"groups": [group_state(g) for g in self.groups], "prox_logp": self.prox_logp}
+
+    @staticmethod
+    def from_state(state: dict) -> HeldBatch:
+        return HeldBatch([group_from_state(g) for g in state["groups"]], state["prox_logp"])
+
+
 @dataclass
 class CycleProgress:
     """How far the current sync cycle has got; committed trigger by trigger, so a failure never tears it."""
@@ -81,6 +116,7 @@ class CycleProgress:
     scores: list[torch.Tensor] = field(default_factory=list)  # (G n,) fp32 per trigger
     dropped: int = 0
     elapsed_s: float = 0.0  # time the cycle had taken before the run stopped (resumed cycles only)
+    ahead: list[HeldBatch] = field(default_factory=list)  # the next triggers' mini-batches, taken and scored ahead
 
     @property
     def started(self) -> bool:
@@ -90,13 +126,14 @@ class CycleProgress:
         return {"trigger": self.trigger, "ended": self.ended, "sums": dict(self.metrics.sums),
                 "counts": dict(self.metrics.counts), "extremes": dict(self.metrics.extremes),
                 "staleness": list(self.staleness), "scores": list(self.scores), "dropped": self.dropped,
-                "elapsed_s": elapsed_s}  # fmt: skip
+                "elapsed_s": elapsed_s, "ahead": [held.to_state() for held in self.ahead]}  # fmt: skip
 
     @staticmethod
     def from_state(state: dict) -> CycleProgress:
         metrics = CycleMetrics(dict(state["sums"]), dict(state["counts"]), dict(state["extremes"]))
+        ahead = [HeldBatch.from_state(held) for held in state.get("ahead", [])]  # none before score-ahead existed
         return CycleProgress(int(state["trigger"]), bool(state["ended"]), metrics, list(state["staleness"]),
-                             list(state["scores"]), int(state["dropped"]), float(state["elapsed_s"]))  # fmt: skip
+                             list(state["scores"]), int(state["dropped"]), float(state["elapsed_s"]), ahead)  # fmt: skip
 
 
 # ---- where the rollout picks up -------------------------------------------------------------------------
@@ -112,7 +149,7 @@ class RolloutStart:
     """
 
     version: int = 0
-    consumed: int = 0  # groups the trainer has consumed (taken) before this start, counting each version as B
+    consumed: int = 0  # groups the trainer has consumed (taken, held ahead too) before this start, each version as B
     next_grant: int = 0  # grant index of the first group this start grants (one past the last one taken)
     dropped_total: int = 0
     worker_restarts: int = 0

@@ -1,7 +1,9 @@
 """Where the trainer's groups come from: Ray rollout workers (async or lockstep) or an in-process generator.
 
-Both sources run the same worker step (ticket from the replay buffer -> load newer weights -> generate ->
-put) and the same replay-buffer logic; they differ only in who runs the step and when.
+Both sources run the same worker step (ticket from the replay buffer -> load newer weights -> generate -> put)
+and the same replay-buffer logic; they differ only in who runs the step and when. fetch(num_groups, version)
+waits for a trigger's groups; fetch_ready takes them only if they have arrived (the trainer's score-ahead, at
+a cycle's first trigger), and in sync mode generates them at once.
 
 On Ray, a rollout worker whose process dies is restarted (up to rollout.max_restarts times per worker) and
 the replay buffer grants its outstanding tickets again, so the groups it was generating are generated anew
@@ -71,6 +73,11 @@ class InProcessRollout:
         result = self.buffer.take(num_groups, trainer_version)
         assert result is not None, "groups generated for this trigger must be takeable"
         return result
+
+    def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+        """fetch, without waiting for a rollout running ahead; sync mode has none, so it generates the groups now
+        (the same ones: a ticket is seeded by its grant index, and the weights stay those of the cycle start)."""
+        return self.fetch(num_groups, trainer_version)
 
     def stats(self) -> dict[str, float]:
         return {**self.buffer.stats(), "rollout/worker_restarts": 0.0}
@@ -151,6 +158,14 @@ class RayRollout:
             if take in ready:
                 return self._from_buffer(take)
             self._outcome(runs[ready[0]], ready[0])
+
+    def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+        """The groups fetch would return next if they have all arrived, else None, without waiting (nothing taken).
+        Sync mode generates them now instead (the same ones: a ticket is seeded by its grant index, and the
+        weights stay those of the cycle start)."""
+        if self.mode == "sync":
+            return self.fetch(num_groups, trainer_version)
+        return self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version))
 
     def _generate_lockstep(self, num_groups: int) -> None:
         """Have the workers generate the trigger's groups (the buffer holds none at a trigger's start in sync mode)."""

@@ -22,7 +22,7 @@ import torch
 from dppo.models import build_model, model_from_config, response_log_probs
 from dppo.rollout import TrainBatch
 from dppo.workers.collectives import MAX, RankGroup, as_share
-from dppo.workers.dispatch import ALL, DP, RANK0, register
+from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
 from dppo.workers.fsdp import free_port, full_state_dict, init_process_group, node_ip, parallelize, reshard
 from dppo.workers.sharded_state import load_sharded, save_sharded
 
@@ -140,17 +140,34 @@ class ActorRank:
 
     # ---- the step ----------------------------------------------------------------------------------
 
+    @register(DP_GATHER)
+    def score_ahead(self, batch: TrainBatch) -> torch.Tensor:
+        """log pi (b, R) on the CPU of this rank's shard of a later mini-batch of the cycle, with the live weights
+        before trigger 0's optimizer step, which are pi_old: the very passes (micro-batches, shard) a slot read
+        at its trigger would run, so the values are bitwise those (dppo.trainer.score_ahead)."""
+        return self.score(self.model, batch.to(self.device)).cpu()
+
+    @register(ALL)
+    def skip_snapshot(self) -> None:
+        """The cycle about to start reads no slot: its trigger 0 takes no snapshot (OldLogProbStrategy.skip_snapshot)."""
+        self.old_log_prob.skip_snapshot()
+
     @register(DP)
-    def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor, version: int) -> dict[str, float]:
+    def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor, version: int,
+                     prox_logp: torch.Tensor | None = None) -> dict[str, float]:  # fmt: skip
         """Old log-probs, rollout correction and one optimizer step on this rank's shard of the mini-batch;
         the metrics of the whole mini-batch (the same on every rank). version: the trainer's policy version at
-        the cycle start (algorithm.prox_logp_method=loglinear counts steps from it)."""
+        the cycle start (algorithm.prox_logp_method=loglinear counts steps from it). prox_logp: the mini-batch's
+        old log-probs (B, R) scored ahead (score_ahead), or None: the old-log-prob strategy computes them."""
         from dppo.trainer.actor import update_policy
         from dppo.trainer.prox_method import StepVersions
 
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
         start = time.perf_counter()
-        old_logp = self.old_log_prob.compute(trigger, batch)  # (b, R), or None: from the training forward
+        if prox_logp is None:
+            old_logp = self.old_log_prob.compute(trigger, batch)  # (b, R), or None: from the training forward
+        else:  # scored ahead at trigger 0: no slot read
+            old_logp = self.old_log_prob.scored_ahead(trigger, batch, prox_logp.to(self.device))
         old_log_prob_s = time.perf_counter() - start
         steps = StepVersions.of(batch, version, trigger, self.cfg.trainer.parameter_sync_step)
         prox = self.prox_method.prox(old_logp, batch, steps)  # (b, R), or a ProxFn of the training forward

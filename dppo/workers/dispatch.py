@@ -7,6 +7,8 @@ A rank method carries its mode (@register); the worker group calls it on every r
     DP         data parallel: the call's TrainBatch and every tensor with one row per sequence of it are split
                into world_size shards of EQUAL row count (split_rows); other arguments go to every rank whole;
                rank 0's result (the ranks reduce their results among themselves)
+    DP_GATHER  split as DP; each rank returns a tensor with one row per row of its shard, and the call returns
+               the whole batch's rows: the ranks' real rows concatenated in rank order (padding rows dropped)
 
 Equal row counts keep the ranks' collectives matched: every forward and backward pass of FSDP2 all-gathers
 and reduce-scatters, so a rank with fewer sequences must still run as many micro-batches as the others.
@@ -24,8 +26,9 @@ import torch
 
 from dppo.rollout import TrainBatch
 
-ALL, RANK0, DP = "all", "rank0", "dp"
-DISPATCH_MODES = (ALL, RANK0, DP)
+ALL, RANK0, DP, DP_GATHER = "all", "rank0", "dp", "dp_gather"
+DISPATCH_MODES = (ALL, RANK0, DP, DP_GATHER)
+SPLIT_MODES = (DP, DP_GATHER)  # the modes whose calls split the batch over the ranks
 
 
 def register(mode: str) -> Callable[[Callable], Callable]:
@@ -99,6 +102,15 @@ def split_args(args: Sequence[Any], world_size: int) -> list[list[Any]]:
     return per_rank
 
 
-def collect(mode: str, results: list[Any]) -> Any:
-    """What the worker group returns for a call in `mode`, given every rank's result."""
+def collect(mode: str, results: list[Any], num_rows: int = 0) -> Any:
+    """What the worker group returns for a call in `mode`, given every rank's result; num_rows: DP_GATHER's
+    batch size (each rank's first real_rows rows are kept)."""
+    if mode == DP_GATHER:
+        real = real_rows(num_rows, len(results))
+        return torch.cat([result[:rows] for result, rows in zip(results, real)])
     return results if mode == ALL else results[0]
+
+
+def batch_rows(args: Sequence[Any]) -> int:
+    """The row count of the one TrainBatch among a call's arguments (0 if there is none)."""
+    return next((a.num_sequences for a in args if isinstance(a, TrainBatch)), 0)

@@ -19,6 +19,8 @@ grant indices: the groups it was generating are generated anew, none is lost and
 late put from the dead holder is refused, and so is anything it asks for afterwards).
 
 ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer is the Ray actor around it.
+ReplayBufferCore.take never waits (None: not all there yet); the actor's take waits and its take_ready does not
+(the trainer's score-ahead takes a cycle's later mini-batches that have already arrived).
 """
 
 from __future__ import annotations
@@ -229,6 +231,14 @@ class ReplayBufferActor:
             while (ticket := self.core.acquire(worker_version, num_groups, holder)) is None:
                 await self._condition().wait()
         return ticket
+
+    async def take_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+        """take without waiting: the groups take would return if they are all there now, else None (nothing
+        popped; under drop, stale groups are dropped all the same, as take's first look would)."""
+        async with self._condition():
+            result = self.core.take(num_groups, trainer_version)
+            self._condition().notify_all()  # taken or dropped groups may have freed budget for waiting workers
+        return result
 
     async def take(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         async with self._condition():

@@ -82,6 +82,9 @@ class FixedRollout:
         self.taken += num_groups
         return [dataclasses.replace(g, version=trainer_version) for g in groups], 0
 
+    def fetch_ready(self, num_groups: int, trainer_version: int):
+        return self.fetch(num_groups, trainer_version)  # every group is there already
+
     def stats(self) -> dict[str, float]:
         return {}
 
@@ -98,7 +101,7 @@ def groups(tmp_path_factory) -> list[Group]:
     generator = RolloutGenerator(cfg, source, model.config, 0)
     generator.load_weights(model.state_dict(), 0)
     generator.seed_ticket(0)
-    return generator.generate(120)
+    return generator.generate(132)
 
 
 @pytest.fixture(scope="module")
@@ -121,7 +124,7 @@ def run_cycles(trainer: PPOTrainer, cycles: int) -> list[dict]:
     """Metrics of every trigger of `cycles` sync cycles."""
     triggers = []
     train_trigger = trainer.train_trigger
-    trainer.train_trigger = lambda batch: triggers.append(train_trigger(batch)) or triggers[-1]
+    trainer.train_trigger = lambda *args: triggers.append(train_trigger(*args)) or triggers[-1]
     try:
         records = [trainer.run_cycle() for _ in range(cycles)]
     finally:
@@ -192,7 +195,7 @@ def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
 @pytest.mark.parametrize("strategy", ["auto", "swap", "reference"])
 def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strategy):
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8,
-                        "snapshot.strategy": strategy})  # fmt: skip
+                        "snapshot.strategy": strategy, "snapshot.score_ahead": False})  # fmt: skip
     triggers, records = run_cycles(ws2, 2)
     assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
@@ -239,6 +242,19 @@ def test_world_size_2_takes_live_pi_old_from_the_training_forward_as_a_separate_
     assert fused_check["debug/old_log_prob_max_abs_diff"] == separate_check["debug/old_log_prob_max_abs_diff"] == 0.0
 
 
+def test_score_ahead_at_world_size_2_gives_exact_old_log_probs_and_takes_no_snapshot(ws2):
+    """Every later mini-batch scored at trigger 0 (9 sequences a trigger: shards of 5 and 4 + a padding row, gathered
+    and split again): the old log-probs equal the cycle-start copy's, as the slot reads' do above, and no rank
+    copies any weight into a slot."""
+    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 12})
+    moved = lambda: ws2.actor.execute(lambda rank: rank.old_log_prob.inner.moved_bytes)  # noqa: E731
+    before = moved()
+    triggers, records = run_cycles(ws2, 1)
+    assert records[0]["debug/old_log_prob_max_abs_diff"] == 0.0 and records[0]["snapshot/scored_ahead_frac"] == 1.0
+    assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
+    assert moved() == before == [0, 0]
+
+
 @pytest.mark.parametrize("reader", ["live", "view"])
 def test_a_reader_that_computes_with_the_live_weights_is_caught(ws2, reader):
     """verify_old_log_prob would see a reader that reads the live weights: here one that does so on purpose, and
@@ -251,7 +267,7 @@ def test_a_reader_that_computes_with_the_live_weights_is_caught(ws2, reader):
         strategy._auto, strategy.reader_name = False, reader
         strategy._reader = SLOT_READERS["view"] if reader == "view" else lambda s, batch: s.score(s.model, batch)
 
-    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8})
+    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8, "snapshot.score_ahead": False})
     ws2.actor.execute(force_reader, reader)
     _, records = run_cycles(ws2, 1)
     assert records[0]["debug/old_log_prob_max_abs_diff"] > 1e-4

@@ -93,6 +93,41 @@ def test_a_task_registered_in_the_driver_runs_on_ray_workers(ray_cluster, tmp_pa
     assert ray.is_initialized()
 
 
+def test_separate_async_scores_ahead_what_has_arrived_in_grant_order_and_drops_nothing(ray_cluster, tmp_path,
+                                                                                         monkeypatch):
+    """Two workers run ahead under `wait` (the trainer lets them fill their budget before each cycle's score-ahead):
+    trigger 0 takes every later mini-batch of the cycle, the groups are trained in grant order, nothing is dropped
+    and no group is staler than the threshold."""
+    import dppo.trainer.base as base
+    from dppo.trainer.rollout_source import RayRollout
+
+    fetch, reward_extras, taken = RayRollout.fetch, base._reward_extras, []
+
+    batch, per_trigger = 8, 2  # groups per cycle and per trigger
+
+    def fetch_then_let_the_workers_fill_their_budget(self, num_groups, trainer_version):
+        got = fetch(self, num_groups, trainer_version)
+        # the wait budget: (version + threshold + 1) * batch groups granted; version * batch + per_trigger consumed
+        wait_for(lambda: self.stats()["replay/size"] == (THRESHOLD + 1) * batch - per_trigger, 60,
+                 "the workers to use up their budget")  # fmt: skip
+        return got
+
+    monkeypatch.setattr(RayRollout, "fetch", fetch_then_let_the_workers_fill_their_budget)
+    monkeypatch.setattr(base, "_reward_extras", lambda groups: taken.append([g.index for g in groups]) or
+                        reward_extras(groups))  # fmt: skip
+    out = tmp_path / "ahead"
+    run(load_config(overrides(out, 3, "trainer.parameter_sync_step=4", f"trainer.train_batch_size={batch}",
+                              "rollout.num_workers=2", "rollout.groups_per_batch=1", "replay.max_off_policy_strategy=wait",
+                              "trainer.verify_old_log_prob=true")))  # fmt: skip
+    steps = records(out / "metrics.jsonl")
+    assert [r["snapshot/scored_ahead_frac"] for r in steps] == [1.0, 1.0, 1.0]
+    assert [r["debug/old_log_prob_max_abs_diff"] for r in steps] == [0.0, 0.0, 0.0]
+    assert sum(taken, []) == list(range(24))  # every group, in grant order, once
+    for r in steps:
+        assert r["replay/dropped"] == 0.0 and r["replay/dropped_total"] == 0.0
+        assert r["staleness/max"] <= THRESHOLD
+
+
 # ---- a rollout worker and the replay buffer SIGKILLed ------------------------------------------------------
 
 

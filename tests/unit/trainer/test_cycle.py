@@ -76,6 +76,9 @@ def cycle_cfg(small_cfg, ps, bypass, **extra):
         "trainer.total_steps": 2,
         "algorithm.rollout_correction.bypass_mode": bypass,
         "actor.lr": 0.05,  # large steps: the live weights move visibly between triggers
+        # these tests are about slot 0: in sync mode score-ahead would score every later mini-batch at trigger 0
+        # instead of reading it (test_score_ahead.py)
+        "snapshot.score_ahead": False,
         **extra,
     })  # fmt: skip
 

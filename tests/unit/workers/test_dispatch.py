@@ -9,7 +9,8 @@ import torch
 from dppo.algo import LOSS_AGG_MODES, agg_loss, loss_normalizers
 from dppo.rollout import TrainBatch
 from dppo.workers.collectives import as_share, combine
-from dppo.workers.dispatch import ALL, DP, RANK0, collect, dispatch_mode, register, shard_index, split_args, split_rows
+from dppo.workers.dispatch import (ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, register, shard_index, split_args,
+                                   split_rows)
 
 
 def make_batch(num_rows: int, groups: int = 3, R: int = 4) -> TrainBatch:
@@ -85,6 +86,18 @@ def test_split_args_splits_the_batch_and_its_row_tensors_and_repeats_the_rest():
     with pytest.raises(TypeError, match="exactly one TrainBatch"):
         split_args((advantages,), 2)
     assert split_args((batch, advantages), 1) == [[batch, advantages]]  # one rank: nothing copied
+
+
+@pytest.mark.parametrize("num_rows, world_size", [(9, 2), (7, 3), (2, 3), (5, 1)])
+def test_dp_gather_returns_the_whole_batchs_rows_in_order_and_a_row_tensor_splits_back_alike(num_rows, world_size):
+    """What score_ahead gathers (one row per row of each rank's shard, padding rows included) is the batch's rows
+    in order; split again as update_actor's argument, every rank gets exactly the rows it computed."""
+    batch = make_batch(num_rows)
+    per_rank = [args[0].input_ids[:, :4].float() for args in split_args((batch,), world_size)]  # a row-wise result
+    gathered = collect(DP_GATHER, per_rank, num_rows)
+    assert torch.equal(gathered, batch.input_ids[:, :4].float())
+    for again, computed in zip(split_args((batch, gathered), world_size), per_rank, strict=True):
+        assert torch.equal(again[1], computed)
 
 
 def test_dispatch_modes_are_registered_and_unknown_methods_name_the_registered_ones():

@@ -1,0 +1,171 @@
+"""Score-ahead (snapshot.score_ahead) without Ray: the later mini-batches of a cycle scored at trigger 0 give the
+old log-probs and weights a run that reads slot 0 gives, bitwise; verify_old_log_prob checks them; a mid-cycle
+checkpoint keeps the held mini-batches and a resumed run continues exactly."""
+
+import asyncio
+
+import pytest
+import torch
+
+import dppo.trainer.base as base
+from dppo.trainer import checkpoint as ckpt
+from dppo.trainer.base import TRAINER_FILE
+from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.report import read_metrics
+from dppo.trainer.rollout_source import RolloutFailedError
+from dppo.rollout import Group
+from dppo.workers.replay_buffer import ReplayBufferActor
+
+PS = 3
+REWARD_EXTRAS = base._reward_extras  # called by the loop once per trained trigger, with its groups
+
+
+def ahead_cfg(small_cfg, score_ahead: bool, **extra):
+    return small_cfg(**{
+        "trainer.parameter_sync_step": PS,
+        "trainer.train_batch_size": 2 * PS,
+        "trainer.total_steps": 2,
+        "actor.lr": 0.05,  # large steps: the live weights leave pi_old visibly within the cycle
+        "snapshot.score_ahead": score_ahead,
+        **extra,
+    })  # fmt: skip
+
+
+def recording_run(cfg, monkeypatch):
+    """fit() a trainer for cfg; (trainer, grant indices of each trigger's groups, each trigger's old log-probs)."""
+    trainer = PPOTrainer(cfg)
+    rank = trainer.actor.local_rank
+    taken, prox = [], []
+    objective = rank.objective
+
+    def record_groups(groups):
+        taken.append([g.index for g in groups])
+        return REWARD_EXTRAS(groups)
+
+    def record_prox(batch, prox_logp, advantages):
+        prox.append(prox_logp.clone())
+        return objective(batch, prox_logp, advantages)
+
+    monkeypatch.setattr(base, "_reward_extras", record_groups)
+    rank.objective = record_prox
+    trainer.fit()
+    return trainer, taken, prox
+
+
+def weights(trainer) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in trainer.actor.local_rank.model.state_dict().items()}
+
+
+def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_same_old_log_probs_and_weights(
+    small_cfg, monkeypatch
+):
+    out = small_cfg().trainer.output_dir
+    on, on_taken, on_prox = recording_run(ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True,
+                                                                         "trainer.output_dir": f"{out}-on"}), monkeypatch)  # fmt: skip
+    off, off_taken, off_prox = recording_run(ahead_cfg(small_cfg, False), monkeypatch)
+    assert off_taken == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]  # grant order, one trigger after another
+    assert on_taken == off_taken
+    assert len(on_prox) == len(off_prox) == 2 * PS
+    for k, (a, b) in enumerate(zip(on_prox, off_prox)):
+        assert torch.equal(a, b), f"trigger {k % PS} of step {k // PS}"
+    for name, value in weights(off).items():
+        assert torch.equal(weights(on)[name], value), name
+    on_records = read_metrics(on.metrics.path)
+    assert [r["snapshot/scored_ahead_frac"] for r in on_records] == [1.0, 1.0]
+    assert [r["debug/old_log_prob_max_abs_diff"] for r in on_records] == [0.0, 0.0]
+    # every later mini-batch was scored ahead: no snapshot was taken (slot 0 is never filled); off takes one a cycle
+    on_strategy, off_strategy = on.actor.local_rank.old_log_prob.inner, off.actor.local_rank.old_log_prob
+    assert on_strategy.moved_bytes == 0 and 0 not in on_strategy.pool
+    assert off_strategy.moved_bytes == 2 * off_strategy.pool.nbytes
+    assert "snapshot/scored_ahead_frac" not in read_metrics(off.metrics.path)[0]
+
+
+def test_verify_old_log_prob_checks_scored_ahead_old_log_probs(small_cfg, monkeypatch):
+    """Old log-probs that are off by 0.25 when scored ahead are reported, and only in the cycle where they were."""
+    score_ahead, calls = PPOTrainer.score_ahead, []
+
+    def off_in_step_2(self, batches, whole_cycle):
+        calls.append(whole_cycle)
+        logps = score_ahead(self, batches, whole_cycle)
+        return [logp + 0.25 for logp in logps] if len(calls) == 2 else logps
+
+    monkeypatch.setattr(PPOTrainer, "score_ahead", off_in_step_2)
+    result = PPOTrainer(ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True})).fit()
+    assert calls == [True, True]
+    diffs = [r["debug/old_log_prob_max_abs_diff"] for r in result.records]
+    assert diffs[0] == 0.0 and diffs[1] == pytest.approx(0.25, abs=1e-6)
+
+
+def without_timing(records: list[dict]) -> list[dict]:
+    return [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in records]
+
+
+def test_a_mid_cycle_checkpoint_keeps_the_mini_batches_held_ahead_and_the_resumed_run_is_bitwise_the_same(
+    small_cfg, monkeypatch
+):
+    """A failure while step 2's trigger 1 trains (its mini-batch and trigger 2's held since trigger 0): the checkpoint
+    holds both with their old log-probs and no pi_old weights (none were taken); the resumed run trains them
+    without fetching them again and ends with the weights and metrics of a run that never failed."""
+    common = {"trainer.checkpoint_every": 10, "trainer.output_dir": None}
+    out = small_cfg().trainer.output_dir
+    clean = PPOTrainer(ahead_cfg(small_cfg, True, **{**common, "trainer.output_dir": f"{out}-clean"}))
+    clean.fit()
+    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean)
+
+    train_trigger = PPOTrainer.train_trigger
+
+    def failing(self, batch, prox_logp=None):
+        if (self.global_step, self.local_trigger_step) == (1, 1):
+            assert prox_logp is not None  # held since trigger 0
+            raise RolloutFailedError("the replay buffer died")
+        return train_trigger(self, batch, prox_logp)
+
+    monkeypatch.setattr(PPOTrainer, "train_trigger", failing)
+    with pytest.raises(RolloutFailedError, match=r"the trainer's state at step 1, trigger 1 is checkpointed"):
+        PPOTrainer(ahead_cfg(small_cfg, True, **{**common, "trainer.output_dir": out})).fit()
+    monkeypatch.setattr(PPOTrainer, "train_trigger", train_trigger)
+    path, state = ckpt.CheckpointDir(f"{out}/checkpoints").newest(lambda p, m: ckpt.load_torch(p / TRAINER_FILE))
+    assert path.name == "step_00000001_trigger_1" and state["anchor"] is False  # weights_only-loaded
+    held = state["cycle"]["ahead"]
+    assert [[g["index"] for g in h["groups"]] for h in held] == [[8, 9], [10, 11]]  # triggers 1 and 2 of step 2
+    assert all(h["prox_logp"].shape == (8, h["groups"][0]["responses"].shape[1]) for h in held)
+    assert state["rollout"]["next_grant"] == 12
+
+    fetched = []
+    resumed = PPOTrainer(ahead_cfg(small_cfg, True, **{**common, "trainer.output_dir": out, "trainer.resume": True}))
+    assert (resumed.global_step, resumed.progress.trigger, len(resumed.progress.ahead)) == (1, 1, 2)
+    assert (resumed.rollout_start.consumed, resumed.rollout_start.next_grant) == (12, 12)
+    fetch = resumed._taken
+    resumed._taken = lambda groups, dropped: fetched.append([g.index for g in groups]) or fetch(groups, dropped)
+    resumed.fit()
+    assert fetched == []  # the held mini-batches finished the cycle, and nothing was taken again
+    for name, tensor in weights(resumed).items():
+        assert torch.equal(tensor, expected_weights[name]), name
+    got, want = without_timing(read_metrics(f"{out}/metrics.jsonl")), without_timing(expected_records)
+    assert got == want
+
+
+def group(version: int) -> Group:
+    return Group(torch.zeros(3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool),
+                 torch.zeros(2, 4), torch.zeros(2), version)  # fmt: skip
+
+
+def test_the_buffer_actor_takes_ready_groups_in_grant_order_without_waiting():
+    """take_ready returns None, popping nothing, while an earlier grant is still being generated; then the same
+    groups take would return."""
+
+    async def scenario():
+        buffer = ReplayBufferActor(1, "wait", 4)
+        await buffer.publish(["w0"], 0)
+        first, second = await buffer.acquire(-1, 2, "a"), await buffer.acquire(-1, 2, "b")
+        await buffer.put([group(0), group(0)], second.first, "b")
+        assert await buffer.take_ready(2, 0) is None  # grants 0 and 1 are still in flight
+        assert buffer.core.stats()["replay/size"] == 2.0
+        await buffer.put([group(0), group(0)], first.first, "a")
+        taken, dropped = await buffer.take_ready(2, 0)
+        assert [g.index for g in taken] == [0, 1] and dropped == 0
+        taken, _ = await buffer.take_ready(2, 0)
+        assert [g.index for g in taken] == [2, 3]
+        assert await buffer.take_ready(1, 0) is None
+
+    asyncio.run(scenario())
