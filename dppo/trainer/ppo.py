@@ -24,7 +24,10 @@ class PPOTrainer(BaseTrainer):
 
     def setup(self) -> None:
         self.advantages = advantage_fn(self.cfg.algorithm)
-        self.scores_ahead = scores_ahead(self.cfg)
+
+    @property
+    def scores_ahead(self) -> bool:
+        return scores_ahead(self.cfg)
 
     def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
         if whole_cycle:  # before trigger 0's update: its strategy then takes no snapshot
