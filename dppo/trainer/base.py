@@ -279,7 +279,7 @@ class BaseTrainer:
             wait_start = time.perf_counter()
             groups, dropped = (held.groups, 0) if held else self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
             wait_s = time.perf_counter() - wait_start
-            ahead = self._score_ahead() if progress.trigger == 0 else None
+            ahead = self._take_ahead() if progress.trigger == 0 else None
             batch = collate(groups, self.source.pad_token)
             # the ranks move their part of the batch to their device
             metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
@@ -308,7 +308,7 @@ class BaseTrainer:
         self.progress = CycleProgress()
         return self._record(progress, stats, time.perf_counter() - cycle_start)
 
-    def _score_ahead(self) -> Ahead | None:
+    def _take_ahead(self) -> Ahead | None:
         """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
         would take them and scored with the live weights, which are pi_old (dppo.trainer.score_ahead); None where
         the trainer does not score ahead."""
