@@ -36,18 +36,19 @@ def recording_run(cfg, monkeypatch):
     trainer = PPOTrainer(cfg)
     rank = trainer.actor.local_rank
     taken, prox = [], []
-    objective = rank.objective
+    strategy = rank.old_log_prob
+    record_used = strategy.record_used
 
     def record_groups(groups):
         taken.append([g.index for g in groups])
         return REWARD_EXTRAS(groups)
 
-    def record_prox(batch, prox_logp, advantages):
+    def record_prox(batch, prox_logp):  # what the loss used: the training forward's, slot 0's or scored ahead
         prox.append(prox_logp.clone())
-        return objective(batch, prox_logp, advantages)
+        record_used(batch, prox_logp)
 
     monkeypatch.setattr(base, "_reward_extras", record_groups)
-    rank.objective = record_prox
+    strategy.record_used = record_prox
     trainer.fit()
     return trainer, taken, prox
 
