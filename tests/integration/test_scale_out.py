@@ -101,7 +101,7 @@ def groups(tmp_path_factory) -> list[Group]:
     generator = RolloutGenerator(cfg, source, model.config, 0)
     generator.load_weights(model.state_dict(), 0)
     generator.seed_ticket(0)
-    return generator.generate(132)
+    return generator.generate(120)
 
 
 @pytest.fixture(scope="module")
