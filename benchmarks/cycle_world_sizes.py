@@ -3,10 +3,11 @@
 Both actors are Ray actors of a fresh local cluster (gloo between the CPU ranks), so both pay the same dispatch:
 the driver calls the worker group's update once per trigger, with cycle_bench's synthetic batches (WS_BATCH:
 enough sequences that every rank computes). Per world size: the median cycle over --repeats rounds after a
-warm-up (decoupled-auto, parameter_sync_step WS_PS; under FSDP2 auto reads slot 0 with swap), and per rank the
-snapshot bytes (one slot of its shards), the host bytes its snapshot pool holds, and the resident memory of its
-process. Targets: the ranks' snapshot bytes add up to the model's and each holds 1/N of them (within one row per
-tensor of dim-0 padding).
+warm-up (decoupled-auto, parameter_sync_step WS_PS; under FSDP2 auto reads slot 0 with swap; then the same
+ranks with score-ahead: every later mini-batch scored at trigger 0, gathered from the ranks and split again,
+no snapshot), and per rank the snapshot bytes (one slot of its shards), the host bytes its snapshot pool holds,
+and the resident memory of its process. Targets: the ranks' snapshot bytes add up to the model's and each holds
+1/N of them (within one row per tensor of dim-0 padding).
 """
 
 from __future__ import annotations
@@ -48,11 +49,28 @@ def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str
         bench.run_cycle(trainer, WS_PS, batches, clock)  # warm-up: arenas, the swap scratch
         cycles = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]
         memory = trainer.actor.execute(rank_memory)
+        reconfigure(trainer, bench.trainer_config(size, WS_PS, {**bench.MODES["score-ahead"], "ray.enabled": True,
+                                                               "trainer.n_gpus_per_node": world_size}, "cpu", out_dir, WS_BATCH))  # fmt: skip
+        bench.run_cycle(trainer, WS_PS, batches, clock)
+        ahead = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]
         model_bytes = sum(t.nbytes for t in ray.get(trainer.actor.rollout_weights()[0]).values())
     finally:
         trainer.close()
     return {"world_size": world_size, "size": size, "cycle_s": statistics.median(cycles), "cycles_s": cycles,
-            "ranks": memory, "model_bytes": model_bytes}  # fmt: skip
+            "ahead_cycle_s": statistics.median(ahead), "ahead_cycles_s": ahead, "ranks": memory,
+            "model_bytes": model_bytes}  # fmt: skip
+
+
+def reconfigure(trainer, cfg) -> None:
+    """cfg's algorithm settings for the driver and every rank, over the same weights and optimizer."""
+
+    def on_rank(rank, cfg):
+        rank.old_log_prob.close()
+        rank.cfg = cfg
+        rank.setup_update()
+
+    trainer.cfg = cfg
+    trainer.actor.execute(on_rank, cfg)
 
 
 def run(bench, size: str, world_size: int, repeats: int) -> dict:
@@ -70,15 +88,16 @@ def run(bench, size: str, world_size: int, repeats: int) -> dict:
 def report(result: dict) -> list[tuple[str, bool]]:
     """Prints the table; (line, passed) per target."""
     one, many = result["rows"]
-    print(f"\nworld sizes ({many['size']}, decoupled-auto, ps={result['ps']}, per trigger {result['batch'][0]} sequences "
+    print(f"\nworld sizes ({many['size']}, decoupled-auto; ahead s: score-ahead, ps={result['ps']}, per trigger {result['batch'][0]} sequences "
           f"of {result['batch'][2]}+{result['batch'][3]} tokens; FSDP2 over gloo at world size > 1):")  # fmt: skip
-    head = f"{'world size':>10} {'cycle s':>8} {'vs 1':>6} {'rank':>4} {'snapshot MB':>11} {'pool host MB':>12} {'RSS MB':>7}"
+    head = (f"{'world size':>10} {'cycle s':>8} {'vs 1':>6} {'ahead s':>8} {'rank':>4} {'snapshot MB':>11} "
+            f"{'pool host MB':>12} {'RSS MB':>7}")  # fmt: skip
     print(head)
     print("-" * len(head))
     for row in (one, many):
         for rank in row["ranks"]:
             print(f"{row['world_size']:>10} {row['cycle_s']:>8.3f} {row['cycle_s'] / one['cycle_s']:>6.2f} "
-                  f"{rank['rank']:>4} {rank['snapshot_bytes'] / MB:>11.1f} {rank['pool_host_bytes'] / MB:>12.1f} "
+                  f"{row['ahead_cycle_s']:>8.3f} {rank['rank']:>4} {rank['snapshot_bytes'] / MB:>11.1f} {rank['pool_host_bytes'] / MB:>12.1f} "
                   f"{rank['rss_bytes'] / MB:>7.0f}")  # fmt: skip
     n, model = many["world_size"], many["model_bytes"]
     shards = [r["snapshot_bytes"] for r in many["ranks"]]
