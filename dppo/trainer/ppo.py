@@ -30,9 +30,9 @@ class PPOTrainer(BaseTrainer):
         return scores_ahead(self.cfg)
 
     def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
-        if whole_cycle:  # before trigger 0's update: its strategy then takes no snapshot
-            self.actor.skip_snapshot()
-        return [self.actor.score_ahead(batch) for batch in batches]
+        if not batches:
+            return []
+        return self.actor.score_ahead(batches, whole_cycle)  # one call: every batch, and no snapshot if whole_cycle
 
     def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
         advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask)  # (B, R)

@@ -23,7 +23,8 @@ from __future__ import annotations
 from typing import Any
 
 from dppo.workers.actor_rank import ActorRank
-from dppo.workers.dispatch import ALL, RANK0, SPLIT_MODES, batch_rows, collect, dispatch_mode, split_args
+from dppo.workers.dispatch import (ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, gather_rows, split_args,
+                                   split_each)
 
 PLACEMENT_TIMEOUT_S = 120.0  # how long the ranks' placement groups may take to be placed
 
@@ -53,8 +54,10 @@ class WorkerGroup:
         return call
 
     def _dispatch(self, name: str, mode: str, args: tuple) -> Any:
-        per_rank = split_args(args, self.world_size) if mode in SPLIT_MODES else [list(args)] * self.world_size
-        return collect(mode, self._run(name, per_rank), batch_rows(args))
+        if mode == DP_GATHER:
+            return gather_rows(self._run(name, split_each(args, self.world_size)), [b.num_sequences for b in args[0]])
+        per_rank = split_args(args, self.world_size) if mode == DP else [list(args)] * self.world_size
+        return collect(mode, self._run(name, per_rank))
 
     def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
         raise NotImplementedError

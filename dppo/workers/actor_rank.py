@@ -141,16 +141,14 @@ class ActorRank:
     # ---- the step ----------------------------------------------------------------------------------
 
     @register(DP_GATHER)
-    def score_ahead(self, batch: TrainBatch) -> torch.Tensor:
-        """log pi (b, R) on the CPU of this rank's shard of a later mini-batch of the cycle, with the live weights
-        before trigger 0's optimizer step, which are pi_old: the very passes (micro-batches, shard) a slot read
-        at its trigger would run, so the values are bitwise those (dppo.trainer.score_ahead)."""
-        return self.score(self.model, batch.to(self.device)).cpu()
-
-    @register(ALL)
-    def skip_snapshot(self) -> None:
-        """The cycle about to start reads no slot: its trigger 0 takes no snapshot (OldLogProbStrategy.skip_snapshot)."""
-        self.old_log_prob.skip_snapshot()
+    def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
+        """log pi (b, R) on the CPU of this rank's shard of each later mini-batch of the cycle in batches, with the
+        live weights before trigger 0's optimizer step, which are pi_old: the very passes (micro-batches, shard) a
+        slot read at its trigger would run, so the values are bitwise those (dppo.trainer.score_ahead).
+        whole_cycle: they are all of the cycle's later mini-batches, so trigger 0 takes no snapshot."""
+        if whole_cycle:
+            self.old_log_prob.skip_snapshot()
+        return [self.score(self.model, batch.to(self.device)).cpu() for batch in batches]
 
     @register(DP)
     def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor, version: int,

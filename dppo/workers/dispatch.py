@@ -7,8 +7,10 @@ A rank method carries its mode (@register); the worker group calls it on every r
     DP         data parallel: the call's TrainBatch and every tensor with one row per sequence of it are split
                into world_size shards of EQUAL row count (split_rows); other arguments go to every rank whole;
                rank 0's result (the ranks reduce their results among themselves)
-    DP_GATHER  split as DP; each rank returns a tensor with one row per row of its shard, and the call returns
-               the whole batch's rows: the ranks' real rows concatenated in rank order (padding rows dropped)
+    DP_GATHER  the first argument is a list of TrainBatches, each split as DP splits it; the rest go to every
+               rank whole. Each rank returns one tensor per batch with one row per row of its shard; the call
+               returns per batch its whole rows: the ranks' real rows concatenated in rank order (split_each,
+               gather_rows). One call carries several mini-batches (one round trip to Ray actors)
 
 Equal row counts keep the ranks' collectives matched: every forward and backward pass of FSDP2 all-gathers
 and reduce-scatters, so a rank with fewer sequences must still run as many micro-batches as the others.
@@ -28,7 +30,6 @@ from dppo.rollout import TrainBatch
 
 ALL, RANK0, DP, DP_GATHER = "all", "rank0", "dp", "dp_gather"
 DISPATCH_MODES = (ALL, RANK0, DP, DP_GATHER)
-SPLIT_MODES = (DP, DP_GATHER)  # the modes whose calls split the batch over the ranks
 
 
 def register(mode: str) -> Callable[[Callable], Callable]:
@@ -102,15 +103,24 @@ def split_args(args: Sequence[Any], world_size: int) -> list[list[Any]]:
     return per_rank
 
 
-def collect(mode: str, results: list[Any], num_rows: int = 0) -> Any:
-    """What the worker group returns for a call in `mode`, given every rank's result; num_rows: DP_GATHER's
-    batch size (each rank's first real_rows rows are kept)."""
-    if mode == DP_GATHER:
-        real = real_rows(num_rows, len(results))
-        return torch.cat([result[:rows] for result, rows in zip(results, real)])
+def collect(mode: str, results: list[Any]) -> Any:
+    """What the worker group returns for a call in `mode` (not DP_GATHER: gather_rows), given every rank's result."""
     return results if mode == ALL else results[0]
 
 
-def batch_rows(args: Sequence[Any]) -> int:
-    """The row count of the one TrainBatch among a call's arguments (0 if there is none)."""
-    return next((a.num_sequences for a in args if isinstance(a, TrainBatch)), 0)
+def split_each(args: Sequence[Any], world_size: int) -> list[list[Any]]:
+    """Per-rank argument lists for a DP_GATHER call: its first argument, a list of TrainBatches, with each batch's
+    rows split (split_rows), the rest whole."""
+    if not args or not isinstance(args[0], list) or not all(isinstance(b, TrainBatch) for b in args[0]):
+        got = type(args[0]).__name__ if args else "nothing"
+        raise TypeError(f"a DP_GATHER call takes a list of TrainBatches as its first argument, got {got}")
+    batches, *rest = args
+    shards = [split_rows(b, world_size) if world_size > 1 else [b] for b in batches]
+    return [[[s[rank] for s in shards], *rest] for rank in range(world_size)]
+
+
+def gather_rows(results: list[list[torch.Tensor]], num_rows: list[int]) -> list[torch.Tensor]:
+    """Per batch of a DP_GATHER call (num_rows rows each), the ranks' real rows of their results, in rank order."""
+    world_size = len(results)
+    return [torch.cat([results[rank][i][:real] for rank, real in enumerate(real_rows(rows, world_size))])
+            for i, rows in enumerate(num_rows)]  # fmt: skip

@@ -9,8 +9,8 @@ import torch
 from dppo.algo import LOSS_AGG_MODES, agg_loss, loss_normalizers
 from dppo.rollout import TrainBatch
 from dppo.workers.collectives import as_share, combine
-from dppo.workers.dispatch import (ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, register, shard_index, split_args,
-                                   split_rows)
+from dppo.workers.dispatch import (ALL, DP, RANK0, collect, dispatch_mode, gather_rows, register, shard_index, split_args,
+                                   split_each, split_rows)
 
 
 def make_batch(num_rows: int, groups: int = 3, R: int = 4) -> TrainBatch:
@@ -88,16 +88,23 @@ def test_split_args_splits_the_batch_and_its_row_tensors_and_repeats_the_rest():
     assert split_args((batch, advantages), 1) == [[batch, advantages]]  # one rank: nothing copied
 
 
-@pytest.mark.parametrize("num_rows, world_size", [(9, 2), (7, 3), (2, 3), (5, 1)])
-def test_dp_gather_returns_the_whole_batchs_rows_in_order_and_a_row_tensor_splits_back_alike(num_rows, world_size):
-    """What score_ahead gathers (one row per row of each rank's shard, padding rows included) is the batch's rows
-    in order; split again as update_actor's argument, every rank gets exactly the rows it computed."""
-    batch = make_batch(num_rows)
-    per_rank = [args[0].input_ids[:, :4].float() for args in split_args((batch,), world_size)]  # a row-wise result
-    gathered = collect(DP_GATHER, per_rank, num_rows)
-    assert torch.equal(gathered, batch.input_ids[:, :4].float())
-    for again, computed in zip(split_args((batch, gathered), world_size), per_rank, strict=True):
-        assert torch.equal(again[1], computed)
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_dp_gather_returns_each_batchs_rows_in_order_and_a_row_tensor_splits_back_alike(world_size):
+    """What score_ahead gathers (one row per row of each rank's shard, padding rows included) is each batch's rows
+    in order; split again as update_actor's argument, every rank gets exactly the rows it computed (its shard
+    of the batch being the one update_actor gets)."""
+    batches = [make_batch(9), make_batch(7), make_batch(2)]
+    per_rank = split_each((batches, True), world_size)
+    assert all(args[1] is True for args in per_rank)
+    results = [[shard.input_ids[:, :4].float() for shard in args[0]] for args in per_rank]  # a row-wise result
+    gathered = gather_rows(results, [b.num_sequences for b in batches])
+    for i, batch in enumerate(batches):
+        assert torch.equal(gathered[i], batch.input_ids[:, :4].float())
+        for rank, again in enumerate(split_args((batch, gathered[i]), world_size)):
+            assert torch.equal(again[0].input_ids, per_rank[rank][0][i].input_ids)
+            assert torch.equal(again[1], results[rank][i])
+    with pytest.raises(TypeError, match="a list of TrainBatches as its first argument, got TrainBatch"):
+        split_each((batches[0],), 2)
 
 
 def test_dispatch_modes_are_registered_and_unknown_methods_name_the_registered_ones():
