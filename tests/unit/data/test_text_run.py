@@ -56,9 +56,10 @@ def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_
 def test_every_slot_reader_gives_the_cycle_start_old_log_probs_on_padded_batches(text_cfg, reader):
     """Decoupled PPO triggers k >= 1 read slot 0 with the reader; a deep copy of the cycle-start weights scores
     the same padded batches: the largest difference over the valid tokens must be 0 (CPU, fp32)."""
+    # snapshot.score_ahead=false: in sync mode score-ahead would score triggers 1..3 at trigger 0, reading no slot
     trainer = PPOTrainer(text_cfg(**{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8,
                                      "trainer.total_steps": 1, "actor.lr": 0.05, "snapshot.strategy": reader,
-                                     "trainer.verify_old_log_prob": True}))  # fmt: skip
+                                     "trainer.verify_old_log_prob": True, "snapshot.score_ahead": False}))  # fmt: skip
     result = trainer.fit()
     strategy = trainer.actor.local_rank.old_log_prob.inner  # ray.enabled=false: the one actor rank, here
     assert strategy.reader_name == reader
