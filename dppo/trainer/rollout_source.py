@@ -165,7 +165,18 @@ class RayRollout:
         weights stay those of the cycle start)."""
         if self.mode == "sync":
             return self.fetch(num_groups, trainer_version)
+        self._check_workers()  # fetch notices a dead worker while it waits; this takes without waiting
         return self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version))
+
+    def _check_workers(self) -> None:
+        """Restart every worker whose run() loop has ended by dying (or raise what ended it), without waiting."""
+        import ray
+
+        runs = {w.run: w for w in self.workers if w.run is not None}
+        if runs:
+            ended, _ = ray.wait(list(runs), num_returns=len(runs), timeout=0)
+            for ref in ended:
+                self._outcome(runs[ref], ref)
 
     def _generate_lockstep(self, num_groups: int) -> None:
         """Have the workers generate the trigger's groups (the buffer holds none at a trigger's start in sync mode)."""
