@@ -8,8 +8,8 @@ import pytest
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster, started as a user's own script would (plain ray.init), for the runs of one module that
-    drive dppo.train in this process: run() uses a cluster its caller started and leaves it up. Module-scoped, as
-    test_ray_address.py ends with `ray stop`, which ends every Ray cluster on the machine."""
+    drive dppo.train in this process: run() uses a cluster its caller started and leaves it up. Module-scoped:
+    starting a cluster costs more than most of the runs it serves."""
     import ray
 
     saved = os.environ.pop("RAY_ADDRESS", None)
