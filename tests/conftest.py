@@ -4,11 +4,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import importlib.util  # noqa: E402
+import sys  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+# Test modules import the few helpers they share (tiny_run) from tests/, which is no package (--import-mode=importlib).
+sys.path.insert(0, str(REPO / "tests"))
 
 
 def load_example(name: str):

@@ -20,34 +20,17 @@ from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 
+from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-THRESHOLD = 1
 
 
 def overrides(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
-    return [
-        f"trainer.output_dir={output_dir}",
-        f"trainer.total_steps={total_steps}",
-        "trainer.nnodes=2",
-        "trainer.n_gpus_per_node=1",
-        "trainer.parameter_sync_step=2",
-        "trainer.train_batch_size=6",
-        "trainer.checkpoint_every=1",
-        "trainer.eval_prompts=16",
-        "trainer.progress_bar=false",
-        "rollout.n=3",
-        "rollout.groups_per_batch=3",
-        f"replay.max_off_policy_threshold={THRESHOLD}",
-        "task.length=3",
-        "model.hidden_size=32",
-        "model.num_hidden_layers=1",
-        "model.num_attention_heads=2",
-        "model.intermediate_size=64",
-        "actor.micro_batch_size=4",
-        *extra,
-    ]
+    return tiny_run(output_dir, total_steps, "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.train_batch_size=6",
+                    "trainer.checkpoint_every=1", "rollout.n=3", "rollout.groups_per_batch=3", "actor.micro_batch_size=4",
+                    *extra)  # fmt: skip
 
 
 def read_records(path: Path) -> list[dict]:

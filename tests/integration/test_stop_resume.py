@@ -12,32 +12,16 @@ from pathlib import Path
 import pytest
 import torch
 
+from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
+
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
-THRESHOLD = 1
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
 
 
 def tiny(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
-    return [
-        f"trainer.output_dir={output_dir}",
-        f"trainer.total_steps={total_steps}",
-        "trainer.parameter_sync_step=2",
-        "trainer.train_batch_size=8",
-        "trainer.eval_prompts=8",
-        "trainer.progress_bar=false",
-        "rollout.n=4",
-        "rollout.groups_per_batch=4",
-        f"replay.max_off_policy_threshold={THRESHOLD}",
-        "task.length=3",
-        "model.hidden_size=32",
-        "model.num_hidden_layers=1",
-        "model.num_attention_heads=2",
-        "model.intermediate_size=64",
-        "ray.num_cpus=2",
-        *extra,
-    ]
+    return tiny_run(output_dir, total_steps, "trainer.eval_prompts=8", "ray.num_cpus=2", *extra)
 
 
 def records(path: Path) -> list[dict]:

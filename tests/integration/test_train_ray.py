@@ -17,32 +17,13 @@ from dppo.train import run
 from dppo.trainer.config import load_config
 from dppo.trainer.report import read_metrics
 
-pytestmark = pytest.mark.integration
+from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
-THRESHOLD = 1
+pytestmark = pytest.mark.integration
 
 
 def overrides(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
-    return [
-        f"trainer.output_dir={output_dir}",
-        f"trainer.total_steps={total_steps}",
-        "trainer.parameter_sync_step=2",
-        "trainer.train_batch_size=8",
-        "trainer.checkpoint_every=2",
-        "trainer.eval_prompts=16",
-        "trainer.progress_bar=false",
-        "rollout.num_workers=1",
-        "rollout.n=4",
-        "rollout.groups_per_batch=4",
-        f"replay.max_off_policy_threshold={THRESHOLD}",
-        "task.length=3",
-        "model.hidden_size=32",
-        "model.num_hidden_layers=1",
-        "model.num_attention_heads=2",
-        "model.intermediate_size=64",
-        "ray.num_cpus=2",
-        *extra,
-    ]
+    return tiny_run(output_dir, total_steps, "trainer.checkpoint_every=2", "rollout.num_workers=1", "ray.num_cpus=2", *extra)
 
 
 def records(path: Path) -> list[dict]:
