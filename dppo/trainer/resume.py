@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 import random
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 import numpy as np
 import torch
@@ -75,15 +75,13 @@ class CycleMetrics:
 
 
 def group_state(group: Group) -> dict:
-    """group as tensors and plain types."""
-    return {"prompt": group.prompt, "responses": group.responses, "response_mask": group.response_mask,
-            "behav_logp": group.behav_logp, "scores": group.scores, "version": int(group.version),
-            "index": int(group.index), "reward_extra": dict(group.reward_extra)}  # fmt: skip
+    """group as tensors and plain types (every field of Group, so none is left out as fields are added)."""
+    state = {f.name: getattr(group, f.name) for f in fields(Group)}
+    return {**state, "version": int(group.version), "index": int(group.index), "reward_extra": dict(group.reward_extra)}
 
 
 def group_from_state(state: dict) -> Group:
-    return Group(state["prompt"], state["responses"], state["response_mask"], state["behav_logp"], state["scores"],
-                 int(state["version"]), int(state["index"]), dict(state["reward_extra"]))  # fmt: skip
+    return Group(**state)
 
 
 @dataclass
