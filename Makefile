@@ -12,7 +12,7 @@ BUILD_INPUTS := setup.py pyproject.toml $(wildcard csrc/*)
 # verl's own functions, the oracle of tests/oracle: installed without their heavy dependencies.
 ORACLE_REQUIREMENTS := tests/oracle/requirements.txt
 
-.PHONY: all install build test demo bench clean
+.PHONY: all install build test demo bench docs clean
 
 all: install
 
@@ -36,6 +36,7 @@ install: $(VENV)/.installed
 build: install
 
 test: install $(VENV)/.oracle
+	$(BIN)/lint-imports
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -44,6 +45,10 @@ demo: install
 bench: install
 	$(BIN)/python benchmarks/snapshot_bench.py
 	$(BIN)/python benchmarks/cycle_bench.py
+
+# docs/config_keys.md from the config schema (a test fails while it is stale).
+docs: install
+	$(BIN)/python -c "from dppo.config.load import markdown_reference; open('docs/config_keys.md', 'w').write(markdown_reference())"
 
 clean:
 	rm -rf build dist *.egg-info dppo/*.so $(VENV)

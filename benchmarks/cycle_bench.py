@@ -76,7 +76,7 @@ import torch
 
 from dppo.hostmem import keep_freed_host_memory
 from dppo.rollout import TrainBatch
-from dppo.trainer.config import load_config
+from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.worker_group import LocalWorkerGroup
 
@@ -155,7 +155,7 @@ def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_di
 
 def rank_of(trainer: PPOTrainer):
     """The trainer's one actor rank, in this process (ray.enabled=false): model, optimizer, old_log_prob, score."""
-    return trainer.actor.local_rank
+    return trainer.actor_group.local_rank
 
 
 def mode_trainer(base: PPOTrainer, cfg, separate_pass: bool = False) -> PPOTrainer:
@@ -170,7 +170,7 @@ def mode_trainer(base: PPOTrainer, cfg, separate_pass: bool = False) -> PPOTrain
     rank.setup_update()
     if separate_pass:
         rank.old_log_prob.fuse_live = False
-    trainer.actor = LocalWorkerGroup(rank)
+    trainer.actor_group = LocalWorkerGroup(rank)
     return trainer
 
 
@@ -235,7 +235,7 @@ class OldLogProbTimer:
 
 def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Clock) -> float:
     """One sync cycle of the trainer's own hooks (as BaseTrainer.run_cycle, minus rollout fetch and publish); with
-    trainer.scores_ahead, every later mini-batch is there at trigger 0 and scored then."""
+    trainer.score_ahead_enabled, every later mini-batch is there at trigger 0 and scored then."""
     if clock.cuda:
         torch.cuda.synchronize()
     start = clock.start()
@@ -243,7 +243,7 @@ def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Cl
     prox_logps = [None] * ps
     for k in range(ps):
         trainer.local_trigger_step = k
-        if k == 0 and trainer.scores_ahead:
+        if k == 0 and trainer.score_ahead_enabled:
             prox_logps[1:] = trainer.score_ahead(batches[1:ps], True)
         trainer.train_trigger(batches[k], prox_logps[k])
     trainer.end_cycle()
@@ -387,7 +387,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
 def reader_of(trainer: PPOTrainer) -> str:
     """What computed the old log-probs at triggers k >= 1: a slot reader, the strategy itself, or score-ahead."""
     strategy = rank_of(trainer).old_log_prob
-    if trainer.scores_ahead:
+    if trainer.score_ahead_enabled:
         return "ahead"
     if strategy.name == "cycle_start_reference":
         return "reference"

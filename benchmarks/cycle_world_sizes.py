@@ -26,7 +26,7 @@ WS_BATCH = (16, 4, 8, 8)  # per trigger: 16 sequences (8 per rank at world size 
 
 def rank_memory(rank) -> dict:
     """What one rank holds: its snapshot slot, its pool's host bytes, its shard of the model, its process RSS."""
-    from dppo.workers.fsdp import local_tensor
+    from dppo.workers.actor.fsdp import local_tensor
 
     pool = rank.pool
     pool.synchronize()
@@ -48,12 +48,12 @@ def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str
         clock = bench.Clock(False)
         bench.run_cycle(trainer, WS_PS, batches, clock)  # warm-up: arenas, the swap scratch
         cycles = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]
-        memory = trainer.actor.execute(rank_memory)
+        memory = trainer.actor_group.execute(rank_memory)
         reconfigure(trainer, bench.trainer_config(size, WS_PS, {**bench.MODES["score-ahead"], "ray.enabled": True,
                                                                "trainer.n_gpus_per_node": world_size}, "cpu", out_dir, WS_BATCH))  # fmt: skip
         bench.run_cycle(trainer, WS_PS, batches, clock)
         ahead = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]
-        model_bytes = sum(t.nbytes for t in ray.get(trainer.actor.rollout_weights()[0]).values())
+        model_bytes = sum(t.nbytes for t in ray.get(trainer.actor_group.rollout_weights()[0]).values())
     finally:
         trainer.close()
     return {"world_size": world_size, "size": size, "cycle_s": statistics.median(cycles), "cycles_s": cycles,
@@ -63,14 +63,8 @@ def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str
 
 def reconfigure(trainer, cfg) -> None:
     """cfg's algorithm settings for the driver and every rank, over the same weights and optimizer."""
-
-    def on_rank(rank, cfg):
-        rank.old_log_prob.close()
-        rank.cfg = cfg
-        rank.setup_update()
-
     trainer.cfg = cfg
-    trainer.actor.execute(on_rank, cfg)
+    trainer.actor_group.reconfigure(cfg)
 
 
 def run(bench, size: str, world_size: int, repeats: int) -> dict:

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dppo.trainer.config import load_config
+from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 
 
@@ -49,7 +49,7 @@ def run(name: str, args, **extra) -> dict:
         trainer = PPOTrainer(load_config(overrides(out_dir, args.device, args.steps, **extra)))
         built_s = time.perf_counter() - started
         records = trainer.fit().records
-    row = {"run": name, "world_size": trainer.actor.world_size, "sharded": trainer.actor.sharded,
+    row = {"run": name, "world_size": trainer.actor_group.world_size, "sharded": trainer.actor_group.sharded,
            "built_s": built_s, "cycle_s": statistics.median(r["timing_s/step"] for r in records),
            "first_grad_norm": records[0]["actor/grad_norm"],
            "old_log_prob_max_abs_diff": max(r["debug/old_log_prob_max_abs_diff"] for r in records)}  # fmt: skip

@@ -5,7 +5,7 @@ import sys
 
 
 def main() -> int:
-    from dppo import _C
+    from dppo import _C  # inside main: a build that fails to load is reported, not an ImportError at start
 
     cuda = bool(_C.cuda_compiled())
     print(f"dppo._C: {'CUDA' if cuda else 'CPU-only'} build ({_C.__file__})")

@@ -10,6 +10,8 @@ import sys
 import textwrap
 import traceback
 
+from dppo.stopping import StopOnSignal
+
 USAGE_EXAMPLES = """\
 examples:
   dppo train                                        # the demo: separate-async Decoupled PPO on `copy`
@@ -49,9 +51,11 @@ def exit_code_help() -> str:
 
 def _error_exit_codes() -> tuple:
     """(exception class, exit code) of every error dppo reports in one line."""
+    # Imported when an error is being reported, not at start-up: the driver's modules pull in torch and Ray
+    # (seconds), which `dppo --help` does not need.
+    from dppo.config import ConfigError
     from dppo.data import DataError
     from dppo.trainer.checkpoint import CheckpointError
-    from dppo.trainer.config import ConfigError
     from dppo.trainer.preflight import OutputDirError
     from dppo.trainer.ray_cluster import RayConnectError
     from dppo.trainer.rollout_source import RolloutFailedError
@@ -63,7 +67,7 @@ def _error_exit_codes() -> tuple:
 
 def config_help() -> str:
     """Every config key with its default and its doc, grouped by section."""
-    from dppo.trainer.config import describe
+    from dppo.config import describe  # imported when asked: the schema pulls in torch (seconds)
 
     lines = ["config keys (default; override as key=value):"]
     section = None
@@ -136,7 +140,6 @@ def _one_line(err: BaseException) -> str:
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     debug = args.debug or os.environ.get("DPPO_DEBUG", "") not in ("", "0")
-    from dppo.stopping import StopOnSignal
 
     with StopOnSignal() as stop, _warning_lines():
         try:
@@ -160,7 +163,9 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _train(args) -> int:
-    from dppo.trainer.config import load_config, to_yaml
+    # Imported here, not at start-up: config pulls in torch, the run torch, transformers and Ray (seconds), which
+    # `dppo --help` and a malformed command line do not need.
+    from dppo.config import load_config, to_yaml
 
     cfg = load_config(args.overrides, config_file=args.config)
     if args.show_config:

@@ -9,6 +9,10 @@ import os
 from collections.abc import Mapping
 
 import torch
+from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers.utils import logging as hf_logging
+
+from dppo.algo import log_probs_from_logits
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -16,8 +20,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 def tiny_model_config(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
                       intermediate_size: int, max_position_embeddings: int = 256):  # fmt: skip
     """A Qwen2Config for a small model over vocab_size tokens (untied embeddings)."""
-    from transformers import Qwen2Config
-
     return Qwen2Config(
         vocab_size=vocab_size,
         hidden_size=hidden_size,
@@ -42,8 +44,6 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
     model_cfg.path: a local transformers model directory (AutoModelForCausalLM, no hub access);
     otherwise the tiny Qwen2-style model of model_cfg's sizes over vocab_size tokens.
     """
-    from transformers import AutoModelForCausalLM, Qwen2ForCausalLM
-
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.path is not None:
         if not os.path.isdir(model_cfg.path):
@@ -67,8 +67,6 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
 @contextlib.contextmanager
 def _quiet_loading():
     """Within: transformers shows no progress bar (a run's terminal output is its own progress bar and summary)."""
-    from transformers.utils import logging as hf_logging
-
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:
@@ -84,8 +82,6 @@ def model_from_config(hf_config, dtype: str) -> torch.nn.Module:
     Rollout workers build their copy this way and then load the trainer's weights, so they need neither
     model.path on their node nor the trainer's seed.
     """
-    from transformers import AutoModelForCausalLM
-
     model = AutoModelForCausalLM.from_config(hf_config).to(DTYPES[dtype])
     model.config.use_cache = False
     return model.eval()
@@ -124,7 +120,7 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
 
     params: None (the model's own weights); a Mapping name -> tensor (e.g. SnapshotPool.view(k)), run with
     torch.func.functional_call; or an object whose substitute(model) context manager puts other weights
-    into the model for one forward pass (dppo.trainer.streaming.StreamedWeights). Either way the live
+    into the model for one forward pass (dppo.workers.actor.streaming.StreamedWeights). Either way the live
     parameters are neither read nor changed.
     logits_to_keep: only the logits of the last logits_to_keep positions, (B, logits_to_keep, V); where the
     model takes transformers' logits_to_keep its LM head runs on those positions alone.
@@ -191,8 +187,6 @@ def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response
     Differentiable when called with grad enabled. The same function scores behavior, old and new
     log-probs everywhere, so equal weights give bitwise-equal results on the CPU.
     """
-    from dppo.algo import log_probs_from_logits
-
     labels = input_ids[:, input_ids.shape[1] - response_length :]  # (B, R)
     chunks = []
     for start in range(0, input_ids.shape[0], micro_batch_size):

@@ -1,15 +1,26 @@
-"""The main job: build the trainer from a config, train, and report where the outputs are.
-
-`python -m dppo.train [key=value ...]` is the same as `dppo train [key=value ...]`.
-"""
+"""The main job: build the trainer from a config, train, and report where the outputs are (`dppo train`, or
+`python -m dppo train`, parses the command line and calls run)."""
 
 from __future__ import annotations
 
 import sys
 from typing import TextIO
 
-from dppo.trainer.base import RunResult
-from dppo.trainer.config import DppoConfig, to_yaml
+import ray
+
+from dppo.config import DppoConfig, to_yaml
+from dppo.data import make_prompt_source
+from dppo.hostmem import keep_freed_host_memory
+from dppo.trainer.base import RunResult, find_resume_point
+from dppo.trainer import ppo
+from dppo.trainer.preflight import (
+    check_cluster_fits,
+    check_output_dir,
+    check_sequence_length,
+    check_training_memory,
+    run_shape,
+)
+from dppo.trainer.ray_cluster import init_ray, probe_cluster
 
 
 def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
@@ -19,16 +30,6 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     Before any Ray process starts: the output directory is written to, the model's training memory is checked
     against what is available, and the checkpoint to resume from (trainer.resume) is chosen and its trainer
     state read. The actor's ranks (Ray actors with ray.enabled) then build the model and load their shards."""
-    import ray
-
-    from dppo.hostmem import keep_freed_host_memory
-    from dppo.data import make_prompt_source
-    from dppo.trainer.base import find_resume_point
-    from dppo.trainer.ppo import PPOTrainer
-    from dppo.trainer.preflight import (check_cluster_fits, check_output_dir, check_sequence_length,
-                                        check_training_memory, run_shape)
-    from dppo.trainer.ray_cluster import init_ray, probe_cluster
-
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_output_dir(cfg.trainer.output_dir)
@@ -44,8 +45,8 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         if cfg.ray.enabled:
             init_ray(cfg)
             check_cluster_fits(cfg)
-        trainer = PPOTrainer(cfg, source=source, resume_point=resume_point)
-        print(trainer.actor.describe(), file=out, flush=True)
+        trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point)
+        print(trainer.actor_group.describe(), file=out, flush=True)
         try:
             (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
         except BaseException:
@@ -65,13 +66,3 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         print(f"plot:    {result.plot_path}", file=out)
     print(f"summary: {result.summary_path}", file=out)
     return result
-
-
-def main(argv: list[str] | None = None) -> int:
-    from dppo.cli import main as cli_main
-
-    return cli_main(["train", *(sys.argv[1:] if argv is None else argv)])
-
-
-if __name__ == "__main__":
-    sys.exit(main())

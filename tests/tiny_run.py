@@ -1,6 +1,9 @@
-"""The key=value overrides of a tiny run that the integration tests start as a user would: a one-layer model on a
-three-digit task, two triggers per cycle of 4 groups of 4, staleness limit THRESHOLD. A test adds or replaces keys
-after these (the last value of a key wins)."""
+"""The key=value overrides of the tests' tiny runs, in one place.
+
+tiny_run: the run the integration tests start as a user would (a one-layer model on a three-digit task, two
+triggers per cycle of 4 groups of 4, staleness limit THRESHOLD; a test adds or replaces keys after these, the last
+value of a key wins). small_overrides and text_overrides: the in-process runs of the unit tests (sync mode, no
+Ray), on the integer task and on text data."""
 
 from __future__ import annotations
 
@@ -27,3 +30,55 @@ def tiny_run(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
         "model.intermediate_size=64",
         *extra,
     ]
+
+
+def small_overrides(tmp_path, **extra) -> list[str]:
+    """A tiny in-process run (sync mode, no Ray, one-layer model, three-digit task) under tmp_path/run, with the
+    {"dotted.key": value} of extra added or replaced."""
+    values = {
+        "trainer.total_steps": 2,
+        "trainer.parameter_sync_step": 2,
+        "trainer.train_batch_size": 4,
+        "trainer.output_dir": str(tmp_path / "run"),
+        "trainer.eval_prompts": 8,
+        "trainer.progress_bar": False,
+        "trainer.mode": "sync",
+        "trainer.checkpoint_every": 0,
+        "ray.enabled": False,
+        "rollout.n": 4,
+        "rollout.groups_per_batch": 2,
+        "task.length": 3,
+        "model.hidden_size": 32,
+        "model.num_hidden_layers": 1,
+        "model.num_attention_heads": 2,
+        "model.intermediate_size": 64,
+        "actor.micro_batch_size": 5,  # not a divisor of the batch: exercises uneven micro-batches
+    }
+    values.update(extra)
+    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+
+
+def text_overrides(tmp_path, example, **extra) -> list[str]:
+    """A tiny in-process run on text data: the example's model, parquet files and reward function (the
+    text_example fixture), with the {"dotted.key": value} of extra added or replaced."""
+    values = {
+        "model.path": example["model"],
+        "data.train_files": example["train"],
+        "data.val_files": example["val"],
+        "data.max_prompt_length": 32,
+        "data.max_response_length": 6,
+        "custom_reward_function.path": example["reward"],
+        "trainer.total_steps": 2,
+        "trainer.parameter_sync_step": 2,
+        "trainer.train_batch_size": 4,
+        "trainer.output_dir": tmp_path / "run",
+        "trainer.progress_bar": False,
+        "trainer.mode": "sync",
+        "trainer.checkpoint_every": 0,
+        "ray.enabled": False,
+        "rollout.n": 4,
+        "rollout.groups_per_batch": 2,
+        "actor.micro_batch_size": 5,  # not a divisor of the batch: exercises uneven micro-batches
+    }
+    values.update(extra)
+    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]

@@ -13,7 +13,8 @@ from dppo.data.errors import (
     TokenizerError,
 )
 from dppo.data.rewards import RewardFunction, gsm8k_compute_score
-from dppo.data.source import Prompts, PromptSource, Scores, TaskSource, make_prompt_source
+from dppo.data.source import Prompts, PromptSource, Scores, TaskSource
+from dppo.data.text import TextSource
 
 __all__ = [
     "DataColumnError",
@@ -27,7 +28,15 @@ __all__ = [
     "RewardFunctionError",
     "Scores",
     "TaskSource",
+    "TextSource",
     "TokenizerError",
     "gsm8k_compute_score",
     "make_prompt_source",
 ]
+
+
+def make_prompt_source(cfg) -> PromptSource:
+    """TextSource when data.train_files is set (reads and checks every file now), else the task's TaskSource."""
+    if cfg.data.train_files is not None:
+        return TextSource.from_config(cfg)
+    return TaskSource.from_config(cfg)

@@ -52,7 +52,7 @@ def read_parquet_files(files: str | list[str], prompt_key: str = "prompt") -> Pa
 
 
 def _read_one(path: str, prompt_key: str, rows: ParquetRows) -> None:
-    import pyarrow as pa
+    import pyarrow as pa  # heavy; only a run on parquet data reads one (the config imports this package)
     import pyarrow.parquet as pq
 
     if not os.path.isfile(path):

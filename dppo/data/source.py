@@ -5,7 +5,7 @@
     source.eval_prompts() -> Prompts, source.eval_metrics(prompts, scores) -> {key: value} (greedy evaluation)
     source.vocab_size, eos_token, pad_token, response_length
 
-The trainer builds the source once (make_prompt_source) and sends the object itself to the rollout workers.
+The trainer builds the source once (dppo.data.make_prompt_source) and sends the object itself to the rollout workers.
 TaskSource wraps a dppo.tasks.Task (prompts of one length, the demo); dppo.data.text.TextSource reads
 verl-format parquet files through the model's tokenizer and chat template (data.train_files).
 """
@@ -131,12 +131,3 @@ class TaskSource(PromptSource):
         reward = scores.scores
         return {"eval/reward": float(reward.mean()), "eval/accuracy": float((reward >= 1.0).mean()),
                 "eval/prompts": float(len(reward))}  # fmt: skip
-
-
-def make_prompt_source(cfg) -> PromptSource:
-    """TextSource when data.train_files is set (reads and checks every file now), else the task's TaskSource."""
-    if cfg.data.train_files is not None:
-        from dppo.data.text import TextSource
-
-        return TextSource.from_config(cfg)
-    return TaskSource.from_config(cfg)

@@ -17,7 +17,7 @@ import numpy as np
 from dppo.data.errors import DataRowError, PromptTooLongError, TokenizerError
 from dppo.data.parquet import ParquetRows, read_parquet_files
 from dppo.data.rewards import RewardFunction, RewardRow, score_texts
-from dppo.data.source import PromptSource, Prompts, Scores
+from dppo.data.source import Prompts, PromptSource, Scores
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 TRUNCATIONS = ("error", "left", "right")
@@ -29,7 +29,7 @@ def _one_line(err: BaseException) -> str:
 
 def load_tokenizer(model_path: str):
     """AutoTokenizer of model_path; TokenizerError if it has none, no chat template or no EOS token."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # heavy; only a run on text data loads a tokenizer
 
     if not any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
         raise TokenizerError(f"model.path={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "

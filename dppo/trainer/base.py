@@ -5,7 +5,7 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
     begin_cycle()
     for k in 0 .. parameter_sync_step - 1:        self.local_trigger_step = k
         groups <- the mini-batch held since trigger 0, or rollout.fetch(train_batch_size / parameter_sync_step, version)
-        k == 0 (scores_ahead): hold the later mini-batches that have arrived, scored now (score_ahead)
+        k == 0 (score_ahead_enabled): hold the later mini-batches that have arrived, scored now (score_ahead)
         metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
@@ -14,8 +14,8 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
 Prompts, rewards and the evaluation set come from one PromptSource (dppo.data): an integer task, or text
 data from parquet files (data.train_files); the loop does not know which.
 
-The policy, its optimizer and its snapshots live on the actor's ranks (self.actor, a worker group of
-dppo.workers.actor_rank.ActorRank; dppo.trainer.worker_group); this process holds no model but the one it
+The policy, its optimizer and its snapshots live on the actor's ranks (self.actor_group, a worker group of
+dppo.workers.actor.rank.ActorRank; dppo.trainer.worker_group); this process holds no model but the one it
 evaluates, loaded from the weights last published to the rollout. Subclasses implement train_trigger (and may use
 begin_cycle / end_cycle / close); they never re-implement the loop. The driver only orchestrates: the math
 lives in dppo.algo, called here on whole groups (advantages) or on the ranks.
@@ -27,31 +27,35 @@ that very trigger. When an actor rank dies (RankDiedError) its shards are lost: 
 checkpoint is where it resumes.
 
 A checkpoint is a directory (dppo.trainer.checkpoint) holding trainer.pt (this process's state) and actor/,
-the ranks' torch.distributed.checkpoint shards (dppo.workers.sharded_state), which load at any world size.
+the ranks' torch.distributed.checkpoint shards (dppo.workers.actor.sharded_state), which load at any world size.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
+from tqdm.auto import tqdm
 
+from dppo.config import DppoConfig, to_dict
+from dppo.data import make_prompt_source
+from dppo.data.source import PromptSource, Scores
 from dppo.generation import sample_responses
-from dppo.data.source import PromptSource, Scores, make_prompt_source
 from dppo.models import model_from_config
 from dppo.rollout import Group, TrainBatch, collate, left_pad
 from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.config import DppoConfig, to_dict
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
 from dppo.trainer.resume import CycleProgress, HeldBatch, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
-from dppo.workers.sharded_state import UnsafeCheckpointError
+from dppo.workers.actor.sharded_state import UnsafeCheckpointError
 
 TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
 ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
@@ -156,16 +160,16 @@ class BaseTrainer:
             resume_point = find_resume_point(cfg, self.checkpoints)
         elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
             self.checkpoints.discard_run()
-        self.actor = make_worker_group(cfg, self.source.vocab_size)
+        self.actor_group = make_worker_group(cfg, self.source.vocab_size)
         try:
-            self.model_config = self.actor.model_config()
+            self.model_config = self.actor_group.model_config()
             if resume_point is not None:
                 self._resume(resume_point)
             self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
                                       resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
             self.setup()
         except BaseException:
-            self.actor.close()  # the ranks hold processes and placement groups of the cluster: free them
+            self.actor_group.close()  # the ranks hold processes and placement groups of the cluster: free them
             raise
         self._cycle_start = time.perf_counter() - self.progress.elapsed_s
         self.rollout = rollout  # None: made by fit()
@@ -191,12 +195,12 @@ class BaseTrainer:
         raise NotImplementedError
 
     # Whether trigger 0 takes the cycle's later mini-batches that have arrived and scores them (score_ahead).
-    scores_ahead = False
+    score_ahead_enabled = False
 
     def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
         """At trigger 0, before its optimizer step: old log-probs (B, R) of each of the cycle's later mini-batches
         in batches; whole_cycle: they are all of them (no later trigger needs anything else). Only called where
-        scores_ahead is true."""
+        score_ahead_enabled is true."""
         raise NotImplementedError
 
     def end_cycle(self) -> dict[str, float]:
@@ -205,7 +209,7 @@ class BaseTrainer:
 
     def close(self) -> None:
         """Release what setup() built, and the actor's ranks."""
-        self.actor.close()
+        self.actor_group.close()
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -217,7 +221,6 @@ class BaseTrainer:
         last checkpoint."""
         start = time.perf_counter()
         tcfg = self.cfg.trainer
-        from tqdm.auto import tqdm
 
         bar = tqdm(total=tcfg.total_steps, initial=self.global_step, unit="step", desc="dppo train",
                    disable=not tcfg.progress_bar, dynamic_ncols=True)  # fmt: skip
@@ -312,7 +315,7 @@ class BaseTrainer:
         """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
         would take them and scored with the live weights, which are pi_old (dppo.trainer.score_ahead); None where
         the trainer does not score ahead."""
-        if not self.scores_ahead:
+        if not self.score_ahead_enabled:
             return None
         later = self.cfg.trainer.parameter_sync_step - 1
         start = time.perf_counter()
@@ -358,7 +361,7 @@ class BaseTrainer:
     def publish_weights(self, version: int, anchor: bool = False) -> None:
         """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
         once); anchor: pi_old's weights instead (a cycle resumed mid-way)."""
-        self._published, self._published_version = self.actor.rollout_weights(anchor), version
+        self._published, self._published_version = self.actor_group.rollout_weights(anchor), version
         self.rollout.publish(self._published, version)
 
     def _current_policy(self) -> torch.nn.Module:
@@ -367,8 +370,6 @@ class BaseTrainer:
         if self.policy is None or self.policy_version != self._published_version:
             weights = self._published
             if isinstance(weights, list):
-                import ray
-
                 weights = ray.get(weights[0])
             if self.policy is None:
                 self.policy = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
@@ -400,7 +401,7 @@ class BaseTrainer:
             state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
 
         def write(staging: Path) -> None:
-            state["anchor"] = self.actor.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            state["anchor"] = self.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
             torch.save(state, staging / TRAINER_FILE)
 
         return self.checkpoints.save(self.global_step, self.version, write, trigger=progress.trigger)
@@ -445,7 +446,7 @@ class BaseTrainer:
     def _load_actor(self, path: Path, state: dict) -> None:
         """The actor's shards of checkpoint path into the ranks; CheckpointError if they do not fit or are unsafe."""
         try:
-            self.actor.load_checkpoint(str(path / ACTOR_DIR), bool(state.get("anchor")))
+            self.actor_group.load_checkpoint(str(path / ACTOR_DIR), bool(state.get("anchor")))
         except UnsafeCheckpointError as err:
             raise ckpt.CheckpointError(f"was not loaded: {err}") from err
         except (RuntimeError, ValueError, KeyError) as err:
@@ -493,8 +494,6 @@ class BaseTrainer:
         return source.eval_metrics(prompts, Scores(np.concatenate(scores)))
 
     def _finish(self, evaluation: dict[str, float], wall_s: float) -> RunResult:
-        import json
-
         records = self.metrics.records
         plot_path = plot_run(records, self.output_dir / "training_curves.png", evaluation) if records else None
         summary = summarize(records, evaluation, wall_s)

@@ -2,8 +2,8 @@
 
 Per trigger the driver computes the advantages on whole groups (dppo.algo, before the batch is split over
 the ranks) and calls the actor's update once: every rank computes old log-probs with the strategy
-of dppo.trainer.prox on its shard, the rollout correction, the policy loss (normalized over the whole
-mini-batch) and one optimizer step (dppo.workers.actor_rank). Which policy plays pi_old is the strategy's
+of dppo.workers.actor.old_log_prob on its shard, the rollout correction, the policy loss (normalized over the whole
+mini-batch) and one optimizer step (dppo.workers.actor.rank). Which policy plays pi_old is the strategy's
 business; which loss is used is chosen once per rank; the trigger itself has no algorithm branches. Where the
 strategy would read slot 0 (snapshot.score_ahead), trigger 0 scores the cycle's later mini-batches that have
 arrived with the live weights instead (dppo.trainer.score_ahead).
@@ -11,12 +11,23 @@ arrived with the live weights instead (dppo.trainer.score_ahead).
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
+
 import torch
 
+from dppo.algo import get_advantage_estimator
+from dppo.config.choices import score_ahead_enabled
 from dppo.rollout import TrainBatch
-from dppo.trainer.actor import advantage_fn
 from dppo.trainer.base import BaseTrainer
-from dppo.trainer.prox import scores_ahead
+
+
+def advantage_fn(algorithm_cfg) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """advantages(scores (B,), group_index (B,), response_mask (B, R)) -> (B, R) for algorithm.adv_estimator."""
+    estimator = get_advantage_estimator(algorithm_cfg.adv_estimator)
+    if algorithm_cfg.adv_estimator == "grpo":
+        return functools.partial(estimator, norm_by_std=algorithm_cfg.norm_adv_by_std_in_grpo)
+    return estimator
 
 
 class PPOTrainer(BaseTrainer):
@@ -26,19 +37,19 @@ class PPOTrainer(BaseTrainer):
         self.advantages = advantage_fn(self.cfg.algorithm)
 
     @property
-    def scores_ahead(self) -> bool:
-        return scores_ahead(self.cfg)
+    def score_ahead_enabled(self) -> bool:
+        return score_ahead_enabled(self.cfg)
 
     def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
         if not batches:
             return []
-        return self.actor.score_ahead(batches, whole_cycle)  # one call: every batch, and no snapshot if whole_cycle
+        return self.actor_group.score_ahead(batches, whole_cycle)  # one call: every batch, and no snapshot if whole_cycle
 
     def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
         advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask)  # (B, R)
-        metrics = self.actor.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
+        metrics = self.actor_group.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics
 
     def end_cycle(self) -> dict[str, float]:
-        return self.actor.end_cycle()
+        return self.actor_group.end_cycle()

@@ -14,8 +14,13 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
-from dppo.trainer.config import ConfigError, DppoConfig
+from dppo.config import ConfigError, DppoConfig
+from dppo.models import tiny_model_config
+from dppo.config.choices import select_strategy_name
+from dppo.trainer import ray_cluster
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -72,15 +77,10 @@ def run_shape(cfg: DppoConfig, task) -> RunShape:
     response_length = cfg.rollout.max_new_tokens or task.response_length
     m = cfg.model
     if m.path is None:
-        from dppo.models import tiny_model_config
-
         config = tiny_model_config(task.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
         params = tiny_model_parameters(task.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
         vocab_size = task.vocab_size
     else:
-        import torch
-        from transformers import AutoConfig, AutoModelForCausalLM
-
         config = AutoConfig.from_pretrained(m.path, local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
@@ -166,8 +166,6 @@ def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
     """ConfigError if the run cannot fit in the memory available. A lower bound (no other activations), so what it
     refuses would certainly fail. The actor's weights, gradients, Adam moments and snapshot slot are sharded over
     its world size ranks (one GPU each), each rank updating on its part of a trigger's mini-batch."""
-    from dppo.trainer.prox import select_strategy_name
-
     world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     ranks_here = _ranks_here(cfg)
     copy_bytes = shape.params * DTYPE_BYTES[cfg.model.dtype]
@@ -178,8 +176,6 @@ def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
     on_gpu = _trainer_on_gpu(cfg)
     what = f"{shape.params:,} parameters in {cfg.model.dtype}, {_model_keys(cfg)}"
     if on_gpu and ranks_here:
-        import torch
-
         free, _ = torch.cuda.mem_get_info()
         _require_fits(trainer_copies * copy_bytes // world_size + update, free, what, "GPU",
                       f"a 1/{world_size} shard of the weights, gradients and Adam's two moments, an update's batch")  # fmt: skip
@@ -197,7 +193,6 @@ def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
 def _trainer_on_gpu(cfg: DppoConfig) -> bool:
     if cfg.trainer.device == "cpu":
         return False
-    import torch
 
     return torch.cuda.is_available()
 
@@ -225,9 +220,8 @@ def check_cluster_fits(cfg: DppoConfig) -> None:
     """On a joined cluster (ray.address or RAY_ADDRESS): the rollout workers' threads within its CPUs."""
     if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
         return  # a local cluster: checked against this machine with the config
-    from dppo.trainer.ray_cluster import cluster_cpus
 
-    r, cpus = cfg.rollout, cluster_cpus()
+    r, cpus = cfg.rollout, ray_cluster.cluster_cpus()
     if r.num_workers * r.num_threads > cpus:
         raise ConfigError(f"rollout.num_workers={r.num_workers} with rollout.num_threads={r.num_threads}: "
                           f"{r.num_workers * r.num_threads} worker threads, but the Ray cluster has {cpus:g} CPUs")  # fmt: skip

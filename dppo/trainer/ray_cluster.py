@@ -16,6 +16,10 @@ import contextlib
 import os
 import signal
 import socket
+import threading
+
+import ray
+from ray._private import ray_constants, services, utils
 
 PROBE_TIMEOUT_S = 5.0
 # The client preface of HTTP/2 (RFC 9113, 3.4) and an empty SETTINGS frame; a gRPC server answers with its own
@@ -39,7 +43,6 @@ def _resolve(address: str) -> tuple[str, int] | None:
     """(host, port) of the GCS that address names, as Ray resolves it; None where there is nothing to probe."""
     if address == "local" or "://" in address:
         return None  # a new local cluster, or a Ray Client address (not a GCS)
-    from ray._private import services
 
     try:
         resolved = services.canonicalize_bootstrap_address_or_die(address)
@@ -91,8 +94,6 @@ def _bounded_first_connect():
 
 def probe_cluster(cfg) -> None:
     """probe() the cluster cfg names, unless this process is connected to one already."""
-    import ray
-
     if not ray.is_initialized():
         probe(cluster_address(cfg))
 
@@ -108,7 +109,6 @@ def _caller_signal_handlers():
     if not callable(previous):
         yield
         return
-    from ray._private import ray_constants, utils
 
     saved = {}
     for module, name, value in ((utils, "set_sigterm_handler", lambda handler: None),
@@ -125,8 +125,6 @@ def _caller_signal_handlers():
 
 
 def _in_main_thread() -> bool:
-    import threading
-
     return threading.current_thread() is threading.main_thread()
 
 
@@ -134,8 +132,6 @@ def init_ray(cfg) -> bool:
     """Connect as the module docstring says (quietly); nothing if this process is already connected. True if
     this call connected (then the caller owns the connection and shuts it down). RayConnectError, naming the
     address, if a given cluster cannot be joined."""
-    import ray
-
     if ray.is_initialized():
         return False
     address = cluster_address(cfg)
@@ -162,6 +158,4 @@ def init_ray(cfg) -> bool:
 
 def cluster_cpus() -> float:
     """CPUs of the Ray cluster this process is connected to."""
-    import ray
-
     return float(ray.cluster_resources().get("CPU", 0.0))

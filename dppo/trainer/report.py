@@ -67,7 +67,7 @@ def tail_mean(records: list[dict], key: str, fraction: float = 0.1, head: bool =
 
 def plot_run(records: list[dict], path: str | os.PathLike, evaluation: dict[str, float] | None = None) -> Path:
     """Reward (and the final greedy eval reward) and the per-step time breakdown over global steps, as a PNG."""
-    import matplotlib
+    import matplotlib  # heavy (a second or more), and only the final plot needs it
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -19,13 +19,15 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import ray
+from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dppo.data.source import PromptSource
 from dppo.rollout import Group
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
-from dppo.workers.replay_buffer import ReplayBufferActor, ReplayBufferCore
-from dppo.workers.rollout_worker import RolloutGenerator, RolloutWorkerActor
+from dppo.workers.rollout.replay_buffer import ReplayBufferActor, ReplayBufferCore
+from dppo.workers.rollout.worker import RolloutGenerator, RolloutWorkerActor
 
 log = logging.getLogger("dppo.rollout")
 
@@ -105,8 +107,6 @@ class RayRollout:
     """
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
-        import ray
-
         init_ray(cfg)
         self.cfg, self.mode = cfg, cfg.trainer.mode
         self.worker_restarts = start.worker_restarts
@@ -140,14 +140,10 @@ class RayRollout:
     def publish(self, weights, version: int) -> None:
         """weights: [ObjectRef] of a state dict already in the object store (the actor's rank 0 put it there),
         or a state dict, put here once. The buffer hands the reference to each worker at its next boundary."""
-        import ray
-
         refs = weights if isinstance(weights, list) else [ray.put(weights)]  # rank 0 put them there, or one put here
         self._from_buffer(self.buffer.publish.remote(refs, version))
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
-        import ray
-
         if self.mode == "sync":
             self._generate_lockstep(num_groups)
         take = self.buffer.take.remote(num_groups, trainer_version)
@@ -170,8 +166,6 @@ class RayRollout:
 
     def _check_workers(self) -> None:
         """Restart every worker whose run() loop has ended by dying (or raise what ended it), without waiting."""
-        import ray
-
         runs = {w.run: w for w in self.workers if w.run is not None}
         if runs:
             ended, _ = ray.wait(list(runs), num_returns=len(runs), timeout=0)
@@ -190,9 +184,6 @@ class RayRollout:
     def _outcome(self, worker: _Worker, ref) -> Any:
         """ray.get(ref), a call or the run() loop of worker: its value; None if the worker died and was restarted
         (its tickets granted again); RolloutFailedError if it raised or its loop ended."""
-        import ray
-        from ray.exceptions import RayActorError, RayTaskError
-
         try:
             value = ray.get(ref)
         except RayTaskError as err:  # first: a worker whose call to a dead buffer failed is both kinds
@@ -210,8 +201,6 @@ class RayRollout:
 
     def _restart(self, worker: _Worker) -> None:
         """worker's process died: a new incarnation takes its place and its outstanding tickets are granted again."""
-        import ray
-
         self._check_buffer()
         limit = self.cfg.rollout.max_restarts
         if worker.restarts >= limit:
@@ -226,8 +215,6 @@ class RayRollout:
 
     def _check_buffer(self) -> None:
         """RolloutFailedError if the replay buffer is dead or does not answer."""
-        from ray.exceptions import GetTimeoutError
-
         try:
             self._from_buffer(self.buffer.stats.remote(), timeout=BUFFER_TIMEOUT_S)
         except GetTimeoutError:
@@ -235,9 +222,6 @@ class RayRollout:
 
     def _from_buffer(self, ref, timeout: float | None = None) -> Any:
         """ray.get of a replay-buffer call; RolloutFailedError if the buffer died."""
-        import ray
-        from ray.exceptions import RayActorError
-
         try:
             return ray.get(ref, timeout=timeout)
         except RayActorError:
@@ -248,8 +232,6 @@ class RayRollout:
 
     def close(self) -> None:
         """Kill the workers and the buffer; never raises (any of them may be dead already)."""
-        import ray
-
         for actor in [*(w.actor for w in self.workers), self.buffer]:
             try:
                 ray.kill(actor, no_restart=True)

@@ -4,7 +4,7 @@
     metrics = actor.update_actor(trigger, batch, advantages, version)   # DP: the batch split over the ranks
     actor.save_model_to_cpu(0)                                  # ALL: every rank snapshots its own shards
 
-actor.<method>(...) calls dppo.workers.actor_rank.ActorRank.<method> on every rank at once and applies the
+actor.<method>(...) calls dppo.workers.actor.rank.ActorRank.<method> on every rank at once and applies the
 method's dispatch mode (dppo.workers.dispatch). Two ways to hold the ranks, one rank class:
 
 - RayWorkerGroup (ray.enabled=true): each rank is a Ray actor. One placement group per node, one bundle per
@@ -22,9 +22,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from dppo.workers.actor_rank import ActorRank
-from dppo.workers.dispatch import (ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, gather_rows, split_args,
-                                   split_each)
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from dppo.workers.actor.rank import ActorRank, uses_fsdp
+from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, gather_rows, split_args, split_each
 
 PLACEMENT_TIMEOUT_S = 120.0  # how long the ranks' placement groups may take to be placed
 
@@ -108,16 +111,12 @@ def _resources(cfg, use_gpu: bool) -> dict[str, float]:
 
 def use_gpus(cfg) -> bool:
     """Whether the ranks go on GPUs: trainer.device=cuda, or auto on a cluster that has GPUs."""
-    import ray
-
     device = cfg.trainer.device
     return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
 def choose_nodes(nnodes: int, per_node: int, bundle: dict[str, float]) -> list[str]:
     """Ids of nnodes alive Ray nodes that can each hold per_node bundles, the driver's node first."""
-    import ray
-
     here = ray.get_runtime_context().get_node_id()
     fits = [n for n in ray.nodes() if n["Alive"]
             and all(n["Resources"].get(k, 0) >= per_node * v for k, v in bundle.items())]  # fmt: skip
@@ -133,9 +132,6 @@ def choose_nodes(nnodes: int, per_node: int, bundle: dict[str, float]) -> list[s
 
 def place_ranks(nnodes: int, per_node: int, bundle: dict[str, float]) -> list:
     """One ready STRICT_PACK placement group per node, one bundle per rank, each pinned to its own node."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     groups = [placement_group([bundle] * per_node, strategy="STRICT_PACK",
                               bundle_label_selector=[{"ray.io/node-id": node}] * per_node)
               for node in choose_nodes(nnodes, per_node, bundle)]  # fmt: skip
@@ -152,11 +148,6 @@ class RayWorkerGroup(WorkerGroup):
     """The ranks as Ray actors (see the module docstring)."""
 
     def __init__(self, cfg, vocab_size: int) -> None:
-        import ray
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
-        from dppo.workers.actor_rank import uses_fsdp
-
         nnodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
         self.world_size = nnodes * per_node
         self.sharded = uses_fsdp(cfg, self.world_size)
@@ -186,8 +177,6 @@ class RayWorkerGroup(WorkerGroup):
 
     def _wait(self, futures: list) -> list[Any]:
         """Every rank's result; on the first failure the whole group is torn down and the error raised."""
-        import ray
-
         pending = list(futures)
         while pending:
             ready, pending = ray.wait(pending, num_returns=1)
@@ -211,9 +200,6 @@ class RayWorkerGroup(WorkerGroup):
 
     def _abort(self) -> None:
         """Kill every rank (the living ones may be waiting in a collective for a dead one) and free the nodes."""
-        import ray
-        from ray.util.placement_group import remove_placement_group
-
         self._dead = True
         for actor in self._actors:
             ray.kill(actor, no_restart=True)

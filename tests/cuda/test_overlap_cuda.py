@@ -13,7 +13,7 @@ import torch
 
 from dppo.models import forward_logits, response_log_probs, tiny_model_config
 from dppo.snapshot import SnapshotPool
-from dppo.trainer.streaming import StreamedWeights, trace_schedule
+from dppo.workers.actor.streaming import StreamedWeights, trace_schedule
 
 pytestmark = pytest.mark.cuda
 
@@ -113,7 +113,7 @@ def test_streamed_pass_needs_at_most_two_steps_of_extra_device_memory():
                                                       ("swap", 0, "swap")])  # fmt: skip
 def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, strategy, budget, reader):
     """Every reader through the whole trainer: old log-probs within 1e-6 of a deep copy of the cycle start."""
-    from dppo.trainer.config import load_config
+    from dppo.config import load_config
     from dppo.trainer.ppo import PPOTrainer
 
     overrides = {
@@ -127,7 +127,7 @@ def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, stra
     }  # fmt: skip
     trainer = PPOTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]))
     result = trainer.fit()
-    strategy = trainer.actor.local_rank.old_log_prob.inner
+    strategy = trainer.actor_group.local_rank.old_log_prob.inner
     assert strategy.reader_name == reader
     stats = strategy.pool.stats()
     assert stats[reader]["count" if reader == "view" else "bytes"] > 0

@@ -32,7 +32,7 @@ def train(env: dict, address: str, output_dir: Path) -> subprocess.CompletedProc
             "trainer.checkpoint_every=0", "trainer.progress_bar=false", "rollout.n=4", "rollout.groups_per_batch=2",
             "task.length=3", "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
             "model.intermediate_size=64"]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "dppo.train", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300)  # fmt: skip
 
 

@@ -22,9 +22,9 @@ from dppo.data import make_prompt_source
 from dppo.models import build_model
 from dppo.rollout import Group, collate
 from dppo.trainer.base import find_resume_point
-from dppo.trainer.config import load_config
+from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
-from dppo.workers.rollout_worker import RolloutGenerator
+from dppo.workers.rollout.worker import RolloutGenerator
 
 pytestmark = pytest.mark.integration
 
@@ -133,7 +133,7 @@ def run_cycles(trainer: PPOTrainer, cycles: int) -> list[dict]:
 
 
 def full_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
-    weights = trainer.actor.rollout_weights()
+    weights = trainer.actor_group.rollout_weights()
     return ray.get(weights[0]) if isinstance(weights, list) else weights
 
 
@@ -153,15 +153,9 @@ def full_optimizer_state(rank) -> dict:
 
 def reconfigure(trainer: PPOTrainer, **extra) -> None:
     """Other algorithm settings for the driver and every rank, over the same weights and optimizer."""
-    cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor.world_size, **extra)
-
-    def on_rank(rank, cfg):
-        rank.old_log_prob.close()
-        rank.cfg = cfg
-        rank.setup_update()
-
+    cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor_group.world_size, **extra)
     trainer.cfg = cfg
-    trainer.actor.execute(on_rank, cfg)
+    trainer.actor_group.reconfigure(cfg)
 
 
 # ---- tests, in this order ------------------------------------------------------------------------
@@ -169,10 +163,10 @@ def reconfigure(trainer: PPOTrainer, **extra) -> None:
 
 def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
     assert ws2.global_step == 0, "runs first, on the initial weights"
-    ranks = ws2.actor.nodes
+    ranks = ws2.actor_group.nodes
     assert [n["rank"] for n in ranks] == [0, 1] and ranks[0]["pid"] != ranks[1]["pid"] != os.getpid()
     ws1 = PPOTrainer(make_cfg(tmp_path, 1), rollout=FixedRollout(groups))
-    assert ws1.actor.world_size == 1 and ws1.actor.local_rank.sharded is False  # the plain module
+    assert ws1.actor_group.world_size == 1 and ws1.actor_group.local_rank.sharded is False  # the plain module
     one, one_records = run_cycles(ws1, 3)
     two, two_records = run_cycles(ws2, 3)
     # trigger 0: pi_theta = pi_old, so the PPO term is ~0; its gradient, the entropy and the grad norm are not
@@ -188,7 +182,7 @@ def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
     assert one[3]["prox_approx/abs_err_max"] > 1e-4
     assert one[1]["actor/kl_loss"] > 0 and one[1]["actor/pg_loss"] != 0
     assert [r["debug/old_log_prob_max_abs_diff"] for r in two_records] == [0.0] * 3
-    assert_weights_close(full_weights(ws2), ws1.actor.local_rank.model.state_dict())
+    assert_weights_close(full_weights(ws2), ws1.actor_group.local_rank.model.state_dict())
     ws1.close()
 
 
@@ -199,7 +193,7 @@ def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strat
     triggers, records = run_cycles(ws2, 2)
     assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
-    used = ws2.actor.execute(lambda rank: getattr(rank.old_log_prob.inner, "reader_name", rank.old_log_prob.name))
+    used = ws2.actor_group.execute(lambda rank: getattr(rank.old_log_prob.inner, "reader_name", rank.old_log_prob.name))
     assert used == [{"auto": "swap", "swap": "swap", "reference": "cycle_start_reference"}[strategy]] * 2
 
 
@@ -208,7 +202,7 @@ def set_fuse_live(rank, fuse: bool) -> None:
 
 
 def local_grads(rank) -> dict[str, torch.Tensor]:
-    from dppo.workers.fsdp import local_tensor
+    from dppo.workers.actor.fsdp import local_tensor
 
     return {name: local_tensor(p.grad).clone() for name, p in rank.model.named_parameters()}
 
@@ -222,15 +216,15 @@ def test_world_size_2_takes_live_pi_old_from_the_training_forward_as_a_separate_
                         "algorithm.rollout_correction.rollout_rs_threshold": 1.02})  # fmt: skip
     batch = collate(groups[:3], ws2.source.pad_token)  # 9 sequences: 5 + 4 and one padding row
     advantages = ws2.advantages(batch.scores, batch.group_index, batch.response_mask)
-    ws2.actor.save_model_to_cpu(2)
+    ws2.actor_group.save_model_to_cpu(2)
     results = {}
     for fuse in (True, False):
-        ws2.actor.restore_model_from_cpu(2)
-        ws2.actor.execute(set_fuse_live, fuse)
-        metrics = ws2.actor.update_actor(0, batch, advantages, ws2.version)
-        results[fuse] = metrics, ws2.actor.execute(local_grads), ws2.actor.end_cycle()
-    ws2.actor.restore_model_from_cpu(2)
-    ws2.actor.clear_cpu_model(2)
+        ws2.actor_group.restore_model_from_cpu(2)
+        ws2.actor_group.execute(set_fuse_live, fuse)
+        metrics = ws2.actor_group.update_actor(0, batch, advantages, ws2.version)
+        results[fuse] = metrics, ws2.actor_group.execute(local_grads), ws2.actor_group.end_cycle()
+    ws2.actor_group.restore_model_from_cpu(2)
+    ws2.actor_group.clear_cpu_model(2)
     (fused, fused_grads, fused_check), (separate, separate_grads, separate_check) = results[True], results[False]
     assert 0 < fused["rollout_corr/token_rejected_frac"] < 1  # the case under test: some tokens rejected
     for key, value in separate.items():
@@ -247,7 +241,7 @@ def test_score_ahead_at_world_size_2_gives_exact_old_log_probs_and_takes_no_snap
     and split again): the old log-probs equal the cycle-start copy's, as the slot reads' do above, and no rank
     copies any weight into a slot."""
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 12})
-    moved = lambda: ws2.actor.execute(lambda rank: rank.old_log_prob.inner.moved_bytes)  # noqa: E731
+    moved = lambda: ws2.actor_group.execute(lambda rank: rank.old_log_prob.inner.moved_bytes)  # noqa: E731
     before = moved()
     triggers, records = run_cycles(ws2, 1)
     assert records[0]["debug/old_log_prob_max_abs_diff"] == 0.0 and records[0]["snapshot/scored_ahead_frac"] == 1.0
@@ -261,14 +255,20 @@ def test_a_reader_that_computes_with_the_live_weights_is_caught(ws2, reader):
     the view reader (refused under FSDP2), whose functional_call FSDP2 overrides with its own gathered weights."""
 
     def force_reader(rank, reader):
-        from dppo.trainer.slot_readers import SLOT_READERS
+        from dppo.workers.actor.slot_readers import SlotRead, SlotReader, ViewReader
+
+        class LiveWeights(SlotReader):  # reads the live weights where slot 0 should be
+            name = "live"
+
+            def read(self, batch):
+                return SlotRead(self.source.score(self.source.model, batch), 0.0, 0)
 
         strategy = rank.old_log_prob.inner
-        strategy._auto, strategy.reader_name = False, reader
-        strategy._reader = SLOT_READERS["view"] if reader == "view" else lambda s, batch: s.score(s.model, batch)
+        cls = ViewReader if reader == "view" else LiveWeights
+        strategy._auto, strategy._reader = False, cls(strategy)
 
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8, "snapshot.score_ahead": False})
-    ws2.actor.execute(force_reader, reader)
+    ws2.actor_group.execute(force_reader, reader)
     _, records = run_cycles(ws2, 1)
     assert records[0]["debug/old_log_prob_max_abs_diff"] > 1e-4
 
@@ -277,8 +277,8 @@ def test_snapshot_calls_reach_every_rank_and_each_holds_its_own_shard(ws2):
     reconfigure(ws2)  # back to auto
     model_bytes = sum(t.nbytes for t in full_weights(ws2).values())
     before = full_weights(ws2)
-    ws2.actor.save_model_to_cpu(1)
-    memory = ws2.actor.snapshot_memory()
+    ws2.actor_group.save_model_to_cpu(1)
+    memory = ws2.actor_group.snapshot_memory()
     assert sum(m["nbytes"] for m in memory) == model_bytes  # the shards partition the model
     for m in memory:  # host bytes per rank: model bytes / 2 (dim-0 shards; one row of padding at most)
         assert abs(m["nbytes"] - model_bytes / 2) <= 0.01 * model_bytes, (m, model_bytes)
@@ -286,11 +286,11 @@ def test_snapshot_calls_reach_every_rank_and_each_holds_its_own_shard(ws2):
     run_cycles(ws2, 1)
     moved = full_weights(ws2)
     assert any(not torch.equal(moved[k], v) for k, v in before.items())
-    ws2.actor.restore_model_from_cpu(1)
+    ws2.actor_group.restore_model_from_cpu(1)
     for name, value in full_weights(ws2).items():
         assert torch.equal(value, before[name]), name
-    ws2.actor.clear_cpu_model(1)
-    assert ws2.actor.execute(lambda rank: 1 in rank.pool) == [False, False]
+    ws2.actor_group.clear_cpu_model(1)
+    assert ws2.actor_group.execute(lambda rank: 1 in rank.pool) == [False, False]
 
 
 def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_alike(ws2, groups):
@@ -300,13 +300,13 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
     shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
     assert shards == ["actor/__0_0.distcp", "actor/__1_0.distcp"]  # each rank wrote its own
     saved, step = full_weights(ws2), ws2.global_step
-    saved_optimizer = ws2.actor.execute(full_optimizer_state)[0]
+    saved_optimizer = ws2.actor_group.execute(full_optimizer_state)[0]
 
     # 1: a fresh in-process trainer resumes the world-size-2 checkpoint (DCP reshards it)
     ws1 = PPOTrainer(make_cfg(Path(ws2.cfg.trainer.output_dir), 1, **{"trainer.resume": True}),
                      rollout=FixedRollout(groups))  # fmt: skip
     assert ws1.resumed_from == path and ws1.global_step == step
-    rank = ws1.actor.local_rank
+    rank = ws1.actor_group.local_rank
     for name, value in rank.model.state_dict().items():
         assert torch.equal(value, saved[name]), name
     optimizer = full_optimizer_state(rank)
@@ -323,7 +323,7 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
     assert ws2.global_step == step
     for name, value in full_weights(ws2).items():
         assert torch.equal(value, saved[name]), name
-    for name, state in ws2.actor.execute(full_optimizer_state)[0]["state"].items():
+    for name, state in ws2.actor_group.execute(full_optimizer_state)[0]["state"].items():
         for key, value in state.items():
             assert torch.equal(saved_optimizer["state"][name][key], value), (name, key)
 
@@ -341,6 +341,6 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
     for a, b in zip(one, two, strict=True):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "rollout_corr/token_rejected_frac"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
-    expected = ws1.actor.local_rank.model.state_dict()
+    expected = ws1.actor_group.local_rank.model.state_dict()
     assert_weights_close(full_weights(ws2), expected)
     ws1.close()

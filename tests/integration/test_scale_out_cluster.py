@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.config import load_config
+from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 
 from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
@@ -63,7 +63,7 @@ def test_two_nodes_train_async_and_a_killed_rank_ends_the_run_in_one_line_then_i
     env.pop("RAY_ADDRESS", None)
     args = overrides(out, 1000, f"ray.address={two_nodes.address}")
     with open(log, "wb") as stdout, open(err, "wb") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "dppo.train", *args], cwd=REPO, env=env, stdout=stdout,
+        proc = subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, stdout=stdout,
                                 stderr=stderr, start_new_session=True)  # fmt: skip
     try:
         deadline = time.monotonic() + 150

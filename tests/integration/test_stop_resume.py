@@ -43,7 +43,7 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 def start(args: list[str], log: Path) -> subprocess.Popen:
     with open(log, "wb") as f:
         # A new session: the run and every process it starts (its local Ray cluster) can be found by its id.
-        return subprocess.Popen([sys.executable, "-m", "dppo.train", *args], cwd=REPO, env=ENV, stdout=f,
+        return subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=ENV, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
 
 
@@ -96,7 +96,7 @@ def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_r
     assert last % 2 == 0 and 4 <= last <= len(before)
     total = last + 2
 
-    resumed = subprocess.run([sys.executable, "-m", "dppo.train", *tiny(out, total, "trainer.checkpoint_every=2",
+    resumed = subprocess.run([sys.executable, "-m", "dppo", "train", *tiny(out, total, "trainer.checkpoint_every=2",
                                                                         "rollout.num_workers=2", "trainer.resume=true")],
                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=150, start_new_session=True)  # fmt: skip
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
@@ -121,7 +121,7 @@ def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_r
 def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     """trainer.mode=sync on the CPU: a run SIGKILLed after step 3 (checkpoint every 2 steps) and resumed ends with
     the weights and metrics of a run that was never interrupted, bit for bit."""
-    from dppo.trainer.config import load_config
+    from dppo.config import load_config
     from dppo.trainer.ppo import PPOTrainer
 
     total = 6
@@ -137,17 +137,17 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     finally:
         kill_session(proc.pid)
     assert proc.returncode == -signal.SIGKILL and len(records(out / "metrics.jsonl")) < total
-    resumed = subprocess.run([sys.executable, "-m", "dppo.train", *tiny(out, total, *sync, "trainer.resume=true")],
+    resumed = subprocess.run([sys.executable, "-m", "dppo", "train", *tiny(out, total, *sync, "trainer.resume=true")],
                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed from" in resumed.stdout
     from dppo.trainer.base import ACTOR_DIR
-    from dppo.workers.sharded_state import load_full_weights
+    from dppo.workers.actor.sharded_state import load_full_weights
 
     final = newest_trainer_state(out / "checkpoints")
     assert final["global_step"] == total
     weights = load_full_weights(out / "checkpoints" / f"step_{total:08d}" / ACTOR_DIR)
-    for name, tensor in clean.actor.local_rank.model.state_dict().items():
+    for name, tensor in clean.actor_group.local_rank.model.state_dict().items():
         assert torch.equal(weights[name], tensor), name
     untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rs]  # noqa: E731
     assert untimed(records(out / "metrics.jsonl")) == untimed(records(tmp_path / "clean" / "metrics.jsonl"))

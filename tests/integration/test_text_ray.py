@@ -33,7 +33,7 @@ def _run(example, output_dir, *extra, timeout=150):
         *extra,
     ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    return subprocess.run([sys.executable, "-m", "dppo.train", *args], cwd=REPO, env=env, capture_output=True,
+    return subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=timeout, start_new_session=True)  # fmt: skip
 
 

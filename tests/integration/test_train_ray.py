@@ -14,7 +14,7 @@ import pytest
 from dppo.cli import main
 from dppo.tasks import Task, digit_task, register_task
 from dppo.train import run
-from dppo.trainer.config import load_config
+from dppo.config import load_config
 from dppo.trainer.report import read_metrics
 
 from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)

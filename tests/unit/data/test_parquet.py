@@ -9,9 +9,9 @@ import pytest
 
 from dppo.data import DataColumnError, DataFileError, DataRowError, PromptTooLongError, TokenizerError
 from dppo.data.parquet import read_parquet_files
-from dppo.data.source import make_prompt_source
+from dppo.data import make_prompt_source
 from dppo.data.text import EpochSampler, TextSource
-from dppo.trainer.config import ConfigError
+from dppo.config import ConfigError
 
 
 def _row(content="reverse 12", source="s", truth="21", **extra):

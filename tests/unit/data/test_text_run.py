@@ -3,7 +3,6 @@
 import json
 
 import pytest
-import torch
 
 from dppo.rollout import collate
 from dppo.trainer.ppo import PPOTrainer
@@ -61,7 +60,7 @@ def test_every_slot_reader_gives_the_cycle_start_old_log_probs_on_padded_batches
                                      "trainer.total_steps": 1, "actor.lr": 0.05, "snapshot.strategy": reader,
                                      "trainer.verify_old_log_prob": True, "snapshot.score_ahead": False}))  # fmt: skip
     result = trainer.fit()
-    strategy = trainer.actor.local_rank.old_log_prob.inner  # ray.enabled=false: the one actor rank, here
+    strategy = trainer.actor_group.local_rank.old_log_prob.inner  # ray.enabled=false: the one actor rank, here
     assert strategy.reader_name == reader
     if reader == "stream":
         assert strategy.stream is not None and strategy.stream.passes == 3 * 2  # triggers 1..3, 2 micro-batches each

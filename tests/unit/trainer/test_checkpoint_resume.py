@@ -45,7 +45,7 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
     # The KL reference model is state too: it must be the run's initial weights after a resume.
     common = {"trainer.checkpoint_every": 2, "actor.kl_loss_coef": 0.1, "algorithm.prox_anchor": anchor}
     first = PPOTrainer(small_cfg(**{"trainer.total_steps": 3, **common}))
-    rank = first.actor.local_rank  # ray.enabled=false: the one actor rank, in this process
+    rank = first.actor_group.local_rank  # ray.enabled=false: the one actor rank, in this process
     initial = weights(rank.model)
     first.fit()
     out = first.output_dir
@@ -61,7 +61,7 @@ def test_resume_restores_state_and_continues_after_the_checkpoint(small_cfg, anc
         f.write(json.dumps({"step": 4, "critic/score/mean": -1.0}) + "\n" + '{"step": 5, "crit')
 
     resumed = PPOTrainer(small_cfg(**{"trainer.total_steps": 5, "trainer.resume": True, **common}))
-    rank = resumed.actor.local_rank
+    rank = resumed.actor_group.local_rank
     assert resumed.resumed_from.name == "step_00000003"
     assert (resumed.global_step, resumed.version) == (3, 3)
     for name, tensor in rank.model.state_dict().items():
@@ -119,7 +119,7 @@ def test_a_rollout_failure_mid_cycle_checkpoints_and_the_resumed_run_is_bitwise_
     out = small_cfg().trainer.output_dir
     clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
     clean.fit()
-    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.actor.local_rank.model)
+    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.actor_group.local_rank.model)
 
     fetch, calls = InProcessRollout.fetch, []
 
@@ -141,7 +141,7 @@ def test_a_rollout_failure_mid_cycle_checkpoints_and_the_resumed_run_is_bitwise_
     assert resumed.resumed_from.name == "step_00000001_trigger_1"
     assert (resumed.global_step, resumed.progress.trigger) == (1, 1)
     resumed.fit()
-    for name, tensor in weights(resumed.actor.local_rank.model).items():
+    for name, tensor in weights(resumed.actor_group.local_rank.model).items():
         assert torch.equal(tensor, expected_weights[name]), name
     got, want = without_timing(read_metrics(f"{out}/metrics.jsonl")), without_timing(expected_records)
     assert [{k: (v, b.get(k)) for k, v in a.items() if b.get(k) != v} for a, b in zip(got, want)] == [{}] * len(want)
@@ -190,7 +190,7 @@ def test_dcp_values_load_without_running_code(tmp_path):
     """DCP's own planner loads non-tensor values with torch.load(weights_only=False); dppo's does not."""
     from types import SimpleNamespace
 
-    from dppo.workers.sharded_state import UnsafeCheckpointError, _safe_reader_classes
+    from dppo.workers.actor.sharded_state import UnsafeCheckpointError, _safe_reader_classes
 
     _, planner_cls = _safe_reader_classes()
     planner = planner_cls()

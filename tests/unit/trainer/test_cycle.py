@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.prox import CycleStartOldLogProb
+from dppo.workers.actor.old_log_prob import CycleStartOldLogProb
 
 
 def params_of(model):
@@ -39,7 +39,7 @@ class ProbeTrainer(PPOTrainer):
     def setup(self):
         super().setup()
         self.checks = []
-        rank = self.actor.local_rank  # ray.enabled=false: the one actor rank, in this process
+        rank = self.actor_group.local_rank  # ray.enabled=false: the one actor rank, in this process
         strategy = rank.old_log_prob
         inner, inner_used = strategy.compute, strategy.record_used
 
@@ -104,7 +104,7 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
     trainer.fit()
     assert len(trainer.checks) == 8
     assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
-    old_log_prob = trainer.actor.local_rank.old_log_prob
+    old_log_prob = trainer.actor_group.local_rank.old_log_prob
     if strategy == "reference":
         assert old_log_prob.name == "cycle_start_reference" and old_log_prob.pool is None
     else:  # the reader really went through the pool
@@ -120,7 +120,7 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
 @pytest.mark.parametrize("ps", [2, 4])
 def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
     trainer = ProbeTrainer(cycle_cfg(small_cfg, ps, False))
-    old_log_prob = trainer.actor.local_rank.old_log_prob
+    old_log_prob = trainer.actor_group.local_rank.old_log_prob
     pool = old_log_prob.pool
     assert old_log_prob.name == "cycle_start" and pool is not None
     trainer.fit()
@@ -131,7 +131,7 @@ def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
 def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 1 if anchor == "cycle_start" and not bypass else 2, bypass,
                                    **{"algorithm.prox_anchor": anchor}))  # fmt: skip
-    old_log_prob = trainer.actor.local_rank.old_log_prob
+    old_log_prob = trainer.actor_group.local_rank.old_log_prob
     assert old_log_prob.pool is None
     assert not isinstance(old_log_prob, CycleStartOldLogProb)
 
@@ -140,7 +140,7 @@ def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
 @pytest.mark.parametrize("fail_at", [0, 1, 3])
 def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg, strategy, fail_at):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.total_steps": 1, "snapshot.strategy": strategy}))
-    rank = trainer.actor.local_rank
+    rank = trainer.actor_group.local_rank
     state = {}
     inner = rank.old_log_prob.compute
 
@@ -175,7 +175,7 @@ def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg, anchor):
 
 def test_verify_old_log_prob_reports_old_log_probs_that_are_off_and_resets_each_cycle(small_cfg):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True}))
-    inner = trainer.actor.local_rank.old_log_prob.inner
+    inner = trainer.actor_group.local_rank.old_log_prob.inner
     compute = inner.compute
 
     def off_in_the_first_cycle(trigger, batch):
@@ -201,9 +201,9 @@ def test_metrics_of_a_cycle(small_cfg):
 
 
 def test_unknown_reader_and_strategy_names_list_the_valid_ones(small_cfg):
-    from dppo.trainer.prox import UnknownStrategyError, make_old_log_prob
+    from dppo.workers.actor.old_log_prob import UnknownStrategyError, make_old_log_prob
 
-    rank = PPOTrainer(cycle_cfg(small_cfg, 2, False)).actor.local_rank
+    rank = PPOTrainer(cycle_cfg(small_cfg, 2, False)).actor_group.local_rank
     with pytest.raises(UnknownStrategyError, match="'fast'.*view, swap, stream"):
         rank.old_log_prob.use_reader("fast")
     with pytest.raises(KeyError, match="bypass, current, cycle_start, cycle_start_reference"):

@@ -6,7 +6,7 @@ import torch
 
 from dppo.data import make_prompt_source
 from dppo.trainer import preflight
-from dppo.trainer.config import ConfigError
+from dppo.config import ConfigError
 
 GIB = 2**30
 

@@ -14,7 +14,7 @@ from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
 from dppo.trainer.rollout_source import RolloutFailedError
 from dppo.rollout import Group
-from dppo.workers.replay_buffer import ReplayBufferActor
+from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 
 PS = 3
 REWARD_EXTRAS = base._reward_extras  # called by the loop once per trained trigger, with its groups
@@ -34,7 +34,7 @@ def ahead_cfg(small_cfg, score_ahead: bool, **extra):
 def recording_run(cfg, monkeypatch):
     """fit() a trainer for cfg; (trainer, grant indices of each trigger's groups, each trigger's old log-probs)."""
     trainer = PPOTrainer(cfg)
-    rank = trainer.actor.local_rank
+    rank = trainer.actor_group.local_rank
     taken, prox = [], []
     strategy = rank.old_log_prob
     record_used = strategy.record_used
@@ -54,7 +54,7 @@ def recording_run(cfg, monkeypatch):
 
 
 def weights(trainer) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in trainer.actor.local_rank.model.state_dict().items()}
+    return {k: v.clone() for k, v in trainer.actor_group.local_rank.model.state_dict().items()}
 
 
 def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_same_old_log_probs_and_weights(
@@ -75,7 +75,7 @@ def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_s
     assert [r["snapshot/scored_ahead_frac"] for r in on_records] == [1.0, 1.0]
     assert [r["debug/old_log_prob_max_abs_diff"] for r in on_records] == [0.0, 0.0]
     # every later mini-batch was scored ahead: no snapshot was taken (slot 0 is never filled); off takes one a cycle
-    on_strategy, off_strategy = on.actor.local_rank.old_log_prob.inner, off.actor.local_rank.old_log_prob
+    on_strategy, off_strategy = on.actor_group.local_rank.old_log_prob.inner, off.actor_group.local_rank.old_log_prob
     assert on_strategy.moved_bytes == 0 and 0 not in on_strategy.pool
     assert off_strategy.moved_bytes == 2 * off_strategy.pool.nbytes
     assert "snapshot/scored_ahead_frac" not in read_metrics(off.metrics.path)[0]

@@ -55,7 +55,7 @@ def test_any_local_causal_lm_directory(small_cfg, tmp_path, arch):
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / arch)
     trainer = PPOTrainer(small_cfg(**{"model.path": str(tmp_path / arch), "trainer.total_steps": 1}))
-    assert trainer.model_config.model_type == arch and trainer.actor.local_rank.model.config.model_type == arch
+    assert trainer.model_config.model_type == arch and trainer.actor_group.local_rank.model.config.model_type == arch
     result = trainer.fit()
     assert math.isfinite(result.records[0]["actor/pg_loss"])
     assert result.records[0]["rollout_corr/kl_k1"] == pytest.approx(0.0, abs=1e-6)  # sync: behavior == old policy
@@ -75,7 +75,7 @@ def test_bypass_ppo_clip_logs_how_far_pi_theta_drifted_from_pi_behav(small_cfg):
     mask = torch.ones(3, 4, dtype=torch.bool)
     mask[0, 3] = False
     batch = SimpleNamespace(behav_logp=behav_logp, response_mask=mask)
-    rank = trainer.actor.local_rank
+    rank = trainer.actor_group.local_rank
     objective = rank.objective(batch, None, advantages)
     assert objective.loss_mask is None  # rejection on pi_theta: known per micro-batch only
     loss, loss_mask, metrics = objective.pg_loss(logp, slice(0, 3), None)

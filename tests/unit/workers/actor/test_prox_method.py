@@ -7,11 +7,11 @@ import pytest
 import torch
 
 import dppo.snapshot
-import dppo.trainer.actor
+import dppo.workers.actor.update
 from dppo.algo import loglinear_prox_log_prob
 from dppo.rollout import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
-from dppo.workers.actor_rank import ActorRank
+from dppo.workers.actor.rank import ActorRank
 
 P, R, V, B = 3, 5, 12, 11
 # Rejects a good part of the tokens of the batch below, and whole sequences through the seq option.
@@ -55,13 +55,13 @@ def params(model) -> dict[str, torch.Tensor]:
 
 def capture_prox_of_loss(monkeypatch) -> list[torch.Tensor]:
     """Every old_log_prob (b, R) that reaches the policy loss, micro-batch by micro-batch."""
-    seen, inner = [], dppo.trainer.actor.policy_loss
+    seen, inner = [], dppo.workers.actor.update.policy_loss
 
     def policy_loss(logp, old_log_prob, *args, **kwargs):
         seen.append(old_log_prob.detach().clone())
         return inner(logp, old_log_prob, *args, **kwargs)
 
-    monkeypatch.setattr(dppo.trainer.actor, "policy_loss", policy_loss)
+    monkeypatch.setattr(dppo.workers.actor.update, "policy_loss", policy_loss)
     return seen
 
 

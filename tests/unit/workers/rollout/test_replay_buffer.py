@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dppo.rollout import Group
-from dppo.workers.replay_buffer import ReplayBufferCore
+from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
 
 def group(version: int) -> Group:

@@ -8,7 +8,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from dppo.cli import config_help, main
-from dppo.trainer.config import DEFAULTS_YAML, ConfigError, DppoConfig, describe, load_config, to_dict
+from dppo.config import DEFAULTS_YAML, ConfigError, DppoConfig, describe, load_config, to_dict
 
 
 def test_shipped_yaml_is_complete_and_equals_the_dataclass_defaults():
@@ -210,7 +210,7 @@ def test_cli_show_config(capsys):
 
 
 def test_python_m_dppo_train_help_lists_the_config():
-    out = subprocess.run([sys.executable, "-m", "dppo.train", "--help"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "dppo", "train", "--help"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert "trainer.parameter_sync_step = 4" in out.stdout
     assert "replay.max_off_policy_strategy = wait" in out.stdout

@@ -8,7 +8,7 @@
                (prox_approx/abs_err_mean|max, prox_approx/is_weight_abs_err_mean|max over valid tokens).
 
 A method's prox() is either a tensor (B, R) known before the update, or a ProxFn that the update calls on each
-micro-batch's detached log-probs (dppo.trainer.actor.decoupled_objective). Versions are counted in optimizer
+micro-batch's detached log-probs (dppo.workers.actor.update.decoupled_objective). Versions are counted in optimizer
 steps (StepVersions). The math lives in dppo.algo; this module only picks the inputs.
 """
 
@@ -20,13 +20,11 @@ from dataclasses import dataclass
 import torch
 
 from dppo.algo import UnknownNameError, loglinear_prox_log_prob, prox_approx_metrics
+from dppo.config.choices import PROX_LOGP_METHODS
 from dppo.rollout import TrainBatch
 
 # prox(logp (b, R) of the training forward, detached; sl: the micro-batch's rows of the batch) -> log pi_prox (b, R)
 ProxFn = Callable[[torch.Tensor, slice], torch.Tensor]
-
-PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
-
 
 @dataclass(frozen=True)
 class StepVersions:

@@ -21,6 +21,20 @@ import warnings
 from pathlib import Path
 
 import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint._traverse import set_element
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.state_dict import (
+    get_model_state_dict,
+    get_optimizer_state_dict,
+    set_model_state_dict,
+    set_optimizer_state_dict,
+)
+from torch.distributed.tensor import DTensor
+
+from dppo.workers.actor.fsdp import local_tensor
 
 # (module, name) of every global a .metadata written by DCP refers to; torch dtypes are checked by type.
 _METADATA_GLOBALS = {
@@ -46,8 +60,6 @@ class ShardedCheckpointError(RuntimeError):
 @contextlib.contextmanager
 def _dcp_errors(what: str, path: str | Path):
     """DCP's CheckpointException (a BaseException holding every rank's traceback) as one ShardedCheckpointError."""
-    from torch.distributed.checkpoint.api import CheckpointException
-
     try:
         yield
     except CheckpointException as err:
@@ -68,10 +80,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 
 def _safe_reader_classes():
-    """(SafeReader, SafeLoadPlanner), built on first use (torch.distributed.checkpoint is a heavy import)."""
-    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
-
+    """(SafeReader, SafeLoadPlanner): DCP's reader and load planner, with an allow-list for what they unpickle."""
     class SafeReader(FileSystemReader):
         """FileSystemReader whose .metadata is unpickled with an allow-list."""
 
@@ -95,8 +104,6 @@ def _safe_reader_classes():
             except pickle.UnpicklingError as err:
                 raise UnsafeCheckpointError(f"checkpoint value {read_item.dest_index.fqn!r}: {err}") from None
             if self.flatten_state_dict:
-                from torch.distributed.checkpoint._traverse import set_element
-
                 set_element(self.original_state_dict, self.mappings[read_item.dest_index.fqn], loaded)
             else:
                 self.state_dict[read_item.dest_index.fqn] = loaded
@@ -106,8 +113,6 @@ def _safe_reader_classes():
 
 def _state_dict(model, optimizer, ref_model) -> dict:
     """The rank's state as DCP sees it: FQN-keyed (DTensor shards under FSDP2, plain tensors otherwise)."""
-    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_optimizer_state_dict
-
     state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     if ref_model is not None:
         state["ref_model"] = get_model_state_dict(ref_model)
@@ -125,8 +130,6 @@ def _single_process_is_intended():
 def _like_parameters(model, local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Tensors keyed like model's parameters, holding `local` (a sharded model's local shards, else whole tensors),
     laid out as the parameters are (DTensors of the same mesh and placements under FSDP2): what DCP reshards."""
-    from torch.distributed.tensor import DTensor
-
     out = {}
     for name, p in model.named_parameters():
         t = local[name]
@@ -139,9 +142,6 @@ def save_sharded(path: str | Path, model, optimizer, ref_model=None,
                  anchor: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
     """Write this rank's shards into the DCP checkpoint directory path (every rank calls it at once); anchor: the
     rank's part of other weights for model (pi_old's, mid-cycle), saved under "anchor" with the same layout."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
-
     state = _state_dict(model, optimizer, ref_model)
     if anchor is not None:
         device = next(model.parameters()).device
@@ -153,11 +153,6 @@ def save_sharded(path: str | Path, model, optimizer, ref_model=None,
 def load_sharded(path: str | Path, model, optimizer, ref_model=None, anchor: bool = False) -> dict | None:
     """Load the DCP checkpoint at path into this rank's shards, whatever world size wrote it; with anchor, also the
     weights save_sharded kept under "anchor", returned as this rank's part of them (CPU tensors)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_optimizer_state_dict
-
-    from dppo.workers.fsdp import local_tensor
-
     reader_cls, planner_cls = _safe_reader_classes()
     reader_cls(str(path)).read_metadata()  # UnsafeCheckpointError here, before DCP (which would retry elsewhere)
     state = _state_dict(model, optimizer, ref_model)  # the layout to fill; also creates the optimizer's state
@@ -177,9 +172,6 @@ def load_full_weights(path: str | Path, key: str = "model") -> dict[str, torch.T
     """The whole model's weights as plain CPU tensors (a state dict for model.load_state_dict) from the DCP
     checkpoint at path, whatever world size wrote it; no process group, model or rank needed. key: "model", or
     "ref_model" (the KL reference) or "anchor" (pi_old of a mid-cycle checkpoint) where the checkpoint has them."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     reader_cls, planner_cls = _safe_reader_classes()
     metadata = reader_cls(str(path)).read_metadata()
     prefix = key + "."

@@ -8,13 +8,14 @@ loads the newer weights the ticket carries (one object-store get), generates and
 from __future__ import annotations
 
 import numpy as np
+import ray
 import torch
 
-from dppo.generation import sample_responses
-from dppo.models import model_from_config, response_log_probs
 from dppo.data.source import PromptSource
+from dppo.generation import sample_responses
+from dppo.hostmem import keep_freed_host_memory
+from dppo.models import model_from_config, response_log_probs
 from dppo.rollout import Group, left_pad
-
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
 _TICKET_STREAM = 0x71C4E7
@@ -83,8 +84,6 @@ class RolloutWorkerActor:
 
     def __init__(self, cfg, source: PromptSource, model_config, worker_index: int, buffer, holder: int):
         """holder: this incarnation's id at the replay buffer (a restarted worker gets a new one)."""
-        from dppo.hostmem import keep_freed_host_memory
-
         keep_freed_host_memory()  # this actor's own process: generation's freed KV caches stay mapped
         torch.set_num_threads(cfg.rollout.num_threads)
         self.core = RolloutGenerator(cfg, source, model_config, worker_index)
@@ -94,8 +93,6 @@ class RolloutWorkerActor:
 
     def step(self, num_groups: int) -> int:
         """One generation boundary: wait for a ticket, load newer weights, generate; groups made (0: stopped)."""
-        import ray
-
         ticket = ray.get(self.buffer.acquire.remote(self.core.version, num_groups, self.holder))
         if ticket.stop:
             return 0

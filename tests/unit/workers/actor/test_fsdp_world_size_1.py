@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 
 from dppo.trainer.ppo import PPOTrainer
-from dppo.workers.fsdp import is_sharded
+from dppo.workers.actor.fsdp import is_sharded
 
 
 def test_fsdp2_at_world_size_1_trains_as_the_plain_module_does(small_cfg):
@@ -17,7 +17,7 @@ def test_fsdp2_at_world_size_1_trains_as_the_plain_module_does(small_cfg):
     plain = PPOTrainer(small_cfg(**common))
     plain_result = plain.fit()
     sharded = PPOTrainer(small_cfg(**common, **{"actor.fsdp": "always"}))
-    rank = sharded.actor.local_rank
+    rank = sharded.actor_group.local_rank
     assert is_sharded(rank.model) and is_sharded(rank.ref_model) and dist.is_initialized()
     try:
         result = sharded.fit()

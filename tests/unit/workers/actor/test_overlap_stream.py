@@ -1,4 +1,4 @@
-"""The streamed forward pass over slot 0 (dppo.trainer.streaming) on the CPU: bitwise equal to a deep copy of
+"""The streamed forward pass over slot 0 (dppo.workers.actor.streaming) on the CPU: bitwise equal to a deep copy of
 the snapshot, live weights untouched, exception-safe, at most two steps held, and clear about models it
 cannot stream."""
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from dppo.models import forward_logits, response_log_probs
-from dppo.trainer.streaming import NotStreamableError, StreamedWeights, StreamOrderError, trace_schedule
+from dppo.workers.actor.streaming import NotStreamableError, StreamedWeights, StreamOrderError, trace_schedule
 
 ARCHS = ["qwen2", "llama", "gpt2-tied"]
 

@@ -5,14 +5,13 @@ micro-batch (policy gradient, entropy bonus, KL penalty) over the loss mask with
 mini-batch's loss mask, so that the accumulated gradient is the gradient of the whole mini-batch's loss, and
 steps. The loss mask is the response mask after rejection sampling.
 
-On a sharded actor each rank runs update_policy on its part of the mini-batch (dppo.workers.actor_rank): the
+On a sharded actor each rank runs update_policy on its part of the mini-batch (dppo.workers.actor.rank): the
 normalizers and the metrics' token counts are then summed over the ranks (peers), FSDP2 sums the ranks'
 gradients (so dp_size stays 1), and the gradient norm is clipped on the global norm.
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,7 +24,6 @@ from dppo.algo import (
     compute_rollout_correction_and_rejection_mask,
     entropy_bonus,
     entropy_from_logits,
-    get_advantage_estimator,
     get_policy_loss,
     kl_loss,
     log_probs_from_logits,
@@ -34,8 +32,8 @@ from dppo.algo import (
 )
 from dppo.models import forward_response_logits
 from dppo.rollout import TrainBatch
-from dppo.workers.collectives import RankGroup
-from dppo.workers.fsdp import clip_grad_norm_
+from dppo.workers.actor.collectives import RankGroup
+from dppo.workers.actor.fsdp import clip_grad_norm_
 
 # pg_loss(logp (b, R), sl, normalizers) -> (loss, loss mask (b, R) bool, metrics) for the micro-batch batch[sl]
 PgLoss = Callable[[torch.Tensor, slice, LossNormalizers], "tuple[torch.Tensor, torch.Tensor, dict[str, float]]"]
@@ -99,7 +97,7 @@ def decoupled_objective(actor_cfg, rollout_correction) -> Callable[..., Objectiv
     rejection sampling keeps.
 
     prox: log pi_prox (B, R) known before the forward passes (the correction is computed once for the
-    mini-batch), or a ProxFn (dppo.trainer.prox_method) that derives it from each micro-batch's training
+    mini-batch), or a ProxFn (dppo.workers.actor.prox_method) that derives it from each micro-batch's training
     forward: the correction is then computed per micro-batch (every option of it is per token or per sequence;
     IS batch normalization, which is not, never gets here), the loss mask is found per micro-batch, and the
     rollout_corr/* metrics are computed on the whole mini-batch after the step (finish)."""
@@ -187,7 +185,7 @@ def _merge(parts: list[tuple[dict[str, float], float, float]], sum_scale: float,
     Summed terms add up (times sum_scale); _max/_min keys take the max/min; the rest are token means, weighted
     by the micro-batch's share of the whole mini-batch's tokens (over every rank): valid tokens for
     rollout_corr/* (over the response mask), loss-mask tokens for the others. Summed over the ranks
-    (dppo.workers.collectives), the values are those of the whole mini-batch.
+    (dppo.workers.actor.collectives), the values are those of the whole mini-batch.
     """
     local = torch.tensor([sum(p[1] for p in parts), sum(p[2] for p in parts)], dtype=torch.float64)
     totals = peers.all_reduce_sum(local).tolist()
@@ -269,11 +267,3 @@ def update_policy(
     metrics["actor/grad_norm"] = grad_norm
     metrics["actor/step_skipped"] = float(not math.isfinite(grad_norm))
     return metrics
-
-
-def advantage_fn(algorithm_cfg) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
-    """advantages(scores (B,), group_index (B,), response_mask (B, R)) -> (B, R) for algorithm.adv_estimator."""
-    estimator = get_advantage_estimator(algorithm_cfg.adv_estimator)
-    if algorithm_cfg.adv_estimator == "grpo":
-        return functools.partial(estimator, norm_by_std=algorithm_cfg.norm_adv_by_std_in_grpo)
-    return estimator

@@ -12,8 +12,8 @@ import torch
 import dppo.snapshot
 from dppo.rollout import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.prox import CycleStartOldLogProb, ReferenceCycleStartOldLogProb, make_old_log_prob
-from dppo.trainer.slot_readers import choose_reader
+from dppo.workers.actor.old_log_prob import CycleStartOldLogProb, ReferenceCycleStartOldLogProb, make_old_log_prob
+from dppo.workers.actor.slot_readers import choose_reader
 
 
 @pytest.mark.parametrize("device, tier, streamable, expected", [
@@ -71,10 +71,10 @@ class _FakeTierPool:
 def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeypatch, tier, model_streamable, expected):
     monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg))
-    strategy = trainer.actor.local_rank.old_log_prob
+    strategy = trainer.actor_group.local_rank.old_log_prob
     strategy._pool = _FakeTierPool(strategy.pool, tier)
     if not model_streamable:  # a parent reads a block's weight directly: no block order exists
-        read_embedding_outside_its_block(trainer.actor.local_rank.model)
+        read_embedding_outside_its_block(trainer.actor_group.local_rank.model)
     trainer.fit()
     assert strategy.reader_name == expected
     streamed = strategy.stream is not None and strategy.stream.passes == 6  # 3 triggers x 2 micro-batches
@@ -88,7 +88,7 @@ def test_auto_chooses_again_when_slot_0_lands_in_another_tier(small_cfg, monkeyp
     the view reader (it would raise on CUDA weights) but stream it."""
     monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"trainer.total_steps": 2}))
-    strategy = trainer.actor.local_rank.old_log_prob
+    strategy = trainer.actor_group.local_rank.old_log_prob
     fake = _FakeTierPool(strategy.pool, "device")
     strategy._pool = fake
     chosen = []
@@ -108,10 +108,10 @@ def test_auto_chooses_again_when_slot_0_lands_in_another_tier(small_cfg, monkeyp
 
 def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs(small_cfg, monkeypatch):
     from dppo._errors import SnapshotMemoryError
-    from dppo.trainer.streaming import StreamedWeights
+    from dppo.workers.actor.streaming import StreamedWeights
 
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream", "trainer.verify_old_log_prob": True}))
-    strategy = trainer.actor.local_rank.old_log_prob.inner
+    strategy = trainer.actor_group.local_rank.old_log_prob.inner
     score = strategy.score
 
     def score_without_staging_memory(module, batch, params):
@@ -129,7 +129,7 @@ def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs
 
 def test_explicit_stream_on_a_model_that_cannot_stream_warns_and_swaps(small_cfg):
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream"}))
-    rank = trainer.actor.local_rank
+    rank = trainer.actor_group.local_rank
     read_embedding_outside_its_block(rank.model)
     with pytest.warns(RuntimeWarning, match="cannot be streamed .*using 'swap'"):
         trainer.fit()
@@ -153,7 +153,7 @@ def test_view_with_a_host_slot_and_cuda_weights_is_a_clear_error(small_cfg, monk
 ])  # fmt: skip
 def test_weight_bytes_each_strategy_moves_in_a_cycle(small_cfg, strategy, copies_per_cycle):
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": strategy}))
-    rank = trainer.actor.local_rank
+    rank = trainer.actor_group.local_rank
     nbytes = sum(p.nbytes for p in rank.model.parameters())
     trainer.fit()
     assert rank.old_log_prob.moved_bytes == copies_per_cycle * nbytes
@@ -170,7 +170,7 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
     slow_pool = functools.partial(dppo.snapshot.SnapshotPool, _copy_delay_s=delay_s)
     monkeypatch.setattr(dppo.snapshot, "SnapshotPool", slow_pool)
     trainer = PPOTrainer(strategy_cfg(small_cfg))
-    rank = trainer.actor.local_rank
+    rank = trainer.actor_group.local_rank
     strategy = rank.old_log_prob
     before = {name: p.detach().clone() for name, p in rank.model.named_parameters()}
     ids = torch.randint(0, trainer.source.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
@@ -190,11 +190,11 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
 
 
 def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(small_cfg):
-    rank = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"})).actor.local_rank
+    rank = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"})).actor_group.local_rank
     assert isinstance(rank.old_log_prob, ReferenceCycleStartOldLogProb)
-    rank = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"})).actor.local_rank
+    rank = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"})).actor_group.local_rank
     assert rank.old_log_prob.name == "current"
-    rank = PPOTrainer(strategy_cfg(small_cfg)).actor.local_rank
+    rank = PPOTrainer(strategy_cfg(small_cfg)).actor_group.local_rank
     assert isinstance(rank.old_log_prob, CycleStartOldLogProb) and rank.old_log_prob.reader_name == "auto"
     strategy = make_old_log_prob(rank.model, rank.optimizer, rank.score, rank.cfg, name="cycle_start_reference")
     with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):

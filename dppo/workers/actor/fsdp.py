@@ -4,7 +4,7 @@
 every decoder layer, then on the root (embeddings, final norm, lm_head); parameters stay in the model's
 dtype and gradients are reduced in fp32; each layer frees its gathered weights after its forward pass
 (reshard_after_forward=True, ZeRO-3); gradients are SUMMED across ranks (divide factor 1), because every
-rank's loss already is its share of the whole mini-batch's loss (dppo.trainer.actor).
+rank's loss already is its share of the whole mini-batch's loss (dppo.workers.actor.update).
 
 A sharded module's parameters are DTensors whose local tensors are views into the storage FSDP2 all-gathers
 from. `reshard(model)` puts every FSDP module back into that state; the rank calls it after every no-grad
@@ -18,8 +18,13 @@ import datetime
 import socket
 from collections.abc import Iterable
 
+import ray
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 
 def backend_for(device_type: str) -> str:
@@ -37,8 +42,6 @@ def free_port() -> int:
 def node_ip() -> str:
     """This node's IP address as Ray sees it (127.0.0.1 outside Ray)."""
     try:
-        import ray
-
         if ray.is_initialized():
             return ray.util.get_node_ip_address()
     except ImportError:  # pragma: no cover - ray is a dependency
@@ -69,9 +72,6 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
 
 def parallelize(model: torch.nn.Module, device_type: str, world_size: int) -> torch.nn.Module:
     """Shard model over a 1-D mesh of world_size ranks with FSDP2, in place; returns it."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
     mesh = init_device_mesh(device_type, (world_size,))
     mp_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
@@ -85,8 +85,6 @@ def parallelize(model: torch.nn.Module, device_type: str, world_size: int) -> to
 
 
 def fsdp_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
-    from torch.distributed.fsdp import FSDPModule
-
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
@@ -103,8 +101,6 @@ def reshard(model: torch.nn.Module) -> None:
 
 def local_tensor(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard, else the tensor itself."""
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t
 
 
@@ -112,8 +108,6 @@ def clip_grad_norm_(parameters: Iterable[torch.nn.Parameter], max_norm: float) -
     """Clip the gradients to the GLOBAL norm max_norm (over every rank's shards); returns that norm.
 
     math.inf clips nothing. A non-finite norm is returned as is (the caller skips the step)."""
-    from torch.distributed.tensor import DTensor
-
     params = [p for p in parameters if p.grad is not None]
     total = torch.nn.utils.get_total_norm([p.grad for p in params])
     if isinstance(total, DTensor):  # sharded gradients: the norm is a partial result until reduced
@@ -130,6 +124,5 @@ def full_state_dict(model: torch.nn.Module, cpu_offload: bool = True) -> dict[st
         if cpu_offload:
             return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
         return {name: t.detach() for name, t in model.state_dict().items()}
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=cpu_offload))

@@ -5,7 +5,7 @@ import torch
 
 from dppo.generation import sample_responses
 from dppo.models import build_model, forward_logits, response_log_probs
-from dppo.trainer.config import ModelConfig
+from dppo.config import ModelConfig
 
 VOCAB = 12
 

@@ -12,6 +12,7 @@ times are combined by reduce_rule.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 SUM, MAX, MIN = "sum", "max", "min"
 
@@ -62,7 +63,6 @@ class RankGroup:
         """The elementwise sum of tensor over the ranks (tensor itself alone)."""
         if not self.distributed:
             return tensor
-        import torch.distributed as dist
 
         out = tensor.to(self.device, copy=True)
         dist.all_reduce(out, op=dist.ReduceOp.SUM)
@@ -72,7 +72,6 @@ class RankGroup:
         """Every rank's metrics combined (see combine); each rank gets the same dict."""
         if not self.distributed:
             return metrics
-        import torch.distributed as dist
 
         gathered: list[dict[str, float] | None] = [None] * self.world_size
         dist.all_gather_object(gathered, metrics)

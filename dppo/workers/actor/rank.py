@@ -5,10 +5,10 @@ The driver creates trainer.nnodes x trainer.n_gpus_per_node of these through a w
 process with ray.enabled=false. Every method marked @register is called on all ranks at once, with the
 dispatch mode it names (dppo.workers.dispatch). The code reads like single-device code: FSDP2 all-gathers
 and reduce-scatters inside the forward and backward passes, and the ranks exchange only the loss normalizers
-and the metrics of a step (dppo.workers.collectives).
+and the metrics of a step (dppo.workers.actor.collectives).
 
 Sharding: world size 1 runs the plain module (actor.fsdp=auto) or FSDP2 over one rank (actor.fsdp=always);
-any larger world size runs FSDP2 (dppo.workers.fsdp.parallelize).
+any larger world size runs FSDP2 (dppo.workers.actor.fsdp.parallelize).
 """
 
 from __future__ import annotations
@@ -18,13 +18,19 @@ import os
 import time
 
 import torch
+import torch.distributed as dist
 
+from dppo.hostmem import keep_freed_host_memory
 from dppo.models import build_model, model_from_config, response_log_probs
 from dppo.rollout import TrainBatch
-from dppo.workers.collectives import MAX, RankGroup, as_share
+from dppo.snapshot import SnapshotPool
+from dppo.workers.actor.collectives import MAX, RankGroup, as_share
+from dppo.workers.actor.fsdp import free_port, full_state_dict, init_process_group, node_ip, parallelize, reshard
+from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
+from dppo.workers.actor.prox_method import StepVersions, make_prox_method
+from dppo.workers.actor.sharded_state import load_sharded, save_sharded
+from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
-from dppo.workers.fsdp import free_port, full_state_dict, init_process_group, node_ip, parallelize, reshard
-from dppo.workers.sharded_state import load_sharded, save_sharded
 
 
 def rank_device(name: str) -> torch.device:
@@ -45,8 +51,6 @@ class ActorRank:
     def __init__(self, cfg, rank: int, world_size: int, vocab_size: int, own_process: bool = False) -> None:
         """own_process: this rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem)."""
         if own_process:
-            from dppo.hostmem import keep_freed_host_memory
-
             keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in
         self.cfg, self.rank, self.world_size, self.vocab_size = cfg, rank, world_size, vocab_size
         self.peers = RankGroup(rank, world_size)
@@ -66,7 +70,7 @@ class ActorRank:
         """Where this rank runs: rank, Ray node id (None outside Ray), node IP, process id."""
         node_id = None
         try:
-            import ray
+            import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 
             if ray.is_initialized():
                 node_id = ray.get_runtime_context().get_node_id()
@@ -100,17 +104,21 @@ class ActorRank:
 
     def setup_update(self) -> None:
         """The objective (the loss and the rollout correction), the old-log-prob strategy and the prox_logp_method of
-        self.cfg, over the model and the optimizer built (benchmarks call it again on a copy of the rank with other algorithm settings)."""
-        from dppo.trainer.actor import select_objective
-        from dppo.trainer.prox import make_old_log_prob
-        from dppo.trainer.prox_method import make_prox_method
-
+        self.cfg, over the model and the optimizer built."""
         cfg = self.cfg
         self.rollout_correction = cfg.algorithm.rollout_correction.to_algo()
         self.objective = select_objective(cfg)
         self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg, copy_model=self.plain_copy)
         self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method)
         self._pool = None  # a pool for the snapshot calls when the old-log-prob strategy keeps none
+
+    @register(ALL)
+    def reconfigure(self, cfg) -> None:
+        """Run on with cfg's algorithm and snapshot settings over the same weights and optimizer (benchmarks and
+        tests compare settings on one model): the old-log-prob strategy is released and built anew."""
+        self.old_log_prob.close()
+        self.cfg = cfg
+        self.setup_update()
 
     @register(RANK0)
     def model_config(self):
@@ -157,9 +165,6 @@ class ActorRank:
         the metrics of the whole mini-batch (the same on every rank). version: the trainer's policy version at
         the cycle start (algorithm.prox_logp_method=loglinear counts steps from it). prox_logp: the mini-batch's
         old log-probs (B, R) scored ahead (score_ahead), or None: the old-log-prob strategy computes them."""
-        from dppo.trainer.actor import update_policy
-        from dppo.trainer.prox_method import StepVersions
-
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
         start = time.perf_counter()
         if prox_logp is None:
@@ -199,8 +204,6 @@ class ActorRank:
         if self.old_log_prob.pool is not None:
             return self.old_log_prob.pool
         if self._pool is None:
-            from dppo.snapshot import SnapshotPool
-
             self._pool = SnapshotPool(self.model, device_budget_bytes=self.cfg.snapshot.device_budget_bytes)
         return self._pool
 
@@ -232,8 +235,6 @@ class ActorRank:
         """The whole model's weights for the rollout, gathered on rank 0 (every rank takes part): [ObjectRef]
         of ONE ray.put (to_object_store), else the CPU state dict itself. anchor: pi_old's weights (slot 0, a
         cycle resumed mid-way) where the old-log-prob strategy keeps any, else the live ones."""
-        from dppo.trainer.prox import with_weights
-
         weights = self.old_log_prob.anchor_weights() if anchor else None
         if weights is None:
             state = full_state_dict(self.model, cpu_offload=True)
@@ -244,7 +245,7 @@ class ActorRank:
         if self.rank != 0:
             return None
         if to_object_store:
-            import ray
+            import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 
             return [ray.put(state)]  # in a list: Ray hands the reference on instead of resolving it
         return state
@@ -280,7 +281,5 @@ class ActorRank:
         self._closed = True
         self.old_log_prob.close()
         if self.sharded:
-            import torch.distributed as dist
-
             if dist.is_initialized():
                 dist.destroy_process_group()

@@ -19,8 +19,8 @@ from dppo.algo import (
 )
 from dppo.models import build_model
 from dppo.rollout import TrainBatch
-from dppo.trainer.actor import bypass_objective, decoupled_objective, update_policy
-from dppo.trainer.config import ActorConfig, ModelConfig
+from dppo.workers.actor.update import bypass_objective, decoupled_objective, update_policy
+from dppo.config import ActorConfig, ModelConfig
 
 P, R, V, B = 4, 5, 12, 11
 TERMS = dict(entropy_coeff=0.01, kl_loss_coef=0.1, kl_loss_type="k3", grad_clip=0.0)

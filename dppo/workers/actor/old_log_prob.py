@@ -8,16 +8,16 @@
                  weights into snapshot slot 0 asynchronously and returns None: pi_old is the live weights, whose
                  log-probs the training forward pass gives (the copy and that pass only read the weights;
                  pool.guard fences the first optimizer step on the copy); trigger k >= 1 scores with slot 0
-                 through a slot reader (view, stream or swap, see dppo.trainer.slot_readers) chosen by
+                 through a slot reader (view, stream or swap, see dppo.workers.actor.slot_readers) chosen by
                  snapshot.strategy, leaving the live weights alone.
     cycle_start_reference
                  snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking per-parameter
                  pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
     loglinear    algorithm.prox_logp_method=loglinear: no snapshot and no pass; the old log-probs are
-                 approximated from the training forward's (dppo.trainer.prox_method), so compute returns None.
+                 approximated from the training forward's (dppo.workers.actor.prox_method), so compute returns None.
 
 None from compute means "no separate pass": the update takes log pi_old from its own forward pass
-(dppo.trainer.prox_method). Where an option needs the whole mini-batch's old log-probs before the first
+(dppo.workers.actor.prox_method). Where an option needs the whole mini-batch's old log-probs before the first
 backward pass (needs_whole_mini_batch), fuse_live is False and the live-weight triggers run a no-grad pass of
 their own, as before. After the update, record_used(batch, prox_logp) hands the strategy the old log-probs the
 loss used (trainer.verify_old_log_prob compares those).
@@ -25,7 +25,7 @@ loss used (trainer.verify_old_log_prob compares those).
 New readers register in SLOT_READERS; new strategies in OLD_LOG_PROB_STRATEGIES. An exception in any
 strategy propagates and leaves the live weights and the optimizer state as they were.
 
-Under FSDP2 (a sharded model, dppo.workers.fsdp) every strategy runs rank-locally on the rank's own shards;
+Under FSDP2 (a sharded model, dppo.workers.actor.fsdp) every strategy runs rank-locally on the rank's own shards;
 slot 0 holds the local shards. FSDP2 all-gathers from the storage it registered, not from what a forward
 pass is handed, so view (functional_call over the slot) and stream (the slot substituted block by block)
 would silently compute with the live weights there: they are refused (SHARDED_READERS lists what works), and
@@ -41,42 +41,15 @@ from collections.abc import Callable
 import torch
 
 from dppo.algo import UnknownNameError
+from dppo.config.choices import check_reader_for_sharding, needs_whole_mini_batch, select_strategy_name
 from dppo.rollout import TrainBatch
-from dppo.trainer.slot_readers import SLOT_READERS, choose_reader, stream_of
-from dppo.workers.fsdp import is_sharded, local_tensor
-
-# score(module, batch, params) -> log pi (B, R) fp32 without grad; params None means module's own weights.
-ScoreFn = Callable[[torch.nn.Module, TrainBatch, "dict[str, torch.Tensor] | None"], torch.Tensor]
+from dppo import snapshot
+from dppo.workers.actor.fsdp import is_sharded, local_tensor
+from dppo.workers.actor.slot_readers import SLOT_READERS, ScoreFn, SlotReader, StreamReader, choose_reader
 
 
 class UnknownStrategyError(UnknownNameError):
     """A strategy or slot-reader name that is not registered (the message lists the valid names)."""
-
-
-# snapshot.strategy values that are exact on a sharded (FSDP2) model; see the module docstring.
-SHARDED_READERS = ("auto", "swap", "reference")
-
-
-class InexactUnderShardingError(ValueError):
-    """A slot reader that FSDP2 would silently bypass (it would compute with the live weights)."""
-
-
-def check_reader_for_sharding(name: str) -> None:
-    """InexactUnderShardingError naming `name` and the readers that work, unless it is exact under FSDP2."""
-    if name not in SHARDED_READERS:
-        raise InexactUnderShardingError(
-            f"snapshot.strategy={name!r} is not exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from "
-            f"the parameters it registered, so the {name} reader would compute with the live weights instead of "
-            f"slot 0; use one of {', '.join(SHARDED_READERS)}"
-        )
-
-
-def needs_whole_mini_batch(cfg) -> bool:
-    """Whether cfg's rollout correction needs every old log-prob of the mini-batch before the first micro-batch's
-    loss (IS batch normalization divides by the mini-batch's mean weight): then the old log-probs of the live
-    weights cannot come from the training forward pass, micro-batch by micro-batch."""
-    rc = cfg.algorithm.rollout_correction
-    return rc.rollout_is is not None and rc.rollout_is_batch_normalize
 
 
 class OldLogProbStrategy:
@@ -174,7 +147,7 @@ class CurrentOldLogProb(OldLogProbStrategy):
 
 class LoglinearOldLogProb(OldLogProbStrategy):
     """algorithm.prox_logp_method=loglinear: no snapshot, no pass; the update approximates log pi_old from its
-    own forward pass (dppo.trainer.prox_method.loglinear_prox)."""
+    own forward pass (dppo.workers.actor.prox_method.loglinear_prox)."""
 
     name = "loglinear"
     anchor = "cycle_start"  # what it approximates
@@ -196,15 +169,13 @@ class CycleStartOldLogProb(OldLogProbStrategy):
 
     def __init__(self, model, optimizer, score, cfg, reader: str | None = None):
         super().__init__(model, optimizer, score, cfg)
-        from dppo.snapshot import SnapshotPool
-
-        self._pool = SnapshotPool(model, device_budget_bytes=cfg.snapshot.device_budget_bytes)
+        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=cfg.snapshot.device_budget_bytes)
         # The save at trigger 0 is asynchronous: the first optimizer step must not overwrite a weight
         # before the copy has read it.
         self._guard = self._pool.guard(optimizer)
-        self.stream = None  # the StreamedWeights of the stream reader, traced at its first read
-        self.stream_error: str | None = None  # why the model cannot be streamed, once a trace has failed
         self.sharded = is_sharded(model)
+        # One reader of each kind over this pool: the stream reader keeps its traced schedule between reads.
+        self._readers = {name: cls(self) for name, cls in SLOT_READERS.items()}
         self.use_reader(reader or cfg.snapshot.strategy)
         self._skip_next = False  # skip_snapshot() was called: the next trigger 0 takes no snapshot
         self._slot_is_pi_old = False  # slot 0 holds this cycle's pi_old (a cycle that skipped it holds an older one)
@@ -218,21 +189,40 @@ class CycleStartOldLogProb(OldLogProbStrategy):
         """Where the live weights are: "cpu" or "cuda"."""
         return next(self.model.parameters()).device.type
 
+    @property
+    def reader_name(self) -> str:
+        """The reader triggers k >= 1 use ("auto" until auto has chosen one)."""
+        return "auto" if self._reader is None else self._reader.name
+
+    @property
+    def _stream_reader(self) -> StreamReader:
+        return self._readers["stream"]
+
+    @property
+    def stream(self):
+        """The stream reader's StreamedWeights over slot 0 (None until traced, or where it cannot stream)."""
+        return self._stream_reader.stream
+
+    @property
+    def stream_error(self) -> str | None:
+        """Why the model cannot be streamed, once a trace or a streamed pass has failed."""
+        return self._stream_reader.stream_error
+
     def use_reader(self, name: str) -> None:
         """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read, and
         again whenever slot 0 has moved to another tier since). A sharded model allows SHARDED_READERS only."""
-        reader = None if name == "auto" else _lookup(SLOT_READERS, name, "slot reader")
+        if name != "auto":
+            _lookup(SLOT_READERS, name, "slot reader")  # an unknown name is refused, listing the valid ones
         if self.sharded:
             check_reader_for_sharding(name)
-        self._reader = reader
+        self._reader: SlotReader | None = None if name == "auto" else self._readers[name]
         self._auto = name == "auto"
         self._reader_tier: str | None = None  # the tier of slot 0 that auto chose the reader for
-        self.reader_name = name
 
-    def _choose_reader(self, batch: TrainBatch, tier: str) -> Callable[[CycleStartOldLogProb, TrainBatch], torch.Tensor]:
-        name = choose_reader(self.device_type, tier, lambda: stream_of(self, batch) is not None, self.sharded)
-        self.reader_name, self._reader_tier = name, tier
-        return SLOT_READERS[name]
+    def _choose_reader(self, batch: TrainBatch, tier: str) -> SlotReader:
+        name = choose_reader(self.device_type, tier, lambda: self._stream_reader.streamable(batch), self.sharded)
+        self._reader_tier = tier
+        return self._readers[name]
 
     def skip_snapshot(self) -> None:
         self._skip_next = True
@@ -255,7 +245,10 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             tier = self._pool.tier(0)
             if self._reader is None or tier != self._reader_tier:
                 self._reader = self._choose_reader(batch, tier)
-        return self._reader(self, batch)
+        read = self._reader.read(batch)
+        self.snapshot_s += read.snapshot_s
+        self.moved_bytes += read.moved_bytes
+        return read.logp
 
     def anchor_weights(self) -> dict[str, torch.Tensor] | None:
         if 0 not in self._pool or not self._slot_is_pi_old:
@@ -344,27 +337,6 @@ OLD_LOG_PROB_STRATEGIES: dict[str, type[OldLogProbStrategy]] = {
     "cycle_start_reference": ReferenceCycleStartOldLogProb,
     "loglinear": LoglinearOldLogProb,
 }
-
-# Values of snapshot.strategy: a slot reader, "auto" (choose_reader) or "reference" (cycle_start_reference).
-SNAPSHOT_STRATEGIES = ("auto", *SLOT_READERS, "reference")
-
-
-def scores_ahead(cfg) -> bool:
-    """Whether the driver scores a cycle's later mini-batches ahead at trigger 0 (snapshot.score_ahead): only
-    where they would read slot 0 otherwise (the cycle_start strategy)."""
-    return cfg.snapshot.score_ahead and select_strategy_name(cfg) == "cycle_start"
-
-
-def select_strategy_name(cfg) -> str:
-    """The strategy cfg asks for (see the module docstring)."""
-    if cfg.algorithm.rollout_correction.bypass_mode:
-        return "bypass"
-    if cfg.algorithm.prox_logp_method == "loglinear":
-        return "loglinear"
-    if cfg.algorithm.prox_anchor == "current" or cfg.trainer.parameter_sync_step == 1:
-        return "current"
-    return "cycle_start_reference" if cfg.snapshot.strategy == "reference" else "cycle_start"
-
 
 # ---------------------------------------------------------------------------------------------------
 # Verification (trainer.verify_old_log_prob)

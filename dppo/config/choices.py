@@ -1,0 +1,65 @@
+"""The names each config key accepts, and the decisions made from the config alone (before any model exists):
+which old-log-prob strategy a run uses, whether the driver scores ahead, which slot readers are exact on a
+sharded actor. The workers and the driver both ask here, so the config needs nothing from either."""
+
+from __future__ import annotations
+
+TRAINER_MODES = ("separate_async", "sync")
+PROX_ANCHORS = ("cycle_start", "current")
+OFF_POLICY_STRATEGIES = ("drop", "wait")
+DEVICES = ("cpu", "cuda", "auto")
+DTYPES = ("float32", "bfloat16", "float16")
+FSDP_MODES = ("auto", "always")
+
+# algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
+
+# How trigger k >= 1 reads slot 0 (dppo.workers.actor.slot_readers implements each).
+SLOT_READER_NAMES = ("view", "swap", "stream")
+
+# Values of snapshot.strategy: a slot reader, "auto" (the fastest that fits) or "reference" (verl v1's scheme).
+SNAPSHOT_STRATEGIES = ("auto", *SLOT_READER_NAMES, "reference")
+
+# snapshot.strategy values that are exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from the
+# parameters it registered, not from what a forward pass is handed, so view and stream would read the live
+# weights there; swap writes slot 0 into that very storage and back.
+SHARDED_READERS = ("auto", "swap", "reference")
+
+
+class InexactUnderShardingError(ValueError):
+    """A slot reader that FSDP2 would silently bypass (it would compute with the live weights)."""
+
+
+def check_reader_for_sharding(name: str) -> None:
+    """InexactUnderShardingError naming `name` and the readers that work, unless it is exact under FSDP2."""
+    if name not in SHARDED_READERS:
+        raise InexactUnderShardingError(
+            f"snapshot.strategy={name!r} is not exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from "
+            f"the parameters it registered, so the {name} reader would compute with the live weights instead of "
+            f"slot 0; use one of {', '.join(SHARDED_READERS)}"
+        )
+
+
+def needs_whole_mini_batch(cfg) -> bool:
+    """Whether cfg's rollout correction needs every old log-prob of the mini-batch before the first micro-batch's
+    loss (IS batch normalization divides by the mini-batch's mean weight): then the old log-probs of the live
+    weights cannot come from the training forward pass, micro-batch by micro-batch."""
+    rc = cfg.algorithm.rollout_correction
+    return rc.rollout_is is not None and rc.rollout_is_batch_normalize
+
+
+def select_strategy_name(cfg) -> str:
+    """The old-log-prob strategy cfg asks for (dppo.workers.actor.old_log_prob describes each)."""
+    if cfg.algorithm.rollout_correction.bypass_mode:
+        return "bypass"
+    if cfg.algorithm.prox_logp_method == "loglinear":
+        return "loglinear"
+    if cfg.algorithm.prox_anchor == "current" or cfg.trainer.parameter_sync_step == 1:
+        return "current"
+    return "cycle_start_reference" if cfg.snapshot.strategy == "reference" else "cycle_start"
+
+
+def score_ahead_enabled(cfg) -> bool:
+    """Whether the driver scores a cycle's later mini-batches ahead at trigger 0 (snapshot.score_ahead): only
+    where they would read slot 0 otherwise (the cycle_start strategy)."""
+    return cfg.snapshot.score_ahead and select_strategy_name(cfg) == "cycle_start"

@@ -1,0 +1,189 @@
+"""Loading the config and describing it: the dataclass schema <- dppo/config/train.yaml <- an optional user
+YAML file <- `key=value` overrides, validated field by field and across fields, so a bad setting fails with a
+ConfigError naming the key and the value before any process or Ray cluster starts; and the (key, default,
+doc) rows that `dppo train --help` prints."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import functools
+import inspect
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from dppo.config.checks import ConfigError
+from dppo.config.schema import DppoConfig
+
+DEFAULTS_YAML = Path(__file__).resolve().parent / "train.yaml"
+
+
+
+def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
+    """A one-line ConfigError naming the key and value OmegaConf rejected."""
+    key = getattr(err, "full_key", None)
+    msg = str(err).splitlines()[0]
+    if isinstance(err, KeyError):
+        parent = key.rsplit(".", 1)[0] if key and "." in key else ""
+        valid = ", ".join(list_keys(prefix=parent, leaves_only=False))
+        return ConfigError(f"unknown config key {key!r}; valid keys{' under ' + repr(parent) if parent else ''}: {valid}")
+    if key:
+        return ConfigError(f"{key}: {msg}")
+    return ConfigError(msg)
+
+
+def _parse_overrides(overrides: list[str]):
+    """key=value strings -> an OmegaConf dotlist config; a malformed item raises ConfigError."""
+    for item in overrides:
+        if "=" not in item or item.startswith("="):
+            raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=20)")
+        key = item.split("=", 1)[0]
+        if key in _sections():
+            raise ConfigError(f"{item!r}: {key} is a config section, not a value; set its keys ({key}.<name>=...)")
+    try:
+        return OmegaConf.from_dotlist(list(overrides))
+    except OmegaConfBaseException as err:
+        raise _convert_omegaconf_error(err) from None
+
+
+def _check_sections(file_cfg: DictConfig, where: str, prefix: str = "") -> None:
+    """Every config section the file sets must be a mapping of keys (OmegaConf's merge error names neither)."""
+    sections = _sections()
+    for key, value in file_cfg.items_ex(resolve=False):
+        dotted = f"{prefix}{key}"
+        if dotted not in sections:
+            continue  # a value (checked by the merge) or an unknown key (named by the merge)
+        if not isinstance(value, DictConfig):
+            shown = "null" if value is None else repr(value)
+            raise ConfigError(f"{where}: {dotted}: {shown} is a value, but {dotted} is a config section; "
+                              f"write its keys under it (e.g. {list_keys(dotted + '.')[0]})")  # fmt: skip
+        _check_sections(value, where, dotted + ".")
+
+
+def _load_config_file(config_file: str | os.PathLike) -> DictConfig:
+    """The YAML file of overrides as a DictConfig of sections; any problem is a one-line ConfigError naming it."""
+    where = f"config file {str(config_file)!r}"
+    if not os.path.isfile(config_file):
+        raise ConfigError(f"{where} does not exist")
+    try:
+        file_cfg = OmegaConf.load(config_file)
+    except (yaml.YAMLError, OSError) as err:  # OSError: YAML that is a lone scalar
+        raise ConfigError(f"{where}: not a YAML mapping of config sections: {' '.join(str(err).split())}") from None
+    if not isinstance(file_cfg, DictConfig):
+        raise ConfigError(f"{where}: expected a mapping of config sections (trainer:, actor:, ...) at the top level; "
+                          f"got a {type(file_cfg).__name__.removesuffix('Config').lower()}")  # fmt: skip
+    _check_sections(file_cfg, where)
+    return file_cfg
+
+
+def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None) -> DppoConfig:
+    """Schema <- shipped YAML defaults <- config_file <- key=value overrides, validated; raises ConfigError."""
+    file_cfg = _load_config_file(config_file) if config_file is not None else None
+    override_cfg = _parse_overrides(list(overrides))
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(DppoConfig), OmegaConf.load(DEFAULTS_YAML))
+    except OmegaConfBaseException as err:
+        raise _convert_omegaconf_error(err) from None
+    if file_cfg is not None:
+        try:
+            merged = OmegaConf.merge(merged, file_cfg)
+        except OmegaConfBaseException as err:
+            raise ConfigError(f"config file {str(config_file)!r}: {_convert_omegaconf_error(err)}") from None
+    try:
+        return OmegaConf.to_object(OmegaConf.merge(merged, override_cfg))
+    except OmegaConfBaseException as err:
+        raise _convert_omegaconf_error(err) from None
+
+
+def to_dict(cfg: DppoConfig) -> dict:
+    """The config as plain nested dicts (for checkpoints and the run's config.yaml)."""
+    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+
+
+def to_yaml(cfg: DppoConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+
+# ---------------------------------------------------------------------------------------------------
+# Documentation (for `dppo train --help`)
+# ---------------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _field_docs(cls: type) -> dict[str, str]:
+    """Field name -> the docstring written under it in the class body (parsed once per class)."""
+    tree = ast.parse(inspect.getsource(cls))
+    body = tree.body[0].body
+    docs = {}
+    for stmt, nxt in zip(body, body[1:]):
+        if (
+            isinstance(stmt, ast.AnnAssign)
+            and isinstance(stmt.target, ast.Name)
+            and isinstance(nxt, ast.Expr)
+            and isinstance(nxt.value, ast.Constant)
+            and isinstance(nxt.value.value, str)
+        ):
+            docs[stmt.target.id] = " ".join(nxt.value.value.split())
+    return docs
+
+
+def describe(cls: type = DppoConfig, prefix: str = "", defaults: Any = None) -> list[tuple[str, object, str]]:
+    """(dotted key, default, doc) for every leaf field, defaults taken from the shipped YAML."""
+    if defaults is None:
+        defaults = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DppoConfig), OmegaConf.load(DEFAULTS_YAML)))
+    docs = _field_docs(cls)
+    rows = []
+    for f in dataclasses.fields(cls):
+        value = getattr(defaults, f.name)
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(value):
+            rows.extend(describe(type(value), key + ".", value))
+        else:
+            rows.append((key, value, docs.get(f.name, "")))
+    return rows
+
+
+@functools.cache
+def _all_keys() -> tuple[str, ...]:
+    """Every leaf key (the schema does not change at run time; load_config asks on every call)."""
+    return tuple(key for key, _, _ in describe())
+
+
+@functools.cache
+def _sections() -> frozenset[str]:
+    """Every config section's dotted path (trainer, algorithm, algorithm.rollout_correction, ...)."""
+    return frozenset(key.rsplit(".", 1)[0] for key in _all_keys())
+
+
+def list_keys(prefix: str = "", leaves_only: bool = True) -> list[str]:
+    """Config keys directly under prefix ('' for the sections); all leaves under it if leaves_only."""
+    rows = _all_keys()
+    if leaves_only:
+        return [k for k in rows if k.startswith(prefix)]
+    depth = prefix.count(".") + 1 if prefix else 0
+    start = prefix + "." if prefix else ""
+    return sorted({k.split(".")[depth] for k in rows if k.startswith(start)})
+
+
+def markdown_reference() -> str:
+    """docs/config_keys.md: every key with its default and its doc, a table per section (`make docs` writes it;
+    a test keeps the file equal to this)."""
+    out = ["# Config keys", "",
+           "Every key of `dppo train`, with its default and what it does (the same text as `dppo train --help`;",
+           "generated from the schema in dppo/config/schema.py by `make docs`).", ""]  # fmt: skip
+    section = None
+    for key, default, doc in describe():
+        head = key.rsplit(".", 1)[0]
+        if head != section:
+            section = head
+            out += ["", f"## {head}", "", "| key | default | meaning |", "|---|---|---|"]
+        value = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
+        cell = doc.replace("|", "\\|")  # a | inside a doc would end the table cell
+        out.append(f"| `{key}` | `{value}` | {cell} |")
+    return "\n".join(out) + "\n"

@@ -1,0 +1,135 @@
+"""Rules across config sections, checked once every section has passed its own (cfg is a
+dppo.config.schema.DppoConfig): each error names the keys and values involved."""
+
+from __future__ import annotations
+
+import os
+import numpy as np
+
+from dppo.config.checks import ConfigError, machine_cpus, shown
+from dppo.config.choices import InexactUnderShardingError, check_reader_for_sharding
+from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
+
+
+def validate_combinations(cfg) -> None:
+    """Cross-field rules; each error names the keys and values involved."""
+    t = cfg.trainer
+    if t.train_batch_size % t.parameter_sync_step:
+        raise ConfigError(
+            f"trainer.train_batch_size={t.train_batch_size} must be a multiple of "
+            f"trainer.parameter_sync_step={t.parameter_sync_step} (each optimizer step takes an equal share)"
+        )
+    if not cfg.ray.enabled and t.mode != "sync":
+        raise ConfigError(f"ray.enabled=false runs the rollout in-process and needs trainer.mode=sync; got trainer.mode={t.mode!r}")
+    world_size = t.nnodes * t.n_gpus_per_node
+    if world_size > 1 and not cfg.ray.enabled:
+        raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: a world size "
+                          "above 1 runs its ranks as Ray actors; ray.enabled=false runs one rank in this process")  # fmt: skip
+    if world_size > 1 or cfg.actor.fsdp == "always":
+        try:
+            check_reader_for_sharding(cfg.snapshot.strategy)
+        except InexactUnderShardingError as err:
+            raise ConfigError(f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})") from None
+    if t.verify_old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
+        raise ConfigError(
+            "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
+            "algorithm.rollout_correction.bypass_mode=true does not recompute them"
+        )
+    _check_prox_logp_method(cfg)
+    _check_local_workers_fit(cfg)
+    _check_data_or_task(cfg)
+
+
+def _check_prox_logp_method(cfg) -> None:
+    """algorithm.prox_logp_method=loglinear|metrics only where there is a cycle-start pi_prox to approximate, and
+    loglinear only where pi_prox may come micro-batch by micro-batch and nobody expects it exact."""
+    a = cfg.algorithm
+    method, rc = a.prox_logp_method, a.rollout_correction
+    if method == "recompute":
+        return
+    key = f"algorithm.prox_logp_method={method}"
+    if rc.bypass_mode:
+        raise ConfigError(f"{key} approximates pi_prox, but algorithm.rollout_correction.bypass_mode=true has none "
+                          "(pi_prox := pi_behav); drop one of them")  # fmt: skip
+    if a.prox_anchor == "current":
+        raise ConfigError(f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
+                          "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
+                          "for free; use prox_logp_method=recompute or prox_anchor=cycle_start")  # fmt: skip
+    if method != "loglinear":
+        return
+    if rc.rollout_is is not None and rc.rollout_is_batch_normalize:
+        raise ConfigError(f"{key} derives pi_prox from each micro-batch's training forward pass, but "
+                          "algorithm.rollout_correction.rollout_is_batch_normalize=true needs the whole mini-batch's "
+                          "IS weights before the first one; use prox_logp_method=recompute or drop the normalization")  # fmt: skip
+    if cfg.trainer.verify_old_log_prob:
+        raise ConfigError(f"trainer.verify_old_log_prob=true checks exact old log-probs, but {key} approximates "
+                          "them; use prox_logp_method=metrics to measure the approximation's error")  # fmt: skip
+
+
+def _check_data_or_task(cfg) -> None:
+    """Text data needs a model directory (its tokenizer); the data-only keys need text data; a task must leave
+    prompts to train on."""
+    if cfg.data.train_files is not None:
+        if cfg.model.path is None:
+            raise ConfigError(
+                f"data.train_files={cfg.data.train_files!r} needs model.path: a local model directory holding the "
+                "tokenizer (and its chat template) that turns the prompts into tokens"
+            )
+        return
+    for key, value in (("data.val_files", cfg.data.val_files), ("custom_reward_function.path", cfg.custom_reward_function.path)):
+        if value is not None:
+            raise ConfigError(f"{key}={value!r} is for text data, but data.train_files is null (the run trains on "
+                              f"task.name={cfg.task.name!r}); set data.train_files or drop {key}")  # fmt: skip
+    _check_prompts_left_for_training(cfg)
+
+
+def _check_local_workers_fit(cfg) -> None:
+    """On a local Ray cluster every rollout worker runs on this machine: their threads must fit its CPUs (on a
+    cluster of your own, dppo.train checks the cluster's CPUs once it has joined)."""
+    r = cfg.rollout
+    if not cfg.ray.enabled or cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+        return
+    cpus = machine_cpus()
+    if r.num_workers * r.num_threads > cpus:
+        raise ConfigError(
+            f"rollout.num_workers={shown(r.num_workers)} with rollout.num_threads={r.num_threads}: "
+            f"{r.num_workers * r.num_threads} worker threads, but this machine has {cpus} CPUs (a local Ray cluster "
+            "runs every rollout worker here); lower them, or join a larger cluster with ray.address"
+        )
+
+
+def _check_prompts_left_for_training(cfg) -> None:
+    """The held-out eval prompts must leave the task prompts to train on (else every worker fails after Ray starts).
+
+    Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
+    t, task_cfg = cfg.trainer, cfg.task
+    try:
+        task = make_task(task_cfg.name, task_cfg.length)
+        task.sample_prompts(np.random.default_rng(0), 1)  # a prompt of this length can be made at all
+    except (UnknownTaskError, TypeError) as err:  # TypeError: the factory returned something other than a Task
+        raise ConfigError(f"task.name={task_cfg.name!r}: {err}") from None
+    except MemoryError:
+        raise ConfigError(f"task.length={shown(task_cfg.length)}: a single prompt of task {task_cfg.name!r} "
+                          "cannot be allocated") from None  # fmt: skip
+    if t.eval_prompts == 0:
+        return
+    try:
+        held_out = held_out_prompts(task, t.seed, t.eval_prompts)
+    except MemoryError:
+        raise ConfigError(f"trainer.eval_prompts={shown(t.eval_prompts)}: the held-out prompts cannot be "
+                          "allocated") from None  # fmt: skip
+    where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
+    if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts}: {where} has only {len(held_out)} distinct prompts, and all "
+            f"would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
+            f"{len(held_out)} or raise task.length"
+        )
+    try:
+        PromptSampler(task, t.seed, held_out).sample(1)
+    except RuntimeError:
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts} holds out (nearly) every distinct prompt of {where}: no "
+            "training prompt could be drawn; lower trainer.eval_prompts or raise task.length"
+        ) from None
+

@@ -1,0 +1,495 @@
+"""The config schema of `dppo train`: one dataclass per section, a docstring per field (`dppo train --help`
+prints them), and each section's own rules in its __post_init__. Key names follow verl where verl has one
+(trainer.parameter_sync_step, algorithm.rollout_correction.bypass_mode, ...). Rules across sections are in
+dppo.config.rules; loading and --help in dppo.config.load."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import torch
+
+from dppo.algo import (
+    ADVANTAGE_ESTIMATORS,
+    KL_PENALTIES,
+    LOSS_AGG_MODES,
+    RolloutCorrectionConfig,
+    RolloutCorrectionConfigError,
+)
+from dppo.config.checks import ConfigError, at_most_cpus, check_numbers, nonnegative, one_of, positive, require
+from dppo.config.choices import (
+    DEVICES,
+    DTYPES,
+    FSDP_MODES,
+    OFF_POLICY_STRATEGIES,
+    PROX_ANCHORS,
+    PROX_LOGP_METHODS,
+    SNAPSHOT_STRATEGIES,
+    TRAINER_MODES,
+)
+from dppo.config.rules import validate_combinations
+from dppo.data.text import TRUNCATIONS
+from dppo.tasks import TASKS, task_exists
+
+
+@dataclass
+class TrainerConfig:
+    total_steps: int = 60
+    """Global steps to train; one global step is one sync cycle of parameter_sync_step optimizer steps."""
+
+    parameter_sync_step: int = 4
+    """Optimizer steps (triggers) per sync cycle; rollout weights are refreshed at the end of each cycle."""
+
+    train_batch_size: int = 128
+    """Prompt groups consumed per global step; must be a multiple of parameter_sync_step."""
+
+    seed: int = 0
+    """Seed of the model init, prompt sampling and token sampling; an integer in [0, 2**64)."""
+
+    output_dir: str = "outputs/dppo"
+    """Where metrics.jsonl, the plot, the summary and checkpoints/ are written."""
+
+    checkpoint_every: int = 10
+    """Write a checkpoint every this many global steps (0: never; if > 0 the last step is always saved, and so is
+    the trainer's state when the rollout fails beyond recovery)."""
+
+    resume: bool = False
+    """Continue from the newest valid checkpoint in output_dir/checkpoints, passing over corrupt or foreign ones
+    with a warning (fresh if there is none; an error if there are some but none valid); false starts fresh and
+    deletes the checkpoints the earlier run recorded there, and its metrics."""
+
+    mode: str = "separate_async"
+    """separate_async: rollout workers generate while the trainer trains; sync: rollout and training in lockstep."""
+
+    verify_old_log_prob: bool = False
+    """Debug: compare the old log-probs with those of a deep copy of the anchor weights (debug/old_log_prob_max_abs_diff)."""
+
+    eval_prompts: int = 256
+    """Task runs: held-out prompts scored with greedy decoding (never sampled for training, so the task needs more
+    distinct prompts than this: 10**task.length for the built-in tasks); 0 skips the eval. Text data is
+    evaluated on data.val_files instead."""
+
+    test_freq: int = -1
+    """Greedy evaluation every this many global steps, its metrics in that step's line of metrics.jsonl; -1 or 0:
+    only at the end (the final evaluation always runs and joins the last step's line)."""
+
+    device: str = "auto"
+    """The actor ranks' device: cpu, cuda or auto (a GPU per rank when the Ray cluster has GPUs; without Ray, cuda
+    when available). Rollout workers generate on the CPU."""
+
+    num_threads: int = 1
+    """torch intra-op threads of each actor rank (rollout workers use rollout.num_threads)."""
+
+    nnodes: int = 1
+    """Nodes the actor's ranks span (verl's key); world size = nnodes x n_gpus_per_node. Needs ray.enabled=true
+    above 1, and a filesystem that every node sees under trainer.output_dir (each rank writes its checkpoint shards)."""
+
+    n_gpus_per_node: int = 1
+    """Actor ranks per node (verl's key): one GPU each on CUDA; on the CPU, one process each. A world size above 1
+    shards the policy with FSDP2 (see actor.fsdp)."""
+
+    collective_timeout_s: float = 600.0
+    """Timeout of every collective between the actor ranks: a rank that waits longer for the others raises
+    instead of hanging (a dead rank is noticed by the driver at once)."""
+
+    progress_bar: bool = True
+    """Show a tqdm progress bar over global steps."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "trainer", unbounded=("seed",))
+        positive("trainer.total_steps", self.total_steps)
+        positive("trainer.parameter_sync_step", self.parameter_sync_step)
+        positive("trainer.train_batch_size", self.train_batch_size)
+        require(0 <= self.seed < 2**64, "trainer.seed", self.seed, "an integer in [0, 2**64) (numpy and torch seeds)")
+        nonnegative("trainer.checkpoint_every", self.checkpoint_every)
+        one_of("trainer.mode", self.mode, TRAINER_MODES)
+        nonnegative("trainer.eval_prompts", self.eval_prompts)
+        one_of("trainer.device", self.device, DEVICES)
+        if self.device == "cuda":
+            require(torch.cuda.is_available(), "trainer.device", self.device,
+                     "cpu or auto (torch.cuda.is_available() is False on this machine)")  # fmt: skip
+        positive("trainer.num_threads", self.num_threads)
+        at_most_cpus("trainer.num_threads", self.num_threads)
+        positive("trainer.nnodes", self.nnodes)
+        positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
+        require(0 < self.collective_timeout_s < float("inf"), "trainer.collective_timeout_s", self.collective_timeout_s,
+                 "a finite number of seconds > 0")  # fmt: skip
+        require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-3
+    """AdamW learning rate."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    micro_batch_size: int = 256
+    """Sequences per forward/backward pass; gradients accumulate over the trigger's mini-batch."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+
+    clip_ratio_low: float = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_ratio_low."""
+
+    clip_ratio_high: float = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_ratio_high."""
+
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant: for negative advantages the loss is capped at -clip_ratio_c * A."""
+
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (verl's modes;
+    the denominators count the whole mini-batch's loss mask)."""
+
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (0: off)."""
+
+    kl_loss_coef: float = 0.0
+    """Weight of the KL penalty to the initial (reference) policy (0: off, no reference model kept)."""
+
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the penalty: k1/kl, k2/mse, k3/low_var_kl."""
+
+    fsdp: str = "auto"
+    """Sharding of the actor: auto (FSDP2 when the world size is above 1, the plain module at world size 1) or
+    always (FSDP2 at every world size, one rank included)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor")
+        positive("actor.lr", self.lr)
+        nonnegative("actor.weight_decay", self.weight_decay)
+        positive("actor.micro_batch_size", self.micro_batch_size)
+        nonnegative("actor.grad_clip", self.grad_clip)
+        require(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "a value in [0, 1)")
+        nonnegative("actor.clip_ratio_high", self.clip_ratio_high)
+        require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "a value > 1")
+        one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_MODES))
+        nonnegative("actor.entropy_coeff", self.entropy_coeff)
+        nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
+        one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
+        one_of("actor.fsdp", self.fsdp, FSDP_MODES)
+
+
+@dataclass
+class RolloutCorrectionSection:
+    rollout_is: Optional[str] = "token"
+    """Importance weight pi_prox / pi_behav: null, token or sequence. dppo's default is token, the behavior weight
+    of Decoupled PPO (without it the loss ignores that the samples came from older policies); verl's default is
+    null: verl's default trainer is synchronous, its samples come from the policy it trains, and correction is
+    opt-in.
+    Bypass mode: weights pi_theta / pi_behav for loss_type=reinforce; ppo_clip ignores them (its ratio
+    pi_theta / pi_behav already corrects, as in verl) and they only feed the rollout_corr/* diagnostics."""
+
+    rollout_is_threshold: Any = 2.0
+    """A number u (truncate the weight at u) or "lo_hi" (zero weights outside [lo, hi]; those tokens stay in the
+    loss mask)."""
+
+    rollout_is_batch_normalize: bool = False
+    """Divide the IS weights by their mean so that they average 1 (token: over the valid tokens; sequence: over the
+    non-empty sequences). Decoupled PPO takes the mean over the trigger's whole mini-batch, so it needs every old
+    log-prob of the mini-batch before the first micro-batch's loss: where pi_old is the live weights (trigger 0,
+    prox_anchor=current, parameter_sync_step=1) they then come from a no-grad forward pass of their own instead of
+    the training forward's, and prox_logp_method=loglinear is refused. Bypass mode takes the mean per
+    micro-batch, as verl's bypass loss does. A mean <= 1e-8 leaves the weights as they are (verl's rule)."""
+
+    rollout_rs: Optional[str] = None
+    """Rejection sampling: null or a comma-chain such as token_k1,seq_max_k2. Rejected tokens leave the loss mask:
+    no policy-gradient, KL or entropy term and no place in any denominator. Bypass mode rejects on
+    pi_theta / pi_behav per micro-batch, for ppo_clip as for reinforce (verl's bypass loss)."""
+
+    rollout_rs_threshold: Any = None
+    """Bounds for rollout_rs (a number, "lo_hi", or one comma-separated entry per option). k1 options keep the
+    ratio pi_behav / pi_prox in [lo, hi] (a number u: [1/u, u]); k2/k3 options bound the estimate from above."""
+
+    bypass_mode: bool = False
+    """true: old log-probs := behavior log-probs (no recompute, no snapshot); false: Decoupled PPO."""
+
+    loss_type: str = "ppo_clip"
+    """Bypass-mode loss: ppo_clip or reinforce."""
+
+    def to_algo(self):
+        """The dppo.algo.RolloutCorrectionConfig these settings describe (validated there)."""
+        return RolloutCorrectionConfig(**dataclasses.asdict(self))
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "algorithm.rollout_correction")
+        try:
+            self.to_algo()
+        except RolloutCorrectionConfigError as err:
+            raise ConfigError(str(err)) from None
+
+
+@dataclass
+class AlgorithmConfig:
+    adv_estimator: str = "grpo"
+    """Advantage estimator: grpo or rloo."""
+
+    norm_adv_by_std_in_grpo: bool = True
+    """GRPO: divide by the group's score std (false: Dr. GRPO)."""
+
+    prox_anchor: str = "cycle_start"
+    """Proximal policy of the PPO ratio: cycle_start (weights at the start of the sync cycle, via a snapshot)
+    or current (AReaL: the live weights at each optimizer step, whose log-probs the training forward pass gives,
+    detached: no extra pass). Ignored in bypass mode."""
+
+    prox_logp_method: str = "recompute"
+    """Where the PPO ratio's log pi_prox comes from (prox_anchor=cycle_start): recompute (exact: slot 0 at triggers
+    k >= 1, the training forward's own log-probs where pi_prox is the live weights), loglinear (AReaL's
+    approximation log pi_behav + alpha (log pi_theta - log pi_behav), alpha = (v_prox - v_behav) / (v_theta -
+    v_behav) in optimizer steps: no snapshot and no extra forward pass; close to exact while a cycle's steps move
+    the log-probs little and about steadily: small lr, few triggers per cycle, samples at most a cycle or two
+    stale), or metrics (recompute, plus loglinear's error against it: prox_approx/abs_err_mean|max of
+    log pi_prox and prox_approx/is_weight_abs_err_mean|max of the IS weight, over valid tokens). loglinear is
+    refused with bypass_mode, prox_anchor=current, rollout_is_batch_normalize and trainer.verify_old_log_prob;
+    metrics with bypass_mode and prox_anchor=current."""
+
+    rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "algorithm")
+        one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
+        one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
+        one_of("algorithm.prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    """Rollout worker actors (each a CPU process with its own copy of the model)."""
+
+    n: int = 8
+    """Responses sampled per prompt (the group size of GRPO/RLOO)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the log-probs of the loss use the same temperature)."""
+
+    max_new_tokens: Optional[int] = None
+    """Response length limit; null: data.max_response_length for text data, the task's answer length for a task."""
+
+    groups_per_batch: int = 32
+    """Prompt groups a worker generates per batch; weights are reloaded between batches."""
+
+    num_threads: int = 1
+    """torch intra-op threads of each rollout worker."""
+
+    max_restarts: int = 3
+    """Times each rollout worker is restarted after its process dies (its outstanding groups are generated anew);
+    one more death ends the run, after a checkpoint of the trainer's state."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "rollout")
+        positive("rollout.num_workers", self.num_workers)
+        require(self.n >= 2, "rollout.n", self.n, "at least 2 (group advantages need two responses)")
+        positive("rollout.temperature", self.temperature)
+        if self.max_new_tokens is not None:
+            positive("rollout.max_new_tokens", self.max_new_tokens)
+        positive("rollout.groups_per_batch", self.groups_per_batch)
+        positive("rollout.num_threads", self.num_threads)
+        nonnegative("rollout.max_restarts", self.max_restarts)
+
+
+@dataclass
+class ReplayConfig:
+    max_off_policy_threshold: int = 1
+    """Largest staleness (trainer version - sample version) a consumed group may have."""
+
+    max_off_policy_strategy: str = "wait"
+    """wait: pause rollout so no group gets older than the threshold; nothing is dropped, with any number of
+    workers (the trainer takes groups in the order they were granted, waiting for a slow worker's older ones);
+    drop: workers run ahead freely, the trainer takes the oldest groups that have arrived and discards the
+    ones older than the threshold (counted in replay/dropped)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "replay")
+        nonnegative("replay.max_off_policy_threshold", self.max_off_policy_threshold)
+        one_of("replay.max_off_policy_strategy", self.max_off_policy_strategy, OFF_POLICY_STRATEGIES)
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None
+    """Local directory of any transformers causal LM; null builds the tiny Qwen2-style model below."""
+
+    hidden_size: int = 64
+    """Tiny model: hidden size."""
+
+    num_hidden_layers: int = 2
+    """Tiny model: transformer layers."""
+
+    num_attention_heads: int = 4
+    """Tiny model: attention heads (also the key/value heads)."""
+
+    intermediate_size: int = 128
+    """Tiny model: MLP width."""
+
+    dtype: str = "float32"
+    """Parameter dtype of the trainer and the rollout workers."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "model")
+        for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
+            positive(f"model.{key}", getattr(self, key))
+        require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
+                 f"a multiple of model.num_attention_heads={self.num_attention_heads}")  # fmt: skip
+        one_of("model.dtype", self.dtype, DTYPES)
+        if self.path is not None:
+            require(os.path.isfile(os.path.join(self.path, "config.json")), "model.path", self.path,
+                     "an existing local transformers model directory (one holding config.json)")  # fmt: skip
+
+
+@dataclass
+class TaskConfig:
+    name: str = "copy"
+    """Task: copy, reverse, sort, one added with dppo.tasks.register_task, or module:function returning a Task."""
+
+    length: int = 5
+    """Digits per prompt."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "task")
+        require(task_exists(self.name), "task.name", self.name,
+                 "a registered task (" + ", ".join(TASKS) + ") or an importable module:function")  # fmt: skip
+        positive("task.length", self.length)
+
+
+def _check_data_files(key: str, files: object) -> None:
+    """files: null, one path, or a non-empty list of paths, each an existing file."""
+    if files is None:
+        return
+    paths = [files] if isinstance(files, str) else files
+    require(isinstance(paths, (list, tuple)) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
+             key, files, "a parquet file path or a non-empty list of them")  # fmt: skip
+    for path in paths:
+        require(os.path.isfile(path), key, files, f"existing files; {path!r} does not exist")
+
+
+@dataclass
+class DataConfig:
+    train_files: Any = None
+    """Parquet file(s) of training prompts in verl's format (columns prompt, data_source,
+    reward_model.ground_truth, optional extra_info): one path or a list. Set: train on text with the tokenizer
+    and chat template of model.path; null: train on task.name."""
+
+    val_files: Any = None
+    """Parquet file(s) of the greedy evaluation (val/score/<data_source>) at the end and every trainer.test_freq
+    steps; null: no evaluation."""
+
+    prompt_key: str = "prompt"
+    """Column holding each row's chat messages, a list of {role, content}."""
+
+    max_prompt_length: int = 512
+    """Longest prompt in tokens, counted after the chat template (see data.truncation)."""
+
+    max_response_length: int = 512
+    """Response tokens to generate at most (rollout.max_new_tokens overrides it when set); a response also ends
+    at the tokenizer's EOS token."""
+
+    truncation: str = "error"
+    """A prompt longer than max_prompt_length: error (stop before training, naming the row and its length), left
+    (keep its last tokens) or right (keep its first tokens)."""
+
+    shuffle: bool = True
+    """Shuffle the training rows anew every epoch (false: file order)."""
+
+    seed: Optional[int] = None
+    """Seed of the shuffling; null: trainer.seed."""
+
+    def __post_init__(self) -> None:
+        _check_data_files("data.train_files", self.train_files)
+        _check_data_files("data.val_files", self.val_files)
+        require(bool(self.prompt_key), "data.prompt_key", self.prompt_key, "a column name")
+        positive("data.max_prompt_length", self.max_prompt_length)
+        positive("data.max_response_length", self.max_response_length)
+        one_of("data.truncation", self.truncation, TRUNCATIONS)
+        if self.seed is not None:
+            require(0 <= self.seed < 2**64, "data.seed", self.seed, "an integer in [0, 2**64) or null")
+
+
+@dataclass
+class CustomRewardFunctionConfig:
+    path: Optional[str] = None
+    """Python file defining the reward function of text data, verl's signature: compute_score(data_source,
+    solution_str, ground_truth, extra_info=None) -> a float, or a dict with "score" (its other numeric entries
+    are logged as reward/extra/<key> means); null: the built-in GSM8K-style reward (the last number of the
+    response against the answer after '####' in ground_truth)."""
+
+    name: str = "compute_score"
+    """The function's name in path."""
+
+    def __post_init__(self) -> None:
+        if self.path is not None:
+            require(os.path.isfile(self.path), "custom_reward_function.path", self.path, "an existing Python file")
+        require(self.name.isidentifier(), "custom_reward_function.name", self.name, "a Python function name")
+
+
+@dataclass
+class SnapshotConfig:
+    device_budget_bytes: int = 0
+    """Device memory each actor rank's snapshot pool may use for its slots, which hold that rank's shards
+    (0: host slots only)."""
+
+    strategy: str = "auto"
+    """How triggers k >= 1 score with the cycle-start snapshot: auto (fastest that fits), view
+    (functional_call over the slot in place: CPU weights or a device-tier slot), stream (layer by layer
+    from a host slot, prefetched behind the compute), swap (pool.swapped), or reference (verl v1's
+    blocking save/restore/restore, for comparison only). A sharded (FSDP2) actor takes auto, swap or reference
+    only: FSDP2 gathers from its own parameters, so view and stream would read the live weights."""
+
+    score_ahead: bool = True
+    """At trigger 0 of a Decoupled PPO cycle, also take the cycle's later mini-batches that have already arrived
+    (the same groups, in the same order, their triggers would take) and score them with the live weights,
+    which are pi_old then: those triggers read no slot, and a cycle whose later mini-batches all arrived in
+    time takes no snapshot (snapshot/scored_ahead_frac). In trainer.mode=sync the rollout generates the whole
+    cycle's groups at trigger 0 (the same samples). Old log-probs and weights are bitwise those of false."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "snapshot")
+        nonnegative("snapshot.device_budget_bytes", self.device_budget_bytes)
+        one_of("snapshot.strategy", self.strategy, SNAPSHOT_STRATEGIES)
+
+
+@dataclass
+class RayConfig:
+    address: Optional[str] = None
+    """Ray cluster address; null uses RAY_ADDRESS, or starts a local cluster if that is unset too."""
+
+    enabled: bool = True
+    """false: no Ray; the rollout runs inside the trainer process (trainer.mode=sync only; for tests and debugging)."""
+
+    num_cpus: Optional[int] = None
+    """CPUs a local Ray cluster may use (null: all)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "ray")
+        if self.num_cpus is not None:
+            positive("ray.num_cpus", self.num_cpus)
+
+
+@dataclass
+class DppoConfig:
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    custom_reward_function: CustomRewardFunctionConfig = field(default_factory=CustomRewardFunctionConfig)
+    snapshot: SnapshotConfig = field(default_factory=SnapshotConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        validate_combinations(self)
+
+    @property
+    def groups_per_trigger(self) -> int:
+        """Prompt groups each optimizer step consumes."""
+        return self.trainer.train_batch_size // self.trainer.parameter_sync_step
+
