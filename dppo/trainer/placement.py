@@ -86,6 +86,15 @@ def _sum(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
     return {k: a.get(k, 0.0) + b.get(k, 0.0) for k in {*a, *b}}
 
 
+def _kind(have: dict[str, float], need_a: dict[str, float], need_r: dict[str, float]) -> str | None:
+    """What a node with resources `have` can host: "both" pools at once, "either" one, only the "actor"'s or the
+    "rollout"'s group, or None."""
+    if _fits(have, _sum(need_a, need_r)):
+        return "both"
+    a, r = _fits(have, need_a), _fits(have, need_r)
+    return "either" if a and r else "actor" if a else "rollout" if r else None
+
+
 def plan_nodes(actor: Pool, rollout: Pool | None, nodes: list[dict[str, Any]], here: str | None = None) -> Plan:
     """The nodes of both pools, from Ray's node table (ray.nodes(): "NodeID", "Alive", "Resources").
 
@@ -98,10 +107,7 @@ def plan_nodes(actor: Pool, rollout: Pool | None, nodes: list[dict[str, Any]], h
     need_r, count_r = (rollout.node_need, rollout.nnodes) if rollout is not None else ({}, 0)
     kinds: dict[str, list[str]] = {"actor": [], "rollout": [], "both": [], "either": []}
     for node in alive:
-        have = node["Resources"]
-        a, r = _fits(have, need_a), _fits(have, need_r)
-        kind = "both" if _fits(have, _sum(need_a, need_r)) else "either" if a and r else "actor" if a else \
-            "rollout" if r else None  # fmt: skip
+        kind = _kind(node["Resources"], need_a, need_r)
         if kind is not None:
             kinds[kind].append(node["NodeID"])
     actor_nodes, rollout_nodes = kinds["actor"][: actor.nnodes], kinds["rollout"][:count_r]
