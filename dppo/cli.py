@@ -29,7 +29,8 @@ EXIT_CODES = (
         "rollout.max_restarts allows, or a worker raised); the trainer's state was checkpointed first. Or an actor "
         "rank died: its shards are lost, so the line names the rank, its node and the last checkpoint"),
     (2, "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
-        "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks)"),
+        "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks and the rollout's "
+        "GPU workers)"),
     (3, "trainer.output_dir cannot be created or written"),
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
         "the run's checkpoint ledger is unreadable"),
@@ -56,10 +57,11 @@ def _error_exit_codes() -> tuple:
     from dppo.config import ConfigError
     from dppo.data import DataError
     from dppo.trainer.checkpoint import CheckpointError
+    from dppo.trainer.placement import PlacementError
     from dppo.trainer.preflight import OutputDirError
     from dppo.trainer.ray_cluster import RayConnectError
     from dppo.trainer.rollout_source import RolloutFailedError
-    from dppo.trainer.worker_group import PlacementError, RankDiedError
+    from dppo.trainer.worker_group import RankDiedError
 
     return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (OutputDirError, 3),
             (CheckpointError, 4), (RayConnectError, 5), (DataError, 6))  # fmt: skip

@@ -25,6 +25,9 @@ def validate_combinations(cfg) -> None:
     if world_size > 1 and not cfg.ray.enabled:
         raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: a world size "
                           "above 1 runs its ranks as Ray actors; ray.enabled=false runs one rank in this process")  # fmt: skip
+    if cfg.rollout.n_gpus_per_node and not cfg.ray.enabled:
+        raise ConfigError(f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node} gives the rollout workers GPUs of "
+                          "their own as Ray actors; ray.enabled=false generates in this process, on the CPU")  # fmt: skip
     if world_size > 1 or cfg.actor.fsdp == "always":
         try:
             check_reader_for_sharding(cfg.snapshot.strategy)

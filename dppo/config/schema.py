@@ -19,7 +19,16 @@ from dppo.algo import (
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,
 )
-from dppo.config.checks import ConfigError, at_most_cpus, check_numbers, nonnegative, one_of, positive, require
+from dppo.config.checks import (
+    ConfigError,
+    at_most_cpus,
+    check_numbers,
+    nonnegative,
+    one_of,
+    positive,
+    require,
+    shown,
+)
 from dppo.config.choices import (
     DEVICES,
     DTYPES,
@@ -78,7 +87,7 @@ class TrainerConfig:
 
     device: str = "auto"
     """The actor ranks' device: cpu, cuda or auto (a GPU per rank when the Ray cluster has GPUs; without Ray, cuda
-    when available). Rollout workers generate on the CPU."""
+    when available). Rollout workers generate on the CPU unless rollout.n_gpus_per_node gives them GPUs of their own."""
 
     num_threads: int = 1
     """torch intra-op threads of each actor rank (rollout workers use rollout.num_threads)."""
@@ -261,7 +270,8 @@ class AlgorithmConfig:
 @dataclass
 class RolloutConfig:
     num_workers: int = 1
-    """Rollout worker actors (each a CPU process with its own copy of the model)."""
+    """Rollout worker actors, each with its own copy of the model: CPU processes, or one per GPU of the rollout's
+    pool (rollout.n_gpus_per_node)."""
 
     n: int = 8
     """Responses sampled per prompt (the group size of GRPO/RLOO)."""
@@ -282,6 +292,15 @@ class RolloutConfig:
     """Times each rollout worker is restarted after its process dies (its outstanding groups are generated anew);
     one more death ends the run, after a checkpoint of the trainer's state."""
 
+    nnodes: int = 1
+    """Nodes of the rollout's own GPU pool (verl's key); above 1 it needs rollout.n_gpus_per_node > 0 (CPU workers
+    are spread over the nodes by Ray)."""
+
+    n_gpus_per_node: int = 0
+    """GPUs per node of the rollout's own pool, apart from the actor's (verl's key): one GPU per rollout worker, in
+    a placement-group bundle of its own, so rollout.num_workers must be rollout.nnodes x rollout.n_gpus_per_node.
+    0: no GPUs; rollout.num_workers CPU processes with rollout.num_threads threads each."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "rollout")
         positive("rollout.num_workers", self.num_workers)
@@ -292,6 +311,20 @@ class RolloutConfig:
         positive("rollout.groups_per_batch", self.groups_per_batch)
         positive("rollout.num_threads", self.num_threads)
         nonnegative("rollout.max_restarts", self.max_restarts)
+        positive("rollout.nnodes", self.nnodes)
+        nonnegative("rollout.n_gpus_per_node", self.n_gpus_per_node)
+        self._check_pool()
+
+    def _check_pool(self) -> None:
+        """One rollout worker per GPU of the pool; a pool of several nodes only with GPUs."""
+        pool = f"rollout.nnodes={self.nnodes} x rollout.n_gpus_per_node={self.n_gpus_per_node}"
+        if self.n_gpus_per_node == 0:
+            require(self.nnodes == 1, "rollout.nnodes", self.nnodes, "1 while rollout.n_gpus_per_node=0 (the rollout "
+                    "then has no GPU pool to spread over nodes: Ray spreads its CPU workers)")  # fmt: skip
+        elif self.num_workers != self.nnodes * self.n_gpus_per_node:
+            raise ConfigError(f"rollout.num_workers={shown(self.num_workers)}, but the rollout's pool {pool} holds "
+                              f"{self.nnodes * self.n_gpus_per_node} GPUs, one per rollout worker; set "
+                              f"rollout.num_workers={self.nnodes * self.n_gpus_per_node}")  # fmt: skip
 
 
 @dataclass

@@ -19,6 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
 PLACEMENT_TIMEOUT_S = 120.0  # how long a pool's placement groups may take to be placed
 
 
@@ -149,19 +153,28 @@ def _shown(resources: dict[str, float]) -> str:
 # ---- on the Ray cluster ------------------------------------------------------------------------------
 
 
-def cluster_nodes() -> tuple[list[dict[str, Any]], str]:
-    """(ray.nodes(), this process's node id) of the cluster this process is connected to."""
-    import ray
+def use_gpus(cfg) -> bool:
+    """Whether the actor's ranks go on GPUs: trainer.device=cuda, or auto on a cluster that has GPUs."""
+    device = cfg.trainer.device
+    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
-    return ray.nodes(), ray.get_runtime_context().get_node_id()
+
+def pools(cfg) -> tuple[Pool, Pool | None]:
+    """The actor's pool and the rollout's (None: CPU rollout workers) on the cluster this process is connected to."""
+    t, r = cfg.trainer, cfg.rollout
+    return actor_pool(t.nnodes, t.n_gpus_per_node, use_gpus(cfg)), rollout_pool(r.nnodes, r.n_gpus_per_node)
+
+
+def plan(cfg) -> Plan:
+    """plan_nodes for cfg's pools on the cluster this process is connected to (PlacementError if they do not fit).
+    The same nodes every time while the cluster's nodes stay the same: the actor's worker group and the rollout
+    each compute it when they place their pool, and the preflight check before either."""
+    return plan_nodes(*pools(cfg), ray.nodes(), ray.get_runtime_context().get_node_id())
 
 
 def place_pool(pool: Pool, node_ids: list[str]) -> list:
     """One ready STRICT_PACK placement group per node of node_ids, pool.per_node bundles each, pinned to its node.
     PlacementError (the groups removed again) if they are not placed within PLACEMENT_TIMEOUT_S."""
-    import ray
-    from ray.util.placement_group import placement_group, remove_placement_group
-
     groups = [placement_group([pool.bundle] * pool.per_node, strategy="STRICT_PACK",
                               bundle_label_selector=[{"ray.io/node-id": node}] * pool.per_node)
               for node in node_ids]  # fmt: skip
@@ -170,7 +183,7 @@ def place_pool(pool: Pool, node_ids: list[str]) -> list:
         for g in groups:
             remove_placement_group(g)
         raise PlacementError(f"{pool.describe()} were not placed within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster "
-                             f"has {_shown(ray.available_resources())} free")  # fmt: skip
+                             f"has {_shown({k: ray.available_resources().get(k, 0.0) for k in pool.bundle})} free")  # fmt: skip
     return groups
 
 
@@ -178,8 +191,6 @@ def bundle_options(pool: Pool, groups: list, index: int) -> dict[str, Any]:
     """Ray actor options of rank or worker `index` (0-based, node by node): its bundle's CPUs and GPUs, in
     placement group index // per_node, bundle index % per_node. Ray then gives the actor the bundle's GPUs
     (ray.get_gpu_ids(), and CUDA_VISIBLE_DEVICES naming only them)."""
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-
     group, bundle = divmod(index, pool.per_node)
     strategy = PlacementGroupSchedulingStrategy(groups[group], placement_group_bundle_index=bundle)
     return {"num_cpus": pool.bundle.get("CPU", 0.0), "num_gpus": pool.bundle.get("GPU", 0.0),
@@ -188,7 +199,5 @@ def bundle_options(pool: Pool, groups: list, index: int) -> dict[str, Any]:
 
 def remove_pool(groups: list) -> None:
     """Free a pool's placement groups (the actors in them are killed by Ray)."""
-    from ray.util.placement_group import remove_placement_group
-
     for group in groups:
         remove_placement_group(group)

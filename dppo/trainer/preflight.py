@@ -4,7 +4,9 @@
 - a prompt and a response fit the model's positions, and the run's memory (the model's weights, gradients,
   Adam's two moments, a snapshot slot, the rollout copies on this machine, and each process's batch tensors)
   fits the memory available, counted from the config without allocating anything (ConfigError);
-- on a Ray cluster of the user's own, the rollout workers' threads fit the cluster's CPUs (ConfigError).
+- once Ray is up: the actor's ranks and the rollout's GPU workers fit the cluster's nodes together
+  (PlacementError, with the counts), and on a cluster of the user's own the rollout workers' threads fit its
+  CPUs (ConfigError).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dppo.config import ConfigError, DppoConfig
 from dppo.models import tiny_model_config
 from dppo.config.choices import select_strategy_name
-from dppo.trainer import ray_cluster
+from dppo.trainer import placement, ray_cluster
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -146,9 +148,12 @@ def available_host_bytes() -> int:
 
 
 def _rollout_copies_here(cfg: DppoConfig) -> int:
-    """Model copies the rollout keeps on this machine: the in-process generator's, or every worker's on a local cluster."""
+    """Model copies the rollout keeps in this machine's host memory: the in-process generator's, or every worker's on a
+    local cluster (none where the workers have GPUs of their own: rollout.n_gpus_per_node)."""
     if not cfg.ray.enabled:
         return 1
+    if cfg.rollout.n_gpus_per_node:
+        return 0
     local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
     return cfg.rollout.num_workers if local else 0
 
@@ -217,7 +222,10 @@ def _require_fits(need: int, available: int, what: str, where: str, parts: str) 
 
 
 def check_cluster_fits(cfg: DppoConfig) -> None:
-    """On a joined cluster (ray.address or RAY_ADDRESS): the rollout workers' threads within its CPUs."""
+    """Once connected to Ray, before any rank or worker starts: the actor's and the rollout's pools fit the cluster's
+    nodes together (PlacementError naming both pools and the counts); on a joined cluster (ray.address or
+    RAY_ADDRESS) also the rollout workers' threads within its CPUs."""
+    placement.plan(cfg)
     if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
         return  # a local cluster: checked against this machine with the config
 

@@ -24,6 +24,7 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from dppo.data.source import PromptSource
 from dppo.rollout import Group
+from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor, ReplayBufferCore
@@ -110,6 +111,10 @@ class RayRollout:
         init_ray(cfg)
         self.cfg, self.mode = cfg, cfg.trainer.mode
         self.worker_restarts = start.worker_restarts
+        # GPU workers: one bundle each in the rollout's own placement groups (a restarted worker takes its
+        # predecessor's); CPU workers (no pool): spread over the nodes, reserving nothing.
+        self._pool = pools(cfg)[1]
+        self._groups = place_pool(self._pool, plan(cfg).rollout_nodes) if self._pool is not None else []
         self.buffer = _buffer_core(cfg, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker
@@ -123,9 +128,9 @@ class RayRollout:
     def _spawn(self, index: int, restarts: int = 0) -> _Worker:
         source_ref, model_config = self._worker_args
         holder = next(self._holders)
-        actor = self._worker_cls.options(scheduling_strategy="SPREAD").remote(
-            self.cfg, source_ref, model_config, index, self.buffer, holder
-        )
+        options = {"scheduling_strategy": "SPREAD"} if self._pool is None else \
+            bundle_options(self._pool, self._groups, index)  # fmt: skip
+        actor = self._worker_cls.options(**options).remote(self.cfg, source_ref, model_config, index, self.buffer, holder)
         worker = _Worker(index, holder, actor, restarts)
         if self._running:
             worker.run = actor.run.remote()
@@ -231,12 +236,17 @@ class RayRollout:
         return {**self._from_buffer(self.buffer.stats.remote()), "rollout/worker_restarts": float(self.worker_restarts)}
 
     def close(self) -> None:
-        """Kill the workers and the buffer; never raises (any of them may be dead already)."""
+        """Kill the workers and the buffer and free the rollout's GPUs; never raises (any of them may be dead
+        already)."""
         for actor in [*(w.actor for w in self.workers), self.buffer]:
             try:
                 ray.kill(actor, no_restart=True)
             except Exception:  # noqa: BLE001  an actor that is gone already, or a Ray that is shutting down
                 pass
+        try:
+            remove_pool(self._groups)
+        except Exception:  # noqa: BLE001  a Ray that is shutting down
+            pass
 
 
 def _one_line(err: BaseException, limit: int = 300) -> str:

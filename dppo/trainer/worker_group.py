@@ -7,10 +7,11 @@
 actor.<method>(...) calls dppo.workers.actor.rank.ActorRank.<method> on every rank at once and applies the
 method's dispatch mode (dppo.workers.dispatch). Two ways to hold the ranks, one rank class:
 
-- RayWorkerGroup (ray.enabled=true): each rank is a Ray actor. One placement group per node, one bundle per
-  rank (a GPU and a CPU on CUDA, a CPU on the CPU), STRICT_PACK so a node's ranks sit together; with several
-  nodes each group is pinned to its own node (a label selector on Ray's node id), nodes that have room taken
-  in order, the driver's first. The ranks meet at rank 0's node address on a free port (NCCL or gloo).
+- RayWorkerGroup (ray.enabled=true): each rank is a Ray actor in the actor's resource pool (dppo.trainer.placement):
+  one placement group per node, one bundle per rank (a GPU and a CPU on CUDA, a CPU on the CPU), STRICT_PACK so a
+  node's ranks sit together, each group pinned to its own node (a label selector on Ray's node id); the nodes are
+  planned together with the rollout's GPU pool, the driver's first where it fits. The ranks meet at rank 0's node
+  address on a free port (NCCL or gloo).
 - LocalWorkerGroup (ray.enabled=false): the one rank in this process (tests and debugging).
 
 Failures: if a rank's process dies, the call raises RankDiedError naming the rank and its node, once the other
@@ -23,21 +24,14 @@ from __future__ import annotations
 from typing import Any
 
 import ray
-from ray.util.placement_group import placement_group, remove_placement_group
-from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, gather_rows, split_args, split_each
-
-PLACEMENT_TIMEOUT_S = 120.0  # how long the ranks' placement groups may take to be placed
 
 
 class RankDiedError(RuntimeError):
     """An actor rank's process died (killed, or crashed); the message names the rank and its node."""
-
-
-class PlacementError(RuntimeError):
-    """The Ray cluster cannot host the actor's ranks (nodes, GPUs or CPUs missing)."""
 
 
 class WorkerGroup:
@@ -104,67 +98,20 @@ class LocalWorkerGroup(WorkerGroup):
         self.local_rank.close()
 
 
-def _resources(cfg, use_gpu: bool) -> dict[str, float]:
-    """One rank's bundle."""
-    return {"GPU": 1.0, "CPU": 1.0} if use_gpu else {"CPU": 1.0}
-
-
-def use_gpus(cfg) -> bool:
-    """Whether the ranks go on GPUs: trainer.device=cuda, or auto on a cluster that has GPUs."""
-    device = cfg.trainer.device
-    return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
-
-
-def choose_nodes(nnodes: int, per_node: int, bundle: dict[str, float]) -> list[str]:
-    """Ids of nnodes alive Ray nodes that can each hold per_node bundles, the driver's node first."""
-    here = ray.get_runtime_context().get_node_id()
-    fits = [n for n in ray.nodes() if n["Alive"]
-            and all(n["Resources"].get(k, 0) >= per_node * v for k, v in bundle.items())]  # fmt: skip
-    fits.sort(key=lambda n: n["NodeID"] != here)
-    if len(fits) < nnodes:
-        have = [{k: n["Resources"].get(k, 0) for k in bundle} for n in ray.nodes() if n["Alive"]]
-        raise PlacementError(
-            f"trainer.nnodes={nnodes} x trainer.n_gpus_per_node={per_node}: needs {nnodes} Ray node(s) with "
-            f"{ {k: per_node * v for k, v in bundle.items()} } each, found {len(fits)} (alive nodes have {have})"
-        )
-    return [n["NodeID"] for n in fits[:nnodes]]
-
-
-def place_ranks(nnodes: int, per_node: int, bundle: dict[str, float]) -> list:
-    """One ready STRICT_PACK placement group per node, one bundle per rank, each pinned to its own node."""
-    groups = [placement_group([bundle] * per_node, strategy="STRICT_PACK",
-                              bundle_label_selector=[{"ray.io/node-id": node}] * per_node)
-              for node in choose_nodes(nnodes, per_node, bundle)]  # fmt: skip
-    ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)
-    if len(ready) < len(groups):
-        for g in groups:
-            remove_placement_group(g)
-        raise PlacementError(f"the actor's ranks ({nnodes} node(s) x {per_node} bundles of {bundle}) were not "
-                             f"placed within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster has {ray.available_resources()} free")  # fmt: skip
-    return groups
-
-
 class RayWorkerGroup(WorkerGroup):
     """The ranks as Ray actors (see the module docstring)."""
 
     def __init__(self, cfg, vocab_size: int) -> None:
-        nnodes, per_node = cfg.trainer.nnodes, cfg.trainer.n_gpus_per_node
-        self.world_size = nnodes * per_node
+        pool = pools(cfg)[0]
+        self.world_size = pool.size
         self.sharded = uses_fsdp(cfg, self.world_size)
-        gpu = use_gpus(cfg)
-        bundle = _resources(cfg, gpu)
-        self._groups = place_ranks(nnodes, per_node, bundle)
+        self._groups = place_pool(pool, plan(cfg).actor_nodes)
         self._dead = False
         rank_cls = ray.remote(ActorRank)
         # no runtime_env of their own: the ranks can start in the job's idle worker processes (torch's threads
         # are set in init_model)
-        self._actors = [
-            rank_cls.options(
-                num_cpus=bundle["CPU"], num_gpus=bundle.get("GPU", 0), max_restarts=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=index),
-            ).remote(cfg, rank, self.world_size, vocab_size, True)
-            for rank, (group, index) in enumerate((g, i) for g in self._groups for i in range(per_node))
-        ]  # fmt: skip
+        self._actors = [rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0)
+                        .remote(cfg, rank, self.world_size, vocab_size, True) for rank in range(self.world_size)]  # fmt: skip
         self.nodes = [{"rank": rank, "node_id": None, "node_ip": "?", "pid": None} for rank in range(self.world_size)]
         self.nodes = self._dispatch("node_info", ALL, ())
         master = ray.get(self._actors[0].master_address.remote())
@@ -203,8 +150,7 @@ class RayWorkerGroup(WorkerGroup):
         self._dead = True
         for actor in self._actors:
             ray.kill(actor, no_restart=True)
-        for group in self._groups:
-            remove_placement_group(group)
+        remove_pool(self._groups)
 
     def rollout_weights(self, anchor: bool = False):
         return self._dispatch("rollout_weights", RANK0, (True, anchor))

@@ -6,8 +6,10 @@ GPU ids of its own bundle."""
 from __future__ import annotations
 
 import os
+import re
 
 import pytest
+from tiny_run import tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
 from dppo.trainer.placement import Plan, actor_pool, bundle_options, place_pool, plan_nodes, remove_pool, rollout_pool
 
@@ -144,3 +146,68 @@ def test_two_nodes_each_hold_a_rank_and_a_worker(cluster):
     finally:
         for g in groups.values():
             remove_pool(g)
+
+
+def run_overrides(tmp_path, cluster, *extra: str) -> list[str]:
+    """A tiny run on the test's cluster, with extra keys."""
+    return tiny_run(tmp_path / "run", 2, f"ray.address={cluster.address}", "trainer.mode=sync", *extra)
+
+
+def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
+    """RayRollout places its workers in the rollout's pool beside the actor's placed ranks: each worker is handed
+    a GPU none of the ranks has. Without CUDA the worker then refuses to start, and its error names that GPU."""
+    import ray
+
+    from dppo.config import load_config
+    from dppo.data import make_prompt_source
+    from dppo.models import tiny_model_config
+    from dppo.trainer.placement import plan, pools
+    from dppo.trainer.resume import RolloutStart
+    from dppo.trainer.rollout_source import RayRollout
+
+    cfg = load_config(run_overrides(tmp_path, cluster, "trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2",
+                                    "rollout.num_workers=2", "rollout.max_restarts=0"))  # fmt: skip
+    actor = pools(cfg)[0]
+    assert actor.bundle == {"GPU": 1.0, "CPU": 1.0}  # trainer.device=auto on a cluster with GPUs
+    actor_groups = place_pool(actor, plan(cfg).actor_nodes)  # what RayWorkerGroup places
+    rollout = None
+    try:
+        probes = [ray.remote(probe_class()).options(**bundle_options(actor, actor_groups, i)).remote() for i in range(2)]
+        actor_gpus = {gpu for _, gpus, _ in ray.get([p.where.remote() for p in probes], timeout=60) for gpu in gpus}
+        source = make_prompt_source(cfg)
+        rollout = RayRollout(cfg, source, tiny_model_config(source.vocab_size, 32, 1, 2, 64), RolloutStart())
+        worker_gpus = []
+        for worker in rollout.workers:
+            with pytest.raises(ray.exceptions.RayActorError) as err:
+                ray.get(worker.actor.__ray_ready__.remote(), timeout=60)
+            found = re.search(rf"rollout worker {worker.index} was given GPU\(s\) \['(\d+)'\] by Ray", str(err.value))
+            assert found, str(err.value)[-2000:]
+            worker_gpus.append(int(found.group(1)))
+        assert len(set(worker_gpus)) == 2 and not set(worker_gpus) & actor_gpus, (worker_gpus, actor_gpus)
+        assert sorted([*worker_gpus, *actor_gpus]) == [0, 1, 2, 3]  # all on the driver's node (it holds both)
+    finally:
+        if rollout is not None:
+            rollout.close()
+        remove_pool(actor_groups)
+
+
+def test_dppo_train_refuses_pools_the_cluster_cannot_hold_before_anything_starts(cluster, tmp_path, capsys,
+                                                                                   monkeypatch):  # fmt: skip
+    """4 actor GPUs and 4 rollout GPUs on nodes of 4 and 2 GPUs: one line with the counts, exit code 2, before the
+    trainer is built (which would already clear an earlier run's checkpoints in trainer.output_dir)."""
+    import ray
+
+    from dppo.cli import main
+    from dppo.trainer import ppo
+
+    monkeypatch.setattr(ppo, "PPOTrainer", lambda *a, **k: pytest.fail("the trainer was built"))
+
+    args = run_overrides(tmp_path, cluster, "trainer.n_gpus_per_node=4", "rollout.n_gpus_per_node=4",
+                         "rollout.num_workers=4")  # fmt: skip
+    assert main(["train", *args]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[-1].startswith("dppo: error: the Ray cluster cannot hold the actor's 4 ranks"), lines
+    assert "they need {'GPU': 8, 'CPU': 8} in all" in lines[-1] and "have {'GPU': 6, 'CPU': 8} in all" in lines[-1]
+    assert "placed 1 of 1 actor node(s), 0 of 1 rollout node(s)" in lines[-1]
+    assert ray.util.placement_group_table() == {} or all(
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())  # nothing was placed

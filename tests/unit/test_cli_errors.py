@@ -121,10 +121,11 @@ def test_the_exit_codes_are_distinct_and_documented():
 
 
 def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, monkeypatch):
-    from dppo.trainer import preflight, ray_cluster
+    from dppo.trainer import placement, preflight, ray_cluster
     from dppo.config import ConfigError
 
     monkeypatch.setattr(ray_cluster, "cluster_cpus", lambda: 3.0)
+    monkeypatch.setattr(placement, "plan", lambda cfg: None)  # the pools fit (tests/integration/test_rollout_placement.py)
     cfg = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 2, "rollout.num_threads": 2})
     with pytest.raises(ConfigError, match="rollout.num_workers=2 with rollout.num_threads=2: 4 worker threads, but "
                                           "the Ray cluster has 3 CPUs"):  # fmt: skip

@@ -3,9 +3,12 @@
 RolloutGenerator is the plain logic (a model copy, a prompt sampler, the sampling loop); the Ray actor
 RolloutWorkerActor only moves data: at each generation boundary it asks the replay buffer for a ticket,
 loads the newer weights the ticket carries (one object-store get), generates and hands the groups back.
+A worker that Ray gave a GPU (a bundle of the rollout's pool, rollout.n_gpus_per_node) generates on it.
 """
 
 from __future__ import annotations
+
+import os
 
 import numpy as np
 import ray
@@ -21,19 +24,34 @@ from dppo.rollout import Group, left_pad
 _TICKET_STREAM = 0x71C4E7
 
 
+def worker_device(worker_index: int, gpu_ids: list, cuda_available: bool) -> torch.device:
+    """The device of rollout worker worker_index, which Ray gave gpu_ids (ray.get_gpu_ids()): cuda:0 with a GPU
+    (Ray's CUDA_VISIBLE_DEVICES shows the process its own GPUs only), the CPU without. RuntimeError if Ray gave it
+    GPUs that this process's torch cannot use, rather than generating on the CPU unnoticed."""
+    if not gpu_ids:
+        return torch.device("cpu")
+    if not cuda_available:
+        raise RuntimeError(f"rollout worker {worker_index} was given GPU(s) {[str(g) for g in gpu_ids]} by Ray, but "
+                           f"torch.cuda.is_available() is False in its process (torch {torch.__version__}, "
+                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")  # fmt: skip
+    return torch.device("cuda", 0)
+
+
 class RolloutGenerator:
     """One worker's model copy and sampling state; generate() returns scored groups."""
 
-    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int):
+    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int, device: str | torch.device = "cpu"):
         """source: the trainer's PromptSource object, never rebuilt from the config here: a worker process has only
         the built-in tasks registered, not one the driver added with register_task, and need not see the data
-        files. model_config: the trainer model's transformers config; the weights arrive with the first ticket."""
+        files. model_config: the trainer model's transformers config; the weights arrive with the first ticket.
+        device: where the model copy and the sampling loop run (the groups come back on the host)."""
         self.source = source
         self.worker_index = worker_index
-        self.model = model_from_config(model_config, cfg.model.dtype).requires_grad_(False)
+        self.device = torch.device(device)
+        self.model = model_from_config(model_config, cfg.model.dtype).requires_grad_(False).to(self.device)
         self.seed = cfg.trainer.seed
         self.prompts = source.sampler([self.seed, _TICKET_STREAM])  # positioned per ticket
-        self.generator = torch.Generator()
+        self.generator = torch.Generator(device=self.device)
         self.n = cfg.rollout.n
         self.temperature = cfg.rollout.temperature
         self.max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
@@ -49,6 +67,7 @@ class RolloutGenerator:
         self.generator.manual_seed(int(sample_seed))
 
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
+        """state_dict: the published weights, on the host; copied into the model on its device."""
         self.model.load_state_dict(state_dict)
         self.version = version
 
@@ -60,13 +79,16 @@ class RolloutGenerator:
         source = self.source
         prompts = self.prompts.sample(num_groups).repeat(self.n)  # G n rows
         prompt_ids, prompt_mask = left_pad(prompts.token_ids, source.pad_token)  # (G n, P) each; mask None: no padding
-        responses, mask = sample_responses(self.model, prompt_ids, self.max_new_tokens, self.temperature,
-                                           self.generator, source.eos_token, source.pad_token, prompt_mask)  # fmt: skip
+        ids = prompt_ids.to(self.device)
+        pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
+        responses, mask = sample_responses(self.model, ids, self.max_new_tokens, self.temperature,
+                                           self.generator, source.eos_token, source.pad_token, pad_mask)  # fmt: skip
         # Behavior log-probs are re-scored with a full forward pass by the same function the trainer uses,
         # so that pi_behav and pi_old agree bitwise when the weights agree.
-        attention_mask = None if prompt_mask is None else torch.cat([prompt_mask, mask.long()], 1)
-        behav_logp = response_log_probs(self.model, torch.cat([prompt_ids, responses], 1), responses.shape[1],
+        attention_mask = None if pad_mask is None else torch.cat([pad_mask, mask.long()], 1)
+        behav_logp = response_log_probs(self.model, torch.cat([ids, responses], 1), responses.shape[1],
                                         self.temperature, self.micro_batch_size, attention_mask=attention_mask)  # fmt: skip
+        responses, mask, behav_logp = responses.cpu(), mask.cpu(), behav_logp.cpu()  # (G n, R) each: to the host
         scored = source.score(prompts, responses.numpy(), mask.numpy())
         scores = torch.from_numpy(scored.scores)
         extra = {key: torch.from_numpy(values) for key, values in scored.extra.items()}
@@ -86,7 +108,8 @@ class RolloutWorkerActor:
         """holder: this incarnation's id at the replay buffer (a restarted worker gets a new one)."""
         keep_freed_host_memory()  # this actor's own process: generation's freed KV caches stay mapped
         torch.set_num_threads(cfg.rollout.num_threads)
-        self.core = RolloutGenerator(cfg, source, model_config, worker_index)
+        device = worker_device(worker_index, ray.get_gpu_ids(), torch.cuda.is_available())
+        self.core = RolloutGenerator(cfg, source, model_config, worker_index, device)
         self.buffer = buffer
         self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch
