@@ -6,8 +6,9 @@
 #   4. run benchmarks/cycle_bench.py with its GPU sizes (2 repeats)           limit 180 s
 #   5. run benchmarks/fsdp_cycle.py: the actor at world size 1 plain and FSDP2, limit  70 s
 #      and at world size = GPU count when there are several GPUs
-# The limits add up to 525 s (under 9 minutes), so that the whole script fits the device tool's
-# 10-minute limit on one command with its start-up, and a step that hangs cannot eat the session's time.
+#   6. a rollout worker on its GPU (rollout.n_gpus_per_node), alone and on Ray limit  45 s
+# The limits add up to 570 s (9.5 minutes), so that the whole script fits the device tool's
+# 10-minute limit on one command, and a step that hangs cannot eat the session's time.
 # and write every log and JSON file flat into one folder: $1, else $OUT, else bench_out/gpu_check.
 #
 # Python: .venv/bin/python if it imports a CUDA build of torch, else the system python3 if it does
@@ -65,7 +66,8 @@ export MAX_JOBS=${MAX_JOBS:-$(nproc)} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIS
 step build 100 env DPPO_FORCE_CUDA=1 "$PY" setup.py build_ext --inplace
 # Every test file that carries the cuda marker (collecting the whole tree would import packages, such
 # as ray, that GPU images may lack).
-mapfile -t CUDA_TESTS < <(grep -rlE "pytest\.mark\.cuda|mark\.cuda\b" tests --include='test_*.py' | sort)
+# (the rollout worker's own file runs as step 6: it starts a Ray cluster)
+mapfile -t CUDA_TESTS < <(grep -rlE "pytest\.mark\.cuda|mark\.cuda\b" tests --include='test_*.py' | grep -v test_rollout_worker_cuda | sort)
 step pytest_cuda 75 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs --continue-on-collection-errors "${CUDA_TESTS[@]}"
 step snapshot_bench 100 "$PY" benchmarks/snapshot_bench.py --repeats 3 --out "$RESULTS/snapshot_bench.json"
 
@@ -96,6 +98,13 @@ NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || 
 step fsdp_cycle 70 "$PY" benchmarks/fsdp_cycle.py --device cuda --world-size "$NGPU" --out "$RESULTS/fsdp_cycle.json"
 mapfile -t FSDP_TARGETS < <(grep -E "^(PASS|FAIL)  " "$RESULTS/fsdp_cycle.log" || true)
 SUMMARY+=("${FSDP_TARGETS[@]}")
+# ---------------------------------------------------------------------------------------------------
+
+# ---- a rollout worker on its GPU (issue 17, docs/rollout_placement.md) ------------------------------
+# The hf sampler on cuda:0 with weights published from the host, then a Ray rollout worker placed in the
+# rollout's pool (rollout.n_gpus_per_node=1, the actor on the CPU): Ray hands it the GPU and it generates
+# there; behavior log-probs within 1e-4 of a host re-score in fp32.
+step rollout_gpu 45 "$PY" -m pytest -m cuda -q -p no:cacheprovider -rs tests/cuda/test_rollout_worker_cuda.py
 # ---------------------------------------------------------------------------------------------------
 
 {

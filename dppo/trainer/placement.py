@@ -55,7 +55,7 @@ class Pool:
 
     def describe(self) -> str:
         """e.g. "the actor's 2 ranks (trainer.nnodes=1 x trainer.n_gpus_per_node=2, each {'GPU': 1, 'CPU': 1})"."""
-        what = "ranks" if self.name == "actor" else "workers"
+        what = ("rank" if self.name == "actor" else "worker") + ("s" if self.size != 1 else "")
         return f"the {self.name}'s {self.size} {what} ({self.keys()}, each {_shown(self.bundle)})"
 
 

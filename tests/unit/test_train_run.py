@@ -5,6 +5,7 @@ from types import SimpleNamespace
 
 import pytest
 
+import dppo.trainer.placement
 import dppo.trainer.ppo
 from dppo.cli import main
 from dppo.train import run
@@ -55,6 +56,7 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
                              [("global steps", "0")], 0.0)  # fmt: skip
 
     monkeypatch.setattr(dppo.trainer.ppo, "PPOTrainer", StandInTrainer)
+    monkeypatch.setattr(dppo.trainer.placement, "plan", lambda cfg: None)  # the pools fit (no real cluster here)
     cfg = small_cfg(**{"ray.enabled": True})
     if fit_fails:
         with pytest.raises(_FitFailed):

@@ -59,7 +59,7 @@ def test_one_node_too_small_for_both_is_refused_with_the_counts():
     message = str(err.value)
     assert "\n" not in message
     for fragment in ("the actor's 4 ranks (trainer.nnodes=1 x trainer.n_gpus_per_node=4",
-                     "the rollout's 1 workers (rollout.nnodes=1 x rollout.n_gpus_per_node=1",
+                     "the rollout's 1 worker (rollout.nnodes=1 x rollout.n_gpus_per_node=1",
                      "need {'GPU': 5, 'CPU': 5} in all", "its 1 alive node(s) have {'GPU': 4, 'CPU': 16} in all",
                      "placed 1 of 1 actor node(s), 0 of 1 rollout node(s)"):  # fmt: skip
         assert fragment in message, message
