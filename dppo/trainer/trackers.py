@@ -93,7 +93,7 @@ class TensorBoardTracker:
 
     def log(self, values: dict[str, float], step: int) -> None:
         for key, value in values.items():
-            self.writer.add_scalar(key, value, step + 0)
+            self.writer.add_scalar(key, value, step)
         self.writer.flush()  # what a killed run logged is on disk
 
     def summary(self, values: dict[str, float], step: int) -> None:
