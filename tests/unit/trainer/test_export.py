@@ -1,0 +1,172 @@
+"""dppo.trainer.export and hf_model: a checkpoint written at world size 1 or 2 (FSDP2 over gloo) as a transformers
+directory whose model gives bitwise the trained policy's log-probs on the CPU in fp32; untrusted ones refused."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from fsdp_ranks import token_rows, train_and_save_shards
+
+from dppo.models import build_model, response_log_probs
+from dppo.trainer import checkpoint as ckpt
+from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
+from dppo.trainer.config import to_dict
+from dppo.trainer.export import export_checkpoint, load_checkpoint_policy
+from dppo.trainer.hf_model import save_hf_model
+from dppo.trainer.ppo import PPOTrainer
+
+
+def logp(model, ids, response_length: int = 4) -> torch.Tensor:
+    with torch.no_grad():
+        return response_log_probs(model.eval(), ids, response_length, 1.0, 3)
+
+
+def load_exported(path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(path, local_files_only=True).eval()
+
+
+def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for key in sa:
+        assert sa[key].dtype == sb[key].dtype and torch.equal(sa[key], sb[key]), key
+
+
+@pytest.fixture(scope="module")
+def ws1_run(tmp_path_factory):
+    """A 2-step in-process run (world size 1) with a checkpoint after each step; the trained rank."""
+    from dppo.trainer.config import load_config
+
+    out = tmp_path_factory.mktemp("ws1") / "run"
+    cfg = load_config([f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.parameter_sync_step=2",
+                       "trainer.train_batch_size=4", "trainer.eval_prompts=8", "trainer.progress_bar=false",
+                       "trainer.mode=sync", "trainer.checkpoint_every=1", "ray.enabled=false", "rollout.n=4",
+                       "rollout.groups_per_batch=2", "task.length=3", "model.hidden_size=32",
+                       "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64"])  # fmt: skip
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    return trainer
+
+
+def test_export_of_a_world_size_1_checkpoint_is_the_trained_policy(ws1_run, tmp_path):
+    rank = ws1_run.actor.local_rank
+    last = ws1_run.output_dir / "checkpoints" / "step_00000002"
+    out = export_checkpoint(last, tmp_path / "exported")
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    exported = load_exported(out)
+    assert_same_weights(exported, rank.model)
+    ids = token_rows(exported.config.vocab_size)
+    assert torch.equal(logp(exported, ids), logp(rank.model, ids))  # bitwise, fp32 on the CPU
+    assert exported.config.use_cache is True and rank.model.config.use_cache is False
+    generation = json.loads((out / "generation_config.json").read_text())
+    assert generation.get("eos_token_id") == ws1_run.source.eos_token and generation["pad_token_id"] == 0
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # no staging left behind
+
+
+def test_export_replaces_an_old_directory_whole(ws1_run, tmp_path):
+    out = tmp_path / "exported"
+    out.mkdir()
+    (out / "stale.bin").write_bytes(b"old")
+    export_checkpoint(ws1_run.output_dir / "checkpoints" / "step_00000001", out)
+    assert not (out / "stale.bin").exists() and (out / "model.safetensors").is_file()
+
+
+@pytest.mark.parametrize("tamper", ["shard", "trainer", "manifest", "ledger", "extra_file", "not_a_checkpoint"])
+def test_an_untrusted_checkpoint_is_refused_in_one_line(ws1_run, tmp_path, tamper):
+    import shutil
+
+    run = tmp_path / "checkpoints"
+    shutil.copytree(ws1_run.output_dir / "checkpoints", run)
+    path = run / "step_00000002"
+    if tamper == "shard":
+        shard = next((path / ACTOR_DIR).glob("*.distcp"))
+        data = bytearray(shard.read_bytes())
+        data[len(data) // 2] ^= 1
+        shard.write_bytes(bytes(data))
+    elif tamper == "trainer":
+        (path / TRAINER_FILE).write_bytes(b"\x80\x04cos\nsystem\n.")
+    elif tamper == "manifest":
+        manifest = json.loads((path / ckpt.MANIFEST).read_text())
+        manifest["version"] += 1
+        (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    elif tamper == "ledger":
+        (run / ckpt.LEDGER).unlink()
+    elif tamper == "extra_file":
+        (path / ACTOR_DIR / "planted.py").write_text("print('hi')")
+    else:
+        path = tmp_path / "somewhere"
+        path.mkdir()
+    with pytest.raises(ckpt.CheckpointError, match="refusing checkpoint") as err:
+        export_checkpoint(path, tmp_path / "out")
+    assert "\n" not in str(err.value)
+    assert not (tmp_path / "out").exists()
+
+
+# ---- world size 2: FSDP2 shards written by two gloo processes ---------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_export_of_a_world_size_2_checkpoint_is_the_gathered_policy(small_cfg, tmp_path):
+    cfg = small_cfg(**{"trainer.n_gpus_per_node": 2, "ray.enabled": True, "trainer.mode": "separate_async"})
+    vocab_size = 13
+    full_path = tmp_path / "full.pt"
+
+    def write(staging):
+        mp.start_processes(train_and_save_shards, args=(cfg, vocab_size, _free_port(), str(staging / ACTOR_DIR), str(full_path)),
+                           nprocs=2, start_method="spawn")  # fmt: skip
+        torch.save({"global_step": 1, "version": 1, "trigger": 0, "config": to_dict(cfg)}, staging / TRAINER_FILE)
+
+    path = ckpt.CheckpointDir(tmp_path / "checkpoints").save(1, 1, write)
+    assert sorted(p.name for p in (path / ACTOR_DIR).glob("*.distcp")) == ["__0_0.distcp", "__1_0.distcp"]
+    out = export_checkpoint(path, tmp_path / "exported")
+    exported = load_exported(out)
+    gathered = build_model(cfg.model, vocab_size, seed=0)
+    gathered.load_state_dict(torch.load(full_path, weights_only=True))
+    assert_same_weights(exported, gathered)
+    assert not torch.equal(gathered.model.embed_tokens.weight, build_model(cfg.model, vocab_size, 0).model.embed_tokens.weight)
+    ids = token_rows(vocab_size)
+    assert torch.equal(logp(exported, ids), logp(gathered, ids))
+    policy = load_checkpoint_policy(path)
+    assert policy.global_step == 1 and policy.tokenizer_dir is None
+
+
+def test_tied_weights_are_saved_once_and_come_back_tied(tmp_path):
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
+                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(config).eval()
+    out = save_hf_model(model, tmp_path / "tied")
+    from safetensors import safe_open
+
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        keys = set(f.keys())
+    assert ("lm_head.weight" in keys) != ("model.embed_tokens.weight" in keys)  # one copy
+    loaded = load_exported(out)
+    assert loaded.lm_head.weight.data_ptr() == loaded.model.embed_tokens.weight.data_ptr()
+    assert torch.equal(loaded.lm_head.weight, model.lm_head.weight)
+
+
+def test_the_model_dtype_and_the_tokenizer_of_model_path_go_with_it(text_example, tmp_path):
+    from transformers import AutoTokenizer
+
+    model = build_model(type("M", (), {"path": str(text_example["model"]), "dtype": "bfloat16"})(), 1, seed=0)
+    out = save_hf_model(model, tmp_path / "hf", tokenizer_dir=text_example["model"])
+    loaded = load_exported(out)
+    assert loaded.dtype == torch.bfloat16
+    tokenizer = AutoTokenizer.from_pretrained(out, local_files_only=True)
+    original = AutoTokenizer.from_pretrained(text_example["model"], local_files_only=True)
+    assert tokenizer("reverse 407")["input_ids"] == original("reverse 407")["input_ids"]
+    assert tokenizer.chat_template == original.chat_template and tokenizer.eos_token_id == original.eos_token_id
