@@ -14,7 +14,7 @@ from fsdp_ranks import token_rows, train_and_save_shards
 from dppo.models import build_model, response_log_probs
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
-from dppo.trainer.config import to_dict
+from dppo.trainer.config import to_dict, to_yaml
 from dppo.trainer.export import export_checkpoint, load_checkpoint_policy
 from dppo.trainer.hf_model import save_hf_model
 from dppo.trainer.ppo import PPOTrainer
@@ -50,6 +50,7 @@ def ws1_run(tmp_path_factory):
                        "rollout.groups_per_batch=2", "task.length=3", "model.hidden_size=32",
                        "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64"])  # fmt: skip
     trainer = PPOTrainer(cfg)
+    (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))  # as dppo.train.run writes it
     trainer.fit()
     return trainer
 
@@ -170,3 +171,44 @@ def test_the_model_dtype_and_the_tokenizer_of_model_path_go_with_it(text_example
     original = AutoTokenizer.from_pretrained(text_example["model"], local_files_only=True)
     assert tokenizer("reverse 407")["input_ids"] == original("reverse 407")["input_ids"]
     assert tokenizer.chat_template == original.chat_template and tokenizer.eos_token_id == original.eos_token_id
+
+
+# ---- dppo eval ---------------------------------------------------------------------------------------
+
+
+def test_eval_of_the_checkpoint_and_of_its_export_reproduces_the_runs_final_evaluation(ws1_run, tmp_path):
+    from dppo.trainer.evaluation import run_eval, write_eval
+
+    final = ws1_run.metrics.records[-1]
+    expected = {key: final[key] for key in ("eval/reward", "eval/accuracy", "eval/prompts")}
+    last = ws1_run.output_dir / "checkpoints" / "step_00000002"
+    from_checkpoint = run_eval(last)
+    assert from_checkpoint.metrics == expected and from_checkpoint.n == 1 and from_checkpoint.temperature == 0.0
+    exported = export_checkpoint(last, tmp_path / "exported")
+    from_dir = run_eval(exported, config_file=str(ws1_run.output_dir / "config.yaml"))
+    assert from_dir.metrics == expected and from_dir.prompts == 8
+    written = json.loads(write_eval(from_dir, tmp_path / "eval.json").read_text())
+    assert written["metrics"] == expected and written["model"] == str(exported)
+    assert "eval/reward" in from_dir.table() and "greedy" in from_dir.table()
+
+
+def test_eval_samples_rollout_n_per_prompt_when_asked(ws1_run):
+    from dppo.trainer.config import ConfigError
+    from dppo.trainer.evaluation import run_eval
+
+    last = ws1_run.output_dir / "checkpoints" / "step_00000002"
+    sampled = run_eval(last, ["rollout.n=3", "rollout.temperature=1.0"])
+    again = run_eval(last, ["rollout.n=3", "rollout.temperature=1.0"])
+    assert sampled.n == 3 and sampled.metrics["eval/prompts"] == 24.0 and sampled.metrics == again.metrics
+    other_seed = run_eval(last, ["rollout.n=3", "rollout.temperature=1.0", "trainer.seed=1"])
+    assert other_seed.metrics["eval/prompts"] == 24.0
+    with pytest.raises(ConfigError, match="rollout.temperature"):
+        run_eval(last, ["rollout.n=3", "rollout.temperature=0"])
+
+
+def test_eval_refuses_what_is_neither_a_model_nor_a_checkpoint(tmp_path):
+    from dppo.trainer.config import ConfigError
+    from dppo.trainer.evaluation import run_eval
+
+    with pytest.raises(ConfigError, match="neither a transformers model directory"):
+        run_eval(tmp_path)
