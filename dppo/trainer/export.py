@@ -69,8 +69,8 @@ def _hf_config(path: Path, config: dict, weights: dict[str, torch.Tensor]):
     model = config["model"]
     if model.get("path") is not None:
         if not os.path.isdir(model["path"]):
-            raise FileNotFoundError(f"the checkpoint's model.path={model['path']!r} (its architecture and tokenizer) "
-                                    "is not a directory here")  # fmt: skip
+            raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: its model.path={model['path']!r} (the "
+                                       "architecture and the tokenizer) is not a directory here")  # fmt: skip
         return AutoConfig.from_pretrained(model["path"], local_files_only=True)
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     return tiny_model_config(vocab_size, model["hidden_size"], model["num_hidden_layers"],
