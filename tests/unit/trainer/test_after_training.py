@@ -212,3 +212,30 @@ def test_eval_refuses_what_is_neither_a_model_nor_a_checkpoint(tmp_path):
 
     with pytest.raises(ConfigError, match="neither a transformers model directory"):
         run_eval(tmp_path)
+
+
+def test_text_eval_of_a_checkpoint_and_its_export_reproduces_val_score(text_example, tmp_path):
+    """Text data: the export carries the tokenizer (AutoTokenizer loads it), and `dppo eval` with data.val_files
+    alone gives the run's final val/score/<data_source> from the checkpoint and from the exported directory."""
+    from transformers import AutoTokenizer
+
+    from dppo.trainer.config import load_config
+    from dppo.trainer.evaluation import run_eval
+
+    keys = {"data.val_files": text_example["val"], "custom_reward_function.path": text_example["reward"],
+            "data.max_prompt_length": 32, "data.max_response_length": 6}  # fmt: skip
+    cfg = load_config([f"model.path={text_example['model']}", f"data.train_files={text_example['train']}",
+                       *(f"{k}={v}" for k, v in keys.items()), f"trainer.output_dir={tmp_path / 'run'}",
+                       "trainer.total_steps=1", "trainer.parameter_sync_step=2", "trainer.train_batch_size=4",
+                       "trainer.progress_bar=false", "trainer.mode=sync", "trainer.checkpoint_every=1",
+                       "ray.enabled=false", "rollout.n=4", "rollout.groups_per_batch=2"])  # fmt: skip
+    trainer = PPOTrainer(cfg)
+    trainer.fit()
+    final = {k: v for k, v in trainer.metrics.records[-1].items() if k.startswith("val/score/")}
+    assert sorted(final) == ["val/score/reverse_long", "val/score/reverse_short"]
+    last = tmp_path / "run" / "checkpoints" / "step_00000001"
+    assert run_eval(last).metrics == final
+    exported = export_checkpoint(last, tmp_path / "exported")
+    tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
+    assert tokenizer.eos_token_id == trainer.source.eos_token and tokenizer.chat_template
+    assert run_eval(exported, [f"{k}={v}" for k, v in keys.items()]).metrics == final
