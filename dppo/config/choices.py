@@ -10,6 +10,8 @@ OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 FSDP_MODES = ("auto", "always")
+LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logger (dppo.trainer.trackers)
+SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
 
 # algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")

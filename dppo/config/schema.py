@@ -33,9 +33,11 @@ from dppo.config.choices import (
     DEVICES,
     DTYPES,
     FSDP_MODES,
+    LOGGERS,
     OFF_POLICY_STRATEGIES,
     PROX_ANCHORS,
     PROX_LOGP_METHODS,
+    SAVE_CONTENTS,
     SNAPSHOT_STRATEGIES,
     TRAINER_MODES,
 )
@@ -107,6 +109,17 @@ class TrainerConfig:
     progress_bar: bool = True
     """Show a tqdm progress bar over global steps."""
 
+    logger: Any = field(default_factory=lambda: ["console", "jsonl"])
+    """Where the metrics go (verl's key), a list: console (the progress bar and the summary) and jsonl
+    (metrics.jsonl) are always on; tensorboard (output_dir/tensorboard/), wandb and mlflow need the extra
+    dppo[trackers]. The same scalars as metrics.jsonl at the same global steps, the config, the final eval."""
+
+    project_name: str = "dppo"
+    """The trackers' project (verl's key): the W&B project, the MLflow experiment."""
+
+    experiment_name: Optional[str] = None
+    """The trackers' run name (verl's key): the W&B and MLflow run name; null: the tracker makes one up."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "trainer", unbounded=("seed",))
         positive("trainer.total_steps", self.total_steps)
@@ -127,6 +140,32 @@ class TrainerConfig:
         require(0 < self.collective_timeout_s < float("inf"), "trainer.collective_timeout_s", self.collective_timeout_s,
                  "a finite number of seconds > 0")  # fmt: skip
         require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
+        if isinstance(self.logger, str):
+            self.logger = [self.logger]  # trainer.logger=wandb: one tracker
+        require(isinstance(self.logger, (list, tuple)), "trainer.logger", self.logger,
+                f"a list of logger names, e.g. [console,wandb] (some of {', '.join(LOGGERS)})")  # fmt: skip
+        for name in self.logger:
+            one_of("trainer.logger", name, LOGGERS)
+        self.logger = list(self.logger)
+        require(bool(self.project_name), "trainer.project_name", self.project_name, "a non-empty name")
+
+
+@dataclass
+class ActorCheckpointSection:
+    save_contents: Any = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What each checkpoint holds (verl's key): model, optimizer and extra (the trainer's state and RNG) always, so
+    it resumes exactly; add hf_model for a transformers directory of the policy in actor/huggingface/ too."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.save_contents, (list, tuple)), "actor.checkpoint.save_contents", self.save_contents,
+                f"a list, some of {', '.join(SAVE_CONTENTS)}")  # fmt: skip
+        for name in self.save_contents:
+            one_of("actor.checkpoint.save_contents", name, SAVE_CONTENTS)
+        missing = [name for name in SAVE_CONTENTS[:3] if name not in self.save_contents]
+        require(not missing, "actor.checkpoint.save_contents", self.save_contents,
+                f"a list holding model, optimizer and extra (dppo's checkpoints always resume exactly; missing: "
+                f"{', '.join(missing)}), plus hf_model if wanted")  # fmt: skip
+        self.save_contents = list(self.save_contents)
 
 
 @dataclass
@@ -168,6 +207,8 @@ class ActorConfig:
     fsdp: str = "auto"
     """Sharding of the actor: auto (FSDP2 when the world size is above 1, the plain module at world size 1) or
     always (FSDP2 at every world size, one rank included)."""
+
+    checkpoint: ActorCheckpointSection = field(default_factory=ActorCheckpointSection)
 
     def __post_init__(self) -> None:
         check_numbers(self, "actor")

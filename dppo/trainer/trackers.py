@@ -26,14 +26,15 @@ import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
-from dppo.trainer.config import ConfigError
+from dppo.config import ConfigError
+from dppo.config.choices import LOGGERS
 
 log = logging.getLogger("dppo.trackers")
 
 ALWAYS_ON = ("console", "jsonl")
 # tracker name -> the module it needs (the package of the optional extra dppo[trackers])
 PACKAGES = {"tensorboard": "tensorboard", "wandb": "wandb", "mlflow": "mlflow"}
-LOGGERS = ALWAYS_ON + tuple(PACKAGES)
+assert set(LOGGERS) == set(ALWAYS_ON) | set(PACKAGES), "every trainer.logger name is a tracker here"
 EXTRA = "pip install 'dppo[trackers]'"
 
 
