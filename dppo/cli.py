@@ -1,4 +1,9 @@
-"""`dppo train [--config FILE] [key=value ...]`: the command-line entry point (console script `dppo`)."""
+"""The command-line entry point (console script `dppo`): it parses, runs, and maps errors to one line and an exit code.
+
+    dppo train [--config FILE] [key=value ...]            train (dppo.train)
+    dppo export CHECKPOINT_DIR OUT_DIR                     a checkpoint as a transformers directory (dppo.trainer.export)
+    dppo eval MODEL_DIR_OR_CHECKPOINT [key=value ...]      evaluate as training does (dppo.trainer.evaluation)
+"""
 
 from __future__ import annotations
 
@@ -116,6 +121,31 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
     train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.total_steps=20")
+    export = commands.add_parser(
+        "export",
+        help="write a checkpoint's policy as a transformers model directory",
+        description="Verify a checkpoint as trainer.resume does and write its policy (any world size) as a transformers "
+        "model directory: config.json, model.safetensors, generation_config.json and the tokenizer. No Ray, no GPU.",
+    )  # fmt: skip
+    export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="e.g. outputs/dppo/checkpoints/step_00000060")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="the transformers directory to write (replaced whole)")
+    export.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
+    evaluate = commands.add_parser(
+        "eval",
+        help="score a model directory or a checkpoint on the evaluation prompts, as training does",
+        description="Greedy decoding (rollout.n=K: K samples per prompt at rollout.temperature) on the run's "
+        "evaluation prompts: a task's held-out prompts (eval/*) or data.val_files (val/score/<data_source>), scored "
+        "as in training. Prints a table and writes JSON.",
+        epilog="examples:\n  dppo eval outputs/dppo/hf_model --config outputs/dppo/config.yaml\n"
+        "  dppo eval outputs/dppo/checkpoints/step_00000060\n"
+        "  dppo eval outputs/text/hf_model data.val_files=val.parquet custom_reward_function.path=reward.py\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    evaluate.add_argument("target", metavar="MODEL_DIR_OR_CHECKPOINT", help="a transformers directory or a checkpoint")
+    evaluate.add_argument("--config", metavar="FILE", help="YAML file of overrides (e.g. the run's config.yaml)")
+    evaluate.add_argument("--out", metavar="FILE", help="where the JSON goes (default: trainer.output_dir/eval.json)")
+    evaluate.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
+    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.val_files=v.parquet")
     return parser
 
 
@@ -140,12 +170,18 @@ def _one_line(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, extra = parser.parse_known_args(argv)
+    # key=value after an option (dppo eval MODEL --config F key=value): argparse leaves them over; they are overrides
+    if extra and hasattr(args, "overrides") and all("=" in item and not item.startswith("-") for item in extra):
+        args.overrides = [*args.overrides, *extra]
+    elif extra:
+        parser.error(f"unrecognized arguments: {' '.join(extra)}")
     debug = args.debug or os.environ.get("DPPO_DEBUG", "") not in ("", "0")
 
     with StopOnSignal() as stop, _warning_lines():
         try:
-            return _train(args)
+            return {"train": _train, "export": _export, "eval": _eval}[args.command](args)
         except KeyboardInterrupt:  # Stopped, or what Ray made of it (ray.get raises a plain KeyboardInterrupt)
             if debug:
                 traceback.print_exc()
@@ -176,6 +212,26 @@ def _train(args) -> int:
     from dppo.train import run
 
     run(cfg)
+    return 0
+
+
+def _export(args) -> int:
+    from dppo.trainer.export import export_checkpoint
+
+    out = export_checkpoint(args.checkpoint, args.out_dir)
+    print(f"exported {args.checkpoint} to {out}")
+    return 0
+
+
+def _eval(args) -> int:
+    from pathlib import Path
+
+    from dppo.trainer.evaluation import run_eval, write_eval
+
+    result = run_eval(args.target, args.overrides, config_file=args.config)
+    out = Path(args.out) if args.out else Path(result.config["trainer"]["output_dir"]) / "eval.json"
+    print(result.table())
+    print(f"\nwritten: {write_eval(result, out)}")
     return 0
 
 

@@ -21,6 +21,7 @@ from dppo.trainer.preflight import (
     run_shape,
 )
 from dppo.trainer.ray_cluster import init_ray, probe_cluster
+from dppo.trainer.trackers import check_installed
 
 
 def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
@@ -32,6 +33,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     state read. The actor's ranks (Ray actors with ray.enabled) then build the model and load their shards."""
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
+    check_installed(cfg.trainer.logger)  # a tracker named but not installed: one line naming the extra
     check_output_dir(cfg.trainer.output_dir)
     source = make_prompt_source(cfg)  # reads and checks any data files (one line naming what is wrong)
     shape = run_shape(cfg, source)
@@ -65,4 +67,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     if result.plot_path is not None:
         print(f"plot:    {result.plot_path}", file=out)
     print(f"summary: {result.summary_path}", file=out)
+    if result.hf_model_path is not None:
+        print(f"model:   {result.hf_model_path} (transformers; dppo eval {result.hf_model_path} --config "
+              f"{result.output_dir / 'config.yaml'})", file=out)  # fmt: skip
     return result

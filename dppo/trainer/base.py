@@ -45,15 +45,17 @@ from tqdm.auto import tqdm
 
 from dppo.config import DppoConfig, to_dict
 from dppo.data import make_prompt_source
-from dppo.data.source import PromptSource, Scores
-from dppo.generation import sample_responses
+from dppo.data.source import PromptSource
 from dppo.models import model_from_config
-from dppo.rollout import Group, TrainBatch, collate, left_pad
+from dppo.rollout import Group, TrainBatch, collate
 from dppo.trainer import checkpoint as ckpt
+from dppo.trainer.evaluation import score_policy
+from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
 from dppo.trainer.resume import CycleProgress, HeldBatch, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
+from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 from dppo.workers.actor.sharded_state import UnsafeCheckpointError
 
@@ -112,6 +114,7 @@ class RunResult:
     evaluation: dict[str, float]
     summary: list[tuple[str, str]]
     wall_s: float
+    hf_model_path: Path | None = None  # the final policy as a transformers directory
 
     def summary_table(self) -> str:
         return format_table(self.summary)
@@ -156,6 +159,8 @@ class BaseTrainer:
         self.policy_version = -1
         # A cycle resumed mid-way publishes its pi_old (the current version's weights) rather than the live ones.
         self._publish_anchor = False
+        self._tracker_state: dict | None = None  # the trackers' runs a resumed run continues (from trainer.pt)
+        self.trackers = Trackers([])
         if cfg.trainer.resume and resume_point is None:
             resume_point = find_resume_point(cfg, self.checkpoints)
         elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
@@ -168,6 +173,9 @@ class BaseTrainer:
             self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
                                       resume_step=self.global_step if self.resumed_from else None)  # fmt: skip
             self.setup()
+            self.trackers = make_trackers(cfg.trainer.logger, cfg.trainer.project_name, cfg.trainer.experiment_name,
+                                          self.output_dir, to_dict(cfg), self._tracker_state,
+                                          self.global_step if self.resumed_from else None)  # fmt: skip
         except BaseException:
             self.actor_group.close()  # the ranks hold processes and placement groups of the cluster: free them
             raise
@@ -208,7 +216,7 @@ class BaseTrainer:
         return {}
 
     def close(self) -> None:
-        """Release what setup() built, and the actor's ranks."""
+        """Release what setup() built, and the actor's ranks (the trackers are fit()'s: closed when it ends)."""
         self.actor_group.close()
 
     # ---- the loop ---------------------------------------------------------------------------------
@@ -219,6 +227,12 @@ class BaseTrainer:
         RolloutFailedError: the rollout failed beyond recovery; the trainer's state was checkpointed first and
         the message says where (or why not). RankDiedError: an actor rank died; the message names it and the
         last checkpoint."""
+        try:
+            return self._fit()
+        finally:
+            self.trackers.close()
+
+    def _fit(self) -> RunResult:
         start = time.perf_counter()
         tcfg = self.cfg.trainer
 
@@ -237,13 +251,13 @@ class BaseTrainer:
                     record.update(self.evaluate())
                     record["timing_s/testing"] = time.perf_counter() - eval_start
                 self.metrics.write(record)
+                self.trackers.log(record, self.global_step)
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['critic/score/mean']:.3f}",
                                 stale=f"{record['staleness/mean']:.2f}", step_s=f"{record['timing_s/step']:.2f}")  # fmt: skip
                 if self._checkpoint_due():
                     self.save_checkpoint()
-            if len(self.source.eval_prompts()):
-                self._current_policy()  # the final weights, before the ranks (which own them in Ray) go
+            self._current_policy()  # the final weights, before the ranks (which own them in Ray) go
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self._checkpoint_after_failure()}") from None
         except RankDiedError as err:
@@ -262,7 +276,9 @@ class BaseTrainer:
         evaluation = self.evaluate()
         if evaluation and self.metrics.records:  # the final evaluation joins the last step's line
             self.metrics.amend_last(evaluation)
-        return self._finish(evaluation, time.perf_counter() - start)
+            self.trackers.summary(evaluation, self.global_step)
+        hf_model_path = self.save_hf_model(self._current_policy(), self.output_dir / HF_MODEL_DIR)
+        return self._finish(evaluation, time.perf_counter() - start, hf_model_path)
 
     def _eval_due(self) -> bool:
         """trainer.test_freq says so (the last step's evaluation is the final one, after the loop)."""
@@ -364,6 +380,12 @@ class BaseTrainer:
         self._published, self._published_version = self.actor_group.rollout_weights(anchor), version
         self.rollout.publish(self._published, version)
 
+    def save_hf_model(self, policy: torch.nn.Module, out_dir: Path) -> Path:
+        """policy as a transformers directory at out_dir, with model.path's tokenizer and the source's EOS and pad."""
+        path = self.cfg.model.path
+        return save_hf_model(policy, out_dir, path if has_tokenizer(path) else None, self.source.eos_token,
+                             self.source.pad_token)  # fmt: skip
+
     def _current_policy(self) -> torch.nn.Module:
         """A plain model on self.device holding the weights last published (a state dict, or [ObjectRef] of one),
         loaded again only when a newer version was published."""
@@ -396,15 +418,29 @@ class BaseTrainer:
             "rng": rng_state(),
             "config": to_dict(self.cfg),
             "rollout": self.rollout_start.to_state(),
+            "trackers": self.trackers.state(),
         }
         if progress.started:
             state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
 
         def write(staging: Path) -> None:
             state["anchor"] = self.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            if "hf_model" in self.cfg.actor.checkpoint.save_contents:
+                self._checkpoint_hf_model(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=progress.started)
             torch.save(state, staging / TRAINER_FILE)
 
         return self.checkpoints.save(self.global_step, self.version, write, trigger=progress.trigger)
+
+    def _checkpoint_hf_model(self, out_dir: Path, mid_cycle: bool) -> None:
+        """The live weights as a transformers directory inside a checkpoint. At a step boundary they are the weights
+        just published to the rollout (the driver's policy loads them once); mid-cycle they are gathered anew."""
+        if not mid_cycle:
+            self.save_hf_model(self._current_policy(), out_dir)
+            return
+        weights = self.actor_group.rollout_weights(False)
+        if isinstance(weights, list):  # [ObjectRef] of the gathered state dict
+            weights = ray.get(weights[0])
+        self.save_hf_model(model_with_weights(self.model_config, self.cfg.model.dtype, weights), out_dir)
 
     def _checkpoint_after_failure(self) -> str:
         """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""
@@ -459,6 +495,7 @@ class BaseTrainer:
         self.resumed_from = path
         self.global_step, self.version = int(state["global_step"]), int(state["version"])
         set_rng_state(state["rng"])
+        self._tracker_state = state.get("trackers")
         if "cycle" in state:
             self.progress = CycleProgress.from_state(state["cycle"])
         self._publish_anchor = bool(state.get("anchor"))
@@ -482,22 +519,14 @@ class BaseTrainer:
         if len(prompts) == 0 or getattr(self, "_published", None) is None:
             return {}
         policy = self._current_policy()  # fit() loaded the last version before the ranks went
-        source, scores = self.source, []
-        for start in range(0, len(prompts), batch_size):
-            chunk = prompts[start : start + batch_size]
-            ids, mask = left_pad(chunk.token_ids, source.pad_token)
-            responses, response_mask = sample_responses(
-                policy, ids.to(self.device), self.response_length, 0.0, None, source.eos_token, source.pad_token,
-                None if mask is None else mask.to(self.device),
-            )  # fmt: skip
-            scores.append(source.score(chunk, responses.cpu().numpy(), response_mask.cpu().numpy()).scores)
-        return source.eval_metrics(prompts, Scores(np.concatenate(scores)))
+        return score_policy(policy, self.source, self.response_length, self.device, batch_size=batch_size)
 
-    def _finish(self, evaluation: dict[str, float], wall_s: float) -> RunResult:
+    def _finish(self, evaluation: dict[str, float], wall_s: float, hf_model_path: Path | None = None) -> RunResult:
         records = self.metrics.records
         plot_path = plot_run(records, self.output_dir / "training_curves.png", evaluation) if records else None
         summary = summarize(records, evaluation, wall_s)
         summary_path = self.output_dir / "summary.json"
         summary_path.write_text(json.dumps({"evaluation": evaluation, "wall_s": wall_s,
                                             "summary": dict(summary)}, indent=2))  # fmt: skip
-        return RunResult(self.output_dir, self.metrics.path, plot_path, summary_path, records, evaluation, summary, wall_s)
+        return RunResult(self.output_dir, self.metrics.path, plot_path, summary_path, records, evaluation, summary, wall_s,
+                         hf_model_path)  # fmt: skip

@@ -136,6 +136,12 @@ def load_eval_target(target: str | os.PathLike, overrides: list[str], config_fil
     if is_checkpoint(target):
         from dppo.trainer.export import load_checkpoint_policy
 
+        if config_file is not None:
+            from dppo.trainer.config import ConfigError
+
+            raise ConfigError(f"--config {config_file!r} with the checkpoint {target!r}: a checkpoint brings its run's "
+                              "own config; change it with key=value overrides")  # fmt: skip
+
         policy = load_checkpoint_policy(target)
         base = dict(policy.config)
         if policy.tokenizer_dir is not None:  # text data: the tokenizer the checkpoint was trained with

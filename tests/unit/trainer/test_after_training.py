@@ -239,3 +239,72 @@ def test_text_eval_of_a_checkpoint_and_its_export_reproduces_val_score(text_exam
     tokenizer = AutoTokenizer.from_pretrained(exported, local_files_only=True)
     assert tokenizer.eos_token_id == trainer.source.eos_token and tokenizer.chat_template
     assert run_eval(exported, [f"{k}={v}" for k, v in keys.items()]).metrics == final
+
+
+def test_cli_export_and_eval_print_where_they_wrote_and_refuse_in_one_line(ws1_run, tmp_path, capsys):
+    import shutil
+
+    from dppo.cli import main
+
+    last = ws1_run.output_dir / "checkpoints" / "step_00000002"
+    assert main(["export", str(last), str(tmp_path / "hf")]) == 0
+    assert f"exported {last} to {tmp_path / 'hf'}" in capsys.readouterr().out
+    assert main(["eval", str(tmp_path / "hf"), "--config", str(ws1_run.output_dir / "config.yaml"),
+                 "--out", str(tmp_path / "e.json"), "trainer.eval_prompts=4"]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert "eval/reward" in printed and f"written: {tmp_path / 'e.json'}" in printed
+    assert json.loads((tmp_path / "e.json").read_text())["prompts"] == 4
+
+    copy = tmp_path / "checkpoints"
+    shutil.copytree(ws1_run.output_dir / "checkpoints", copy)
+    (copy / "step_00000002" / TRAINER_FILE).write_bytes(b"tampered")
+    assert main(["export", str(copy / "step_00000002"), str(tmp_path / "out")]) == 4
+    assert main(["eval", str(copy / "step_00000002")]) == 4
+    assert main(["eval", str(last), "--config", str(ws1_run.output_dir / "config.yaml")]) == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 3 and all(line.startswith("dppo: error: ") for line in lines)
+    assert "refusing checkpoint" in lines[0] and "trainer.pt: content does not match its manifest" in lines[0]
+
+
+def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
+    """In-process (world size 1): a run with every tracker, then trainer.resume=true for one more step: the same W&B
+    run id (a second offline run directory), the same MLflow run, TensorBoard and both trackers equal to the final
+    metrics.jsonl; trainer.pt keeps the ids."""
+    from tracker_files import mlflow_run, tensorboard_scalars, wandb_offline_run
+
+    from dppo.trainer.config import load_config
+    from dppo.trainer.report import read_metrics
+    from dppo.trainer.trackers import scalars
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    out = tmp_path / "run"
+    common = [f"trainer.output_dir={out}", "trainer.parameter_sync_step=2", "trainer.train_batch_size=4",
+              "trainer.eval_prompts=8", "trainer.progress_bar=false", "trainer.mode=sync", "trainer.checkpoint_every=1",
+              "ray.enabled=false", "rollout.n=4", "rollout.groups_per_batch=2", "task.length=3", "model.hidden_size=32",
+              "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64",
+              "trainer.logger=[console,tensorboard,wandb,mlflow]", "trainer.experiment_name=resumed"]  # fmt: skip
+    PPOTrainer(load_config([*common, "trainer.total_steps=2"])).fit()
+    first = ckpt.load_torch(out / "checkpoints" / "step_00000002" / TRAINER_FILE)["trackers"]
+    resumed = PPOTrainer(load_config([*common, "trainer.total_steps=3", "trainer.resume=true"]))
+    assert resumed.global_step == 2
+    resumed.fit()
+    after = ckpt.load_torch(out / "checkpoints" / "step_00000003" / TRAINER_FILE)["trackers"]
+    assert after == first and set(first) == {"wandb", "mlflow"}
+
+    records = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    want = {}
+    for record in records:
+        for key, value in scalars(record).items():
+            want.setdefault(key, {})[record["step"]] = value
+    board = tensorboard_scalars(out / "tensorboard")
+    assert set(board) == set(want) and board["critic/score/mean"] == pytest.approx(want["critic/score/mean"])
+    runs = [wandb_offline_run(d) for d in sorted((out / "wandb").glob("offline-run-*"))]
+    assert len(runs) == 2 and {r["run_id"] for r in runs} == {first["wandb"]["run_id"]}
+    assert 3 in runs[1]["history"] and runs[1]["summary"]["eval/reward"] == records[-1]["eval/reward"]
+    # the eval of step 2 (the first run's last) was logged, then step 3's by the resumed run, in one MLflow run
+    logged = mlflow_run(out / "mlruns", first["mlflow"]["run_id"])
+    assert logged["metrics"]["critic/score/mean"] == want["critic/score/mean"]
+    assert logged["metrics"]["eval/reward"][3] == records[-1]["eval/reward"]
