@@ -111,8 +111,9 @@ def _eval_overrides(overrides: list[str], base_train_files) -> list[str]:
 
 def _config_from_dict(config: dict, overrides: list[str]):
     """A DppoConfig: a checkpoint's resolved config (as a YAML file of overrides), then overrides."""
-    from dppo.trainer.config import load_config
     from omegaconf import OmegaConf
+
+    from dppo.trainer.config import load_config
 
     with tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False) as f:
         f.write(OmegaConf.to_yaml(OmegaConf.create(config)))

@@ -20,8 +20,17 @@ import torch
 
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
-from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, has_tokenizer, model_with_weights, save_hf_model
-from dppo.workers.sharded_state import ShardedCheckpointError, UnsafeCheckpointError, load_full_weights
+from dppo.trainer.hf_model import (
+    CHECKPOINT_HF_DIR,
+    has_tokenizer,
+    model_with_weights,
+    save_hf_model,
+)
+from dppo.workers.sharded_state import (
+    ShardedCheckpointError,
+    UnsafeCheckpointError,
+    load_full_weights,
+)
 
 
 @dataclass

@@ -217,8 +217,8 @@ class Trackers:
                     f"metrics.jsonl has everything")  # fmt: skip
         try:
             tracker.close()
-        except Exception:  # noqa: BLE001  it failed already; one line is enough
-            pass
+        except Exception as close_err:  # noqa: BLE001  it failed already; one warning line is enough
+            log.debug(f"closing the failed tracker {tracker.name} raised {close_err!r}")
 
     def log(self, record: Mapping[str, object], step: int) -> None:
         values = scalars(record)

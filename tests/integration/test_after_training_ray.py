@@ -7,17 +7,16 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-
-from dppo.cli import main
-from dppo.trainer.report import read_metrics
 from fsdp_ranks import token_rows
 from tiny_run import tiny_run
 from tracker_files import mlflow_run, tensorboard_scalars, wandb_offline_run
+
+from dppo.cli import main
+from dppo.trainer.report import read_metrics
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
