@@ -38,7 +38,7 @@ EXIT_CODES = (
         "GPU workers)"),
     (3, "trainer.output_dir cannot be created or written"),
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
-        "the run's checkpoint ledger is unreadable"),
+        "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted"),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
     (6, "the data cannot be used: a data file, column or row, the tokenizer of model.path, or the reward function "
         "(the line names which; a reward function that fails on a Ray worker ends the rollout, code 1, same line)"),
@@ -226,7 +226,7 @@ def _export(args) -> int:
 def _eval(args) -> int:
     from pathlib import Path
 
-    from dppo.trainer.evaluation import run_eval, write_eval
+    from dppo.trainer.eval_run import run_eval, write_eval
 
     result = run_eval(args.target, args.overrides, config_file=args.config)
     out = Path(args.out) if args.out else Path(result.config["trainer"]["output_dir"]) / "eval.json"

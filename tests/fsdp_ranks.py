@@ -14,12 +14,12 @@ def token_rows(vocab_size: int, rows: int = 6, length: int = 9, seed: int = 123)
 
 
 def train_and_save_shards(rank: int, cfg, vocab_size: int, port: int, actor_dir: str, full_path: str) -> None:
-    """One of two ranks: the policy sharded with FSDP2 (dppo.workers.fsdp.parallelize), two AdamW steps on its own
+    """One of two ranks: the policy sharded with FSDP2 (dppo.workers.actor.fsdp.parallelize), two AdamW steps on its own
     rows, its shards into actor_dir (DCP); rank 0 also saves the whole weights gathered as the rollout's are."""
     import torch.distributed as dist
 
-    from dppo.workers.fsdp import full_state_dict, parallelize
-    from dppo.workers.sharded_state import save_sharded
+    from dppo.workers.actor.fsdp import full_state_dict, parallelize
+    from dppo.workers.actor.sharded_state import save_sharded
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)

@@ -3,7 +3,7 @@
 No Ray, no GPU, no process group: the checkpoint is verified as a resume verifies it (the run's ledger lists it,
 its manifest hashes to what the ledger recorded, every file matches the manifest; dppo.trainer.checkpoint), its
 trainer.pt is read with weights_only=True, and the actor's DCP shards are read whole with DCP's metadata
-unpickled through an allow-list (dppo.workers.sharded_state.load_full_weights). An untrusted checkpoint is a
+unpickled through an allow-list (dppo.workers.actor.sharded_state.load_full_weights). An untrusted checkpoint is a
 CheckpointError saying why, before any weight is read.
 
 The architecture: the checkpoint's own actor/huggingface/config.json where it holds one (save_contents with
@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from dppo.models import tiny_model_config
+from dppo.tasks import make_task
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
 from dppo.trainer.hf_model import (
@@ -26,7 +28,7 @@ from dppo.trainer.hf_model import (
     model_with_weights,
     save_hf_model,
 )
-from dppo.workers.sharded_state import (
+from dppo.workers.actor.sharded_state import (
     ShardedCheckpointError,
     UnsafeCheckpointError,
     load_full_weights,
@@ -70,8 +72,6 @@ def _hf_config(path: Path, config: dict, weights: dict[str, torch.Tensor]):
     """The transformers config of the checkpoint's policy (see the module docstring)."""
     from transformers import AutoConfig
 
-    from dppo.models import tiny_model_config
-
     saved = path / ACTOR_DIR / CHECKPOINT_HF_DIR
     if (saved / "config.json").is_file():
         return AutoConfig.from_pretrained(saved, local_files_only=True)
@@ -113,8 +113,6 @@ def generation_tokens(config: dict, tokenizer_dir: str | None) -> tuple[int | No
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
         return tokenizer.eos_token_id, pad
     try:
-        from dppo.tasks import make_task
-
         task = make_task(config["task"]["name"], config["task"]["length"])
     except Exception:  # noqa: BLE001  a user's task module that is not importable here: no defaults, no harm
         return None, None

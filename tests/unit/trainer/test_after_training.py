@@ -14,7 +14,7 @@ from fsdp_ranks import token_rows, train_and_save_shards
 from dppo.models import build_model, response_log_probs
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
-from dppo.trainer.config import to_dict, to_yaml
+from dppo.config import to_dict, to_yaml
 from dppo.trainer.export import export_checkpoint, load_checkpoint_policy
 from dppo.trainer.hf_model import save_hf_model
 from dppo.trainer.ppo import PPOTrainer
@@ -41,7 +41,7 @@ def assert_same_weights(a: torch.nn.Module, b: torch.nn.Module) -> None:
 @pytest.fixture(scope="module")
 def ws1_run(tmp_path_factory):
     """A 2-step in-process run (world size 1) with a checkpoint after each step; the trained rank."""
-    from dppo.trainer.config import load_config
+    from dppo.config import load_config
 
     out = tmp_path_factory.mktemp("ws1") / "run"
     cfg = load_config([f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.parameter_sync_step=2",
@@ -56,7 +56,7 @@ def ws1_run(tmp_path_factory):
 
 
 def test_export_of_a_world_size_1_checkpoint_is_the_trained_policy(ws1_run, tmp_path):
-    rank = ws1_run.actor.local_rank
+    rank = ws1_run.actor_group.local_rank
     last = ws1_run.output_dir / "checkpoints" / "step_00000002"
     out = export_checkpoint(last, tmp_path / "exported")
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
@@ -177,7 +177,7 @@ def test_the_model_dtype_and_the_tokenizer_of_model_path_go_with_it(text_example
 
 
 def test_eval_of_the_checkpoint_and_of_its_export_reproduces_the_runs_final_evaluation(ws1_run, tmp_path):
-    from dppo.trainer.evaluation import run_eval, write_eval
+    from dppo.trainer.eval_run import run_eval, write_eval
 
     final = ws1_run.metrics.records[-1]
     expected = {key: final[key] for key in ("eval/reward", "eval/accuracy", "eval/prompts")}
@@ -193,8 +193,8 @@ def test_eval_of_the_checkpoint_and_of_its_export_reproduces_the_runs_final_eval
 
 
 def test_eval_samples_rollout_n_per_prompt_when_asked(ws1_run):
-    from dppo.trainer.config import ConfigError
-    from dppo.trainer.evaluation import run_eval
+    from dppo.config import ConfigError
+    from dppo.trainer.eval_run import run_eval
 
     last = ws1_run.output_dir / "checkpoints" / "step_00000002"
     sampled = run_eval(last, ["rollout.n=3", "rollout.temperature=1.0"])
@@ -207,8 +207,8 @@ def test_eval_samples_rollout_n_per_prompt_when_asked(ws1_run):
 
 
 def test_eval_refuses_what_is_neither_a_model_nor_a_checkpoint(tmp_path):
-    from dppo.trainer.config import ConfigError
-    from dppo.trainer.evaluation import run_eval
+    from dppo.config import ConfigError
+    from dppo.trainer.eval_run import run_eval
 
     with pytest.raises(ConfigError, match="neither a transformers model directory"):
         run_eval(tmp_path)
@@ -219,8 +219,8 @@ def test_text_eval_of_a_checkpoint_and_its_export_reproduces_val_score(text_exam
     alone gives the run's final val/score/<data_source> from the checkpoint and from the exported directory."""
     from transformers import AutoTokenizer
 
-    from dppo.trainer.config import load_config
-    from dppo.trainer.evaluation import run_eval
+    from dppo.config import load_config
+    from dppo.trainer.eval_run import run_eval
 
     keys = {"data.val_files": text_example["val"], "custom_reward_function.path": text_example["reward"],
             "data.max_prompt_length": 32, "data.max_response_length": 6}  # fmt: skip
@@ -272,7 +272,7 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     metrics.jsonl; trainer.pt keeps the ids."""
     from tracker_files import mlflow_run, tensorboard_scalars, wandb_offline_run
 
-    from dppo.trainer.config import load_config
+    from dppo.config import load_config
     from dppo.trainer.report import read_metrics
     from dppo.trainer.trackers import scalars
 

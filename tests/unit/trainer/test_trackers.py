@@ -10,7 +10,7 @@ import pytest
 from tracker_files import mlflow_run, tensorboard_scalars, wandb_offline_run
 
 from dppo.trainer import trackers as tr
-from dppo.trainer.config import ConfigError
+from dppo.config import ConfigError
 
 CONFIG = {"trainer": {"seed": 3, "logger": ["console", "tensorboard"]}, "actor": {"lr": 0.001}}
 RECORDS = [
