@@ -308,3 +308,40 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     logged = mlflow_run(out / "mlruns", first["mlflow"]["run_id"])
     assert logged["metrics"]["critic/score/mean"] == want["critic/score/mean"]
     assert logged["metrics"]["eval/reward"][3] == records[-1]["eval/reward"]
+
+
+def test_hf_model_at_world_size_1_is_the_trained_policy(ws1_run):
+    rank = ws1_run.actor_group.local_rank
+    hf = load_exported(ws1_run.output_dir / "hf_model")
+    assert_same_weights(hf, rank.model)
+    ids = token_rows(hf.config.vocab_size)
+    assert torch.equal(logp(hf, ids), logp(rank.model, ids))
+    assert not (ws1_run.output_dir / "checkpoints" / "step_00000002" / ACTOR_DIR / "huggingface").exists()
+
+
+def test_a_mid_cycle_checkpoint_holds_the_live_weights_as_hf_model(small_cfg, monkeypatch):
+    """save_contents with hf_model: a rollout failure at step 1's second trigger checkpoints mid-cycle; its
+    actor/huggingface/ holds the live weights (after trigger 0's step), not the cycle start's published ones."""
+    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+
+    fetch, calls = InProcessRollout.fetch, []
+
+    def failing_fetch(self, num_groups, trainer_version):
+        calls.append(trainer_version)
+        if len(calls) == 2:  # step 1, trigger 1
+            raise RolloutFailedError("the replay buffer died")
+        return fetch(self, num_groups, trainer_version)
+
+    monkeypatch.setattr(InProcessRollout, "fetch", failing_fetch)
+    trainer = PPOTrainer(small_cfg(**{"trainer.total_steps": 2, "trainer.checkpoint_every": 10,
+                                      "snapshot.score_ahead": False,
+                                      "actor.checkpoint.save_contents": "[model,optimizer,extra,hf_model]"}))  # fmt: skip
+    cycle_start = {k: v.clone() for k, v in trainer.actor_group.local_rank.model.state_dict().items()}  # pi_old
+    with pytest.raises(RolloutFailedError, match="step_00000000_trigger_1"):
+        trainer.fit()
+    path = trainer.output_dir / "checkpoints" / "step_00000000_trigger_1"
+    hf = load_exported(path / ACTOR_DIR / "huggingface")
+    assert_same_weights(hf, trainer.actor_group.local_rank.model)  # the live weights, one step in
+    assert any(not torch.equal(hf.state_dict()[k], v) for k, v in cycle_start.items())
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    assert f"{ACTOR_DIR}/huggingface/model.safetensors" in manifest["files"]

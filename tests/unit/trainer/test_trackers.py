@@ -194,3 +194,15 @@ def test_a_tracker_not_installed_is_one_line_naming_the_extra(monkeypatch):
 def test_nan_values_pass_through(tmp_path):
     _run(["tensorboard"], tmp_path, records=[{"step": 1, "a": math.nan}], evaluation={})
     assert math.isnan(tensorboard_scalars(tmp_path / "tensorboard")["a"][1])
+
+
+def test_dppo_train_with_a_tracker_not_installed_stops_before_anything_starts(tmp_path, monkeypatch, capsys):
+    from dppo.cli import main
+
+    real = tr.importlib.util.find_spec
+    monkeypatch.setattr(tr.importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name))
+    out = tmp_path / "run"
+    assert main(["train", f"trainer.output_dir={out}", "trainer.logger=[console,mlflow]", "ray.enabled=true"]) == 2
+    assert capsys.readouterr().err.strip() == ("dppo: error: trainer.logger names 'mlflow', but the mlflow package is "
+                                               "not installed; install the trackers extra: pip install 'dppo[trackers]'")
+    assert not out.exists()  # nothing started: not even the output directory
