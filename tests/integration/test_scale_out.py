@@ -25,11 +25,14 @@ from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.rollout.worker import RolloutGenerator
+import partial_rollout
+from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 
 pytestmark = pytest.mark.integration
 
 REPO = Path(__file__).resolve().parents[2]
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # functions run on the ranks come from here
+ray.cloudpickle.register_pickle_by_value(partial_rollout)  # and from tests/, which the ranks cannot import
 
 
 def overrides(output_dir: Path, world_size: int, **extra) -> dict:
@@ -247,6 +250,25 @@ def test_score_ahead_at_world_size_2_gives_exact_old_log_probs_and_takes_no_snap
     assert records[0]["debug/old_log_prob_max_abs_diff"] == 0.0 and records[0]["snapshot/scored_ahead_frac"] == 1.0
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
     assert moved() == before == [0, 0]
+
+
+def test_a_partial_score_ahead_at_world_size_2_reads_slot_0_where_it_did_not_score_and_stays_exact(ws2):
+    """At trigger 0 one later mini-batch of three has arrived in the first cycle and two in the second (PartialRollout,
+    by count): every rank takes its snapshot in both cycles, the triggers not scored ahead read slot 0 on every
+    rank, and the old log-probs equal the cycle-start copy's."""
+    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 12})
+    ws2.actor_group.execute(lambda rank: setattr(rank, "slot_use", partial_rollout.record_slot_use(rank.old_log_prob.inner)))
+    fixed, ws2.rollout = ws2.rollout, PartialRollout(ws2.rollout, [3, 6])  # 3 groups a mini-batch
+    try:
+        triggers, records = run_cycles(ws2, 2)
+    finally:
+        partial, ws2.rollout = ws2.rollout, fixed
+    assert partial.ready_calls == [True, False, True, True, False]
+    assert [r["snapshot/scored_ahead_frac"] for r in records] == [1 / 3, 2 / 3]
+    assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
+    assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
+    # on each rank: a snapshot in each cycle; slot 0 read at triggers 2 and 3 of the first, 3 of the second
+    assert ws2.actor_group.execute(lambda rank: rank.slot_use) == [["save", 2, 3, "save", 3]] * 2
 
 
 @pytest.mark.parametrize("reader", ["live", "view"])

@@ -12,9 +12,10 @@ from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.base import TRAINER_FILE
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
-from dppo.trainer.rollout_source import RolloutFailedError
+from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
 from dppo.rollout import Group
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
+from partial_rollout import PartialRollout, record_slot_use  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 
 PS = 3
 REWARD_EXTRAS = base._reward_extras  # called by the loop once per trained trigger, with its groups
@@ -31,9 +32,11 @@ def ahead_cfg(small_cfg, score_ahead: bool, **extra):
     })  # fmt: skip
 
 
-def recording_run(cfg, monkeypatch):
-    """fit() a trainer for cfg; (trainer, grant indices of each trigger's groups, each trigger's old log-probs)."""
+def recording_run(cfg, monkeypatch, rollout=None):
+    """fit() a trainer for cfg; (trainer, grant indices of each trigger's groups, each trigger's old log-probs).
+    rollout(trainer): the rollout source to run with (default: the one fit() makes)."""
     trainer = PPOTrainer(cfg)
+    trainer.rollout = rollout(trainer) if rollout else None
     rank = trainer.actor_group.local_rank
     taken, prox = [], []
     strategy = rank.old_log_prob
@@ -79,6 +82,39 @@ def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_s
     assert on_strategy.moved_bytes == 0 and 0 not in on_strategy.pool
     assert off_strategy.moved_bytes == 2 * off_strategy.pool.nbytes
     assert "snapshot/scored_ahead_frac" not in read_metrics(off.metrics.path)[0]
+
+
+def test_a_partial_score_ahead_reads_slot_0_where_it_did_not_score_and_matches_a_run_without_it_bitwise(
+    small_cfg, monkeypatch
+):
+    """parameter_sync_step=4: at trigger 0 one later mini-batch has arrived in step 1 and two in step 2 (PartialRollout,
+    by count): trigger 0 still takes a snapshot, the triggers not scored ahead read slot 0, and every old log-prob,
+    taken group and final weight equals that of a run that reads slot 0 at every trigger."""
+    out = small_cfg().trainer.output_dir
+    four = {"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8}
+    made = {}
+
+    def staggered(trainer):  # groups ready beyond trigger 0's own: 2 (one mini-batch) in step 1, 4 in step 2
+        made["events"] = record_slot_use(trainer.actor_group.local_rank.old_log_prob.inner)
+        made["rollout"] = PartialRollout(make_rollout(trainer.cfg, trainer.source, trainer.model_config), [2, 4])
+        return made["rollout"]
+
+    on, on_taken, on_prox = recording_run(ahead_cfg(small_cfg, True, **{**four, "trainer.verify_old_log_prob": True,
+                                                                         "trainer.output_dir": f"{out}-on"}),
+                                          monkeypatch, staggered)  # fmt: skip
+    off, off_taken, off_prox = recording_run(ahead_cfg(small_cfg, False, **four), monkeypatch)
+    assert made["rollout"].ready_calls == [True, False, True, True, False]  # step 1: 1 of 3 ready; step 2: 2 of 3
+    records = read_metrics(on.metrics.path)
+    assert [r["snapshot/scored_ahead_frac"] for r in records] == [1 / 3, 2 / 3]
+    assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
+    # a snapshot in each cycle (neither was scored wholly ahead); the triggers not scored ahead, and only they,
+    # read slot 0: triggers 2 and 3 of step 1, trigger 3 of step 2
+    assert made["events"] == ["save", 2, 3, "save", 3]
+    assert on_taken == off_taken == [[2 * i, 2 * i + 1] for i in range(8)]
+    for k, (a, b) in enumerate(zip(on_prox, off_prox, strict=True)):
+        assert torch.equal(a, b), f"trigger {k % 4} of step {k // 4}"
+    for name, value in weights(off).items():
+        assert torch.equal(weights(on)[name], value), name
 
 
 def test_verify_old_log_prob_checks_scored_ahead_old_log_probs(small_cfg, monkeypatch):
