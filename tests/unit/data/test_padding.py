@@ -4,24 +4,48 @@ import pytest
 import torch
 
 from dppo.generation import sample_responses
-from dppo.models import forward_logits, response_log_probs
+from dppo.algo import log_probs_from_logits
+from dppo.models import forward_logits, forward_response_logits, position_ids_from_mask, response_log_probs
 from dppo.rollout import Group, TrainBatch, collate, left_pad
 
 VOCAB = 40
 PAD = 0
 
 
-@pytest.fixture(scope="module")
-def model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+def _qwen2():
+    from transformers import Qwen2Config, Qwen2ForCausalLM  # rotary: depends on relative positions only
 
-    config = Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                         tie_word_embeddings=False)  # fmt: skip
+    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                        tie_word_embeddings=False))  # fmt: skip
+
+
+def _gpt2():
+    from transformers import GPT2Config, GPT2LMHeadModel  # learned absolute position embeddings (wpe)
+
+    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                      tie_word_embeddings=False))  # fmt: skip
+
+
+def _opt():
+    from transformers import OPTConfig, OPTForCausalLM  # learned absolute position embeddings (offset by 2)
+
+    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
+                                    pad_token_id=PAD, tie_word_embeddings=False))  # fmt: skip
+
+
+ARCHITECTURES = {"qwen2": _qwen2, "gpt2": _gpt2, "opt": _opt}
+
+
+@pytest.fixture(scope="module", params=list(ARCHITECTURES))
+def model(request):
+    """A tiny random causal LM of each architecture: with rotary positions a wrong position id moves the logits by
+    rounding only; with learned absolute ones (GPT-2, OPT) it changes them outright."""
     torch.manual_seed(0)
-    m = Qwen2ForCausalLM(config).eval()
+    m = ARCHITECTURES[request.param]().eval()
     with torch.no_grad():  # sharpen the random model so greedy paths are not decided by rounding noise
-        m.lm_head.weight.mul_(20)
+        m.get_output_embeddings().weight.mul_(20)
     return m
 
 
@@ -46,6 +70,51 @@ def test_log_probs_in_a_padded_batch_equal_those_of_each_sequence_alone(model):
             alone = response_log_probs(model, torch.cat([torch.from_numpy(p), r])[None], len(r), 1.0, 1)
             torch.testing.assert_close(padded[i, : len(r)], alone[0], rtol=0, atol=1e-5)
             assert (batch.input_ids[i, : 9 - len(p)] == PAD).all() and not batch.attention_mask[i, : 9 - len(p)].any()
+
+
+def _padded_rows(model, seed=5):
+    """A left-padded batch of 4 prompts (lengths 3, 9, 6, 1) with right-padded responses: (batch, its rows)."""
+    prompts = _prompts([3, 9, 6, 1], seed=seed)
+    g = torch.Generator().manual_seed(seed + 1)
+    responses = [torch.randint(1, VOCAB, (n,), generator=g) for n in [5, 2, 5, 4]]
+    groups = [Group(torch.from_numpy(p), r[None], torch.ones(1, len(r), dtype=torch.bool), torch.zeros(1, len(r)),
+                    torch.zeros(1), 0) for p, r in zip(prompts, responses)]  # fmt: skip
+    rows = [torch.cat([torch.from_numpy(p), r])[None] for p, r in zip(prompts, responses)]
+    return collate(groups, pad_token=PAD), rows, responses
+
+
+def test_old_and_training_log_probs_and_gradients_of_a_padded_batch_equal_each_row_alone(model):
+    """The old log-probs (functional_call over other weights, as a snapshot read does) and the training forward's
+    (with grad) of each left-padded row equal the row's alone, and so does the gradient they give."""
+    batch, rows, responses = _padded_rows(model)
+    R = batch.response_length
+    params = {name: p.detach().clone() for name, p in model.named_parameters()}  # pi_old's weights, held elsewhere
+    with torch.no_grad():
+        old = response_log_probs(model, batch.input_ids, R, 1.0, 3, params, batch.attention_mask)  # (4, R)
+    labels = batch.input_ids[:, -R:]
+    logits = forward_response_logits(model, batch.input_ids, R, None, batch.attention_mask)  # (4, R, V)
+    logp = log_probs_from_logits(logits, labels, 1.0)  # (4, R) the training forward's
+    model.zero_grad()
+    logp[batch.response_mask].sum().backward()
+    padded_grads = {name: p.grad.clone() for name, p in model.named_parameters()}
+    model.zero_grad()
+    for i, (row, response) in enumerate(zip(rows, responses)):
+        alone = log_probs_from_logits(forward_response_logits(model, row, len(response)), response[None], 1.0)
+        alone.sum().backward()  # accumulates: the sum over the rows alone
+        torch.testing.assert_close(old[i, : len(response)], alone[0].detach(), rtol=0, atol=1e-5)
+        torch.testing.assert_close(logp[i, : len(response)].detach(), alone[0].detach(), rtol=0, atol=1e-5)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(padded_grads[name], p.grad, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+    model.zero_grad(set_to_none=True)
+
+
+def test_position_ids_count_each_rows_own_tokens_from_its_first_real_one():
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1, 1]])
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0],
+                                                     [0, 0, 1, 2, 3]]  # fmt: skip
+    bool_mask = mask.bool()  # a bool mask counts alike (collate's masks are long)
+    assert torch.equal(position_ids_from_mask(bool_mask), position_ids_from_mask(mask))
+    assert position_ids_from_mask(bool_mask).dtype == torch.long
 
 
 def test_without_padding_the_mask_is_none_and_scores_are_bitwise_unchanged(model):
