@@ -40,11 +40,32 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 # ---- `dppo train` as a process: SIGTERM, an unreachable cluster, SIGKILL and an exact resume --------------------
 
 
-def start(args: list[str], log: Path) -> subprocess.Popen:
+def start(args: list[str], log: Path, command: list[str] = ("-m", "dppo", "train")) -> subprocess.Popen:
     with open(log, "wb") as f:
         # A new session: the run and every process it starts (its local Ray cluster) can be found by its id.
-        return subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=ENV, stdout=f,
+        return subprocess.Popen([sys.executable, *command, *args], cwd=REPO, env=ENV, stdout=f,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+
+
+# `dppo train` that SIGKILLs itself inside a chosen trigger, before that trigger trains (argv[1], argv[2]: the
+# completed global steps and the trigger; the rest: the run's arguments). In-process runs only (ray.enabled=false):
+# the trainer, which this patches, must live in this process. Where it dies is chosen, not raced.
+KILLED_AT = """
+import os, signal, sys
+from dppo.trainer.ppo import PPOTrainer
+
+at = (int(sys.argv[1]), int(sys.argv[2]))
+train_trigger = PPOTrainer.train_trigger
+
+def killed_at(self, batch, prox_logp=None):
+    if (self.global_step, self.local_trigger_step) == at:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return train_trigger(self, batch, prox_logp)
+
+PPOTrainer.train_trigger = killed_at
+from dppo.cli import main
+sys.exit(main(["train", *sys.argv[3:]]))
+"""
 
 
 def session(sid: int) -> list[int]:
@@ -119,8 +140,9 @@ def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_r
 
 
 def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
-    """trainer.mode=sync on the CPU: a run SIGKILLed after step 3 (checkpoint every 2 steps) and resumed ends with
-    the weights and metrics of a run that was never interrupted, bit for bit."""
+    """trainer.mode=sync on the CPU: a run SIGKILLed inside step 4 (at its trigger 1; checkpoint every 2 steps) and
+    resumed ends with the weights and metrics of a run that was never interrupted, bit for bit. The run kills itself
+    there (KILLED_AT): no race with a run that could finish first."""
     from dppo.config import load_config
     from dppo.trainer.ppo import PPOTrainer
 
@@ -129,18 +151,18 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     clean = PPOTrainer(load_config(tiny(tmp_path / "clean", total, *sync)))
     clean.fit()
     out, log = tmp_path / "killed", tmp_path / "killed.log"
-    proc = start(tiny(out, total, *sync), log)
+    proc = start(tiny(out, total, *sync), log, ["-c", KILLED_AT, "3", "1"])  # 3 steps done, step 4's trigger 1
     try:
-        wait_for(lambda: len(records(out / "metrics.jsonl")) >= 3 or proc.poll() is not None, 120, "step 3")
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait()
+        proc.wait(timeout=120)
     finally:
         kill_session(proc.pid)
-    assert proc.returncode == -signal.SIGKILL and len(records(out / "metrics.jsonl")) < total
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    assert [r["step"] for r in records(out / "metrics.jsonl")] == [1, 2, 3]
+    assert newest_trainer_state(out / "checkpoints")["global_step"] == 2  # what the resumed run starts from
     resumed = subprocess.run([sys.executable, "-m", "dppo", "train", *tiny(out, total, *sync, "trainer.resume=true")],
                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "resumed from" in resumed.stdout
+    assert f"resumed from {out / 'checkpoints' / 'step_00000002'} (global step 2)" in resumed.stdout
     from dppo.trainer.base import ACTOR_DIR
     from dppo.workers.actor.sharded_state import load_full_weights
 
