@@ -104,7 +104,7 @@ def groups(tmp_path_factory) -> list[Group]:
     generator = RolloutGenerator(cfg, source, model.config, 0)
     generator.load_weights(model.state_dict(), 0)
     generator.seed_ticket(0)
-    return generator.generate(120)
+    return generator.generate(160)  # enough for every cycle the module runs on ws2 (about 130 groups)
 
 
 @pytest.fixture(scope="module")
