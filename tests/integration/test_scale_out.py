@@ -104,7 +104,7 @@ def groups(tmp_path_factory) -> list[Group]:
     generator = RolloutGenerator(cfg, source, model.config, 0)
     generator.load_weights(model.state_dict(), 0)
     generator.seed_ticket(0)
-    return generator.generate(160)  # enough for every cycle the module runs on ws2 (about 130 groups)
+    return generator.generate(120)
 
 
 @pytest.fixture(scope="module")
@@ -252,13 +252,14 @@ def test_score_ahead_at_world_size_2_gives_exact_old_log_probs_and_takes_no_snap
     assert moved() == before == [0, 0]
 
 
-def test_a_partial_score_ahead_at_world_size_2_reads_slot_0_where_it_did_not_score_and_stays_exact(ws2):
+def test_a_partial_score_ahead_at_world_size_2_reads_slot_0_where_it_did_not_score_and_stays_exact(ws2, groups):
     """At trigger 0 one later mini-batch of three has arrived in the first cycle and two in the second (PartialRollout,
     by count): every rank takes its snapshot in both cycles, the triggers not scored ahead read slot 0 on every
     rank, and the old log-probs equal the cycle-start copy's."""
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 12})
     ws2.actor_group.execute(lambda rank: setattr(rank, "slot_use", partial_rollout.record_slot_use(rank.old_log_prob.inner)))
-    fixed, ws2.rollout = ws2.rollout, PartialRollout(ws2.rollout, [3, 6])  # 3 groups a mini-batch
+    # the module's groups from the first again (ws2's own FixedRollout has few left); 3 groups a mini-batch
+    fixed, ws2.rollout = ws2.rollout, PartialRollout(FixedRollout(groups), [3, 6])
     try:
         triggers, records = run_cycles(ws2, 2)
     finally:
