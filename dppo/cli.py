@@ -36,7 +36,8 @@ EXIT_CODES = (
     (2, "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
         "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks and the rollout's "
         "GPU workers)"),
-    (3, "trainer.output_dir cannot be created or written"),
+    (3, "trainer.output_dir cannot be created or written, or two checkpoints in a row could not be written there "
+        "(full disk, quota, permissions, I/O error; the line says which, with the free and the needed bytes)"),
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
         "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted"),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
@@ -63,13 +64,14 @@ def _error_exit_codes() -> tuple:
     from dppo.data import DataError
     from dppo.trainer.checkpoint import CheckpointError
     from dppo.trainer.placement import PlacementError
+    from dppo.trainer.checkpoint_failure import CheckpointWriteError
     from dppo.trainer.preflight import OutputDirError
     from dppo.trainer.ray_cluster import RayConnectError
     from dppo.trainer.rollout_source import RolloutFailedError
     from dppo.trainer.worker_group import RankDiedError
 
     return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (OutputDirError, 3),
-            (CheckpointError, 4), (RayConnectError, 5), (DataError, 6))  # fmt: skip
+            (CheckpointWriteError, 3), (CheckpointError, 4), (RayConnectError, 5), (DataError, 6))  # fmt: skip
 
 
 def config_help() -> str:

@@ -223,6 +223,14 @@ class CheckpointDir:
         """Checkpoints the ledger lists, oldest first."""
         return sorted(i for i in map(CheckpointId.parse, self.ledger["checkpoints"]) if i is not None)
 
+    def newest_bytes(self) -> int | None:
+        """Bytes on disk of the newest checkpoint the ledger lists (None: there is none)."""
+        for ident in reversed(self.recorded()):
+            path = self.directory / ident.name
+            if path.is_dir():
+                return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return None
+
     # writing
 
     def save(self, step: int, version: int, write_fn: Callable[[Path], None], trigger: int = 0) -> Path:
