@@ -59,7 +59,7 @@ from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
-from dppo.workers.actor.sharded_state import UnsafeCheckpointError
+from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
 
 TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
 ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
@@ -428,7 +428,10 @@ class BaseTrainer:
             state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
 
         def write(staging: Path) -> None:
-            state["anchor"] = self.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            saved = self.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            if saved["write_error"] is not None:  # the ranks are fine; the files are not (a full disk, say)
+                raise ShardedCheckpointError(saved["write_error"])
+            state["anchor"] = saved["anchor"]
             if "hf_model" in self.cfg.actor.checkpoint.save_contents:
                 self._checkpoint_hf_model(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=progress.started)
             torch.save(state, staging / TRAINER_FILE)
