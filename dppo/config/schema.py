@@ -496,10 +496,17 @@ class CustomRewardFunctionConfig:
     name: str = "compute_score"
     """The function's name in path."""
 
+    timeout_s: Optional[float] = 60.0
+    """How long one call may take; past it the run stops as if the function had raised (one line naming the
+    function, the data source and the row; on a Ray worker, after a checkpoint). null: no limit."""
+
     def __post_init__(self) -> None:
         if self.path is not None:
             require(os.path.isfile(self.path), "custom_reward_function.path", self.path, "an existing Python file")
         require(self.name.isidentifier(), "custom_reward_function.name", self.name, "a Python function name")
+        if self.timeout_s is not None:
+            require(0 < self.timeout_s < float("inf"), "custom_reward_function.timeout_s", self.timeout_s,
+                    "a finite number of seconds > 0, or null (no limit)")  # fmt: skip
 
 
 @dataclass

@@ -163,7 +163,8 @@ class TextSource(PromptSource):
     def from_config(cls, cfg) -> TextSource:
         data = cfg.data
         tokenizer = load_tokenizer(cfg.model.path)
-        reward = RewardFunction(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        reward_cfg = cfg.custom_reward_function
+        reward = RewardFunction(reward_cfg.path, reward_cfg.name, reward_cfg.timeout_s)
 
         def load(files) -> TextRows:
             rows = read_parquet_files(files, data.prompt_key)

@@ -53,6 +53,7 @@ from dppo.trainer.evaluation import score_policy
 from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
 from dppo.trainer.checkpoint_failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
                                              is_write_failure)
+from dppo.trainer.preflight import DTYPE_BYTES, run_shape
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
 from dppo.trainer.resume import CycleProgress, HeldBatch, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
@@ -454,8 +455,6 @@ class BaseTrainer:
         measured = self.checkpoints.newest_bytes()
         if measured is not None:
             return measured
-        from dppo.trainer.preflight import DTYPE_BYTES, run_shape
-
         params = run_shape(self.cfg, self.source).params
         return checkpoint_bytes_estimate(params, DTYPE_BYTES[self.cfg.model.dtype], self.cfg.actor.kl_loss_coef > 0)
 

@@ -15,7 +15,7 @@ from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.checkpoint_failure import CheckpointAttempts, CheckpointWriteError, size_in_words
 from dppo.trainer.preflight import check_checkpoint_space, run_shape
 
-from .conftest import small_overrides
+from tiny_run import small_overrides  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
 KB = 1000
 CHECKPOINT_BYTES = 300 * KB  # what each save below writes
