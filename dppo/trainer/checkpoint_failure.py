@@ -37,7 +37,9 @@ _CAUSES = {
 }
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # causes where free and needed bytes say something
 # what torch.save and DCP's writers raise when a write comes up short (full disk, file size limit, I/O error)
-_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed|\[Errno \d+\]")
+# (safetensors, writing the checkpoint's transformers model, says "I/O error: ... (os error 28)")
+_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed|\[Errno \d+\]|"
+                           r"\(os error \d+\)")  # fmt: skip
 
 
 class CheckpointWriteError(OSError):
@@ -48,7 +50,7 @@ def is_write_failure(err: BaseException) -> bool:
     """Whether err is a checkpoint that could not be written to disk (not a bug in what was being saved)."""
     if isinstance(err, (OSError, CheckpointError)):  # CheckpointError: the read-back after the rename failed
         return True
-    return isinstance(err, RuntimeError) and bool(_WRITE_FAILED.search(str(err)))
+    return isinstance(err, Exception) and bool(_WRITE_FAILED.search(str(err)))
 
 
 def _errno_of(err: BaseException) -> int | None:
@@ -58,8 +60,8 @@ def _errno_of(err: BaseException) -> int | None:
         if isinstance(seen, OSError) and seen.errno:
             return seen.errno
         seen = seen.__cause__ or seen.__context__
-    match = re.search(r"\[Errno (\d+)\]", str(err))
-    return int(match.group(1)) if match else None
+    match = re.search(r"\[Errno (\d+)\]|\(os error (\d+)\)", str(err))
+    return int(match.group(1) or match.group(2)) if match else None
 
 
 def free_bytes(directory: Path) -> int:

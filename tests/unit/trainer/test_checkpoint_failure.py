@@ -55,7 +55,15 @@ def warnings_of(caplog) -> list[str]:
     return [r.getMessage() for r in caplog.records if r.name.startswith("dppo")]
 
 
-@pytest.mark.parametrize("write", [torch_write, plain_write], ids=["torch.save", "plain write"])
+def safetensors_write(staging: Path) -> None:
+    """As a checkpoint's transformers model is written: safetensors, whose error is no OSError ("(os error 28)")."""
+    from safetensors.torch import save_file
+
+    save_file({"weights": torch.zeros(CHECKPOINT_BYTES // 4)}, str(staging / "model.safetensors"))
+
+
+@pytest.mark.parametrize("write", [torch_write, plain_write, safetensors_write],
+                         ids=["torch.save", "plain write", "safetensors"])  # fmt: skip
 def test_a_full_disk_is_one_warning_with_the_free_and_needed_bytes_and_two_in_a_row_stop(small_disk, write, caplog):
     checkpoints = ckpt.CheckpointDir(small_disk / "checkpoints", keep=1)
     attempts = CheckpointAttempts(checkpoints, lambda: CHECKPOINT_BYTES)
