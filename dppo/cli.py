@@ -29,19 +29,22 @@ examples:
 
 # Exit codes of `dppo train`: one per kind of error of its own (each printed as one line, `dppo: error: ...`).
 EXIT_CODES = (
-    (0, "the run finished"),
-    (1, "the rollout failed beyond recovery (the replay buffer died, a worker died more often than "
-        "rollout.max_restarts allows, or a worker raised); the trainer's state was checkpointed first. Or an actor "
-        "rank died: its shards are lost, so the line names the rank, its node and the last checkpoint"),
+    (0, "the run finished (a checkpoint that could not be written is a warning line; the run goes on)"),
+    (1, "the rollout failed beyond recovery (the replay buffer died, a worker died or was killed for memory more "
+        "often than rollout.max_restarts allows, or a worker raised (your reward function, say) or its reward call "
+        "ran past custom_reward_function.timeout_s); the trainer's state was checkpointed first. Or an actor rank "
+        "died: its shards are lost, so the line names the rank, its node and the last checkpoint"),
     (2, "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
         "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks and the rollout's "
         "GPU workers)"),
-    (3, "trainer.output_dir cannot be created or written"),
+    (3, "trainer.output_dir cannot be created or written, or two checkpoints in a row could not be written there "
+        "(full disk, quota, permissions, I/O error; the line says which, with the free and the needed bytes)"),
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
         "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted"),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
-    (6, "the data cannot be used: a data file, column or row, the tokenizer of model.path, or the reward function "
-        "(the line names which; a reward function that fails on a Ray worker ends the rollout, code 1, same line)"),
+    (6, "the data cannot be used: a data file that is missing or damaged, a column or row, the tokenizer of "
+        "model.path, or the reward function (it raised, returned no finite score or ran past "
+        "custom_reward_function.timeout_s in this process; on a Ray worker that ends the rollout, code 1, same line)"),
     (70, "an unexpected error: a bug, or an exception in your own code (its traceback is printed)"),
     (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
     (143, "stopped by SIGTERM; checkpoints already written are kept"),
@@ -63,13 +66,14 @@ def _error_exit_codes() -> tuple:
     from dppo.data import DataError
     from dppo.trainer.checkpoint import CheckpointError
     from dppo.trainer.placement import PlacementError
+    from dppo.trainer.checkpoint_failure import CheckpointWriteError
     from dppo.trainer.preflight import OutputDirError
     from dppo.trainer.ray_cluster import RayConnectError
     from dppo.trainer.rollout_source import RolloutFailedError
     from dppo.trainer.worker_group import RankDiedError
 
     return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (OutputDirError, 3),
-            (CheckpointError, 4), (RayConnectError, 5), (DataError, 6))  # fmt: skip
+            (CheckpointWriteError, 3), (CheckpointError, 4), (RayConnectError, 5), (DataError, 6))  # fmt: skip
 
 
 def config_help() -> str:

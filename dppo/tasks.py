@@ -54,6 +54,10 @@ class Task:
     eos_token: int | None = None
     """Generation of a response stops after this token (None: always answer_length tokens)."""
 
+    distinct_prompts: int | None = None
+    """How many distinct prompts prompt_fn can make (None: unknown). Known, it bounds trainer.eval_prompts by
+    counting; unknown, the config check draws the held-out set to find out."""
+
     def sample_prompts(self, rng: np.random.Generator, num: int) -> np.ndarray:
         prompts = np.asarray(self.prompt_fn(rng, num), dtype=np.int64)
         if prompts.ndim != 2 or prompts.shape[0] != num:
@@ -82,7 +86,9 @@ def digit_task(name: str, length: int, answer_fn: Callable[[np.ndarray], np.ndar
         hits = (responses[:, :width] == answers[:, :width]) & (response_mask[:, :width] != 0)
         return hits.sum(axis=1) / length  # missing answer positions count as wrong
 
-    return Task(name, prompt_fn, reward_fn, answer_length=length, vocab_size=DIGIT_VOCAB_SIZE)
+    # counted only while an int64 count of eval prompts could reach it (10**length of a huge length is itself huge)
+    distinct = NUM_DIGITS**length if length <= 18 else None
+    return Task(name, prompt_fn, reward_fn, answer_length=length, vocab_size=DIGIT_VOCAB_SIZE, distinct_prompts=distinct)
 
 
 TASKS: dict[str, Callable[[int], Task]] = {}

@@ -14,6 +14,7 @@ from dppo.hostmem import keep_freed_host_memory
 from dppo.trainer.base import RunResult, find_resume_point
 from dppo.trainer import ppo
 from dppo.trainer.preflight import (
+    check_checkpoint_space,
     check_cluster_fits,
     check_output_dir,
     check_sequence_length,
@@ -39,6 +40,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     shape = run_shape(cfg, source)
     check_sequence_length(cfg, shape)
     check_training_memory(cfg, shape)
+    check_checkpoint_space(cfg, shape)  # a warning line only: the run may still free space or write fewer
     resume_point = find_resume_point(cfg) if cfg.trainer.resume else None
     if cfg.ray.enabled:
         probe_cluster(cfg)  # an address that cannot be joined fails now, not after the ranks are placed

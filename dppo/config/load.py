@@ -10,6 +10,8 @@ import dataclasses
 import functools
 import inspect
 import os
+import re
+import typing
 from pathlib import Path
 from typing import Any
 
@@ -37,16 +39,51 @@ def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
     return ConfigError(msg)
 
 
+# One rule for '_' in values: it never separates digits (YAML would read 1_000 as 1000 and 0.5_2 as 0.52); in a
+# rollout-correction threshold it separates the bounds of "lo_hi", so there a value like 0.5_2 stays text.
+_UNDERSCORED_NUMBER = re.compile(r"[-+]?[\d_]*\.?[\d_]*(?:[eE][-+]?[\d_]+)?")
+LO_HI_KEYS = frozenset({"algorithm.rollout_correction.rollout_is_threshold",
+                        "algorithm.rollout_correction.rollout_rs_threshold"})  # fmt: skip
+
+
+def _underscored_number(key: str, text: str) -> str | None:
+    """text quoted as a YAML string if it looks like a number written with '_' and key takes text (a lo_hi threshold,
+    a path); ConfigError if key takes a number; None if text is no such number (YAML reads it as it is)."""
+    if "_" not in text or not any(c.isdigit() for c in text) or not _UNDERSCORED_NUMBER.fullmatch(text):
+        return None
+    if key in LO_HI_KEYS or _takes_text(key):
+        return f"'{text}'"
+    raise ConfigError(f"{key}={text}: write numbers without '_' separators (e.g. {text.replace('_', '')}); '_' only "
+                      "separates the bounds of a 'lo_hi' rollout-correction threshold")  # fmt: skip
+
+
+@functools.cache
+def _takes_text(key: str) -> bool:
+    """Whether the schema types key as a string (an unknown key: no, the merge names it)."""
+    cls: Any = DppoConfig
+    *sections, name = key.split(".")
+    for section in sections:
+        hints = typing.get_type_hints(cls)
+        if section not in hints or not dataclasses.is_dataclass(hints[section]):
+            return False
+        cls = hints[section]
+    hint = typing.get_type_hints(cls).get(name)
+    return hint is str or str in typing.get_args(hint)
+
+
 def _parse_overrides(overrides: list[str]):
     """key=value strings -> an OmegaConf dotlist config; a malformed item raises ConfigError."""
+    items = []
     for item in overrides:
         if "=" not in item or item.startswith("="):
             raise ConfigError(f"override {item!r} must look like key=value (e.g. trainer.total_steps=20)")
-        key = item.split("=", 1)[0]
+        key, value = item.split("=", 1)
         if key in _sections():
             raise ConfigError(f"{item!r}: {key} is a config section, not a value; set its keys ({key}.<name>=...)")
+        quoted = _underscored_number(key, value.strip())
+        items.append(item if quoted is None else f"{key}={quoted}")
     try:
-        return OmegaConf.from_dotlist(list(overrides))
+        return OmegaConf.from_dotlist(items)
     except OmegaConfBaseException as err:
         raise _convert_omegaconf_error(err) from None
 
@@ -78,7 +115,29 @@ def _load_config_file(config_file: str | os.PathLike) -> DictConfig:
         raise ConfigError(f"{where}: expected a mapping of config sections (trainer:, actor:, ...) at the top level; "
                           f"got a {type(file_cfg).__name__.removesuffix('Config').lower()}")  # fmt: skip
     _check_sections(file_cfg, where)
+    for key, text in _underscored_scalars(config_file):
+        if _underscored_number(key, text) is not None:
+            OmegaConf.update(file_cfg, key, text, merge=False)  # the text as written, not YAML's number
     return file_cfg
+
+
+def _underscored_scalars(config_file: str | os.PathLike) -> list[tuple[str, str]]:
+    """(dotted key, the value's text) of every plain scalar of the YAML file holding a '_' (its raw text: the
+    value YAML makes of it may have lost the '_')."""
+    with open(config_file, encoding="utf-8") as f:
+        root = yaml.compose(f)
+    found = []
+
+    def walk(node, prefix: str) -> None:
+        for key_node, value in getattr(node, "value", []) if isinstance(node, yaml.MappingNode) else []:
+            dotted = f"{prefix}{key_node.value}"
+            if isinstance(value, yaml.MappingNode):
+                walk(value, dotted + ".")
+            elif isinstance(value, yaml.ScalarNode) and value.style is None and "_" in value.value:
+                found.append((dotted, value.value))
+
+    walk(root, "")
+    return found
 
 
 def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None) -> DppoConfig:

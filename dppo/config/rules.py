@@ -116,12 +116,18 @@ def _check_prompts_left_for_training(cfg) -> None:
                           "cannot be allocated") from None  # fmt: skip
     if t.eval_prompts == 0:
         return
+    where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
+    if task.distinct_prompts is not None and t.eval_prompts >= task.distinct_prompts:  # counted, not drawn
+        raise ConfigError(
+            f"trainer.eval_prompts={shown(t.eval_prompts)}: {where} has only {task.distinct_prompts} distinct prompts, "
+            f"and all would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
+            f"{task.distinct_prompts} or raise task.length"
+        )
     try:
         held_out = held_out_prompts(task, t.seed, t.eval_prompts)
     except MemoryError:
         raise ConfigError(f"trainer.eval_prompts={shown(t.eval_prompts)}: the held-out prompts cannot be "
                           "allocated") from None  # fmt: skip
-    where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
     if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
         raise ConfigError(
             f"trainer.eval_prompts={t.eval_prompts}: {where} has only {len(held_out)} distinct prompts, and all "

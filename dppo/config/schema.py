@@ -42,6 +42,7 @@ from dppo.config.choices import (
     TRAINER_MODES,
 )
 from dppo.config.rules import validate_combinations
+from dppo.data.errors import DataFileError
 from dppo.data.text import TRUNCATIONS
 from dppo.tasks import TASKS, task_exists
 
@@ -439,8 +440,9 @@ def _check_data_files(key: str, files: object) -> None:
     paths = [files] if isinstance(files, str) else files
     require(isinstance(paths, (list, tuple)) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
              key, files, "a parquet file path or a non-empty list of them")  # fmt: skip
-    for path in paths:
-        require(os.path.isfile(path), key, files, f"existing files; {path!r} does not exist")
+    for path in paths:  # a missing file is a data error (exit code 6), as an unreadable one is
+        if not os.path.isfile(path):
+            raise DataFileError(f"{key}={shown(files)}: data file {path!r} does not exist")
 
 
 @dataclass
@@ -496,10 +498,17 @@ class CustomRewardFunctionConfig:
     name: str = "compute_score"
     """The function's name in path."""
 
+    timeout_s: Optional[float] = 60.0
+    """How long one call may take; past it the run stops as if the function had raised (one line naming the
+    function, the data source and the row; on a Ray worker, after a checkpoint). null: no limit."""
+
     def __post_init__(self) -> None:
-        if self.path is not None:
-            require(os.path.isfile(self.path), "custom_reward_function.path", self.path, "an existing Python file")
+        if self.path is not None and not os.path.isfile(self.path):
+            raise DataFileError(f"custom_reward_function.path={self.path!r}: the reward function's file does not exist")
         require(self.name.isidentifier(), "custom_reward_function.name", self.name, "a Python function name")
+        if self.timeout_s is not None:
+            require(0 < self.timeout_s < float("inf"), "custom_reward_function.timeout_s", self.timeout_s,
+                    "a finite number of seconds > 0, or null (no limit)")  # fmt: skip
 
 
 @dataclass

@@ -57,19 +57,23 @@ def _read_one(path: str, prompt_key: str, rows: ParquetRows) -> None:
 
     if not os.path.isfile(path):
         raise DataFileError(f"data file {path!r} does not exist")
-    try:
-        schema = pq.read_schema(path)
-    except (pa.ArrowException, OSError) as err:
-        raise DataFileError(f"data file {path!r} is not a readable parquet file ({' '.join(str(err).split())})") from None
-    for column, why in ((prompt_key, " (data.prompt_key)"), ("data_source", ""), ("reward_model", "")):
-        if column not in schema.names:
-            raise DataColumnError(f"data file {path!r} has no column {column!r}{why}; its columns: {', '.join(schema.names)}")
-    reward_type = schema.field("reward_model").type
-    if not pa.types.is_struct(reward_type) or reward_type.get_field_index("ground_truth") < 0:
-        raise DataColumnError(f"data file {path!r}: column 'reward_model' has no field 'ground_truth' "
-                              f"(its type: {reward_type})")  # fmt: skip
-    columns = [prompt_key, "data_source", "reward_model", *(["extra_info"] if "extra_info" in schema.names else [])]
-    table = pq.read_table(path, columns=columns)
+    with open(path, "rb") as f:
+        try:  # the footer, and every row group's metadata in it (not the data)
+            parquet = pq.ParquetFile(f)
+            schema, metadata = parquet.schema_arrow, parquet.metadata
+            group_rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
+        except (pa.ArrowException, OSError) as err:
+            raise DataFileError(f"data file {path!r} is not a readable parquet file ({_one_line(err)})") from None
+        for column, why in ((prompt_key, " (data.prompt_key)"), ("data_source", ""), ("reward_model", "")):
+            if column not in schema.names:
+                raise DataColumnError(f"data file {path!r} has no column {column!r}{why}; its columns: {', '.join(schema.names)}")
+        reward_type = schema.field("reward_model").type
+        if not pa.types.is_struct(reward_type) or reward_type.get_field_index("ground_truth") < 0:
+            raise DataColumnError(f"data file {path!r}: column 'reward_model' has no field 'ground_truth' "
+                                  f"(its type: {reward_type})")  # fmt: skip
+        columns = [prompt_key, "data_source", "reward_model", *(["extra_info"] if "extra_info" in schema.names else [])]
+        table = pa.concat_tables([_read_row_group(parquet, path, i, group_rows, columns) for i in range(len(group_rows))]
+                                 or [schema.empty_table().select(columns)])  # fmt: skip
     if table.num_rows == 0:
         raise DataRowError(f"data file {path!r} has no rows")
     messages = table.column(prompt_key).to_pylist()
@@ -84,6 +88,23 @@ def _read_one(path: str, prompt_key: str, rows: ParquetRows) -> None:
     rows.extra_info.extend(extra_info)
     rows.file_rows.append(len(messages))
     rows.files.append(path)
+
+
+def _read_row_group(parquet, path: str, index: int, group_rows: list[int], columns: list[str]):
+    """Row group index of parquet as a table; DataFileError naming it and its rows if its pages cannot be read."""
+    import pyarrow as pa
+
+    try:
+        return parquet.read_row_group(index, columns=columns)
+    except (pa.ArrowException, OSError) as err:
+        first = sum(group_rows[:index])
+        raise DataFileError(f"data file {path!r}: row group {index} of {len(group_rows)} (rows {first} to "
+                            f"{first + group_rows[index] - 1}) cannot be read ({_one_line(err)}); the file is "
+                            "damaged: write it again") from None  # fmt: skip
+
+
+def _one_line(err: BaseException) -> str:
+    return " ".join(str(err).split())
 
 
 def _check_row(path: str, i: int, prompt_key: str, messages, data_source, ground_truth) -> None:

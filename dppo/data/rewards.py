@@ -5,7 +5,8 @@
 The function is called with keyword arguments, once per response. A dict's other numeric entries are
 averaged and logged as reward/extra/<key>. An exception, a non-finite score or a value of another kind
 stops the run with a RewardFunctionError naming the function, the data_source and the row: a reward that
-silently became 0 would train the policy on noise.
+silently became 0 would train the policy on noise. So does a call that takes longer than
+custom_reward_function.timeout_s (dppo.data.time_limit), rather than hang the run.
 
 custom_reward_function.path names a Python file; it is read once on the driver and executed again in each
 process that scores (so the workers need neither the file nor its module on their path).
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dppo.data.errors import DataFileError, RewardFunctionError
+from dppo.data.time_limit import CallTimeout, call_with_time_limit
 
 ScoreFn = Callable[..., object]
 
@@ -69,8 +71,9 @@ class RewardFunction:
     Picklable: it carries the file's text, not the compiled function, and compiles it where it is first called.
     """
 
-    def __init__(self, path: str | None = None, name: str = "compute_score"):
-        self.path, self.name = path, name
+    def __init__(self, path: str | None = None, name: str = "compute_score", timeout_s: float | None = 60.0):
+        """timeout_s: how long one call may take (None: no limit); past it the run stops, as if it had raised."""
+        self.path, self.name, self.timeout_s = path, name, timeout_s
         self._source: str | None = None
         if path is not None:
             try:
@@ -113,10 +116,13 @@ class RewardFunction:
         """(score, numeric extras) of one response; where names the row for the error message."""
         context = f"(data_source={data_source!r}, {where})"
         try:
-            result = self.function()(data_source=data_source, solution_str=solution_str, ground_truth=ground_truth,
-                                     extra_info=extra_info)  # fmt: skip
+            result = call_with_time_limit(self.function(), self.timeout_s, data_source=data_source,
+                                          solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)  # fmt: skip
         except RewardFunctionError:
             raise
+        except CallTimeout:
+            raise RewardFunctionError(f"reward function {self.label} did not return within {self.timeout_s:g} s "
+                                      f"(custom_reward_function.timeout_s) {context}") from None  # fmt: skip
         except Exception as err:
             raise RewardFunctionError(f"reward function {self.label} raised {type(err).__name__}: "
                                       f"{_one_line(err)} {context}") from err  # fmt: skip

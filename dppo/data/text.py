@@ -60,6 +60,10 @@ class TextRows:
     def prompts(self, rows) -> Prompts:
         return Prompts([self.prompt_ids[i] for i in rows], [self.reward_rows[i] for i in rows])
 
+    def max_id(self) -> int:
+        """The largest token id of any prompt (-1 if there are none)."""
+        return max((int(ids.max()) for ids in self.prompt_ids if len(ids)), default=-1)
+
 
 def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncation: str) -> TextRows:
     """Chat template with the generation prompt, then tokens (no special tokens added on top, as verl does);
@@ -146,9 +150,11 @@ class TextSource(PromptSource):
     def __init__(self, tokenizer, train: TextRows, val: TextRows | None, reward: RewardFunction, response_length: int,
                  shuffle: bool = True, seed: int = 0, groups_per_step: int = 1):  # fmt: skip
         self.tokenizer, self.train, self.val, self.reward = tokenizer, train, val, reward
-        self.vocab_size = len(tokenizer)
         self.eos_token = tokenizer.eos_token_id
         self.pad_token = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token
+        # the ids that can reach the model: the prompts', the pad and the EOS (generated ones are the model's own);
+        # a tokenizer's unused added tokens past the model's vocab do not matter
+        self.vocab_size = max(self.pad_token, self.eos_token, *(rows.max_id() for rows in (train, val) if rows)) + 1
         self.response_length = response_length
         self.prompt_length = max(len(ids) for rows in (train, val) if rows is not None for ids in rows.prompt_ids)
         self.shuffle, self.seed, self.groups_per_step = shuffle, seed, groups_per_step
@@ -157,15 +163,40 @@ class TextSource(PromptSource):
     def from_config(cls, cfg) -> TextSource:
         data = cfg.data
         tokenizer = load_tokenizer(cfg.model.path)
-        reward = RewardFunction(cfg.custom_reward_function.path, cfg.custom_reward_function.name)
+        reward_cfg = cfg.custom_reward_function
+        reward = RewardFunction(reward_cfg.path, reward_cfg.name, reward_cfg.timeout_s)
 
         def load(files) -> TextRows:
             rows = read_parquet_files(files, data.prompt_key)
             return tokenize_rows(tokenizer, rows, data.max_prompt_length, data.truncation)
 
-        return cls(tokenizer, load(data.train_files), load(data.val_files) if data.val_files is not None else None,
-                   reward, data.max_response_length, data.shuffle, cfg.trainer.seed if data.seed is None else data.seed,
-                   cfg.trainer.train_batch_size)  # fmt: skip
+        source = cls(tokenizer, load(data.train_files), load(data.val_files) if data.val_files is not None else None,
+                     reward, data.max_response_length, data.shuffle, cfg.trainer.seed if data.seed is None else data.seed,
+                     cfg.trainer.train_batch_size)  # fmt: skip
+        source.check_model_vocab(cfg.model.path)
+        return source
+
+    def check_model_vocab(self, model_path: str) -> None:
+        """TokenizerError naming the tokens and both sizes if an id that can reach the model (a prompt's, the pad,
+        the EOS) lies past model_path's vocab_size: one line before any Ray process starts."""
+        from transformers import AutoConfig
+
+        model_vocab = AutoConfig.from_pretrained(model_path, local_files_only=True).vocab_size
+        if self.vocab_size <= model_vocab:
+            return
+        past = {}
+        for role, token in (("the pad token", self.pad_token), ("the EOS token", self.eos_token)):
+            if token >= model_vocab:
+                past.setdefault(token, role)
+        for rows in (self.train, self.val):
+            for ids, row in zip(rows.prompt_ids if rows else [], rows.reward_rows if rows else []):
+                for token in ids[ids >= model_vocab].tolist():
+                    past.setdefault(token, f"the prompt of {row.where}")
+        named = "; ".join(f"{self.tokenizer.convert_ids_to_tokens(token)!r} (id {token}, {where})"
+                          for token, where in sorted(past.items())[:5])  # fmt: skip
+        raise TokenizerError(f"the tokenizer in model.path={model_path!r} has {len(self.tokenizer)} tokens and the "
+                             f"model's vocab_size is {model_vocab}; {len(past)} id(s) the model would be given lie past "
+                             f"it: {named}")  # fmt: skip
 
     def sampler(self, seed) -> _TextPrompts:
         return _TextPrompts(self.train, EpochSampler(len(self.train), self.shuffle, self.seed))

@@ -51,13 +51,16 @@ from dppo.rollout import Group, TrainBatch, collate
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.evaluation import score_policy
 from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
+from dppo.trainer.checkpoint_failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
+                                             is_write_failure)
+from dppo.trainer.preflight import DTYPE_BYTES, run_shape
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
 from dppo.trainer.resume import CycleProgress, HeldBatch, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
-from dppo.workers.actor.sharded_state import UnsafeCheckpointError
+from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
 
 TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
 ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
@@ -149,6 +152,7 @@ class BaseTrainer:
         self.output_dir = Path(cfg.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = ckpt.CheckpointDir(self.output_dir / "checkpoints")
+        self._checkpoint_attempts = CheckpointAttempts(self.checkpoints, self._checkpoint_bytes)
         self.global_step = 0  # completed global steps (sync cycles)
         self.version = 0  # policy version of the live weights' last sync to the rollout
         self.local_trigger_step = 0  # trigger (optimizer step) within the current cycle, 0-based
@@ -255,8 +259,9 @@ class BaseTrainer:
                 bar.update(1)
                 bar.set_postfix(reward=f"{record['critic/score/mean']:.3f}",
                                 stale=f"{record['staleness/mean']:.2f}", step_s=f"{record['timing_s/step']:.2f}")  # fmt: skip
-                if self._checkpoint_due():
-                    self.save_checkpoint()
+                if self._checkpoint_due():  # one that cannot be written is a warning; two in a row stop the run
+                    name = ckpt.CheckpointId(self.global_step).name
+                    self._checkpoint_attempts.save(self.save_checkpoint, name)
             self._current_policy()  # the final weights, before the ranks (which own them in Ray) go
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self._checkpoint_after_failure()}") from None
@@ -424,7 +429,10 @@ class BaseTrainer:
             state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
 
         def write(staging: Path) -> None:
-            state["anchor"] = self.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            saved = self.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            if saved["write_error"] is not None:  # the ranks are fine; the files are not (a full disk, say)
+                raise ShardedCheckpointError(saved["write_error"])
+            state["anchor"] = saved["anchor"]
             if "hf_model" in self.cfg.actor.checkpoint.save_contents:
                 self._checkpoint_hf_model(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=progress.started)
             torch.save(state, staging / TRAINER_FILE)
@@ -442,6 +450,14 @@ class BaseTrainer:
             weights = ray.get(weights[0])
         self.save_hf_model(model_with_weights(self.model_config, self.cfg.model.dtype, weights), out_dir)
 
+    def _checkpoint_bytes(self) -> int:
+        """About the bytes of a checkpoint: the newest one's on disk, else counted from the model's parameters."""
+        measured = self.checkpoints.newest_bytes()
+        if measured is not None:
+            return measured
+        params = run_shape(self.cfg, self.source).params
+        return checkpoint_bytes_estimate(params, DTYPE_BYTES[self.cfg.model.dtype], self.cfg.actor.kl_loss_coef > 0)
+
     def _checkpoint_after_failure(self) -> str:
         """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""
         if self.cfg.trainer.checkpoint_every == 0:
@@ -456,6 +472,9 @@ class BaseTrainer:
             else:
                 path = self.save_checkpoint()
         except Exception as err:  # noqa: BLE001  reported in the one line instead of a second traceback
+            if is_write_failure(err):
+                return f"checkpointing the trainer's state at {where} failed too: " + cause_in_words(
+                    err, self.checkpoints.directory, self._checkpoint_bytes())
             return f"checkpointing the trainer's state at {where} failed too: {type(err).__name__}: {err}"
         return f"the trainer's state at {where} is checkpointed in {path} (trainer.resume=true continues from it)"
 

@@ -6,8 +6,13 @@ hidden staging directory next to it (`write_fn(staging_dir)` may put any number 
 subdirectories too), every file is fsynced, the manifest seals it, and one rename puts it in place: a run
 killed at any moment leaves the previous checkpoints as they were, never a torn one.
 
-The run's ledger (<checkpoints>/ledger.json, also replaced atomically) records every checkpoint this run wrote
-and verified (read back from disk against its manifest), with the sha256 of its manifest. A checkpoint is
+The run's ledger (<checkpoints>/ledger.json, also replaced atomically) records every checkpoint this run wrote,
+with the sha256 of its manifest. The entry is written and fsynced, marked pending, before the rename that puts the
+directory in place, and marked done once the directory is read back: a run killed at any instant leaves either
+the previous state or a new checkpoint the ledger vouches for. When the checkpoints are next read, a pending
+entry whose directory is in place and verifies is trusted, one whose directory is missing is dropped, and any
+entry whose directory fails verification is dropped with one warning line (it never counts toward retention,
+which keeps the newest `keep` valid checkpoints). A checkpoint is
 trusted only if the ledger lists it, its manifest hashes to what the ledger recorded, its step and version
 match its name and the ledger, and every file the manifest lists is there with its size and hash (and no
 other file is). Anything else in the directory is never loaded, never deleted by retention, and reported in
@@ -16,12 +21,14 @@ one warning line when a resume passes over it. Files are read with torch.load(we
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
 import os
 import re
 import shutil
+import signal
 import tempfile
 import uuid
 from collections.abc import Callable
@@ -38,7 +45,13 @@ LEDGER = "ledger.json"
 FORMAT = 1
 _NAME = re.compile(r"^step_(\d{8,})(?:_trigger_(\d+))?$")
 _LEADING_STEP = re.compile(r"^step_(\d+)")
-_STAGING_PREFIX = ".staging."
+_STAGING_PREFIX = ".staging."  # a checkpoint being written, or one retention is deleting
+_ASIDE_PREFIX = ".replaced."  # a checkpoint of the same name as the one being saved, until the new one is in place
+# Fault injection for tests: SIGKILL this process at the named point of CheckpointDir.save (see _SAVE_POINTS).
+KILL_AT_ENV = "DPPO_CHECKPOINT_KILL_AT"
+_NEVER_IN_PLACE = "was being written when the run stopped and never put in place"
+_RETIRED = "was being deleted by retention when the run stopped"
+SAVE_POINTS = ("staged", "sealed", "pending", "aside", "renamed", "recorded", "retiring", "retired")
 
 
 class CheckpointError(RuntimeError):
@@ -210,43 +223,87 @@ class CheckpointDir:
         """Checkpoints the ledger lists, oldest first."""
         return sorted(i for i in map(CheckpointId.parse, self.ledger["checkpoints"]) if i is not None)
 
+    def newest_bytes(self) -> int | None:
+        """Bytes on disk of the newest checkpoint the ledger lists (None: there is none)."""
+        for ident in reversed(self.recorded()):
+            path = self.directory / ident.name
+            if path.is_dir():
+                return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+        return None
+
     # writing
 
     def save(self, step: int, version: int, write_fn: Callable[[Path], None], trigger: int = 0) -> Path:
-        """Stage write_fn's files, seal them with a manifest, rename into place, verify, record, apply retention."""
+        """Stage write_fn's files, seal them with a manifest, record them as pending, rename into place, verify,
+        record them as done, apply retention. On an error nothing changes: the staging directory is removed and the
+        ledger and any checkpoint of the same name are as they were."""
         ident = CheckpointId(step, trigger)
-        target = self.directory / ident.name
         self.directory.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f"{_STAGING_PREFIX}{ident.name}.", dir=self.directory))
         try:
             write_fn(staging)
+            _kill_point("staged")
             manifest = _seal(staging, ident, version)
-            self._forget(ident.name)  # a name this run reuses (a step redone after a resume) is replaced
-            if target.exists() or target.is_symlink():
-                self.warn(f"replacing {target}, which this run had not recorded")
-                _remove(target)
-            os.rename(staging, target)
-            _fsync_dir(self.directory)
+            _kill_point("sealed")
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         record = {"step": step, "trigger": trigger, "version": version,
                   "manifest_sha256": hashlib.sha256(manifest).hexdigest()}  # fmt: skip
-        verify_checkpoint(target, record)  # read back from disk before it is trusted
+        target = self._put_in_place(staging, ident.name, record)
         self.ledger["checkpoints"][ident.name] = record
         self._write_ledger()
+        _kill_point("recorded")
+        _remove(self.directory / (_ASIDE_PREFIX + ident.name))
         self._retain()
         return target
 
-    def _forget(self, name: str) -> None:
-        if self.ledger["checkpoints"].pop(name, None) is not None:
+    def _put_in_place(self, staging: Path, name: str, record: dict) -> Path:
+        """Record name as pending (fsynced), rename staging to it, read it back; on an error, undo all of it."""
+        target, aside = self.directory / name, self.directory / (_ASIDE_PREFIX + name)
+        before = dict(self.ledger["checkpoints"])
+        replaced = before.get(name)  # a name this run reuses (a step redone after a resume) is replaced
+        self.ledger["checkpoints"][name] = {**record, "pending": True, **({"replaces": replaced} if replaced else {})}
+        try:
             self._write_ledger()
+            _kill_point("pending")
+            if target.exists() or target.is_symlink():
+                if replaced is None:
+                    self.warn(f"replacing {target}, which this run had not recorded")
+                _remove(aside)
+                os.rename(target, aside)
+                _kill_point("aside")
+            os.rename(staging, target)
+            _fsync_dir(self.directory)
+            _kill_point("renamed")
+            verify_checkpoint(target, record)  # read back from disk before it is trusted
+        except BaseException:
+            self.ledger["checkpoints"] = before
+            _undo_rename(staging, target, aside)
+            shutil.rmtree(staging, ignore_errors=True)
+            with contextlib.suppress(OSError):  # left pending on disk if this fails too: settled when next read
+                self._write_ledger()
+            raise
+        return target
 
     def _retain(self) -> None:
-        """Delete the recorded checkpoints beyond the newest `keep` (nothing the ledger does not list)."""
-        for old in self.recorded()[: -self.keep]:
-            self._forget(old.name)
-            _remove(self.directory / old.name)
+        """Delete the recorded checkpoints beyond the newest `keep` (nothing the ledger does not list). Each is first
+        renamed to a staging name, so a kill at any point leaves no half-deleted directory the ledger lists."""
+        stale = self.recorded()[: -self.keep]
+        if not stale:
+            return
+        retiring = []
+        for old in stale:
+            trash = self.directory / f"{_STAGING_PREFIX}{old.name}.retired"  # _settle knows this name
+            if (self.directory / old.name).exists():
+                os.rename(self.directory / old.name, trash)
+                retiring.append(trash)
+            del self.ledger["checkpoints"][old.name]
+        _kill_point("retiring")
+        self._write_ledger()
+        _kill_point("retired")
+        for trash in retiring:
+            _remove(trash)
 
     def discard_run(self) -> None:
         """A fresh run in this directory: delete what the earlier run recorded, its ledger and leftover staging."""
@@ -258,8 +315,9 @@ class CheckpointDir:
 
     def _remove_staging(self) -> None:
         if self.directory.is_dir():
-            for leftover in self.directory.glob(f"{_STAGING_PREFIX}*"):
-                _remove(leftover)
+            for prefix in (_STAGING_PREFIX, _ASIDE_PREFIX):
+                for leftover in self.directory.glob(f"{prefix}*"):
+                    _remove(leftover)
 
     # reading
 
@@ -274,23 +332,83 @@ class CheckpointDir:
         """path's manifest if the ledger vouches for it and its files check out; else CheckpointError."""
         return verify_checkpoint(path, self.ledger["checkpoints"].get(path.name))
 
+    def check_ledger(self) -> dict[str, dict | CheckpointError]:
+        """Settle the ledger with what is on disk: every entry's directory verified (its manifest, or the
+        CheckpointError why not); a pending entry that verifies is trusted (or the checkpoint it was replacing, if
+        that one is still whole), every other failing entry dropped. The ledger is rewritten if anything changed."""
+        checked, entries = {}, self.ledger["checkpoints"]
+        before = json.dumps(entries, sort_keys=True)
+        for name, entry in list(entries.items()):
+            try:
+                entries[name], checked[name] = self._settle(name, entry)
+            except CheckpointError as err:
+                del entries[name]
+                checked[name] = err
+        if json.dumps(entries, sort_keys=True) != before:
+            self._write_ledger()
+        self._remove_staging()
+        return checked
+
+    def _settle(self, name: str, entry: dict) -> tuple[dict, dict]:
+        """(the entry to keep, the manifest of its directory) for one ledger entry; CheckpointError to drop it."""
+        path, aside = self.directory / name, self.directory / (_ASIDE_PREFIX + name)
+        record = {k: v for k, v in entry.items() if k not in ("pending", "replaces")}
+        if not entry.get("pending"):
+            if not path.exists() and not path.is_symlink():
+                retired = (self.directory / f"{_STAGING_PREFIX}{name}.retired").exists()
+                raise CheckpointError(_RETIRED if retired else f"{LEDGER} lists it but its directory is missing")
+            return record, verify_checkpoint(path, record)
+        try:  # killed after the rename: the new checkpoint is in place
+            return record, verify_checkpoint(path, record)
+        except CheckpointError:
+            if not entry.get("replaces"):
+                raise CheckpointError(_NEVER_IN_PLACE) from None
+        if not path.exists() and aside.exists():  # killed between moving the old one aside and the rename
+            os.rename(aside, path)
+        return entry["replaces"], verify_checkpoint(path, entry["replaces"])
+
     def newest(self, load_fn: Callable[[Path, dict], Any]) -> tuple[Path, Any] | None:
         """(path, load_fn(path, manifest)) of the newest trusted checkpoint that load_fn accepts, passing over
-        every other one with one warning line each; None if there is no checkpoint at all. CheckpointError
-        if there are candidates but none can be used."""
-        self._remove_staging()
-        skipped = []
+        every other one with one warning line each (and dropping from the ledger every entry whose directory fails
+        verification); None if there is no checkpoint at all. CheckpointError if there are candidates but none
+        can be used."""
+        checked = self.check_ledger()
+        dropped = {name for name, result in checked.items() if isinstance(result, CheckpointError)}
+        skipped, found = [], None
         for path in self.candidates():
             try:
-                return path, load_fn(path, self.trusted(path))
+                manifest = checked.get(path.name) or self.trusted(path)
+                if isinstance(manifest, CheckpointError):
+                    raise manifest
+                found = path, load_fn(path, manifest)
+                break
             except CheckpointError as err:
-                reason = _one_line(str(err))
+                reason = _one_line(str(err)) + (f" (dropped from {LEDGER})" if path.name in dropped else "")
                 self.warn(f"skipped checkpoint {path}: {reason}")
                 skipped.append(f"{path.name}: {reason}")
-        if skipped:
+                dropped.discard(path.name)
+        for name in sorted(dropped):  # not reached by the walk above (older, or no directory): still one line each
+            if str(checked[name]) not in (_NEVER_IN_PLACE, _RETIRED):  # what a kill undid or finished: nothing to say
+                self.warn(f"dropped {name} from {LEDGER}: {_one_line(str(checked[name]))}")
+        if found is None and skipped:
             raise CheckpointError(f"no usable checkpoint in {str(self.directory)!r}; skipped {len(skipped)} "
                                   f"(newest: {skipped[0]})")  # fmt: skip
-        return None
+        return found
+
+
+def _kill_point(point: str) -> None:
+    """Fault injection for tests: SIGKILL this process if KILL_AT_ENV names point (one of SAVE_POINTS)."""
+    if os.environ.get(KILL_AT_ENV) == point:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _undo_rename(staging: Path, target: Path, aside: Path) -> None:
+    """After a failed _put_in_place: the new checkpoint back to staging, the replaced one back in place."""
+    with contextlib.suppress(OSError):
+        if not staging.exists() and target.exists():
+            os.rename(target, staging)
+        if aside.exists() and not target.exists():
+            os.rename(aside, target)
 
 
 def _age(path: Path) -> tuple:

@@ -1,6 +1,7 @@
 """Checks `dppo train` makes before it builds the model or starts Ray: what would otherwise fail minutes later.
 
-- the output directory can be created and written (OutputDirError);
+- the output directory can be created and written (OutputDirError), and has room for about two checkpoints
+  (a warning line if not);
 - a prompt and a response fit the model's positions, and the run's memory (the model's weights, gradients,
   Adam's two moments, a snapshot slot, the rollout copies on this machine, and each process's batch tensors)
   fits the memory available, counted from the config without allocating anything (ConfigError);
@@ -11,6 +12,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 from dataclasses import dataclass
@@ -23,6 +25,9 @@ from dppo.config import ConfigError, DppoConfig
 from dppo.models import tiny_model_config
 from dppo.config.choices import select_strategy_name
 from dppo.trainer import placement, ray_cluster
+from dppo.trainer.checkpoint_failure import checkpoint_bytes_estimate, free_bytes, size_in_words
+
+log = logging.getLogger("dppo.preflight")
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -112,6 +117,23 @@ def check_sequence_length(cfg: DppoConfig, shape: RunShape) -> None:
         raise ConfigError(f"a prompt of {shape.prompt_length} tokens (task.length={cfg.task.length}) and a response "
                           f"of {shape.response_length} (rollout.max_new_tokens, else the task's answer length) are "
                           f"{length} positions, but the model has {shape.max_positions} (max_position_embeddings)")  # fmt: skip
+
+
+def check_checkpoint_space(cfg: DppoConfig, shape: RunShape) -> str | None:
+    """One warning line (logged, and returned) if trainer.output_dir has less free space than about two
+    checkpoints (the new one is written before retention deletes the oldest); None if it has room."""
+    if cfg.trainer.checkpoint_every == 0:
+        return None
+    with_reference = cfg.actor.kl_loss_coef > 0
+    needed = 2 * checkpoint_bytes_estimate(shape.params, DTYPE_BYTES[cfg.model.dtype], with_reference)
+    free = free_bytes(Path(cfg.trainer.output_dir))
+    if free >= needed:
+        return None
+    line = (f"trainer.output_dir={cfg.trainer.output_dir!r} has {size_in_words(free)} free, less than two checkpoints "
+            f"(about {size_in_words(needed)}): a checkpoint that cannot be written is a warning, two in a row stop "
+            "the run (exit code 3)")  # fmt: skip
+    log.warning(line)
+    return line
 
 
 def batch_bytes(cfg: DppoConfig, shape: RunShape) -> tuple[int, int]:

@@ -20,10 +20,11 @@ from typing import Any
 
 import numpy as np
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import GetTimeoutError, RayTaskError
 
 from dppo.data.source import PromptSource
 from dppo.rollout import Group
+from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
@@ -196,26 +197,27 @@ class RayRollout:
             cause = err.cause if getattr(err, "cause", None) is not None else err
             raise RolloutFailedError(f"rollout worker {worker.index} raised {type(cause).__name__}: "
                                      f"{_one_line(cause)}") from None  # fmt: skip
-        except RayActorError:
-            self._restart(worker)
+        except process_gone_errors() as err:  # the process is gone, however Ray says so
+            self._restart(worker, death_in_words(err))
             return None
         if ref is worker.run:
             self._check_buffer()
             raise RolloutFailedError(f"rollout worker {worker.index} stopped before the trainer finished")
         return value
 
-    def _restart(self, worker: _Worker) -> None:
-        """worker's process died: a new incarnation takes its place and its outstanding tickets are granted again."""
+    def _restart(self, worker: _Worker, how: str) -> None:
+        """worker's process died (how: in words): a new incarnation takes its place and its outstanding tickets are
+        granted again."""
         self._check_buffer()
         limit = self.cfg.rollout.max_restarts
         if worker.restarts >= limit:
-            raise RolloutFailedError(f"rollout worker {worker.index} died and its restarts are used up "
+            raise RolloutFailedError(f"rollout worker {worker.index} {how} and its restarts are used up "
                                      f"({worker.restarts} of rollout.max_restarts={limit})")  # fmt: skip
         ray.kill(worker.actor, no_restart=True)
         regranted = self._from_buffer(self.buffer.release.remote(worker.holder))
         self.workers[worker.index] = self._spawn(worker.index, worker.restarts + 1)
         self.worker_restarts += 1
-        log.warning(f"rollout worker {worker.index} died; restarted it ({worker.restarts + 1} of "
+        log.warning(f"rollout worker {worker.index} {how}; restarted it ({worker.restarts + 1} of "
                     f"rollout.max_restarts={limit}); its {regranted} outstanding groups are generated anew")  # fmt: skip
 
     def _check_buffer(self) -> None:
@@ -229,8 +231,8 @@ class RayRollout:
         """ray.get of a replay-buffer call; RolloutFailedError if the buffer died."""
         try:
             return ray.get(ref, timeout=timeout)
-        except RayActorError:
-            raise RolloutFailedError("the replay buffer died") from None
+        except process_gone_errors() as err:
+            raise RolloutFailedError(f"the replay buffer {death_in_words(err)}") from None
 
     def stats(self) -> dict[str, float]:
         return {**self._from_buffer(self.buffer.stats.remote()), "rollout/worker_restarts": float(self.worker_restarts)}

@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, gather_rows, split_args, split_each
@@ -129,7 +130,7 @@ class RayWorkerGroup(WorkerGroup):
             ready, pending = ray.wait(pending, num_returns=1)
             try:
                 ray.get(ready[0])
-            except ray.exceptions.RayActorError as err:
+            except process_gone_errors() as err:  # killed, killed for memory, its node lost
                 rank = futures.index(ready[0])
                 self._abort()
                 raise RankDiedError(self._died(rank, err)) from None
@@ -142,8 +143,11 @@ class RayWorkerGroup(WorkerGroup):
         node = self.nodes[rank]
         reason = next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
         node_id = (node["node_id"] or "?")[:12]
-        return (f"actor rank {rank} of {self.world_size} died (node {node['node_ip']}, node id {node_id}, "
-                f"pid {node['pid']}): {reason}")  # fmt: skip
+        where = f"node {node['node_ip']}, node id {node_id}, pid {node['pid']}"
+        how = death_in_words(err)
+        if how != "died":  # memory, or the node: the words say it all, Ray's message is pages long
+            return f"actor rank {rank} of {self.world_size} {how} ({where})"
+        return f"actor rank {rank} of {self.world_size} died ({where}): {reason}"
 
     def _abort(self) -> None:
         """Kill every rank (the living ones may be waiting in a collective for a dead one) and free the nodes."""

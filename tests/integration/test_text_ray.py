@@ -3,6 +3,7 @@
 import json
 import os
 import subprocess
+import time
 import sys
 from pathlib import Path
 
@@ -14,6 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(example, output_dir, *extra, timeout=150):
+    return subprocess.run(_command(example, output_dir, *extra), cwd=REPO, env=_env(), capture_output=True,
+                          text=True, timeout=timeout, start_new_session=True)  # fmt: skip
+
+
+def _env() -> dict:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+
+
+def _command(example, output_dir, *extra) -> list[str]:
     args = [
         f"model.path={example['model']}",
         f"data.train_files={example['train']}",
@@ -32,9 +42,7 @@ def _run(example, output_dir, *extra, timeout=150):
         "ray.num_cpus=2",
         *extra,
     ]
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    return subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=timeout, start_new_session=True)  # fmt: skip
+    return [sys.executable, "-m", "dppo", "train", *args]
 
 
 def test_separate_async_text_run_on_ray(text_example, tmp_path):
@@ -48,3 +56,30 @@ def test_separate_async_text_run_on_ray(text_example, tmp_path):
         assert "reward/extra/exact_match" in r and r["timing_s/old_log_prob"] > 0
     assert {"val/score/reverse_short", "val/score/reverse_long"} <= set(records[1]) & set(records[2])
     assert "greedy val/score/reverse_long" in run.stdout
+
+
+def test_a_reward_that_never_returns_on_a_ray_worker_ends_the_run_within_its_time_limit(text_example, tmp_path):
+    """custom_reward_function.timeout_s on a rollout worker: the call is stopped and the run ends as for a raising
+    reward (one line naming the function, the data source and the row; exit code 1): its error line within the
+    limit + 10 s of the call (the process then exits once Ray has shut down)."""
+    started = tmp_path / "reward_started"
+    reward = tmp_path / "hanging_reward.py"
+    reward.write_text("import pathlib, time\n"
+                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+                      f"    pathlib.Path({str(started)!r}).touch()\n"
+                      "    time.sleep(10**6)\n")  # fmt: skip
+    command = _command(text_example, tmp_path / "run", f"custom_reward_function.path={reward}",
+                       "custom_reward_function.timeout_s=3", "rollout.num_workers=1")  # fmt: skip
+    proc = subprocess.Popen(command, cwd=REPO, env=_env(), text=True, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    lines, error_at = [], None
+    for line in proc.stderr:  # as they come, noting when the error line came
+        lines.append(line.rstrip("\n"))
+        if line.startswith("dppo: error:"):
+            error_at = time.time()
+    assert proc.wait(timeout=60) == 1, "\n".join(lines[-40:])
+    assert error_at is not None and error_at - started.stat().st_mtime < 3 + 10
+    assert lines[-1].startswith(f"dppo: error: rollout worker 0 raised RewardFunctionError: reward function "
+                                f"'compute_score' in {str(reward)!r} did not return within 3 s "
+                                "(custom_reward_function.timeout_s) (data_source=")  # fmt: skip
+    assert not any("Traceback" in line for line in lines)

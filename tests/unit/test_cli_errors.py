@@ -45,7 +45,7 @@ def one_error_line(lines: list[str]) -> str:
         ({"rollout.n": 10**8}, ["rollout.n", "GiB of host memory", "smaller batches"]),  # the batches' KV caches
         ({"rollout.max_new_tokens": 300}, ["a response of 300", "305 positions", "has 256 (max_position_embeddings)"]),
         ({"task.length": 10**12}, ["task.length=1000000000000: a single prompt of task 'copy' cannot be allocated"]),
-        ({"trainer.eval_prompts": 10**12}, ["trainer.eval_prompts=1000000000000: the held-out prompts cannot be"]),
+        ({"trainer.eval_prompts": 10**12}, ["trainer.eval_prompts=1000000000000: task 'copy'", "only 1000 distinct"]),
     ],
 )
 def test_each_config_error_is_one_line_with_exit_code_2(run_cli, override, fragments):

@@ -28,7 +28,7 @@ from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import free_port, full_state_dict, init_process_group, node_ip, parallelize, reshard
 from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
 from dppo.workers.actor.prox_method import StepVersions, make_prox_method
-from dppo.workers.actor.sharded_state import load_sharded, save_sharded
+from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
 
@@ -251,12 +251,17 @@ class ActorRank:
         return state
 
     @register(RANK0)
-    def save_checkpoint(self, path: str, with_anchor: bool = False) -> bool:
+    def save_checkpoint(self, path: str, with_anchor: bool = False) -> dict:
         """This rank's shards of the model, optimizer (and KL reference) into the DCP checkpoint at path; with_anchor
-        (mid-cycle), also pi_old's weights where the old-log-prob strategy keeps any. Whether it saved them."""
+        (mid-cycle), also pi_old's weights where the old-log-prob strategy keeps any. {"anchor": whether it saved
+        them, "write_error": None, or why the files could not be written (DCP fails on every rank alike)}: returned,
+        not raised, so that a full disk leaves the ranks running and the driver decides (a raising rank is torn down)."""
         anchor = self.old_log_prob.anchor_weights() if with_anchor else None
-        save_sharded(path, self.model, self.optimizer, self.ref_model, anchor)
-        return anchor is not None
+        try:
+            save_sharded(path, self.model, self.optimizer, self.ref_model, anchor)
+        except ShardedCheckpointError as err:
+            return {"anchor": False, "write_error": str(err)}
+        return {"anchor": anchor is not None, "write_error": None}
 
     @register(ALL)
     def load_checkpoint(self, path: str, with_anchor: bool = False) -> None:

@@ -118,11 +118,8 @@ def test_a_tokenizer_without_a_chat_template_says_so(text_cfg, tmp_path, text_ex
 
 @pytest.mark.parametrize("overrides, fragments", [
     ({"model.path": None}, ["data.train_files=", "needs model.path"]),
-    ({"data.train_files": "/no/such.parquet"}, ["data.train_files", "'/no/such.parquet' does not exist"]),
-    ({"data.val_files": "[/no/val.parquet]"}, ["data.val_files", "'/no/val.parquet' does not exist"]),
     ({"data.truncation": "middle"}, ["data.truncation", "middle", "'left'"]),
     ({"data.max_prompt_length": 0}, ["data.max_prompt_length=0"]),
-    ({"custom_reward_function.path": "/no/reward.py"}, ["custom_reward_function.path", "/no/reward.py"]),
     ({"data.train_files": None}, ["data.val_files=", "data.train_files is null"]),
 ])  # fmt: skip
 def test_config_errors_name_the_key(text_cfg, overrides, fragments):
@@ -130,6 +127,18 @@ def test_config_errors_name_the_key(text_cfg, overrides, fragments):
         text_cfg(**overrides)
     for fragment in fragments:
         assert fragment in str(err.value)
+
+
+@pytest.mark.parametrize("overrides, line", [
+    ({"data.train_files": "/no/such.parquet"}, "data.train_files='/no/such.parquet': data file '/no/such.parquet' does not exist"),
+    ({"data.val_files": "[/no/val.parquet]"}, "data.val_files=['/no/val.parquet']: data file '/no/val.parquet' does not exist"),
+    ({"custom_reward_function.path": "/no/reward.py"}, "custom_reward_function.path='/no/reward.py': the reward function's file does not exist"),
+])  # fmt: skip
+def test_a_missing_data_or_reward_file_is_a_data_error(text_cfg, overrides, line):
+    """Exit code 6 (DataError), as an unreadable file is; not a config error."""
+    with pytest.raises(DataFileError) as err:
+        text_cfg(**overrides)
+    assert str(err.value) == line
 
 
 def test_bad_data_stops_dppo_train_with_one_line_before_ray_starts(text_args, tmp_path, monkeypatch, capsys):
