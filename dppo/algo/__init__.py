@@ -5,16 +5,35 @@ included) and never change a result. Metrics are dict[str, float] with verl-styl
 after verl 0.9.1's agree with verl's on the same inputs (tests/oracle runs verl's own functions as the oracle).
 """
 
-from dppo.algo._common import AlgoInputError, NonFiniteError, ShapeMismatchError, UnknownNameError
+from dppo.algo._common import (
+    AlgoInputError,
+    NonFiniteError,
+    ShapeMismatchError,
+    UnknownNameError,
+)
 from dppo.algo.advantages import (
     ADVANTAGE_ESTIMATORS,
     get_advantage_estimator,
     grpo_advantages,
     rloo_advantages,
 )
-from dppo.algo.aggregation import LOSS_AGG_MODES, LossNormalizers, agg_divisor, agg_loss, loss_normalizers
+from dppo.algo.aggregation import (
+    LOSS_AGG_MODES,
+    LossNormalizers,
+    agg_divisor,
+    agg_loss,
+    loss_normalizers,
+)
 from dppo.algo.kl import KL_PENALTIES, kl_loss, kl_penalty
 from dppo.algo.logprob import entropy_from_logits, log_probs_from_logits
+from dppo.algo.loss_modes import (
+    FIXED_AGG_MODES,
+    LOSS_MODES,
+    POLICY_LOSS_DEFAULTS,
+    RANDOM_LOSS_MODES,
+    get_policy_loss_fn,
+    loss_mode_agg_mode,
+)
 from dppo.algo.losses import (
     POLICY_LOSSES,
     bypass_policy_loss,
@@ -24,7 +43,11 @@ from dppo.algo.losses import (
     ppo_clip_bypass_loss,
     reinforce_bypass_loss,
 )
-from dppo.algo.prox_approx import loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
+from dppo.algo.prox_approx import (
+    loglinear_alpha,
+    loglinear_prox_log_prob,
+    prox_approx_metrics,
+)
 from dppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
 from dppo.algo.rollout_correction_config import (
     RS_OPTIONS,
@@ -35,9 +58,13 @@ from dppo.algo.rollout_correction_config import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "FIXED_AGG_MODES",
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
+    "LOSS_MODES",
     "POLICY_LOSSES",
+    "POLICY_LOSS_DEFAULTS",
+    "RANDOM_LOSS_MODES",
     "RS_OPTIONS",
     "AlgoInputError",
     "LossNormalizers",
@@ -54,12 +81,14 @@ __all__ = [
     "entropy_from_logits",
     "get_advantage_estimator",
     "get_policy_loss",
+    "get_policy_loss_fn",
     "grpo_advantages",
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",
     "loglinear_alpha",
     "loglinear_prox_log_prob",
+    "loss_mode_agg_mode",
     "loss_normalizers",
     "parse_rollout_rs_thresholds",
     "policy_loss",

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -70,6 +72,58 @@ def check_same_shape(ref_name: str, ref: torch.Tensor, **tensors: torch.Tensor |
             )
 
 
+def check_number(name: str, value: object, *, minimum: float | None = None, above: float | None = None) -> float:
+    """Return value if it is a finite int/float (not a bool), >= minimum and > above where given; else raise
+    AlgoInputError naming the argument and the value."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value)
+    if not ok:
+        raise AlgoInputError(f"{name} must be a finite number; got {value!r}")
+    if minimum is not None and value < minimum:
+        raise AlgoInputError(f"{name} must be >= {minimum}; got {value!r}")
+    if above is not None and value <= above:
+        raise AlgoInputError(f"{name} must be > {above}; got {value!r}")
+    return value
+
+
+Number = int | float | torch.Tensor
+
+
+@dataclass(frozen=True)
+class LossNormalizers:
+    """The denominators of agg_loss for a whole (mini-)batch, verl's names; None: the aggregated batch's own count."""
+
+    batch_num_tokens: Number | None = None
+    """Valid tokens of the whole batch (token-mean)."""
+
+    global_batch_size: Number | None = None
+    """Sequences of the whole batch with at least one valid token (the seq-mean-* modes)."""
+
+    dp_size: int = 1
+    """Data-parallel ranks whose gradients are averaged; the two counts above then cover all ranks."""
+
+
+def check_normalizers(normalizers: object) -> None:
+    """Raise TypeError / AlgoInputError naming the value unless normalizers is None or a valid LossNormalizers."""
+    if normalizers is None:
+        return
+    if not isinstance(normalizers, LossNormalizers):
+        raise TypeError(f"normalizers must be a LossNormalizers or None; got {type(normalizers).__name__}")
+    dp = normalizers.dp_size
+    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
+        raise AlgoInputError(f"dp_size must be an int >= 1; got {dp!r}")
+    for name in ("batch_num_tokens", "global_batch_size"):
+        value = getattr(normalizers, name)
+        if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float, torch.Tensor))):
+            raise TypeError(f"{name} must be a number, a 0-dim tensor or None; got {value!r}")
+
+
+def check_loss_scale_factor(value: object) -> None:
+    """Raise AlgoInputError naming the value unless it is None or a finite number > 0."""
+    ok = not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+    if value is not None and not ok:
+        raise AlgoInputError(f"loss_scale_factor must be a finite number > 0 or None; got {value!r}")
+
+
 class Checks:
     """Deferred value checks whose flags travel in the same device->host copy as the metrics."""
 
@@ -110,6 +164,23 @@ class Checks:
             raise exc(f"{message}: value {value} at index {list(pos)} {where}")
 
 
+def check_masked_terms(
+    mask_name: str, mask: object, normalizers: object = None, **tensors: torch.Tensor | None
+) -> tuple[torch.Tensor, Checks]:
+    """The checks every loss term over a (B, T) mask shares: mask (bool, or nonzero = valid) is 2-D, each tensor
+    is a tensor of mask's shape (None: absent), normalizers are valid. Returns the bool mask and a Checks that
+    flags NaN/inf in each tensor where the mask is valid (raised by to_floats, in the metrics' device sync)."""
+    mask = as_mask(mask_name, mask)
+    check_2d(mask_name, mask)
+    check_same_shape(mask_name, mask, **tensors)
+    check_normalizers(normalizers)
+    checks = Checks(mask, mask_name)
+    for name, t in tensors.items():
+        if t is not None:
+            checks.finite(name, t)
+    return mask, checks
+
+
 def to_floats(
     metrics: Mapping[str, torch.Tensor], checks: Checks | None = None
 ) -> dict[str, float]:
@@ -134,6 +205,13 @@ def masked_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: 
     if mask is not None:
         logp, base_logp = torch.where(mask, logp, 0.0), torch.where(mask, base_logp, 0.0)
     return (logp - base_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def unclamped_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """log_prob - base_log_prob in fp32 (B, T) as it is (the losses that never exponentiate it, or exponentiate it
+    unclamped as verl does), 0 where mask is 0; differentiable in log_prob only."""
+    logp, base_logp = log_prob.float(), base_log_prob.detach().float()
+    return torch.where(mask, logp, 0.0) - torch.where(mask, base_logp, 0.0)
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

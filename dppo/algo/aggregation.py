@@ -16,7 +16,6 @@ normalizers count the whole global batch.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -25,30 +24,20 @@ import torch
 from dppo.algo._common import (
     AlgoInputError,
     Checks,
+    LossNormalizers,
+    Number,
     as_mask,
     check_2d,
+    check_loss_scale_factor,
+    check_normalizers,
     check_same_shape,
     check_tensor,
     lookup,
     to_floats,
 )
 
-Number = int | float | torch.Tensor
-
-
-@dataclass(frozen=True)
-class LossNormalizers:
-    """The denominators of agg_loss for a whole (mini-)batch, verl's names; None: the aggregated batch's own count."""
-
-    batch_num_tokens: Number | None = None
-    """Valid tokens of the whole batch (token-mean)."""
-
-    global_batch_size: Number | None = None
-    """Sequences of the whole batch with at least one valid token (the seq-mean-* modes)."""
-
-    dp_size: int = 1
-    """Data-parallel ranks whose gradients are averaged; the two counts above then cover all ranks."""
-
+__all__ = ["LOSS_AGG_MODES", "LossNormalizers", "agg_divisor", "agg_loss", "agg_loss_unchecked",
+           "check_normalizers", "loss_normalizers"]  # fmt: skip
 
 def loss_normalizers(mask: torch.Tensor) -> LossNormalizers:
     """The normalizers of a batch whose loss mask is mask (B, T): its valid tokens and non-empty sequences.
@@ -116,21 +105,6 @@ def agg_loss_unchecked(
     return numerator / agg_divisor(mode, normalizers, mask) * normalizers.dp_size
 
 
-def check_normalizers(normalizers: object) -> None:
-    """Raise TypeError / AlgoInputError naming the value unless normalizers is None or a valid LossNormalizers."""
-    if normalizers is None:
-        return
-    if not isinstance(normalizers, LossNormalizers):
-        raise TypeError(f"normalizers must be a LossNormalizers or None; got {type(normalizers).__name__}")
-    dp = normalizers.dp_size
-    if isinstance(dp, bool) or not isinstance(dp, int) or dp < 1:
-        raise AlgoInputError(f"dp_size must be an int >= 1; got {dp!r}")
-    for name in ("batch_num_tokens", "global_batch_size"):
-        value = getattr(normalizers, name)
-        if isinstance(value, bool) or (value is not None and not isinstance(value, (int, float, torch.Tensor))):
-            raise TypeError(f"{name} must be a number, a 0-dim tensor or None; got {value!r}")
-
-
 def agg_loss(
     loss_mat: torch.Tensor,
     mask: torch.Tensor,
@@ -155,10 +129,7 @@ def agg_loss(
     check_2d("loss_mat", loss_mat)
     normalizers = LossNormalizers(batch_num_tokens, global_batch_size, dp_size)
     check_normalizers(normalizers)
-    if loss_scale_factor is not None:
-        ok = not isinstance(loss_scale_factor, bool) and isinstance(loss_scale_factor, (int, float))
-        if not (ok and math.isfinite(loss_scale_factor) and loss_scale_factor > 0):
-            raise AlgoInputError(f"loss_scale_factor must be a finite number > 0 or None; got {loss_scale_factor!r}")
+    check_loss_scale_factor(loss_scale_factor)
     checks = Checks(mask, "mask")
     checks.finite("loss_mat", loss_mat)
     loss = agg_loss_unchecked(loss_mat.float(), mask, mode, normalizers, loss_scale_factor)

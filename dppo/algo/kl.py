@@ -2,22 +2,23 @@
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from dppo.algo._common import (
-    AlgoInputError,
     Checks,
+    LossNormalizers,
     as_mask,
-    check_2d,
+    check_loss_scale_factor,
+    check_masked_terms,
+    check_number,
     check_same_shape,
     check_tensor,
     lookup,
     to_floats,
 )
-from dppo.algo.aggregation import LossNormalizers, agg_loss_unchecked, check_normalizers
+from dppo.algo.aggregation import agg_loss_unchecked
 
 # verl clamps log(pi_ref / pi) to +-20 before exp in k3, and k3 itself to +-10, so one outlier token cannot
 # dominate the loss. k1 and k2 are not clamped (as in verl).
@@ -96,22 +97,19 @@ def kl_loss(
     kind: str = "k3",
     loss_agg_mode: str = "token-mean",
     normalizers: LossNormalizers | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss term coef * agg(kl_penalty) to add to the policy loss, and {"actor/kl_loss", "actor/kl_coef"}.
 
-    Aggregated over response_mask (the loss mask) with normalizers, as the policy loss.
+    Aggregated over response_mask (the loss mask) with normalizers and loss_scale_factor, as the policy loss.
     """
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-        raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
+    check_number("coef", coef)
     check_tensor("log_prob", log_prob)
-    check_same_shape("response_mask", mask, log_prob=log_prob, ref_log_prob=ref_log_prob)
-    check_normalizers(normalizers)
-    checks = Checks(mask)
-    checks.finite("log_prob", log_prob)
-    checks.finite("ref_log_prob", ref_log_prob)
+    mask, checks = check_masked_terms(
+        "response_mask", response_mask, normalizers, log_prob=log_prob, ref_log_prob=ref_log_prob
+    )
+    check_loss_scale_factor(loss_scale_factor)
     per_token = lookup(KL_PENALTIES, kind, "KL penalty kind")(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
-    kl = agg_loss_unchecked(per_token, mask, loss_agg_mode, normalizers)
+    kl = agg_loss_unchecked(per_token, mask, loss_agg_mode, normalizers, loss_scale_factor)
     metrics = to_floats({"actor/kl_loss": kl.detach()}, checks)
     return coef * kl, {**metrics, "actor/kl_coef": float(coef)}

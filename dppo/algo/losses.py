@@ -10,17 +10,16 @@ and the variant is chosen by name from POLICY_LOSSES (config.loss_type), as verl
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
 
 from dppo.algo._common import (
     AlgoInputError,
-    Checks,
-    as_mask,
-    check_2d,
-    check_same_shape,
+    LossNormalizers,
+    check_loss_scale_factor,
+    check_masked_terms,
+    check_number,
     check_tensor,
     lookup,
     masked_log_ratio,
@@ -28,43 +27,45 @@ from dppo.algo._common import (
     masked_mean,
     masked_min,
     to_floats,
+    unclamped_log_ratio,
 )
-from dppo.algo.aggregation import LossNormalizers, agg_loss_unchecked, check_normalizers
-from dppo.algo.rollout_correction import RolloutCorrectionConfig, rollout_correction_tensors
+from dppo.algo.aggregation import agg_loss_unchecked
+from dppo.algo.rollout_correction import (
+    RolloutCorrectionConfig,
+    rollout_correction_tensors,
+)
 
 # ---------------------------------------------------------------------------------------------------
 # Decoupled PPO
 # ---------------------------------------------------------------------------------------------------
 
 
-def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> None:
-    """Validate the clip range [1 - low, 1 + high] and the dual-clip constant c."""
-    for name, value in (("clip_ratio_low", clip_ratio_low), ("clip_ratio_high", clip_ratio_high),
-                        ("clip_ratio_c", clip_ratio_c)):  # fmt: skip
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
-            raise AlgoInputError(f"{name} must be a finite number; got {value!r}")
+def check_clip_range(clip_ratio_low: float, clip_ratio_high: float) -> None:
+    """Validate the clip range [1 - low, 1 + high]."""
+    check_number("clip_ratio_low", clip_ratio_low)
+    check_number("clip_ratio_high", clip_ratio_high)
     if not 0 <= clip_ratio_low < 1:
         raise AlgoInputError(f"clip_ratio_low must be in [0, 1) so that 1 - clip_ratio_low > 0; got {clip_ratio_low}")
     if clip_ratio_high < 0:
         raise AlgoInputError(f"clip_ratio_high must be >= 0; got {clip_ratio_high}")
+
+
+def _check_clip(clip_ratio_low: float, clip_ratio_high: float, clip_ratio_c: float) -> None:
+    """Validate the clip range [1 - low, 1 + high] and the dual-clip constant c."""
+    check_clip_range(clip_ratio_low, clip_ratio_high)
+    check_number("clip_ratio_c", clip_ratio_c)
     if clip_ratio_c <= 1:
         raise AlgoInputError(f"clip_ratio_c (dual clip) must be > 1; got {clip_ratio_c}")
 
 
-def _check_loss_inputs(log_prob, old_name, old_log_prob, advantages, response_mask, weights=None):
-    """Shape and type checks shared by the policy losses; returns the bool mask (B, T) and Checks."""
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
+def check_loss_inputs(log_prob, old_name, old_log_prob, advantages, response_mask, weights=None, normalizers=None):
+    """Shape, type and value checks shared by the policy losses; returns the bool mask (B, T) and Checks."""
     check_tensor("log_prob", log_prob)
-    check_same_shape(
-        "response_mask", mask, log_prob=log_prob, **{old_name: old_log_prob}, advantages=advantages, weights=weights
-    )
-    checks = Checks(mask)
-    checks.finite("log_prob", log_prob)
-    checks.finite(old_name, old_log_prob)
-    checks.finite("advantages", advantages)
+    mask, checks = check_masked_terms(
+        "response_mask", response_mask, normalizers,
+        log_prob=log_prob, **{old_name: old_log_prob}, advantages=advantages, weights=weights,
+    )  # fmt: skip
     if weights is not None:
-        checks.finite("weights", weights)
         checks.nonnegative("weights", weights)
     return mask, checks
 
@@ -79,7 +80,7 @@ def _ratio_metrics(log_ratio: torch.Tensor, ratio: torch.Tensor, mask: torch.Ten
     }
 
 
-def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high, c, mode, normalizers):
+def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high, c, mode, normalizers, scale):
     """Loss (0-dim) and metric tensors of the clipped objective; inputs are already checked."""
     adv = torch.where(mask, advantages.detach().float(), 0.0)  # (B, T)
     log_ratio = masked_log_ratio(log_prob, old_log_prob, mask)  # (B, T), differentiable in log_prob
@@ -96,7 +97,7 @@ def _ppo_clip_terms(log_prob, old_log_prob, advantages, mask, weights, low, high
     pg_losses = torch.where(clipped_lower, pg_losses3, clip_pg_losses1)  # dual clip: cap at -c * A for A < 0
     if weights is not None:
         pg_losses = pg_losses * torch.where(mask, weights.detach().float(), 0.0)
-    pg_loss = agg_loss_unchecked(pg_losses, mask, mode, normalizers)
+    pg_loss = agg_loss_unchecked(pg_losses, mask, mode, normalizers, scale)
 
     with torch.no_grad():
         metrics = {
@@ -120,6 +121,7 @@ def policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     normalizers: LossNormalizers | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Decoupled PPO loss (0-dim fp32, differentiable in log_prob) and its metrics; verl's compute_policy_loss_vanilla.
 
@@ -128,18 +130,21 @@ def policy_loss(
     r = exp(clamp(log_prob - old_log_prob, -20, 20)); loss = max(-A r, -A clip(r, 1 - low, 1 + high)),
     capped at -c A where A < 0 (dual clip); times weights (the detached IS weights) if given; aggregated by
     loss_agg_mode over response_mask with normalizers (default: this batch's own counts; pass the whole
-    mini-batch's to get a micro-batch's share, see dppo.algo.aggregation).
+    mini-batch's to get a micro-batch's share, see dppo.algo.aggregation); loss_scale_factor replaces T in
+    seq-mean-token-sum-norm. Registered as loss_mode "vanilla" (dppo.algo.get_policy_loss_fn).
     Metrics (python floats, over the tokens of response_mask):
       actor/pg_loss: the loss;  actor/pg_clipfrac: fraction with -A clip(r) > -A r (clip active);
       actor/pg_clipfrac_lower: fraction with A < 0 and the dual-clip cap active;
       actor/ppo_kl: mean of old_log_prob - log_prob;  actor/ratio_mean, actor/ratio_max, actor/ratio_min.
     """
-    mask, checks = _check_loss_inputs(log_prob, "old_log_prob", old_log_prob, advantages, response_mask, weights)
+    mask, checks = check_loss_inputs(
+        log_prob, "old_log_prob", old_log_prob, advantages, response_mask, weights, normalizers
+    )
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    check_normalizers(normalizers)
+    check_loss_scale_factor(loss_scale_factor)
     loss, metrics = _ppo_clip_terms(
         log_prob, old_log_prob, advantages, mask, weights,
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, normalizers,
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, normalizers, loss_scale_factor,
     )  # fmt: skip
     return loss, to_floats(metrics, checks)
 
@@ -152,6 +157,7 @@ def policy_loss(
 def ppo_clip_bypass_loss(
     log_prob, rollout_log_prob, advantages, loss_mask, is_weights=None, *,
     clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", normalizers=None,
+    loss_scale_factor=None,
 ):  # fmt: skip
     """Bypass "ppo_clip": policy_loss against the rollout (r = pi_theta / pi_behav) over loss_mask.
 
@@ -161,30 +167,33 @@ def ppo_clip_bypass_loss(
     return policy_loss(
         log_prob, rollout_log_prob, advantages, loss_mask,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, normalizers=normalizers,
+        loss_agg_mode=loss_agg_mode, normalizers=normalizers, loss_scale_factor=loss_scale_factor,
     )  # fmt: skip
 
 
 def reinforce_bypass_loss(
     log_prob, rollout_log_prob, advantages, loss_mask, is_weights=None, *,
     clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", normalizers=None,
+    loss_scale_factor=None,
 ):  # fmt: skip
     """Bypass "reinforce": -A * log pi_theta * w over loss_mask (w = is_weights, detached; 1 if None), as verl.
 
     REINFORCE has no ratio to clip: the clip arguments are validated and otherwise unused (every POLICY_LOSSES
     entry takes the same arguments); actor/pg_clipfrac and actor/pg_clipfrac_lower are reported as 0.
+    actor/ppo_kl is the mean of rollout_log_prob - log_prob as it is (verl's: REINFORCE never exponentiates the
+    log-ratio, so it is not clamped); the ratio metrics clamp it at +-20 before exp.
     """
-    mask, checks = _check_loss_inputs(
-        log_prob, "rollout_log_prob", rollout_log_prob, advantages, loss_mask, is_weights
+    mask, checks = check_loss_inputs(
+        log_prob, "rollout_log_prob", rollout_log_prob, advantages, loss_mask, is_weights, normalizers
     )
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
-    check_normalizers(normalizers)
+    check_loss_scale_factor(loss_scale_factor)
     logp = torch.where(mask, log_prob.float(), 0.0)  # (B, T), differentiable
     adv = torch.where(mask, advantages.detach().float(), 0.0)
     pg_losses = -adv * logp
     if is_weights is not None:
         pg_losses = pg_losses * torch.where(mask, is_weights.detach().float(), 0.0)
-    pg_loss = agg_loss_unchecked(pg_losses, mask, loss_agg_mode, normalizers)
+    pg_loss = agg_loss_unchecked(pg_losses, mask, loss_agg_mode, normalizers, loss_scale_factor)
     with torch.no_grad():
         log_ratio = masked_log_ratio(log_prob.detach(), rollout_log_prob, mask)  # (B, T), log pi_theta / pi_behav
         zero = pg_loss.new_zeros(())
@@ -193,6 +202,7 @@ def reinforce_bypass_loss(
             "actor/pg_clipfrac": zero,
             "actor/pg_clipfrac_lower": zero,
             **_ratio_metrics(log_ratio, torch.exp(log_ratio), mask),
+            "actor/ppo_kl": masked_mean(-unclamped_log_ratio(log_prob.detach(), rollout_log_prob, mask), mask),
         }
     return pg_loss, to_floats(metrics, checks)
 
@@ -220,6 +230,7 @@ def bypass_policy_loss(
     clip_ratio_c: float = 3.0,
     loss_agg_mode: str = "token-mean",
     normalizers: LossNormalizers | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Policy loss without the proximal recompute (pi_prox := pi_behav); verl's compute_policy_loss_bypass_mode.
 
@@ -236,14 +247,14 @@ def bypass_policy_loss(
             "bypass_policy_loss needs algorithm.rollout_correction.bypass_mode=True; with bypass_mode=False "
             "recompute old_log_prob and use compute_rollout_correction_and_rejection_mask + policy_loss"
         )
-    mask, checks = _check_loss_inputs(log_prob, "rollout_log_prob", rollout_log_prob, advantages, response_mask)
+    mask, checks = check_loss_inputs(log_prob, "rollout_log_prob", rollout_log_prob, advantages, response_mask)
     with torch.no_grad():
         is_weights, loss_mask, rc_metrics = rollout_correction_tensors(log_prob, rollout_log_prob, mask, config)
     rc_metrics = to_floats(rc_metrics, checks)
     loss, metrics = get_policy_loss(config.loss_type)(
         log_prob, rollout_log_prob, advantages, loss_mask, is_weights,
         clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, normalizers=normalizers,
+        loss_agg_mode=loss_agg_mode, normalizers=normalizers, loss_scale_factor=loss_scale_factor,
     )  # fmt: skip
     return loss, {**metrics, **rc_metrics}
 
@@ -259,18 +270,15 @@ def entropy_bonus(
     coef: float,
     loss_agg_mode: str = "token-mean",
     normalizers: LossNormalizers | None = None,
+    loss_scale_factor: float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """Loss term -coef * agg(entropy) (add it to the policy loss to reward entropy) and {"actor/entropy": agg}.
 
-    Aggregated over response_mask (the loss mask) with normalizers, as the policy loss.
+    Aggregated over response_mask (the loss mask) with normalizers and loss_scale_factor, as the policy loss.
     """
-    if isinstance(coef, bool) or not isinstance(coef, (int, float)) or not math.isfinite(coef):
-        raise AlgoInputError(f"coef must be a finite number; got {coef!r}")
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
-    check_same_shape("response_mask", mask, entropy=entropy)
-    check_normalizers(normalizers)
-    checks = Checks(mask)
-    checks.finite("entropy", entropy)
-    mean_entropy = agg_loss_unchecked(entropy.float(), mask, loss_agg_mode, normalizers)
+    check_number("coef", coef)
+    check_tensor("entropy", entropy)
+    mask, checks = check_masked_terms("response_mask", response_mask, normalizers, entropy=entropy)
+    check_loss_scale_factor(loss_scale_factor)
+    mean_entropy = agg_loss_unchecked(entropy.float(), mask, loss_agg_mode, normalizers, loss_scale_factor)
     return -coef * mean_entropy, to_floats({"actor/entropy": mean_entropy}, checks)
