@@ -11,18 +11,19 @@ from dppo.algo._common import (
     ShapeMismatchError,
     UnknownNameError,
 )
-from dppo.algo.advantages import (
-    ADVANTAGE_ESTIMATORS,
-    get_advantage_estimator,
-    grpo_advantages,
-    rloo_advantages,
-)
+from dppo.algo.advantages import grpo_advantages, rloo_advantages
 from dppo.algo.aggregation import (
     LOSS_AGG_MODES,
     LossNormalizers,
     agg_divisor,
     agg_loss,
     loss_normalizers,
+)
+from dppo.algo.estimators import (
+    ADVANTAGE_ESTIMATORS,
+    ESTIMATOR_DEFAULTS,
+    GREEDY_BASELINE_ESTIMATORS,
+    get_advantage_estimator,
 )
 from dppo.algo.kl import KL_PENALTIES, kl_loss, kl_penalty
 from dppo.algo.logprob import entropy_from_logits, log_probs_from_logits
@@ -43,6 +44,14 @@ from dppo.algo.losses import (
     ppo_clip_bypass_loss,
     reinforce_bypass_loss,
 )
+from dppo.algo.outcome_advantages import (
+    gpg_advantages,
+    grpo_passk_advantages,
+    opo_advantages,
+    reinforce_plus_plus_advantages,
+    reinforce_plus_plus_baseline_advantages,
+    remax_advantages,
+)
 from dppo.algo.prox_approx import (
     loglinear_alpha,
     loglinear_prox_log_prob,
@@ -58,7 +67,9 @@ from dppo.algo.rollout_correction_config import (
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ESTIMATOR_DEFAULTS",
     "FIXED_AGG_MODES",
+    "GREEDY_BASELINE_ESTIMATORS",
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
     "LOSS_MODES",
@@ -82,7 +93,9 @@ __all__ = [
     "get_advantage_estimator",
     "get_policy_loss",
     "get_policy_loss_fn",
+    "gpg_advantages",
     "grpo_advantages",
+    "grpo_passk_advantages",
     "kl_loss",
     "kl_penalty",
     "log_probs_from_logits",
@@ -90,10 +103,14 @@ __all__ = [
     "loglinear_prox_log_prob",
     "loss_mode_agg_mode",
     "loss_normalizers",
+    "opo_advantages",
     "parse_rollout_rs_thresholds",
     "policy_loss",
     "ppo_clip_bypass_loss",
     "prox_approx_metrics",
     "reinforce_bypass_loss",
+    "reinforce_plus_plus_advantages",
+    "reinforce_plus_plus_baseline_advantages",
+    "remax_advantages",
     "rloo_advantages",
 ]

@@ -1,13 +1,20 @@
-"""Outcome-reward advantage estimators over prompt groups (GRPO, RLOO), broadcast over response tokens."""
+"""Outcome-reward advantage estimators over prompt groups (GRPO, RLOO), broadcast over response tokens, and the
+input checks and group statistics the other estimators (dppo.algo.outcome_advantages) share."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 
-from dppo.algo._common import AlgoInputError, NonFiniteError, ShapeMismatchError, as_mask, check_tensor, lookup
+from dppo.algo._common import (
+    AlgoInputError,
+    NonFiniteError,
+    ShapeMismatchError,
+    as_mask,
+    check_tensor,
+)
 
 
 def _group_ids(group_index: torch.Tensor | Sequence[Hashable], device: torch.device) -> torch.Tensor:
@@ -105,14 +112,3 @@ def rloo_advantages(
     denom = (n - 1).clamp(min=1)
     seq_adv = torch.where(size > 1, scores * n / denom - mean * n / denom, scores)
     return _broadcast(seq_adv, mask)
-
-
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "grpo": grpo_advantages,
-    "rloo": rloo_advantages,
-}
-
-
-def get_advantage_estimator(name: str) -> Callable[..., torch.Tensor]:
-    """Return the advantage estimator registered under name ('grpo', 'rloo')."""
-    return lookup(ADVANTAGE_ESTIMATORS, name, "advantage estimator")

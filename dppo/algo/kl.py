@@ -31,6 +31,11 @@ def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
     return log_ratio
 
 
+def _abs(log_ratio: torch.Tensor) -> torch.Tensor:
+    """|log pi - log pi_ref|: >= 0, biased."""
+    return log_ratio.abs()
+
+
 def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
     """0.5 (log pi - log pi_ref)^2: biased, >= 0, its gradient is the gradient of KL."""
     return 0.5 * log_ratio.square()
@@ -50,14 +55,32 @@ def _masked_diff(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch
     return logp - ref
 
 
-# verl's names for the same estimators are accepted as aliases.
-KL_PENALTIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+def _straight_through(estimator: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
+    """estimator's value with k2's gradient (verl's "+" names): k1 and k3 estimate KL without bias but their
+    expected gradient is not KL's; k2's is."""
+
+    def kl(log_ratio: torch.Tensor) -> torch.Tensor:
+        k2 = _k2(log_ratio)
+        return k2 - k2.detach() + estimator(log_ratio).detach()
+
+    kl.__doc__ = f"{estimator.__doc__} Value as is, gradient of k2 (straight-through)."
+    return kl
+
+
+# verl 0.9.1's names: its aliases of the same estimators, and each name + "+" for the straight-through variant
+# (for k2 / mse the "+" changes nothing: value and gradient are k2's either way).
+_BASE_PENALTIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": _k1,
     "kl": _k1,
     "k2": _k2,
     "mse": _k2,
     "k3": _k3,
     "low_var_kl": _k3,
+    "abs": _abs,
+}
+KL_PENALTIES: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    **_BASE_PENALTIES,
+    **{f"{name}+": _straight_through(fn) for name, fn in _BASE_PENALTIES.items()},
 }
 
 
@@ -68,10 +91,11 @@ def kl_penalty(
     *,
     response_mask: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Per-token KL(pi || pi_ref) estimate (B, T) fp32, differentiable in log_prob; kind is "k1", "k2" or "k3".
+    """Per-token KL(pi || pi_ref) estimate (B, T) fp32, differentiable in log_prob; kind is a KL_PENALTIES name.
 
-    With log r = log_prob - ref_log_prob: k1 = log r, k2 = (log r)^2 / 2, k3 = exp(-log r) + log r - 1 with
-    log r clamped to +-20 and k3 to +-10, as verl's kl_penalty. With response_mask the result is 0 at
+    With log r = log_prob - ref_log_prob: k1 (kl) = log r, abs = |log r|, k2 (mse) = (log r)^2 / 2,
+    k3 (low_var_kl) = exp(-log r) + log r - 1 with log r clamped to +-20 and k3 to +-10, as verl's kl_penalty;
+    a name with "+" (k3+, low_var_kl+, ...) has that value and k2's gradient (straight-through). With response_mask the result is 0 at
     masked-out positions (whatever they hold); without it every position is valid. NaN/inf at a valid
     position raises NonFiniteError. Per element, so any shape works; the trainer passes (B, T).
     """

@@ -5,7 +5,13 @@ import math
 import pytest
 import torch
 
-from dppo.algo import AlgoInputError, NonFiniteError, loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
+from dppo.algo import (
+    AlgoInputError,
+    NonFiniteError,
+    loglinear_alpha,
+    loglinear_prox_log_prob,
+    prox_approx_metrics,
+)
 
 NAN = float("nan")
 
