@@ -300,5 +300,7 @@ def test_appending_a_fully_masked_row_changes_nothing(batch, mode):
     padded = [torch.cat([x, pad]) for x in (logp, old, adv)]
     padded_mask = torch.cat([mask, torch.zeros(1, mask.shape[1], dtype=torch.bool)])
     loss2, metrics2 = policy_loss(*padded, padded_mask, loss_agg_mode=mode)
-    assert loss2.item() == pytest.approx(loss.item(), rel=1e-6, abs=1e-7)
+    # the sums run over a tensor of another shape, so fp32 rounds them differently: for token-sum, whose terms can
+    # cancel to ~0, that is ~1e-7 absolute (hypothesis found 1.2e-7)
+    assert loss2.item() == pytest.approx(loss.item(), rel=1e-6, abs=1e-6)
     assert metrics2 == pytest.approx(metrics, rel=1e-6, abs=1e-7)
