@@ -24,14 +24,12 @@ from dppo.trainer.base import BaseTrainer
 
 def advantage_fn(algorithm_cfg) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """advantages(scores (B,), group_index (B,), response_mask (B, R)) -> (B, R) for algorithm.adv_estimator."""
-    estimator = get_advantage_estimator(algorithm_cfg.adv_estimator)
-    if algorithm_cfg.adv_estimator == "grpo":
-        return functools.partial(estimator, norm_by_std=algorithm_cfg.norm_adv_by_std_in_grpo)
-    return estimator
+    estimator = get_advantage_estimator(algorithm_cfg.adv_estimator)  # takes verl's keys, ignores those it does not read
+    return functools.partial(estimator, norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo)
 
 
 class PPOTrainer(BaseTrainer):
-    """Decoupled PPO with GRPO/RLOO advantages; bypass mode when algorithm.rollout_correction.bypass_mode."""
+    """Decoupled PPO with verl's advantage estimators and policy losses; bypass mode when algorithm.rollout_correction.bypass_mode."""
 
     def setup(self) -> None:
         self.advantages = advantage_fn(self.cfg.algorithm)
