@@ -1,0 +1,72 @@
+"""LossChoice: the config's policy loss, verl's keys read from their places, and clip_cov's seeded generator."""
+
+import pytest
+import torch
+
+from dppo.algo import POLICY_LOSS_DEFAULTS, get_policy_loss_fn
+from dppo.config import load_config
+from dppo.workers.actor.loss_choice import LossChoice
+
+
+def choice(*overrides):
+    return LossChoice.of(load_config(list(overrides)))
+
+
+def test_reads_every_verl_key_from_its_place():
+    c = choice("actor.policy_loss.loss_mode=kl_cov", "actor.clip_ratio_high=0.28", "actor.tau_neg=2.0",
+               "actor.policy_loss.kl_cov_ratio=0.01", "actor.loss_scale_factor=64", "trainer.seed=5")  # fmt: skip
+    assert set(c.settings) == set(POLICY_LOSS_DEFAULTS)
+    assert (c.settings["clip_ratio_high"], c.settings["tau_neg"], c.settings["kl_cov_ratio"]) == (0.28, 2.0, 0.01)
+    assert (c.loss_mode, c.loss_scale_factor, c.seed) == ("kl_cov", 64, 5)
+    assert choice().settings == {**POLICY_LOSS_DEFAULTS}  # dppo's defaults are verl's
+
+
+def test_sapo_and_geo_mean_report_their_own_aggregation():
+    assert choice("actor.policy_loss.loss_mode=sapo").pg_agg_mode == "seq-mean-token-mean"
+    assert choice("actor.policy_loss.loss_mode=gspo", "actor.loss_agg_mode=token-sum").pg_agg_mode == "token-sum"
+
+
+def test_clip_cov_generator_depends_on_seed_step_and_tokens_only():
+    c = choice("actor.policy_loss.loss_mode=clip_cov")
+    ids = torch.randint(0, 50, (4, 9))
+
+    def draws(ch, step, x):
+        return torch.randperm(1000, generator=ch.generator(step, x))[:5].tolist()
+
+    assert draws(c, 3, ids) == draws(c, 3, ids.clone())
+    assert draws(c, 3, ids) != draws(c, 4, ids)
+    assert draws(c, 3, ids) != draws(c, 3, ids.flip(0))
+    assert draws(c, 3, ids) != draws(choice("actor.policy_loss.loss_mode=clip_cov", "trainer.seed=9"), 3, ids)
+    assert choice().generator(3, ids) is None  # vanilla draws nothing
+
+
+def test_pg_loss_is_the_registry_function_with_the_config():
+    c = choice("actor.policy_loss.loss_mode=cispo", "actor.clip_ratio_low=0.1")
+    gen = torch.Generator().manual_seed(0)
+    log_prob, old = -torch.rand(3, 4) - 0.1, -torch.rand(3, 4) - 0.1
+    adv, mask = torch.randn(3, 4), torch.ones(3, 4, dtype=torch.bool)
+    ours, _ = c.pg_loss(log_prob, old, adv, mask, None, None, gen)
+    ref, _ = get_policy_loss_fn("cispo")(log_prob, old, adv, mask, clip_ratio_low=0.1)
+    assert ours.item() == pytest.approx(ref.item())
+
+
+@pytest.mark.parametrize(
+    "override, match",
+    [
+        ("actor.policy_loss.loss_mode=ppo", "actor.policy_loss.loss_mode"),
+        ("actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta"),
+        ("algorithm.adv_estimator=remax", "algorithm.adv_estimator"),
+        ("actor.kl_loss_type=k4", "actor.kl_loss_type"),
+    ],
+)
+def test_config_refuses(override, match):
+    with pytest.raises(ValueError, match=match):
+        load_config([override])
+
+
+def test_config_takes_verl_names():
+    cfg = load_config(["actor.policy_loss.loss_mode=gspo", "algorithm.adv_estimator=reinforce_plus_plus",
+                       "actor.kl_loss_type=low_var_kl+", "actor.policy_loss.loss_mode=dro",
+                       "actor.policy_loss.dro_beta=0.1"])  # fmt: skip
+    assert (cfg.actor.policy_loss.loss_mode, cfg.algorithm.adv_estimator, cfg.actor.kl_loss_type) == (
+        "dro", "reinforce_plus_plus", "low_var_kl+")
