@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import numpy as np
 
+from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, machine_cpus, shown
 from dppo.config.choices import InexactUnderShardingError, check_reader_for_sharding
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
@@ -39,6 +40,7 @@ def validate_combinations(cfg) -> None:
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
     _check_prox_logp_method(cfg)
+    _check_policy_loss(cfg)
     _check_local_workers_fit(cfg)
     _check_data_or_task(cfg)
 
@@ -67,6 +69,29 @@ def _check_prox_logp_method(cfg) -> None:
     if cfg.trainer.verify_old_log_prob:
         raise ConfigError(f"trainer.verify_old_log_prob=true checks exact old log-probs, but {key} approximates "
                           "them; use prox_logp_method=metrics to measure the approximation's error")  # fmt: skip
+
+
+def _check_policy_loss(cfg) -> None:
+    """Bypass mode picks its loss by rollout_correction.loss_type (verl's rule); the losses with an aggregation of
+    their own (sapo, geo_mean) must divide by the same count as the entropy / KL terms where rejection sampling
+    finds the loss mask per micro-batch (the update then divides all the accumulated gradients by one count)."""
+    a, actor = cfg.algorithm, cfg.actor
+    loss_mode = actor.policy_loss.loss_mode
+    if a.rollout_correction.bypass_mode and loss_mode != "vanilla":
+        raise ConfigError(
+            f"actor.policy_loss.loss_mode={loss_mode!r} with algorithm.rollout_correction.bypass_mode=true: bypass mode "
+            "takes its loss from algorithm.rollout_correction.loss_type (ppo_clip or reinforce), as verl's does; "
+            "leave loss_mode=vanilla there"
+        )
+    pg_mode = loss_mode_agg_mode(loss_mode, actor.loss_agg_mode)
+    other_terms = actor.entropy_coeff > 0 or actor.kl_loss_coef > 0
+    if a.rollout_correction.rollout_rs is not None and other_terms and \
+            LOSS_AGG_MODES[pg_mode].normalizer != LOSS_AGG_MODES[actor.loss_agg_mode].normalizer:  # fmt: skip
+        raise ConfigError(
+            f"actor.policy_loss.loss_mode={loss_mode!r} aggregates with {pg_mode}, the entropy and KL terms with "
+            f"actor.loss_agg_mode={actor.loss_agg_mode!r}: with rejection sampling (algorithm.rollout_correction."
+            "rollout_rs) they must divide by the same count; use a seq-mean-* loss_agg_mode"
+        )
 
 
 def _check_data_or_task(cfg) -> None:

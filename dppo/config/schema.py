@@ -14,8 +14,10 @@ import torch
 
 from dppo.algo import (
     ADVANTAGE_ESTIMATORS,
+    GREEDY_BASELINE_ESTIMATORS,
     KL_PENALTIES,
     LOSS_AGG_MODES,
+    LOSS_MODES,
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,
 )
@@ -170,6 +172,44 @@ class ActorCheckpointSection:
 
 
 @dataclass
+class PolicyLossSection:
+    loss_mode: str = "vanilla"
+    """The policy loss, by verl's name: vanilla (PPO's clip with dual clip: Decoupled PPO's loss), gspo, sapo, gpg,
+    clip_cov, kl_cov, geo_mean, dro, cispo, dppo_tv, dppo_kl (one line each in docs/algorithms.md). In bypass mode
+    algorithm.rollout_correction.loss_type picks the loss instead, and loss_mode must stay vanilla."""
+
+    clip_cov_ratio: float = 0.0002
+    """loss_mode=clip_cov: the fraction of valid tokens whose gradient is cut."""
+
+    clip_cov_lb: float = 1.0
+    """loss_mode=clip_cov: the lower bound of the covariance of a token that may be cut."""
+
+    clip_cov_ub: float = 5.0
+    """loss_mode=clip_cov: the upper bound of the covariance of a token that may be cut."""
+
+    kl_cov_ratio: float = 0.0002
+    """loss_mode=kl_cov: the fraction of valid tokens (largest covariance) that get the |log r| penalty."""
+
+    ppo_kl_coef: float = 0.1
+    """loss_mode=kl_cov: the weight of that penalty."""
+
+    dro_beta: Optional[float] = None
+    """loss_mode=dro: the weight of the quadratic log-ratio penalty (required there, > 0; verl has no default)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor.policy_loss")
+        one_of("actor.policy_loss.loss_mode", self.loss_mode, tuple(LOSS_MODES))
+        positive("actor.policy_loss.clip_cov_ratio", self.clip_cov_ratio)
+        require(self.clip_cov_lb < self.clip_cov_ub, "actor.policy_loss.clip_cov_lb", self.clip_cov_lb,
+                f"a value below actor.policy_loss.clip_cov_ub={self.clip_cov_ub}")  # fmt: skip
+        positive("actor.policy_loss.kl_cov_ratio", self.kl_cov_ratio)
+        nonnegative("actor.policy_loss.ppo_kl_coef", self.ppo_kl_coef)
+        if self.loss_mode == "dro":
+            require(self.dro_beta is not None and self.dro_beta > 0, "actor.policy_loss.dro_beta", self.dro_beta,
+                    "a number > 0 with loss_mode=dro")  # fmt: skip
+
+
+@dataclass
 class ActorConfig:
     lr: float = 1e-3
     """AdamW learning rate."""
@@ -203,13 +243,26 @@ class ActorConfig:
     """Weight of the KL penalty to the initial (reference) policy (0: off, no reference model kept)."""
 
     kl_loss_type: str = "low_var_kl"
-    """KL estimator of the penalty: k1/kl, k2/mse, k3/low_var_kl."""
+    """KL estimator of the penalty (verl's names): k1/kl, abs, k2/mse, k3/low_var_kl, and each with "+" (k3+,
+    low_var_kl+, k1+, abs+, ...): that value with k2's gradient (straight-through)."""
 
     fsdp: str = "auto"
     """Sharding of the actor: auto (FSDP2 when the world size is above 1, the plain module at world size 1) or
     always (FSDP2 at every world size, one rank included)."""
 
     checkpoint: ActorCheckpointSection = field(default_factory=ActorCheckpointSection)
+
+    policy_loss: PolicyLossSection = field(default_factory=PolicyLossSection)
+
+    loss_scale_factor: Optional[float] = None
+    """loss_agg_mode=seq-mean-token-sum-norm divides by this constant (Dr. GRPO); null: the padded response
+    length (verl's default)."""
+
+    tau_pos: float = 1.0
+    """loss_mode=sapo: the gate's temperature where the advantage is > 0."""
+
+    tau_neg: float = 1.05
+    """loss_mode=sapo: the gate's temperature where the advantage is <= 0."""
 
     def __post_init__(self) -> None:
         check_numbers(self, "actor")
@@ -225,6 +278,10 @@ class ActorConfig:
         nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
         one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
         one_of("actor.fsdp", self.fsdp, FSDP_MODES)
+        if self.loss_scale_factor is not None:
+            positive("actor.loss_scale_factor", self.loss_scale_factor)
+        positive("actor.tau_pos", self.tau_pos)
+        positive("actor.tau_neg", self.tau_neg)
 
 
 @dataclass
@@ -279,7 +336,9 @@ class RolloutCorrectionSection:
 @dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
-    """Advantage estimator: grpo or rloo."""
+    """Advantage estimator, by verl's name: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo,
+    grpo_passk, gpg (one line each in docs/algorithms.md); remax is refused (its greedy baseline response is not
+    generated yet)."""
 
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's score std (false: Dr. GRPO)."""
@@ -302,9 +361,23 @@ class AlgorithmConfig:
 
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 
+    gamma: float = 1.0
+    """Discount of adv_estimator=reinforce_plus_plus's returns."""
+
+    prox_check_every: int = 10
+    """prox_logp_method=auto: sync cycles between two checks of loglinear against the exact pi_prox."""
+
+    prox_max_is_err: float = 0.01
+    """prox_logp_method=auto: the largest mean |IS weight error| over valid tokens loglinear may make; above it,
+    the exact pi_prox is used until a check passes again."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm")
-        one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
+        one_of("algorithm.adv_estimator", self.adv_estimator,
+               tuple(e for e in ADVANTAGE_ESTIMATORS if e not in GREEDY_BASELINE_ESTIMATORS))  # fmt: skip
+        require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "a value in [0, 1]")
+        positive("algorithm.prox_check_every", self.prox_check_every)
+        positive("algorithm.prox_max_is_err", self.prox_max_is_err)
         one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
         one_of("algorithm.prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
 

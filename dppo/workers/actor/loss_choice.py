@@ -32,11 +32,15 @@ class LossChoice:
 
     @classmethod
     def of(cls, cfg) -> LossChoice:
-        actor = cfg.actor
+        """From a whole DppoConfig: its actor section and trainer.seed."""
+        return cls.of_actor(cfg.actor, cfg.trainer.seed)
+
+    @classmethod
+    def of_actor(cls, actor, seed: int) -> LossChoice:
+        """From the actor section and the seed."""
         settings = {key: getattr(actor, key) for key in _ACTOR_KEYS}
         settings.update({key: getattr(actor.policy_loss, key) for key in POLICY_LOSS_DEFAULTS if key not in settings})
-        return cls(actor.policy_loss.loss_mode, settings, actor.loss_agg_mode, actor.loss_scale_factor,
-                   cfg.trainer.seed)  # fmt: skip
+        return cls(actor.policy_loss.loss_mode, settings, actor.loss_agg_mode, actor.loss_scale_factor, seed)
 
     @property
     def pg_agg_mode(self) -> str:

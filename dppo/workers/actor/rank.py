@@ -174,7 +174,7 @@ class ActorRank:
         old_log_prob_s = time.perf_counter() - start
         steps = StepVersions.of(batch, version, trigger, self.cfg.trainer.parameter_sync_step)
         prox = self.prox_method.prox(old_logp, batch, steps)  # (b, R), or a ProxFn of the training forward
-        objective = self.objective(batch, prox, advantages)  # the rollout correction, in Decoupled PPO
+        objective = self.objective(batch, prox, advantages, steps.v_theta)  # the rollout correction, in Decoupled PPO
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
         metrics = update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dppo.algo import (
+    LOSS_AGG_MODES,
     LossNormalizers,
     agg_divisor,
     compute_rollout_correction_and_rejection_mask,
@@ -27,13 +28,14 @@ from dppo.algo import (
     get_policy_loss,
     kl_loss,
     log_probs_from_logits,
+    loss_mode_agg_mode,
     loss_normalizers,
-    policy_loss,
 )
 from dppo.models import forward_response_logits
 from dppo.rollout import TrainBatch
 from dppo.workers.actor.collectives import RankGroup
 from dppo.workers.actor.fsdp import clip_grad_norm_
+from dppo.workers.actor.loss_choice import LossChoice
 
 # pg_loss(logp (b, R), sl, normalizers) -> (loss, loss mask (b, R) bool, metrics) for the micro-batch batch[sl]
 PgLoss = Callable[[torch.Tensor, slice, LossNormalizers], "tuple[torch.Tensor, torch.Tensor, dict[str, float]]"]
@@ -87,12 +89,13 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _clip_settings(actor_cfg) -> dict:
-    """The clip and aggregation keyword arguments every policy loss takes, from the actor config."""
+    """The clip and aggregation keyword arguments the bypass losses take, from the actor config."""
     return dict(clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-                clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode)  # fmt: skip
+                clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode,
+                loss_scale_factor=actor_cfg.loss_scale_factor)  # fmt: skip
 
 
-def decoupled_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
+def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callable[..., Objective]:
     """Decoupled PPO: ratio pi_theta / pi_prox times the IS weight pi_prox / pi_behav, over the tokens that
     rejection sampling keeps.
 
@@ -100,20 +103,22 @@ def decoupled_objective(actor_cfg, rollout_correction) -> Callable[..., Objectiv
     mini-batch), or a ProxFn (dppo.workers.actor.prox_method) that derives it from each micro-batch's training
     forward: the correction is then computed per micro-batch (every option of it is per token or per sequence;
     IS batch normalization, which is not, never gets here), the loss mask is found per micro-batch, and the
-    rollout_corr/* metrics are computed on the whole mini-batch after the step (finish)."""
-    clip = _clip_settings(actor_cfg)
+    rollout_corr/* metrics are computed on the whole mini-batch after the step (finish).
+    The loss is actor_cfg.policy_loss.loss_mode; seed (trainer.seed) and step (the optimizer step) seed the losses
+    that draw tokens."""
+    choice = LossChoice.of_actor(actor_cfg, seed)
 
-    def objective(batch: TrainBatch, prox, advantages: torch.Tensor) -> Objective:
+    def objective(batch: TrainBatch, prox, advantages: torch.Tensor, step: int = 0) -> Objective:
         if not isinstance(prox, torch.Tensor):
-            return _per_micro_batch(batch, prox, advantages, rollout_correction, clip)
+            return _per_micro_batch(batch, prox, advantages, rollout_correction, choice, step)
         weights, loss_mask, metrics = compute_rollout_correction_and_rejection_mask(
             prox, batch.behav_logp, batch.response_mask, rollout_correction
         )  # (B, R) each
 
         def pg_loss(logp, sl, normalizers):
             w = None if weights is None else weights[sl]
-            loss, m = policy_loss(logp, prox[sl], advantages[sl], loss_mask[sl], weights=w,
-                                  normalizers=normalizers, **clip)  # fmt: skip
+            generator = choice.generator(step, batch.input_ids[sl])
+            loss, m = choice.pg_loss(logp, prox[sl], advantages[sl], loss_mask[sl], w, normalizers, generator)
             return loss, loss_mask[sl], m
 
         return Objective(pg_loss, loss_mask, metrics)
@@ -121,7 +126,8 @@ def decoupled_objective(actor_cfg, rollout_correction) -> Callable[..., Objectiv
     return objective
 
 
-def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollout_correction, clip: dict) -> Objective:
+def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollout_correction, choice: LossChoice,
+                     step: int) -> Objective:  # fmt: skip
     """decoupled_objective's Objective when log pi_prox comes from the training forward (prox_of, a ProxFn)."""
 
     def pg_loss(logp, sl, normalizers):
@@ -130,7 +136,8 @@ def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollo
         weights, loss_mask, _ = compute_rollout_correction_and_rejection_mask(
             prox, batch.behav_logp[sl], batch.response_mask[sl], rollout_correction
         )  # (b, R) each
-        loss, m = policy_loss(logp, prox, advantages[sl], loss_mask, weights=weights, normalizers=normalizers, **clip)
+        generator = choice.generator(step, batch.input_ids[sl])
+        loss, m = choice.pg_loss(logp, prox, advantages[sl], loss_mask, weights, normalizers, generator)
         return loss, loss_mask, m
 
     def finish(logp: torch.Tensor) -> dict[str, float]:
@@ -148,7 +155,7 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
     clip = _clip_settings(actor_cfg)
     loss_fn = get_policy_loss(rollout_correction.loss_type)
 
-    def objective(batch: TrainBatch, prox_logp: torch.Tensor, advantages: torch.Tensor) -> Objective:
+    def objective(batch: TrainBatch, prox_logp: torch.Tensor, advantages: torch.Tensor, step: int = 0) -> Objective:
         def pg_loss(logp, sl, normalizers):
             behav_logp = batch.behav_logp[sl]
             weights, loss_mask, rc_metrics = compute_rollout_correction_and_rejection_mask(
@@ -164,11 +171,12 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
 
 
 def select_objective(cfg) -> Callable[..., Objective]:
-    """objective(batch, prox, advantages) -> Objective for cfg: Decoupled PPO's, or bypass mode's (prox: log pi_prox
-    (B, R), or a ProxFn; see decoupled_objective)."""
+    """objective(batch, prox, advantages, step) -> Objective for cfg: Decoupled PPO's with the actor.policy_loss
+    loss_mode, or bypass mode's (prox: log pi_prox (B, R), or a ProxFn; see decoupled_objective)."""
     rc = cfg.algorithm.rollout_correction
-    make_objective = bypass_objective if rc.bypass_mode else decoupled_objective
-    return make_objective(cfg.actor, rc.to_algo())
+    if rc.bypass_mode:
+        return bypass_objective(cfg.actor, rc.to_algo())
+    return decoupled_objective(cfg.actor, rc.to_algo(), cfg.trainer.seed)
 
 
 def global_normalizers(mask: torch.Tensor, peers: RankGroup) -> LossNormalizers:
@@ -207,6 +215,17 @@ def _merge(parts: list[tuple[dict[str, float], float, float]], sum_scale: float,
     return merged
 
 
+def _check_one_divisor(pg_mode: str, mode: str) -> None:
+    """Deferred normalization divides every term's accumulated gradient by one normalizer: the policy loss's
+    aggregation (pg_mode) and the entropy / KL terms' (mode) must divide by the same count."""
+    if LOSS_AGG_MODES[pg_mode].normalizer != LOSS_AGG_MODES[mode].normalizer:
+        raise ValueError(
+            f"the policy loss aggregates with {pg_mode} and the entropy / KL terms with actor.loss_agg_mode={mode}: "
+            "with rejection sampling (the loss mask found per micro-batch) they must divide by the same count; "
+            "use a seq-mean-* actor.loss_agg_mode"
+        )
+
+
 def update_policy(
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
@@ -228,7 +247,10 @@ def update_policy(
     response_length = batch.response_length
     prompt_length = batch.input_ids.shape[1] - response_length
     mode = actor_cfg.loss_agg_mode
+    pg_mode = loss_mode_agg_mode(actor_cfg.policy_loss.loss_mode, mode)  # sapo and geo_mean have their own
     deferred = objective.loss_mask is None
+    if deferred and (actor_cfg.entropy_coeff > 0 or ref_logp is not None):
+        _check_one_divisor(pg_mode, mode)
     normalizers = _SUM_NORMALIZERS if deferred else global_normalizers(objective.loss_mask, peers)
     parts, loss_masks = [], []
     optimizer.zero_grad(set_to_none=True)
@@ -241,11 +263,12 @@ def update_policy(
         loss, loss_mask, m = objective.pg_loss(logp, sl, normalizers)
         if actor_cfg.entropy_coeff > 0:
             entropy = entropy_from_logits(logits, temperature=temperature)  # (b, R)
-            bonus, em = entropy_bonus(entropy, loss_mask, actor_cfg.entropy_coeff, mode, normalizers)
+            bonus, em = entropy_bonus(entropy, loss_mask, actor_cfg.entropy_coeff, mode, normalizers,
+                                      actor_cfg.loss_scale_factor)  # fmt: skip
             loss, m = loss + bonus, {**m, **em}
         if ref_logp is not None:
             kl, km = kl_loss(logp, ref_logp[sl], loss_mask, actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type, mode,
-                             normalizers)  # fmt: skip
+                             normalizers, actor_cfg.loss_scale_factor)  # fmt: skip
             loss, m = loss + kl, {**m, **km}
         loss.backward()
         parts.append((m, float(batch.response_mask[sl].sum()), float(loss_mask.sum())))
@@ -253,7 +276,7 @@ def update_policy(
     sum_scale = 1.0
     if deferred:  # divide the accumulated sums by the whole mini-batch's normalizer
         loss_mask = torch.cat(loss_masks)
-        sum_scale = 1.0 / float(agg_divisor(mode, global_normalizers(loss_mask, peers), loss_mask))
+        sum_scale = 1.0 / float(agg_divisor(pg_mode, global_normalizers(loss_mask, peers), loss_mask))
         for p in model.parameters():
             if p.grad is not None:
                 p.grad.mul_(sum_scale)

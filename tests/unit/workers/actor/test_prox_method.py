@@ -11,6 +11,7 @@ import dppo.workers.actor.update
 from dppo.algo import loglinear_prox_log_prob
 from dppo.rollout import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
+from dppo.workers.actor.loss_choice import LossChoice
 from dppo.workers.actor.rank import ActorRank
 
 P, R, V, B = 3, 5, 12, 11
@@ -55,13 +56,13 @@ def params(model) -> dict[str, torch.Tensor]:
 
 def capture_prox_of_loss(monkeypatch) -> list[torch.Tensor]:
     """Every old_log_prob (b, R) that reaches the policy loss, micro-batch by micro-batch."""
-    seen, inner = [], dppo.workers.actor.update.policy_loss
+    seen, inner = [], LossChoice.pg_loss
 
-    def policy_loss(logp, old_log_prob, *args, **kwargs):
+    def pg_loss(self, logp, old_log_prob, *args, **kwargs):
         seen.append(old_log_prob.detach().clone())
-        return inner(logp, old_log_prob, *args, **kwargs)
+        return inner(self, logp, old_log_prob, *args, **kwargs)
 
-    monkeypatch.setattr(dppo.workers.actor.update, "policy_loss", policy_loss)
+    monkeypatch.setattr(LossChoice, "pg_loss", pg_loss)
     return seen
 
 
