@@ -14,7 +14,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logg
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
 
 # algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
-PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics")
+PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")
 
 # How trigger k >= 1 reads slot 0 (dppo.workers.actor.slot_readers implements each).
 SLOT_READER_NAMES = ("view", "swap", "stream")
@@ -58,6 +58,8 @@ def select_strategy_name(cfg) -> str:
         return "loglinear"
     if cfg.algorithm.prox_anchor == "current" or cfg.trainer.parameter_sync_step == 1:
         return "current"
+    if cfg.algorithm.prox_logp_method == "auto":
+        return "auto"  # cycle_start's on check cycles, loglinear's (nothing) between
     return "cycle_start_reference" if cfg.snapshot.strategy == "reference" else "cycle_start"
 
 

@@ -60,7 +60,7 @@ def _check_prox_logp_method(cfg) -> None:
         raise ConfigError(f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
                           "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
                           "for free; use prox_logp_method=recompute or prox_anchor=cycle_start")  # fmt: skip
-    if method != "loglinear":
+    if method not in ("loglinear", "auto"):
         return
     if rc.rollout_is is not None and rc.rollout_is_batch_normalize:
         raise ConfigError(f"{key} derives pi_prox from each micro-batch's training forward pass, but "

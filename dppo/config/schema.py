@@ -357,7 +357,10 @@ class AlgorithmConfig:
     stale), or metrics (recompute, plus loglinear's error against it: prox_approx/abs_err_mean|max of
     log pi_prox and prox_approx/is_weight_abs_err_mean|max of the IS weight, over valid tokens). loglinear is
     refused with bypass_mode, prox_anchor=current, rollout_is_batch_normalize and trainer.verify_old_log_prob;
-    metrics with bypass_mode and prox_anchor=current."""
+    metrics with bypass_mode and prox_anchor=current. auto: loglinear, checked against the exact pi_prox on the
+    first cycle and every prox_check_every cycles; while a check's mean IS-weight error exceeds prox_max_is_err
+    it recomputes (and checks every cycle) until a check passes; logs prox_approx/method (0 loglinear,
+    1 recompute); refused where loglinear is; no score-ahead."""
 
     rollout_correction: RolloutCorrectionSection = field(default_factory=RolloutCorrectionSection)
 

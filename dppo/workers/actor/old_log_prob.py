@@ -15,6 +15,7 @@
                  pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
     loglinear    algorithm.prox_logp_method=loglinear: no snapshot and no pass; the old log-probs are
                  approximated from the training forward's (dppo.workers.actor.prox_method), so compute returns None.
+    auto         algorithm.prox_logp_method=auto: cycle_start on check cycles, loglinear's nothing between.
 
 None from compute means "no separate pass": the update takes log pi_old from its own forward pass
 (dppo.workers.actor.prox_method). Where an option needs the whole mini-batch's old log-probs before the first
@@ -271,6 +272,19 @@ class CycleStartOldLogProb(OldLogProbStrategy):
             self._pool.clear(0)
 
 
+class AutoOldLogProb(CycleStartOldLogProb):
+    """algorithm.prox_logp_method=auto: cycle_start on the cycles the switch (dppo.workers.actor.prox_auto, shared
+    with the prox method) checks; on the cycles that run loglinear no snapshot and no pass (compute returns None)."""
+
+    name = "auto"
+    switch = None  # the AutoProxSwitch; the rank sets it (None: every cycle is exact)
+
+    def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
+        if self.switch is not None and not self.switch.is_check_cycle():
+            return None
+        return super().compute(trigger, batch)
+
+
 class ReferenceCycleStartOldLogProb(OldLogProbStrategy):
     """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
 
@@ -336,6 +350,7 @@ OLD_LOG_PROB_STRATEGIES: dict[str, type[OldLogProbStrategy]] = {
     "cycle_start": CycleStartOldLogProb,
     "cycle_start_reference": ReferenceCycleStartOldLogProb,
     "loglinear": LoglinearOldLogProb,
+    "auto": AutoOldLogProb,
 }
 
 # ---------------------------------------------------------------------------------------------------

@@ -6,6 +6,8 @@
                log-probs and the behavior log-probs: no snapshot and no forward pass of its own.
     metrics    recompute, plus the error loglinear would have made against those exact log-probs
                (prox_approx/abs_err_mean|max, prox_approx/is_weight_abs_err_mean|max over valid tokens).
+    auto       metrics on check cycles, loglinear between: dppo.workers.actor.prox_auto's switch decides from the
+               checks' measured IS-weight error (prox_approx/method: 0 loglinear, 1 recompute).
 
 A method's prox() is either a tensor (B, R) known before the update, or a ProxFn that the update calls on each
 micro-batch's detached log-probs (dppo.workers.actor.update.decoupled_objective). Versions are counted in optimizer
@@ -22,6 +24,7 @@ import torch
 from dppo.algo import UnknownNameError, loglinear_prox_log_prob, prox_approx_metrics
 from dppo.config.choices import PROX_LOGP_METHODS
 from dppo.rollout import TrainBatch
+from dppo.workers.actor.prox_auto import METHOD_CODES, AutoProxSwitch
 
 # prox(logp (b, R) of the training forward, detached; sl: the micro-batch's rows of the batch) -> log pi_prox (b, R)
 ProxFn = Callable[[torch.Tensor, slice], torch.Tensor]
@@ -68,6 +71,13 @@ class Recompute:
         """Metrics of the step from the training forward's log-probs logp (B, R) and the prox the loss used."""
         return {}
 
+    def begin_trigger(self, trigger: int) -> None:
+        """Called before anything else of a trigger's update (auto closes a cycle at trigger 0)."""
+
+    def record(self, merged: dict[str, float]) -> dict[str, float]:
+        """The trigger's metrics merged over the ranks (the same on every rank); returns metrics to add."""
+        return {}
+
 
 class Loglinear(Recompute):
     name = "loglinear"
@@ -84,12 +94,44 @@ class Metrics(Recompute):
         return prox_approx_metrics(approx, prox_logp, batch.behav_logp, batch.response_mask)
 
 
-_METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics)}
+class Auto(Recompute):
+    """Metrics on the switch's check cycles (the exact pi_prox, and loglinear's error against it), Loglinear
+    between; the old-log-prob strategy (AutoOldLogProb) computes nothing on the loglinear cycles."""
+
+    name = "auto"
+
+    def __init__(self, check_every: int = 10, max_is_err: float = 0.01) -> None:
+        self.switch = AutoProxSwitch(check_every, max_is_err)
+        self._started = False
+
+    def _current(self) -> Recompute:
+        return Metrics() if self.switch.is_check_cycle() else Loglinear()
+
+    def prox(self, old_logp, batch, steps):
+        return self._current().prox(old_logp, batch, steps)
+
+    def metrics(self, logp, prox_logp, batch, steps) -> dict[str, float]:
+        return self._current().metrics(logp, prox_logp, batch, steps)
+
+    def begin_trigger(self, trigger: int) -> None:
+        if trigger == 0 and self._started:
+            self.switch.end_cycle()  # decides this cycle's method from the last one's checks
+        self._started = True
+
+    def record(self, merged: dict[str, float]) -> dict[str, float]:
+        self.switch.record_trigger(merged)
+        return {"prox_approx/method": METHOD_CODES[self.switch.method()]}
+
+
+_METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
 assert tuple(_METHODS) == PROX_LOGP_METHODS
 
 
-def make_prox_method(name: str) -> Recompute:
-    """The method named name (one of PROX_LOGP_METHODS; the config has checked it)."""
+def make_prox_method(name: str, algorithm_cfg=None) -> Recompute:
+    """The method named name (one of PROX_LOGP_METHODS; the config has checked it); auto reads
+    algorithm_cfg.prox_check_every and prox_max_is_err."""
     if name not in _METHODS:
         raise UnknownNameError(f"unknown algorithm.prox_logp_method {name!r}; valid names: {', '.join(_METHODS)}")
+    if name == "auto" and algorithm_cfg is not None:
+        return Auto(algorithm_cfg.prox_check_every, algorithm_cfg.prox_max_is_err)
     return _METHODS[name]()

@@ -109,7 +109,9 @@ class ActorRank:
         self.rollout_correction = cfg.algorithm.rollout_correction.to_algo()
         self.objective = select_objective(cfg)
         self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg, copy_model=self.plain_copy)
-        self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method)
+        self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method, cfg.algorithm)
+        if hasattr(self.old_log_prob, "switch"):  # auto: the strategy computes pi_old on the method's check cycles
+            self.old_log_prob.switch = self.prox_method.switch
         self._pool = None  # a pool for the snapshot calls when the old-log-prob strategy keeps none
 
     @register(ALL)
@@ -166,6 +168,7 @@ class ActorRank:
         the cycle start (algorithm.prox_logp_method=loglinear counts steps from it). prox_logp: the mini-batch's
         old log-probs (B, R) scored ahead (score_ahead), or None: the old-log-prob strategy computes them."""
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
+        self.prox_method.begin_trigger(trigger)
         start = time.perf_counter()
         if prox_logp is None:
             old_logp = self.old_log_prob.compute(trigger, batch)  # (b, R), or None: from the training forward
@@ -189,7 +192,8 @@ class ActorRank:
         metrics["timing_s/update_actor"] = update_s
         metrics["timing_s/old_log_prob"] = old_log_prob_s
         metrics["timing_s/snapshot"] = self.old_log_prob.take_snapshot_s()
-        return self.peers.reduce_metrics(metrics)
+        merged = self.peers.reduce_metrics(metrics)
+        return {**merged, **self.prox_method.record(merged)}
 
     @register(RANK0)
     def end_cycle(self) -> dict[str, float]:

@@ -59,3 +59,56 @@ def test_errors():
         AutoProxSwitch(check_every=1, max_is_err=float("nan"))
     with pytest.raises(KeyError, match="a check cycle's metrics must carry prox_approx/is_weight_abs_err_mean"):
         AutoProxSwitch(check_every=1, max_is_err=0.01).record_trigger({"actor/pg_loss": 0.1})
+
+
+# ---- on a rank: the switch drives the old-log-prob strategy and the prox method ------------------------
+
+
+def run_auto(small_cfg, lr, cycles, fresh_from=None):
+    """cycles sync cycles of 2 triggers with prox_logp_method=auto, checking every 2 cycles, on one batch stamped
+    with each cycle's version (so loglinear takes pi_behav as pi_prox): its behavior log-probs are the initial
+    weights', or the cycle-start weights' from cycle fresh_from on (as fresh samples would be). Returns each
+    cycle's per-trigger metrics and the forward passes the cycle ran."""
+    from tests.unit.workers.actor.test_prox_method import count_forwards, make_batch, make_rank
+
+    rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "auto", "algorithm.prox_check_every": 2,
+                                   "trainer.parameter_sync_step": 2, "trainer.train_batch_size": 8,
+                                   "actor.lr": lr})  # fmt: skip
+    assert rank.old_log_prob.name == "auto" and rank.old_log_prob.switch is rank.prox_method.switch
+    batch, adv = make_batch(rank.model)
+    batch.behav_logp = rank.score(rank.model, batch)
+    per_cycle = []
+    for cycle in range(cycles):
+        batch.versions[:] = cycle
+        if fresh_from is not None and cycle >= fresh_from:
+            batch.behav_logp = rank.score(rank.model, batch)
+        calls = count_forwards(rank.model)
+        metrics = [rank.update_actor(trigger, batch, adv, cycle) for trigger in range(2)]
+        per_cycle.append((metrics, len(calls)))
+    rank.close()
+    return per_cycle
+
+
+def methods_and_errors(per_cycle):
+    return ([[m["prox_approx/method"] for m in metrics] for metrics, _ in per_cycle],
+            [metrics[1].get("prox_approx/is_weight_abs_err_mean") for metrics, _ in per_cycle])  # fmt: skip
+
+
+def test_auto_on_a_rank_stays_loglinear_while_checks_pass(small_cfg):
+    per_cycle = run_auto(small_cfg, lr=1e-6, cycles=4)
+    methods, errs = methods_and_errors(per_cycle)
+    assert methods == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [0.0, 0.0]]  # checks on cycles 0 and 2 only
+    assert errs[0] < 0.01 and errs[2] < 0.01 and errs[1] is None and errs[3] is None
+    # a check cycle reads slot 0 at trigger 1: a pass over the 11 sequences (3 micro-batches of 4) more than a
+    # loglinear cycle's training passes (2 triggers x 3)
+    assert (per_cycle[0][1], per_cycle[1][1]) == (9, 6)
+
+
+def test_auto_on_a_rank_switches_to_recompute_and_back(small_cfg):
+    per_cycle = run_auto(small_cfg, lr=0.5, cycles=6, fresh_from=4)
+    methods, errs = methods_and_errors(per_cycle)
+    # cycle 0's check passes (pi_behav is the initial weights, pi_prox too); cycle 2's fails (the weights moved,
+    # the samples did not), so 3 recomputes and checks (fails again); from 4 on the samples are fresh: 4's check
+    # passes and 5 runs loglinear
+    assert methods == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
+    assert errs[0] < 0.01 and errs[2] > 0.01 and errs[3] > 0.01 and errs[4] < 0.01
