@@ -1,6 +1,6 @@
 """Does every policy loss_mode and advantage estimator learn the demo task in a short sync run?
 
-For each name, one `dppo train` run as a user starts it (a subprocess: `python -m dppo.train`), on the demo's
+For each name, one `dppo train` run as a user starts it (a subprocess: `python -m dppo train`), on the demo's
 defaults but synchronous and without Ray (trainer.mode=sync ray.enabled=false) for --steps optimizer steps;
 the figures come from its summary.json: the mean reward of the first and the last 10% of steps, and the greedy
 evaluation at the end. A name "learns" when the last 10% beat the first 10% by --min-gain.
@@ -36,7 +36,7 @@ def runs(only: list[str] | None) -> list[tuple[str, list[str]]]:
 
 
 def run_one(overrides: list[str], steps: int, out_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "dppo.train", "trainer.mode=sync", "ray.enabled=false", f"trainer.total_steps={steps}",
+    cmd = [sys.executable, "-m", "dppo", "train", "trainer.mode=sync", "ray.enabled=false", f"trainer.total_steps={steps}",
            f"trainer.output_dir={out_dir}", "trainer.progress_bar=false", *overrides]  # fmt: skip
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True)
