@@ -4,8 +4,8 @@ a |log r| penalty on the tokens of largest covariance.
 
 Both act on the tokens of the batch they are given: under micro-batching, on each micro-batch, as verl does.
 clip_cov's draw uses LossTerms.generator (a CPU torch.Generator; None: torch's global one, as verl); the
-trainer seeds it from trainer.seed, the step and the micro-batch's first sequence in the mini-batch, so a
-micro-batch draws the same tokens at any world size when its sequences are the same. kl_cov's top-k is
+trainer seeds it from trainer.seed, the optimizer step and the micro-batch's token ids, so a micro-batch
+draws the same tokens at any world size when its sequences are the same. kl_cov's top-k is
 deterministic. Conventions as dppo.algo.losses_ratio.
 """
 
