@@ -70,3 +70,35 @@ def test_config_takes_verl_names():
                        "actor.policy_loss.dro_beta=0.1"])  # fmt: skip
     assert (cfg.actor.policy_loss.loss_mode, cfg.algorithm.adv_estimator, cfg.actor.kl_loss_type) == (
         "dro", "reinforce_plus_plus", "low_var_kl+")
+
+
+def test_help_names_every_loss_mode_estimator_and_kl_name():
+    from dppo.algo import ADVANTAGE_ESTIMATORS, GREEDY_BASELINE_ESTIMATORS, KL_PENALTIES, LOSS_MODES
+    from dppo.config.load import describe
+
+    docs = {key: doc for key, _, doc in describe()}
+    words = lambda key: set(docs[key].replace(",", " ").replace("/", " ").replace("(", " ").replace(")", " ").split())  # noqa: E731
+    assert set(LOSS_MODES) <= words("actor.policy_loss.loss_mode")
+    assert set(ADVANTAGE_ESTIMATORS) - set(GREEDY_BASELINE_ESTIMATORS) <= words("algorithm.adv_estimator")
+    assert {name for name in KL_PENALTIES if not name.endswith("+")} <= words("actor.kl_loss_type")
+
+
+@pytest.mark.parametrize(
+    "overrides, match",
+    [
+        (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
+         "bypass mode takes its loss from algorithm.rollout_correction.loss_type"),
+        (["actor.policy_loss.loss_mode=sapo", "actor.entropy_coeff=0.01",
+          "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0"],
+         "they must divide by the same count"),
+        (["algorithm.prox_logp_method=auto", "trainer.verify_old_log_prob=true"], "approximates"),
+    ],
+)
+def test_config_refuses_combinations(overrides, match):
+    with pytest.raises(ValueError, match=match):
+        load_config(overrides)
+
+
+def test_sapo_with_a_seq_mode_and_rejection_is_accepted():
+    load_config(["actor.policy_loss.loss_mode=sapo", "actor.entropy_coeff=0.01", "actor.loss_agg_mode=seq-mean-token-sum",
+                 "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0"])  # fmt: skip
