@@ -10,7 +10,12 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dppo.algo import POLICY_LOSS_DEFAULTS, RANDOM_LOSS_MODES, get_policy_loss_fn, loss_mode_agg_mode
+from dppo.algo import (
+    POLICY_LOSS_DEFAULTS,
+    RANDOM_LOSS_MODES,
+    get_policy_loss_fn,
+    loss_mode_agg_mode,
+)
 
 # Where each of verl's policy-loss keys sits in dppo's config (verl's places): actor.<key> or actor.policy_loss.<key>.
 _ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")

@@ -73,11 +73,16 @@ def test_config_takes_verl_names():
 
 
 def test_help_names_every_loss_mode_estimator_and_kl_name():
-    from dppo.algo import ADVANTAGE_ESTIMATORS, GREEDY_BASELINE_ESTIMATORS, KL_PENALTIES, LOSS_MODES
+    from dppo.algo import (
+        ADVANTAGE_ESTIMATORS,
+        GREEDY_BASELINE_ESTIMATORS,
+        KL_PENALTIES,
+        LOSS_MODES,
+    )
     from dppo.config.load import describe
 
     docs = {key: doc for key, _, doc in describe()}
-    words = lambda key: set(docs[key].replace(",", " ").replace("/", " ").replace("(", " ").replace(")", " ").split())  # noqa: E731
+    words = lambda key: set(docs[key].replace(",", " ").replace("/", " ").replace("(", " ").replace(")", " ").split())
     assert set(LOSS_MODES) <= words("actor.policy_loss.loss_mode")
     assert set(ADVANTAGE_ESTIMATORS) - set(GREEDY_BASELINE_ESTIMATORS) <= words("algorithm.adv_estimator")
     assert {name for name in KL_PENALTIES if not name.endswith("+")} <= words("actor.kl_loss_type")

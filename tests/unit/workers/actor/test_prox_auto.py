@@ -69,7 +69,11 @@ def run_auto(small_cfg, lr, cycles, fresh_from=None):
     with each cycle's version (so loglinear takes pi_behav as pi_prox): its behavior log-probs are the initial
     weights', or the cycle-start weights' from cycle fresh_from on (as fresh samples would be). Returns each
     cycle's per-trigger metrics and the forward passes the cycle ran."""
-    from tests.unit.workers.actor.test_prox_method import count_forwards, make_batch, make_rank
+    from tests.unit.workers.actor.test_prox_method import (
+        count_forwards,
+        make_batch,
+        make_rank,
+    )
 
     rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "auto", "algorithm.prox_check_every": 2,
                                    "trainer.parameter_sync_step": 2, "trainer.train_batch_size": 8,
