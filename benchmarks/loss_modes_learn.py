@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from dppo.algo import ADVANTAGE_ESTIMATORS, GREEDY_BASELINE_ESTIMATORS, LOSS_MODES
+from dppo.algo import ADVANTAGE_ESTIMATORS, LOSS_MODES
 
 # Keys a loss needs that have no default (verl's neither): dro's beta.
 LOSS_EXTRA = {"dro": ["actor.policy_loss.dro_beta=0.1"]}
@@ -30,8 +30,7 @@ LOSS_EXTRA = {"dro": ["actor.policy_loss.dro_beta=0.1"]}
 def runs(only: list[str] | None) -> list[tuple[str, list[str]]]:
     """(name, overrides) of every run asked for."""
     out = [(f"loss_mode={m}", [f"actor.policy_loss.loss_mode={m}", *LOSS_EXTRA.get(m, [])]) for m in LOSS_MODES]
-    out += [(f"adv_estimator={e}", [f"algorithm.adv_estimator={e}"]) for e in ADVANTAGE_ESTIMATORS
-            if e not in GREEDY_BASELINE_ESTIMATORS]  # fmt: skip
+    out += [(f"adv_estimator={e}", [f"algorithm.adv_estimator={e}"]) for e in ADVANTAGE_ESTIMATORS]
     return [r for r in out if only is None or r[0].split("=", 1)[1] in only]
 
 

@@ -25,6 +25,8 @@ class Group:
     version: int  # policy version of the weights that generated it
     index: int = -1  # grant index in the replay buffer (set when the buffer receives it); -1 before
     reward_extra: dict[str, torch.Tensor] = field(default_factory=dict)  # key -> (n,) fp32, NaN where absent
+    baseline_score: float = float("nan")  # the score of one greedy response to the prompt (not trained on; ReMax's
+    # baseline, generated where algorithm.adv_estimator needs it); NaN: none generated
 
     @property
     def size(self) -> int:
@@ -45,6 +47,7 @@ class TrainBatch:
     group_index: torch.Tensor  # (B,) long, the group each sequence belongs to
     versions: torch.Tensor  # (G,) long, policy version of each group
     attention_mask: torch.Tensor | None = None  # (B, P + R) long: 0 on prompt padding and after the response; None: no prompt padded
+    reward_baselines: torch.Tensor | None = None  # (B,) fp32: each sequence's group's baseline_score; None: no group has one
 
     @property
     def response_length(self) -> int:
@@ -71,6 +74,7 @@ class TrainBatch:
             group_index=group_index,
             versions=self.versions[groups],
             attention_mask=None if self.attention_mask is None else self.attention_mask[rows],
+            reward_baselines=None if self.reward_baselines is None else self.reward_baselines[rows],
         )
 
     select = __getitem__
@@ -118,7 +122,16 @@ def collate(groups: list[Group], pad_token: int = 0) -> TrainBatch:
         group_index=torch.repeat_interleave(torch.arange(len(groups)), sizes),
         versions=torch.tensor([g.version for g in groups], dtype=torch.long),
         attention_mask=attention_mask,
+        reward_baselines=_reward_baselines(groups, sizes),
     )
+
+
+def _reward_baselines(groups: list[Group], sizes: torch.Tensor) -> torch.Tensor | None:
+    """Each sequence's group's baseline_score (B,), or None when no group has one."""
+    baselines = torch.tensor([g.baseline_score for g in groups], dtype=torch.float32)  # (G,)
+    if bool(torch.isnan(baselines).all()):
+        return None
+    return torch.repeat_interleave(baselines, sizes)
 
 
 def _pad_groups(groups: list[Group], prompt_length: int, response_length: int, pad_token: int):

@@ -14,7 +14,6 @@ import torch
 
 from dppo.algo import (
     ADVANTAGE_ESTIMATORS,
-    GREEDY_BASELINE_ESTIMATORS,
     KL_PENALTIES,
     LOSS_AGG_MODES,
     LOSS_MODES,
@@ -337,8 +336,8 @@ class RolloutCorrectionSection:
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, by verl's name: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo,
-    grpo_passk, gpg (one line each in docs/algorithms.md); remax is refused (its greedy baseline response is not
-    generated yet)."""
+    grpo_passk, gpg, remax (one line each in docs/algorithms.md; remax's rollout also decodes one greedy response
+    per prompt, scored and not trained on: its baseline)."""
 
     norm_adv_by_std_in_grpo: bool = True
     """GRPO: divide by the group's score std (false: Dr. GRPO)."""
@@ -376,8 +375,7 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm")
-        one_of("algorithm.adv_estimator", self.adv_estimator,
-               tuple(e for e in ADVANTAGE_ESTIMATORS if e not in GREEDY_BASELINE_ESTIMATORS))  # fmt: skip
+        one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
         require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "a value in [0, 1]")
         positive("algorithm.prox_check_every", self.prox_check_every)
         positive("algorithm.prox_max_is_err", self.prox_max_is_err)

@@ -44,7 +44,8 @@ class PPOTrainer(BaseTrainer):
         return self.actor_group.score_ahead(batches, whole_cycle)  # one call: every batch, and no snapshot if whole_cycle
 
     def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
-        advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask)  # (B, R)
+        extra = {} if batch.reward_baselines is None else {"reward_baselines": batch.reward_baselines}  # ReMax's
+        advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask, **extra)  # (B, R)
         metrics = self.actor_group.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics

@@ -14,6 +14,7 @@ import numpy as np
 import ray
 import torch
 
+from dppo.algo import GREEDY_BASELINE_ESTIMATORS
 from dppo.data.source import PromptSource
 from dppo.generation import sample_responses
 from dppo.hostmem import keep_freed_host_memory
@@ -53,6 +54,7 @@ class RolloutGenerator:
         self.prompts = source.sampler([self.seed, _TICKET_STREAM])  # positioned per ticket
         self.generator = torch.Generator(device=self.device)
         self.n = cfg.rollout.n
+        self.greedy_baseline = cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS  # ReMax
         self.temperature = cfg.rollout.temperature
         self.max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
         self.micro_batch_size = cfg.actor.micro_batch_size
@@ -77,7 +79,8 @@ class RolloutGenerator:
         if self.version < 0:
             raise RuntimeError("RolloutGenerator.generate called before any weights were loaded")
         source = self.source
-        prompts = self.prompts.sample(num_groups).repeat(self.n)  # G n rows
+        sampled = self.prompts.sample(num_groups)  # G rows
+        prompts = sampled.repeat(self.n)  # G n rows
         prompt_ids, prompt_mask = left_pad(prompts.token_ids, source.pad_token)  # (G n, P) each; mask None: no padding
         ids = prompt_ids.to(self.device)
         pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
@@ -92,13 +95,25 @@ class RolloutGenerator:
         scored = source.score(prompts, responses.numpy(), mask.numpy())
         scores = torch.from_numpy(scored.scores)
         extra = {key: torch.from_numpy(values) for key, values in scored.extra.items()}
+        baselines = self.greedy_baseline_scores(sampled) if self.greedy_baseline else [float("nan")] * num_groups
         width = prompt_ids.shape[1]
         return [
             Group(prompt_ids[i, width - len(prompts.token_ids[i]) :], responses[i : i + self.n], mask[i : i + self.n],
                   behav_logp[i : i + self.n], scores[i : i + self.n], self.version,
-                  reward_extra={key: values[i : i + self.n] for key, values in extra.items()})  # fmt: skip
+                  reward_extra={key: values[i : i + self.n] for key, values in extra.items()},
+                  baseline_score=baselines[i // self.n])  # fmt: skip
             for i in range(0, prompt_ids.shape[0], self.n)
         ]
+
+    def greedy_baseline_scores(self, prompts) -> list[float]:
+        """The score of one greedy response (temperature 0: no random draw) to each of prompts (G rows): ReMax's
+        baseline, generated with the group and not trained on."""
+        source = self.source
+        prompt_ids, prompt_mask = left_pad(prompts.token_ids, source.pad_token)  # (G, P) each
+        pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
+        responses, mask = sample_responses(self.model, prompt_ids.to(self.device), self.max_new_tokens, 0.0,
+                                           self.generator, source.eos_token, source.pad_token, pad_mask)  # fmt: skip
+        return source.score(prompts, responses.cpu().numpy(), mask.cpu().numpy()).scores.astype(float).tolist()
 
 
 class RolloutWorkerActor:

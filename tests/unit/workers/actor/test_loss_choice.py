@@ -55,7 +55,6 @@ def test_pg_loss_is_the_registry_function_with_the_config():
     [
         ("actor.policy_loss.loss_mode=ppo", "actor.policy_loss.loss_mode"),
         ("actor.policy_loss.loss_mode=dro", "actor.policy_loss.dro_beta"),
-        ("algorithm.adv_estimator=remax", "algorithm.adv_estimator"),
         ("actor.kl_loss_type=k4", "actor.kl_loss_type"),
     ],
 )
