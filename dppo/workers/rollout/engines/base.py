@@ -1,6 +1,6 @@
 """The rollout engine interface: what a rollout worker needs from whatever generates its samples.
 
-A worker (dppo.workers.rollout_worker.RolloutGenerator) draws a ticket's prompts, hands them to its engine and
+A worker (dppo.workers.rollout.worker.RolloutGenerator) draws a ticket's prompts, hands them to its engine and
 scores what comes back; the engine only samples. Engines: `hf` (dppo's own sampler over a transformers model,
 this process) and `vllm` (vllm.LLM inside this process), chosen by rollout.name.
 """
