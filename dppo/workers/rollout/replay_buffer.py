@@ -200,7 +200,7 @@ class ReplayBufferCore:
         }
         if self._syncs:  # each live worker's latest weight load into its engine (once a cycle)
             syncs = list(self._syncs.values())
-            stats["rollout/weight_sync_s"] = max(float(s.seconds) for s in syncs)
+            stats["timing_s/rollout_weight_sync"] = max(float(s.seconds) for s in syncs)
             stats["rollout/weight_sync_bytes"] = float(sum(s.bytes for s in syncs))
             stats["rollout/weight_sync_changed_frac"] = float(np.mean([s.changed_fraction for s in syncs]))
         return stats

@@ -61,10 +61,11 @@ class RolloutGenerator:
         self.prompts.start_ticket(first, int(prompt_seed))
         self.engine.seed(int(sample_seed))
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightSync:
+    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightSync | None:
+        """Load the weights of `version`; what the load cost, where the engine reports it (else None)."""
         self.last_sync = self.engine.load_weights(state_dict)
         self.version = version
-        return self.last_sync
+        return self.last_sync if self.engine.reports_sync else None
 
     @torch.no_grad()
     def generate(self, num_groups: int) -> list[Group]:

@@ -35,6 +35,12 @@ class WeightSync:
 class RolloutEngine(ABC):
     """Samples responses with per-token behavior log-probs; loads new weights in place."""
 
+    # Whether a run's metrics report this engine's weight loads (timing_s/rollout_weight_sync,
+    # rollout/weight_sync_bytes, rollout/weight_sync_changed_frac). The hf engine's load is a load_state_dict
+    # into its own model copy: not reported, so its runs' records stay what they were (a resumed run's records
+    # equal an uninterrupted run's, timings aside).
+    reports_sync: bool = True
+
     @abstractmethod
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
         """Make the engine sample from these weights (transformers names, the trainer's dtype) from now on."""

@@ -18,6 +18,8 @@ from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync
 
 
 class HFEngine(RolloutEngine):
+    reports_sync = False
+
     def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
                  pad_token: int, micro_batch_size: int, device: torch.device = torch.device("cpu")):  # fmt: skip
         """model_config: the trainer model's transformers config (weights arrive with load_weights). device: where
