@@ -91,7 +91,7 @@ def test_text_run_with_vllm_tokenizer_and_chat_template(text_example_heads_2, tm
             "trainer.train_batch_size=8", "trainer.checkpoint_every=0", "trainer.progress_bar=false", "rollout.n=4",
             "rollout.groups_per_batch=4", "ray.num_cpus=2", "rollout.name=vllm", "rollout.weight_sync=delta"]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-m", "dppo.train", *args], cwd=REPO, env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
                           text=True, timeout=300, start_new_session=True)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
