@@ -21,6 +21,7 @@
 
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
 import time
@@ -49,7 +50,15 @@ class VLLMEngine(RolloutEngine):
         """model_config: the trainer model's transformers config; dtype: the engine's (float32, bfloat16, ...);
         weight_sync: full or delta."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: no copies
+        # vLLM logs each reload and cache reset at INFO; a run's terminal is its own progress line and summary
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
+
+        # Each in-place reload warns that the rotary embedding got no weights: it has none to get (its cos/sin
+        # cache is kept as it was, which the log-prob tests after a sync confirm).
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
+        # ... and its chat-template warm-up fails with a traceback: the engine has no tokenizer (token ids in and out)
+        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
 
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.eos_token, self.pad_token = eos_token, pad_token
