@@ -54,12 +54,6 @@ class VLLMEngine(RolloutEngine):
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
 
-        # Each in-place reload warns that the rotary embedding got no weights: it has none to get (its cos/sin
-        # cache is kept as it was, which the log-prob tests after a sync confirm).
-        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
-        # ... and its chat-template warm-up fails with a traceback: the engine has no tokenizer (token ids in and out)
-        logging.getLogger("vllm.renderers.base").setLevel(logging.ERROR)
-
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.eos_token, self.pad_token = eos_token, pad_token
         self.dtype = DTYPES[dtype]
@@ -70,6 +64,10 @@ class VLLMEngine(RolloutEngine):
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                        kv_cache_memory_bytes=kv_cache_bytes, max_model_len=model_config.max_position_embeddings,
                        distributed_executor_backend="uni", enforce_eager=True, disable_log_stats=True)  # fmt: skip
+        # Set after LLM(), whose logging set-up resets vLLM's loggers: each in-place reload warns that a layer got no
+        # weights, for the rotary embedding (it has none to get) and, with delta, for every unchanged layer (its
+        # weights are put back as they were; the log-prob and delta tests after a sync confirm both).
+        logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.packed_modules = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
         self._ticket_seed = 0
 
