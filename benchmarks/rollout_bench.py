@@ -106,6 +106,7 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of both engines")
     parser.add_argument("--skip-generation", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
@@ -118,6 +119,8 @@ def main() -> None:
                 r = bench_generation(size, dtype, args)
                 print(f"| {size} | {r['params_m']:.1f}M | {dtype} | {r['hf_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
                       f"{r['vllm_tok_s'] / r['hf_tok_s']:.1f}x |", flush=True)  # fmt: skip
+    if args.skip_sync:
+        return
     print("\n| model | engine dtype | lr | sync | MB per cycle | s per cycle | changed fraction |\n|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for dtype in args.dtypes:
