@@ -38,12 +38,6 @@ from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
 KV_CACHE_BYTES = 256 << 20
 
 
-def vllm_available() -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec("vllm") is not None
-
-
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
                  pad_token: int, weight_sync: str = "full", kv_cache_bytes: int = KV_CACHE_BYTES):  # fmt: skip
