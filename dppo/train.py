@@ -17,6 +17,7 @@ from dppo.trainer.preflight import (
     check_checkpoint_space,
     check_cluster_fits,
     check_output_dir,
+    check_rollout_engine,
     check_sequence_length,
     check_training_memory,
     run_shape,
@@ -35,6 +36,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     out = sys.stdout if out is None else out
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_installed(cfg.trainer.logger)  # a tracker named but not installed: one line naming the extra
+    check_rollout_engine(cfg)  # rollout.name=vllm without vLLM: one line naming `make vllm`
     check_output_dir(cfg.trainer.output_dir)
     source = make_prompt_source(cfg)  # reads and checks any data files (one line naming what is wrong)
     shape = run_shape(cfg, source)

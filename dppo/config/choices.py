@@ -12,6 +12,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 FSDP_MODES = ("auto", "always")
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logger (dppo.trainer.trackers)
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
+ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)
+WEIGHT_SYNC_MODES = ("full", "delta")  # rollout.weight_sync
 
 # algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")

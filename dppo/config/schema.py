@@ -39,8 +39,10 @@ from dppo.config.choices import (
     PROX_ANCHORS,
     PROX_LOGP_METHODS,
     SAVE_CONTENTS,
+    ROLLOUT_ENGINES,
     SNAPSHOT_STRATEGIES,
     TRAINER_MODES,
+    WEIGHT_SYNC_MODES,
 )
 from dppo.config.rules import validate_combinations
 from dppo.data.errors import DataFileError
@@ -417,6 +419,18 @@ class RolloutConfig:
     a placement-group bundle of its own, so rollout.num_workers must be rollout.nnodes x rollout.n_gpus_per_node.
     0: no GPUs; rollout.num_workers CPU processes with rollout.num_threads threads each."""
 
+    name: str = "hf"
+    """Rollout engine (verl's key): hf (dppo's sampler over the transformers model) or vllm (vllm.LLM in each
+    rollout worker, its weights synced in place each cycle; needs `make vllm` and a run from .venv-vllm)."""
+
+    weight_sync: str = "full"
+    """How new weights reach a vllm engine each cycle: full (every tensor) or delta (only the elements whose value
+    in the engine's dtype changed since the last sync; bitwise the same engine weights)."""
+
+    dtype: Optional[str] = None
+    """The rollout engine's dtype (float32, bfloat16, float16); null: model.dtype. A bfloat16 engine with an fp32
+    trainer gives behavior log-probs that differ from the trainer's (algorithm.rollout_correction is for that)."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "rollout")
         positive("rollout.num_workers", self.num_workers)
@@ -429,6 +443,10 @@ class RolloutConfig:
         nonnegative("rollout.max_restarts", self.max_restarts)
         positive("rollout.nnodes", self.nnodes)
         nonnegative("rollout.n_gpus_per_node", self.n_gpus_per_node)
+        one_of("rollout.name", self.name, ROLLOUT_ENGINES)
+        one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        if self.dtype is not None:
+            one_of("rollout.dtype", self.dtype, DTYPES)
         self._check_pool()
 
     def _check_pool(self) -> None:

@@ -12,8 +12,10 @@
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 import os
+import sys
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +28,7 @@ from dppo.models import tiny_model_config
 from dppo.config.choices import select_strategy_name
 from dppo.trainer import placement, ray_cluster
 from dppo.trainer.checkpoint_failure import checkpoint_bytes_estimate, free_bytes, size_in_words
+from dppo.workers.rollout.engines import VLLM_CPU_HEAD_SIZES
 
 log = logging.getLogger("dppo.preflight")
 
@@ -255,3 +258,26 @@ def check_cluster_fits(cfg: DppoConfig) -> None:
     if r.num_workers * r.num_threads > cpus:
         raise ConfigError(f"rollout.num_workers={r.num_workers} with rollout.num_threads={r.num_threads}: "
                           f"{r.num_workers * r.num_threads} worker threads, but the Ray cluster has {cpus:g} CPUs")  # fmt: skip
+
+
+def check_rollout_engine(cfg: DppoConfig) -> None:
+    """ConfigError, before anything starts, if rollout.name=vllm cannot run here: vLLM not installed in this Python,
+    or (without CUDA) a model whose attention head size vLLM's CPU kernels lack."""
+    if cfg.rollout.name != "vllm":
+        return
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError(f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
+                          "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)")  # fmt: skip
+    if torch.cuda.is_available():
+        return
+    m = cfg.model
+    if m.path is None:
+        head, keys = m.hidden_size // m.num_attention_heads, "model.hidden_size / model.num_attention_heads"
+    else:
+        config = AutoConfig.from_pretrained(m.path, local_files_only=True)
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        keys = f"the head size of model.path={m.path}"
+    if head not in VLLM_CPU_HEAD_SIZES:
+        raise ConfigError(f"rollout.name=vllm on the CPU: {keys} is {head}, and vLLM's CPU attention has kernels for "
+                          f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only (e.g. set "
+                          "model.num_attention_heads so that the head size is 32)")  # fmt: skip

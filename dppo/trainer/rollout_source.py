@@ -69,10 +69,11 @@ class InProcessRollout:
             ticket = self.buffer.acquire(self.worker.version, num_groups - made)
             if ticket is None:
                 raise RuntimeError(f"replay buffer refused to grant groups in sync mode ({self.buffer.stats()})")
+            sync = None
             if ticket.weights is not None:
-                self.worker.load_weights(ticket.weights, ticket.version)
+                sync = self.worker.load_weights(ticket.weights, ticket.version)
             self.worker.seed_ticket(ticket.first)
-            self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first)
+            self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first, None, sync)
             made += ticket.num_groups
         result = self.buffer.take(num_groups, trainer_version)
         assert result is not None, "groups generated for this trigger must be takeable"

@@ -49,7 +49,7 @@ def test_a_gpu_generator_loads_host_weights_and_returns_its_groups_on_the_host(t
     config, weights = host_weights(source.vocab_size)
     generator = RolloutGenerator(cfg, source, config, 0, torch.device("cuda", 0))
     generator.load_weights(weights, 0)
-    for name, t in generator.model.state_dict().items():
+    for name, t in generator.engine.model.state_dict().items():
         assert t.device.type == "cuda" and torch.equal(t.cpu(), weights[name]), name
     generator.seed_ticket(0)
     groups = generator.generate(3)
@@ -73,7 +73,7 @@ def test_a_worker_of_the_rollout_pool_generates_on_its_gpu(tmp_path):
         rollout = RayRollout(cfg, source, config, RolloutStart())
         worker = rollout.workers[0].actor
         gpu_ids, device = ray.get(worker.__ray_call__.remote(
-            lambda self: (ray.get_gpu_ids(), str(next(self.core.model.parameters()).device))), timeout=120)  # fmt: skip
+            lambda self: (ray.get_gpu_ids(), str(next(self.core.engine.model.parameters()).device))), timeout=120)  # fmt: skip
         assert len(gpu_ids) == 1 and device == "cuda:0", (gpu_ids, device)
         rollout.publish(weights, 0)
         groups, dropped = rollout.fetch(2, 0)

@@ -29,6 +29,8 @@ import asyncio
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dppo.rollout import Group
 
 
@@ -66,6 +68,7 @@ class ReplayBufferCore:
         self._tickets: dict[int, tuple[int, Any]] = {}  # first grant index -> (group count, holder), not yet put
         self._regrants: list[tuple[int, int]] = []  # (first, count) of dead holders' tickets, granted again first
         self._dead: set = set()  # holders released as dead
+        self._syncs: dict = {}  # holder -> its latest WeightSync
         self.regranted_total = 0
         self.dropped_total = start_dropped
         self._dropped_before = start_dropped
@@ -153,12 +156,16 @@ class ReplayBufferCore:
         weights = self.weights if self.version > worker_version else None
         return Ticket(granted, self.version, weights, first=first)
 
-    def put(self, groups: list[Group], first: int, holder: Any = None) -> None:
-        """holder's finished groups: those of its ticket whose first grant index is first, in order."""
+    def put(self, groups: list[Group], first: int, holder: Any = None, sync: Any = None) -> None:
+        """holder's finished groups: those of its ticket whose first grant index is first, in order. sync: what
+        holder's engine paid for the weights it loaded before generating them (a rollout engine's WeightSync), if
+        it loaded any: stats() reports the latest one of each live holder."""
         if self._tickets.get(first) != (len(groups), holder):
             raise ValueError(f"put of {len(groups)} groups at grant index {first} by holder {holder!r}: no outstanding "
                              f"ticket granted those to it (outstanding: {self._tickets})")  # fmt: skip
         del self._tickets[first]
+        if sync is not None:
+            self._syncs[holder] = sync
         for index, group in enumerate(groups, first):
             group.index = index
             self.groups[index] = group
@@ -167,6 +174,7 @@ class ReplayBufferCore:
         """holder died: grant its outstanding tickets again (same grant indices) and refuse it from now on; the
         number of groups to be generated anew."""
         self._dead.add(holder)
+        self._syncs.pop(holder, None)
         mine = sorted(first for first, (_, owner) in self._tickets.items() if owner == holder)
         regranted = [(first, self._tickets.pop(first)[0]) for first in mine]
         self._regrants = sorted(self._regrants + regranted)
@@ -184,12 +192,18 @@ class ReplayBufferCore:
         self._dropped_since_take += 1
 
     def stats(self) -> dict[str, float]:
-        return {
+        stats = {
             "replay/size": float(len(self.groups)),
             "replay/in_flight": float(self.in_flight),
             "replay/dropped_total": float(self.dropped_total),
             "replay/regranted_total": float(self.regranted_total),
         }
+        if self._syncs:  # each live worker's latest weight load into its engine (once a cycle)
+            syncs = list(self._syncs.values())
+            stats["timing_s/rollout_weight_sync"] = max(float(s.seconds) for s in syncs)
+            stats["rollout/weight_sync_bytes"] = float(sum(s.bytes for s in syncs))
+            stats["rollout/weight_sync_changed_frac"] = float(np.mean([s.changed_fraction for s in syncs]))
+        return stats
 
 
 class ReplayBufferActor:
@@ -213,8 +227,8 @@ class ReplayBufferActor:
         self.core.publish(weights, version)
         await self._notify()
 
-    async def put(self, groups: list[Group], first: int, holder=None) -> None:
-        self.core.put(groups, first, holder)
+    async def put(self, groups: list[Group], first: int, holder=None, sync=None) -> None:
+        self.core.put(groups, first, holder, sync)
         await self._notify()
 
     async def release(self, holder) -> int:

@@ -35,7 +35,7 @@ def test_remax_groups_carry_the_greedy_responses_score():
     # the same prompts decoded greedily by hand, scored by the task
     prompts = [g.prompt for g in groups]
     ids, _ = left_pad([p.numpy() for p in prompts], source.pad_token)
-    responses, mask = sample_responses(model, ids, gen.max_new_tokens, 0.0, None, source.eos_token, source.pad_token)
+    responses, mask = sample_responses(model, ids, gen.engine.max_new_tokens, 0.0, None, source.eos_token, source.pad_token)
     task_prompts = Prompts(ids.numpy())  # an integer task's prompts: token ids, no meta
     expected = [float(s) for s in source.score(task_prompts, responses.numpy(), mask.numpy()).scores]
     assert [g.baseline_score for g in groups] == pytest.approx(expected)

@@ -1,0 +1,137 @@
+"""Rollout engines, hf vs vllm, on the same model and prompts in one run (issue 17). Run it in .venv-vllm:
+
+    make vllm && .venv-vllm/bin/python benchmarks/rollout_bench.py [--sizes tiny 42m] [--dtypes float32 bfloat16]
+
+1. Generation: tokens/s of each engine (rollout.n samples of max_new_tokens for each prompt, no EOS, so every
+   sample has its full length); target at ~40M on the CPU: vllm >= 4x hf.
+2. Weight sync (vllm engine): seconds and bytes of full vs delta sync over a few cycles whose weights change
+   by Adam steps of the trainer at a given lr (fp32 trainer weights, engine in its dtype), and the fraction
+   of engine-dtype elements that changed: when delta pays.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dppo.models import tiny_model_config  # noqa: E402
+from dppo.workers.rollout.engines.hf import HFEngine  # noqa: E402
+from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
+
+# name -> (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size); head size >= 32 (vLLM CPU)
+SIZES = {"tiny": (64, 2, 2, 128), "42m": (512, 10, 8, 2048)}
+VOCAB = 1024
+
+
+def _model(size: str):
+    from transformers import Qwen2ForCausalLM
+
+    hidden, layers, heads, inter = SIZES[size]
+    torch.manual_seed(0)
+    return Qwen2ForCausalLM(tiny_model_config(VOCAB, hidden, layers, heads, inter, max_position_embeddings=256)).eval()
+
+
+def _tokens_per_s(engine, prompts, n: int, repeats: int) -> float:
+    engine.seed(0)
+    engine.sample(prompts[:2], 2)  # warm-up
+    best = 0.0
+    for r in range(repeats):
+        engine.seed(r)
+        start = time.perf_counter()
+        samples = engine.sample(prompts, n)
+        best = max(best, int(samples.response_mask.sum()) / (time.perf_counter() - start))
+    return best
+
+
+def _adam_cycles(model, lr: float, cycles: int):
+    """State dicts after each of `cycles` Adam steps on a language-model loss over random tokens."""
+    opt = torch.optim.Adam(model.parameters(), lr=lr)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(cycles):
+        ids = torch.randint(0, VOCAB, (4, 32), generator=g)
+        loss = model(input_ids=ids, labels=ids).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        yield {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def bench_generation(size, dtype, args) -> dict:
+    model = _model(size)
+    prompts = [np.random.default_rng(p).integers(0, VOCAB, args.prompt_len) for p in range(args.prompts)]
+    hf = HFEngine(model.config, dtype, 1.0, args.new_tokens, None, 0, micro_batch_size=64)
+    hf.load_weights(model.state_dict())
+    hf_tps = _tokens_per_s(hf, prompts, args.n, args.repeats)
+    del hf
+    vllm = VLLMEngine(model.config, dtype, 1.0, args.new_tokens, None, 0)
+    vllm.load_weights(model.state_dict())
+    vllm_tps = _tokens_per_s(vllm, prompts, args.n, args.repeats)
+    vllm.close()
+    params = sum(p.numel() for p in model.parameters())
+    return {"size": size, "params_m": params / 1e6, "dtype": dtype, "hf_tok_s": hf_tps, "vllm_tok_s": vllm_tps}
+
+
+def bench_sync(size, dtype, lr, args) -> list[dict]:
+    rows = []
+    for mode in ("full", "delta"):
+        model = _model(size)
+        engine = VLLMEngine(model.config, dtype, 1.0, 8, None, 0, weight_sync=mode)
+        engine.load_weights(model.state_dict())  # the first sync is full either way
+        for cycle, state in enumerate(_adam_cycles(model, lr, args.cycles)):
+            sync = engine.load_weights(state)
+            rows.append({"size": size, "dtype": dtype, "lr": lr, "mode": mode, "cycle": cycle, "s": sync.seconds,
+                         "mb": sync.bytes / 2**20, "changed": sync.changed_fraction})  # fmt: skip
+        engine.close()
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", nargs="+", default=list(SIZES))
+    parser.add_argument("--dtypes", nargs="+", default=["float32", "bfloat16"])
+    parser.add_argument("--lrs", nargs="+", type=float, default=[1e-3, 1e-5, 1e-6])
+    parser.add_argument("--prompts", type=int, default=16)
+    parser.add_argument("--n", type=int, default=8)
+    parser.add_argument("--prompt-len", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--cycles", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=2, help="torch threads of both engines")
+    parser.add_argument("--skip-generation", action="store_true")
+    parser.add_argument("--skip-sync", action="store_true")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
+    print(f"# rollout_bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.prompts} prompts x n={args.n}, "
+          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, {args.threads} threads")  # fmt: skip
+    if not args.skip_generation:
+        print("| model | params | dtype | hf tok/s | vllm tok/s | vllm / hf |\n|---|---|---|---|---|---|")
+        for size in args.sizes:
+            for dtype in args.dtypes:
+                r = bench_generation(size, dtype, args)
+                print(f"| {size} | {r['params_m']:.1f}M | {dtype} | {r['hf_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
+                      f"{r['vllm_tok_s'] / r['hf_tok_s']:.1f}x |", flush=True)  # fmt: skip
+    if args.skip_sync:
+        return
+    print("\n| model | engine dtype | lr | sync | MB per cycle | s per cycle | changed fraction |\n|---|---|---|---|---|---|---|")
+    for size in args.sizes:
+        for dtype in args.dtypes:
+            for lr in args.lrs:
+                rows = bench_sync(size, dtype, lr, args)
+                for mode in ("full", "delta"):
+                    mine = [r for r in rows if r["mode"] == mode]
+                    print(f"| {size} | {dtype} | {lr:g} | {mode} | {np.mean([r['mb'] for r in mine]):.2f} | "
+                          f"{np.mean([r['s'] for r in mine]):.3f} | "
+                          f"{', '.join(format(r['changed'], '.3f') for r in mine)} |", flush=True)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()

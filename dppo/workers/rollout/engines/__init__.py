@@ -1,0 +1,28 @@
+"""Rollout engines, chosen by rollout.name: hf (dppo's sampler, today's default) and vllm (vllm.LLM in the worker)."""
+
+from __future__ import annotations
+
+import torch
+
+from dppo.config.choices import ROLLOUT_ENGINES, WEIGHT_SYNC_MODES
+from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync
+from dppo.workers.rollout.engines.hf import HFEngine
+from dppo.workers.rollout.engines.vllm import VLLMEngine
+
+# vLLM 0.32's CPU attention kernels (vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+
+__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "Samples", "VLLM_CPU_HEAD_SIZES", "WEIGHT_SYNC_MODES", "WeightSync", "make_engine"]
+
+
+def make_engine(cfg, source, model_config, device: torch.device = torch.device("cpu")) -> RolloutEngine:
+    """The engine rollout.name names, for a worker of cfg sampling source's prompts with model_config's model, on
+    device (the worker's: its GPU when Ray gave it one). vLLM picks the GPU it sees itself (Ray's
+    CUDA_VISIBLE_DEVICES shows the worker its own)."""
+    dtype = cfg.rollout.dtype or cfg.model.dtype
+    max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
+    if cfg.rollout.name == "vllm":
+        return VLLMEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token,
+                          source.pad_token, weight_sync=cfg.rollout.weight_sync)  # fmt: skip
+    return HFEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token, source.pad_token,
+                    cfg.actor.micro_batch_size, device)  # fmt: skip

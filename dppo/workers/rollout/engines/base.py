@@ -1,0 +1,66 @@
+"""The rollout engine interface: what a rollout worker needs from whatever generates its samples.
+
+A worker (dppo.workers.rollout.worker.RolloutGenerator) draws a ticket's prompts, hands them to its engine and
+scores what comes back; the engine only samples. Engines: `hf` (dppo's own sampler over a transformers model,
+this process) and `vllm` (vllm.LLM inside this process), chosen by rollout.name.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class Samples:
+    """n responses to each of G prompts: B = G n rows, prompt-major (rows g n .. g n + n - 1 answer prompt g)."""
+
+    responses: torch.Tensor  # (B, R) long, pad_token after a response's end; R = the longest response
+    response_mask: torch.Tensor  # (B, R) bool, 1 on response tokens (the EOS that ended one included)
+    behav_logp: torch.Tensor  # (B, R) fp32, log pi_behav of each token at the sampling temperature; 0 on padding
+
+
+@dataclass
+class WeightSync:
+    """What one load of new weights into an engine cost."""
+
+    seconds: float  # wall time of the load (and of whatever the engine must do after it, e.g. a cache reset)
+    bytes: int  # bytes handed to the engine (all tensors for a full sync; the changed ones for a delta sync)
+    changed_fraction: float = 1.0  # engine-dtype elements that differ from the engine's previous weights
+
+
+class RolloutEngine(ABC):
+    """Samples responses with per-token behavior log-probs; loads new weights in place."""
+
+    # Whether a run's metrics report this engine's weight loads (timing_s/rollout_weight_sync,
+    # rollout/weight_sync_bytes, rollout/weight_sync_changed_frac). The hf engine's load is a load_state_dict
+    # into its own model copy: not reported, so its runs' records stay what they were (a resumed run's records
+    # equal an uninterrupted run's, timings aside).
+    reports_sync: bool = True
+
+    @abstractmethod
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
+        """Make the engine sample from these weights (transformers names, the trainer's dtype) from now on."""
+
+    @abstractmethod
+    def seed(self, seed: int) -> None:
+        """Seed the samples that follow (a ticket's seed: its samples depend on it and the weights only)."""
+
+    @abstractmethod
+    def sample(self, prompts: list[np.ndarray], n: int) -> Samples:
+        """n responses to each prompt (G token-id arrays, any lengths), their mask and behavior log-probs."""
+
+    @abstractmethod
+    def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        """One greedy response to each prompt (temperature 0, no random draw): responses (G, R) long and their mask
+        (G, R) bool, on the host. ReMax's baseline: scored, never trained on, so no log-probs."""
+
+    def close(self) -> None:
+        """Free what the engine holds (processes, caches); the default holds nothing that needs it."""
+
+
+def state_dict_bytes(state_dict: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in state_dict.values())

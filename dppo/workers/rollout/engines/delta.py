@@ -1,0 +1,74 @@
+"""Delta weight sync (rollout.weight_sync=delta): only the engine-dtype elements that changed since the last sync.
+
+The weights published at the last sync are the engine's current weights (and pi_old of the cycle after it), so
+a sync needs only the elements whose value in the engine's dtype differs from them: with a bf16 engine and an
+fp32 trainer most small updates round away. DeltaTracker holds that last engine-dtype copy (transformers
+names); apply() finds the changed elements of each tensor (bitwise, so -0.0 vs 0.0 and NaNs count as
+changes), puts them into the copy, and reports the bytes a sparse transfer of them takes: per tensor the
+smaller of (int32 index + value per changed element) and the dense tensor, 0 for an unchanged one. The copy
+then equals new.to(dtype) bitwise.
+
+Engines whose layers fuse several checkpoint tensors (vLLM's qkv_proj of q/k/v_proj) reload whole layers:
+reload_groups() widens the changed names to every tensor of the fused layers they belong to.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_INDEX_BYTES = 4  # int32 element index of a sparse update
+
+
+@dataclass
+class DeltaUpdate:
+    changed_names: list[str]  # tensors with at least one changed element
+    bytes: int  # what a sparse transfer of the changed elements takes (first sync: all tensors, dense)
+    changed_fraction: float  # changed elements / all elements
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's elements as integers of the same width (flat): equal bits <=> equal integers."""
+    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
+    return t.reshape(-1).view(width)
+
+
+class DeltaTracker:
+    def __init__(self):
+        self.weights: dict[str, torch.Tensor] = {}  # name -> the engine's current weights (engine dtype)
+
+    def apply(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> DeltaUpdate:
+        if not self.weights or self.weights.keys() != state_dict.keys():  # first sync (or a new model): all of it
+            self.weights = {name: t.detach().to(dtype).clone() for name, t in state_dict.items()}
+            dense = sum(t.numel() * t.element_size() for t in self.weights.values())
+            return DeltaUpdate(list(self.weights), dense, 1.0)
+        changed_names, moved, changed, total = [], 0, 0, 0
+        for name, new in state_dict.items():
+            held = self.weights[name]
+            new = new.detach().to(dtype)
+            index = torch.nonzero(_bits(new) != _bits(held)).squeeze(1)  # (k,) changed elements
+            total += held.numel()
+            if index.numel() == 0:
+                continue
+            held.view(-1)[index] = new.reshape(-1)[index]  # the sparse update, applied
+            changed_names.append(name)
+            changed += index.numel()
+            moved += min(index.numel() * (_INDEX_BYTES + held.element_size()), held.numel() * held.element_size())
+        return DeltaUpdate(changed_names, moved, changed / max(total, 1))
+
+
+def reload_groups(weights: dict[str, torch.Tensor], changed_names: list[str],
+                  packed_modules: dict[str, list[str]]) -> dict[str, torch.Tensor]:  # fmt: skip
+    """The tensors of weights to hand an engine so that every fused layer with a changed tensor gets all of its
+    tensors. packed_modules: fused module -> the checkpoint modules it stacks (vLLM's packed_modules_mapping),
+    e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
+    fused_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
+
+    def group(name: str) -> str:
+        module, _, _param = name.rpartition(".")
+        parent, _, leaf = module.rpartition(".")
+        return f"{parent}.{fused_of[leaf]}" if leaf in fused_of else module
+
+    wanted = {group(name) for name in changed_names}
+    return {name: t for name, t in weights.items() if group(name) in wanted}

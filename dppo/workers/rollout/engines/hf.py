@@ -1,0 +1,60 @@
+"""The `hf` rollout engine: dppo's own sampler (dppo.generation) over a transformers model in this process.
+
+Its behavior log-probs are re-scored with a full forward pass by the function the trainer uses
+(dppo.models.response_log_probs), so pi_behav and pi_old agree bitwise when the weights agree.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+
+from dppo.generation import sample_responses
+from dppo.models import model_from_config, response_log_probs
+from dppo.rollout import left_pad
+from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
+
+
+class HFEngine(RolloutEngine):
+    reports_sync = False
+
+    def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
+                 pad_token: int, micro_batch_size: int, device: torch.device = torch.device("cpu")):  # fmt: skip
+        """model_config: the trainer model's transformers config (weights arrive with load_weights). device: where
+        the model copy and the sampling loop run (samples come back on the host)."""
+        self.device = torch.device(device)
+        self.model = model_from_config(model_config, dtype).requires_grad_(False).to(self.device)
+        self.temperature, self.max_new_tokens = temperature, max_new_tokens
+        self.eos_token, self.pad_token, self.micro_batch_size = eos_token, pad_token, micro_batch_size
+        self.generator = torch.Generator(device=self.device)
+
+    def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
+        start = time.perf_counter()
+        self.model.load_state_dict(state_dict)
+        return WeightSync(time.perf_counter() - start, state_dict_bytes(state_dict))
+
+    def seed(self, seed: int) -> None:
+        self.generator.manual_seed(seed)
+
+    @torch.no_grad()
+    def sample(self, prompts: list[np.ndarray], n: int) -> Samples:
+        rows = [ids for ids in prompts for _ in range(n)]  # G n prompts, prompt-major
+        prompt_ids, prompt_mask = left_pad(rows, self.pad_token)  # (G n, P) each; mask None: no padding
+        ids = prompt_ids.to(self.device)
+        pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
+        responses, mask = sample_responses(self.model, ids, self.max_new_tokens, self.temperature,
+                                           self.generator, self.eos_token, self.pad_token, pad_mask)  # fmt: skip
+        attention_mask = None if pad_mask is None else torch.cat([pad_mask, mask.long()], 1)
+        behav_logp = response_log_probs(self.model, torch.cat([ids, responses], 1), responses.shape[1],
+                                        self.temperature, self.micro_batch_size, attention_mask=attention_mask)  # fmt: skip
+        return Samples(responses.cpu(), mask.cpu(), behav_logp.cpu())  # (G n, R) each: to the host
+
+    @torch.no_grad()
+    def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
+        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token)  # (G, P) each
+        pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
+        responses, mask = sample_responses(self.model, prompt_ids.to(self.device), self.max_new_tokens, 0.0,
+                                           self.generator, self.eos_token, self.pad_token, pad_mask)  # fmt: skip
+        return responses.cpu(), mask.cpu()

@@ -1,0 +1,42 @@
+"""rollout.name / rollout.weight_sync / rollout.dtype are checked before anything starts (exit code 2, one line)."""
+
+import importlib.util
+
+import pytest
+
+from dppo.cli import main
+
+VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
+
+
+def _error_line(capsys) -> str:
+    lines = capsys.readouterr().err.strip().splitlines()
+    errors = [line for line in lines if line.startswith("dppo: error:")]
+    assert len(errors) == 1 and lines[-1] == errors[0] and not any("Traceback" in line for line in lines), lines
+    return errors[0]
+
+
+@pytest.mark.skipif(VLLM_INSTALLED, reason="vLLM is installed in this Python (the check passes here)")
+def test_vllm_without_vllm_installed_names_make_vllm_before_anything_starts(small_args, tmp_path, capsys):
+    out = tmp_path / "never"
+    code = main(["train", *small_args(**{"rollout.name": "vllm", "trainer.output_dir": out})])
+    line = _error_line(capsys)
+    assert code == 2 and "rollout.name=vllm needs vLLM" in line and "`make vllm`" in line, line
+    assert not out.exists()  # nothing written, no Ray started
+
+
+@pytest.mark.vllm
+@pytest.mark.skipif(not VLLM_INSTALLED, reason="needs vLLM (make test-vllm)")
+def test_vllm_on_the_cpu_refuses_a_head_size_it_has_no_kernel_for(small_args, capsys):
+    code = main(["train", *small_args(**{"rollout.name": "vllm", "model.hidden_size": 64,
+                                         "model.num_attention_heads": 4})])  # fmt: skip
+    line = _error_line(capsys)
+    assert code == 2 and "head size" in line and "is 16" in line, line
+
+
+@pytest.mark.parametrize("key, value", [("rollout.name", "sglang"), ("rollout.weight_sync", "sparse"),
+                                        ("rollout.dtype", "int8")])  # fmt: skip
+def test_unknown_engine_sync_or_dtype_is_a_config_error(small_args, capsys, key, value):
+    assert main(["train", *small_args(**{key: value})]) == 2
+    line = _error_line(capsys)
+    assert f"{key}={value!r}" in line or f"{key}={value}" in line, line

@@ -1,0 +1,45 @@
+"""Delta weight sync's bookkeeping (no vLLM needed): the held copy, the bytes, the fused layers reloaded."""
+
+import torch
+
+from dppo.workers.rollout.engines.delta import DeltaTracker, _bits, reload_groups
+
+
+def _weights(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"a.weight": torch.randn(64, 32, generator=g), "b.weight": torch.randn(128, generator=g)}
+
+
+def test_the_held_copy_is_bitwise_the_new_weights_in_the_engine_dtype_after_each_sync():
+    tracker, weights = DeltaTracker(), _weights(0)
+    first = tracker.apply(weights, torch.bfloat16)
+    held = tracker.weights["a.weight"]
+    assert first.changed_fraction == 1.0 and first.bytes == (64 * 32 + 128) * 2
+    for step in range(3):
+        weights["a.weight"] = weights["a.weight"] + 1e-4 * torch.randn(64, 32)  # mostly rounds away in bf16
+        weights["a.weight"][step, :] += 1.0  # one row surely changes
+        update = tracker.apply(weights, torch.bfloat16)
+        assert update.changed_names == ["a.weight"]  # b unchanged: not sent
+        for name, t in weights.items():
+            assert torch.equal(_bits(tracker.weights[name]), _bits(t.to(torch.bfloat16)))
+        assert tracker.weights["a.weight"] is held  # updated in place, never replaced
+        assert 32 / (64 * 32 + 128) <= update.changed_fraction < 1
+        assert update.bytes == round(update.changed_fraction * (64 * 32 + 128)) * (4 + 2)
+
+
+def test_signed_zero_counts_as_a_change():
+    tracker = DeltaTracker()
+    tracker.apply({"w": torch.zeros(4)}, torch.float32)
+    update = tracker.apply({"w": torch.tensor([0.0, -0.0, 0.0, 0.0])}, torch.float32)
+    assert update.changed_names == ["w"] and update.bytes == 4 + 4
+    assert torch.equal(_bits(tracker.weights["w"]), _bits(torch.tensor([0.0, -0.0, 0.0, 0.0])))
+
+
+def test_a_fused_layer_is_reloaded_whole():
+    names = ["m.l0.attn.q_proj.weight", "m.l0.attn.q_proj.bias", "m.l0.attn.k_proj.weight", "m.l0.attn.v_proj.weight",
+             "m.l0.attn.o_proj.weight", "m.l1.attn.q_proj.weight", "m.l1.attn.k_proj.weight", "m.l1.attn.v_proj.weight"]
+    weights = {name: torch.zeros(1) for name in names}
+    packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
+    chosen = reload_groups(weights, ["m.l0.attn.k_proj.weight"], packed)
+    assert sorted(chosen) == sorted(names[:4])  # layer 0's q, k, v (and q's bias); not o_proj, not layer 1
+    assert sorted(reload_groups(weights, ["m.l0.attn.o_proj.weight"], packed)) == ["m.l0.attn.o_proj.weight"]

@@ -1,0 +1,117 @@
+"""The vllm rollout engine against the trainer's own forward pass (runs in .venv-vllm: make test-vllm)."""
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from dppo.models import response_log_probs, tiny_model_config  # noqa: E402
+from dppo.workers.rollout.engines.delta import _bits  # noqa: E402
+from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
+
+pytestmark = pytest.mark.vllm
+
+TEMPERATURE = 0.7
+EOS, PAD = 3, 0
+# head size 32: vLLM's CPU attention has no kernel below 32; 256 positions: room for the two-block prompt below
+CONFIG = tiny_model_config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+
+
+def _model(seed: int):
+    from transformers import Qwen2ForCausalLM
+
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(CONFIG).eval()
+
+
+def _perturb(model, scale: float, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * scale)
+
+
+def _max_logp_error(model, samples, prompts, n) -> float:
+    """Largest |engine behavior log-prob - teacher-forced trainer log-prob| over all response tokens."""
+    worst = 0.0
+    for row in range(samples.responses.shape[0]):
+        length = int(samples.response_mask[row].sum())
+        ids = torch.cat([torch.as_tensor(prompts[row // n]), samples.responses[row, :length]])[None]
+        with torch.no_grad():
+            ref = response_log_probs(model, ids, length, TEMPERATURE, micro_batch_size=8)[0]
+        worst = max(worst, (ref - samples.behav_logp[row, :length]).abs().max().item())
+    return worst
+
+
+@pytest.fixture(scope="module")
+def engine():
+    eng = VLLMEngine(CONFIG, "float32", TEMPERATURE, max_new_tokens=12, eos_token=EOS, pad_token=PAD)
+    yield eng
+    eng.close()
+
+
+def test_behavior_logp_match_the_trainer_before_and_after_a_sync(engine):
+    rng = np.random.default_rng(0)
+    block = engine.llm.llm_engine.vllm_config.cache_config.block_size
+    # The trap: a prompt longer than one KV block, so its first block is cached by the first generate; after the
+    # sync it must be computed anew, or the engine would read KV entries of the old weights.
+    long_prompt = rng.integers(4, 32, size=block + 20)
+    prompts = [long_prompt, rng.integers(4, 32, size=9)]
+    model = _model(0)
+    engine.load_weights(model.state_dict())
+    engine.seed(11)
+    before = engine.sample(prompts, 4)
+    assert before.response_mask.sum() > 8 and before.responses.shape == before.behav_logp.shape
+    assert _max_logp_error(model, before, prompts, 4) <= 1e-4
+    for row, length in enumerate(before.response_mask.sum(1).tolist()):  # a response shorter than the limit ended on EOS
+        assert length == 12 or before.responses[row, length - 1] == EOS
+    _perturb(model, 0.2, seed=1)
+    sync = engine.load_weights(model.state_dict())
+    assert sync.bytes == sum(t.numel() * 4 for t in model.state_dict().values())
+    after = engine.sample(prompts, 4)
+    assert _max_logp_error(model, after, prompts, 4) <= 1e-4
+
+
+def test_a_tickets_seed_reproduces_its_samples(engine):
+    engine.load_weights(_model(2).state_dict())
+    prompts = [np.arange(4, 14), np.arange(5, 12)]
+    engine.seed(5)
+    first = engine.sample(prompts, 3)
+    engine.seed(6)
+    other = engine.sample(prompts, 3)
+    engine.seed(5)
+    again = engine.sample(prompts, 3)
+    assert torch.equal(first.responses, again.responses) and torch.equal(first.behav_logp, again.behav_logp)
+    assert not torch.equal(first.responses, other.responses)
+    # the n samples of one prompt are not copies of each other
+    assert len({tuple(r.tolist()) for r in first.responses[:3]}) > 1
+
+
+def test_delta_and_full_sync_give_bitwise_the_same_engine_weights():
+    """bf16 engines, fp32 weights: small updates round away in bf16, so delta moves fewer bytes, yet after 3
+    cycles both engines hold the same bits."""
+    full = VLLMEngine(CONFIG, "bfloat16", TEMPERATURE, 8, EOS, PAD, weight_sync="full")
+    delta = VLLMEngine(CONFIG, "bfloat16", TEMPERATURE, 8, EOS, PAD, weight_sync="delta")
+    try:
+        model = _model(4)
+        full.load_weights(model.state_dict())
+        delta.load_weights(model.state_dict())
+        for cycle in range(3):
+            _perturb(model, 1e-3, seed=10 + cycle)
+            with torch.no_grad():
+                model.model.norm.weight.add_(1.0)  # one tensor wholly changed, the rest mostly not (in bf16)
+            full_sync = full.load_weights(model.state_dict())
+            delta_sync = delta.load_weights(model.state_dict())
+            assert 0 < delta_sync.changed_fraction < 1
+            assert delta_sync.bytes < full_sync.bytes
+        full_weights, delta_weights = full.engine_state_dict(), delta.engine_state_dict()
+        assert full_weights.keys() == delta_weights.keys()
+        for name, t in full_weights.items():
+            assert t.dtype == delta_weights[name].dtype and torch.equal(_bits(t), _bits(delta_weights[name])), name
+        # and both are the trainer's weights rounded to bf16, not the first cycle's
+        assert torch.equal(full_weights["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
+    finally:
+        full.close()
+        delta.close()
