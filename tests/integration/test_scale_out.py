@@ -189,22 +189,6 @@ def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
     ws1.close()
 
 
-@pytest.mark.parametrize("loss_mode", ["gspo", "cispo"])
-def test_world_size_2_first_step_of_a_loss_mode_is_world_size_1s(ws2, groups, tmp_path, loss_mode):
-    """The sequence-level loss (gspo: a sequence's ratio over its tokens) and the clipped-IS one (cispo): over the
-    same weights and groups, world size 2's first step has world size 1's loss and gradient norm (1e-5)."""
-    extra = {"actor.policy_loss.loss_mode": loss_mode}
-    reconfigure(ws2, **extra)
-    ws1 = PPOTrainer(make_cfg(tmp_path, 1, **extra), rollout=FixedRollout(groups[ws2.rollout.taken :]))
-    ws1.actor_group.local_rank.model.load_state_dict(full_weights(ws2))  # the reference model stays the initial one
-    one, _ = run_cycles(ws1, 1)
-    two, _ = run_cycles(ws2, 1)
-    for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "actor/ppo_kl"):
-        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-7), key
-    assert one[0]["actor/pg_loss"] != 0 and one[0]["actor/grad_norm"] > 0
-    ws1.close()
-
-
 @pytest.mark.parametrize("strategy", ["auto", "swap", "reference"])
 def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strategy):
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8,
@@ -382,4 +366,22 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
     expected = ws1.actor_group.local_rank.model.state_dict()
     assert_weights_close(full_weights(ws2), expected)
+    ws1.close()
+
+
+@pytest.mark.parametrize("loss_mode", ["gspo", "cispo"])
+def test_world_size_2_first_step_of_a_loss_mode_is_world_size_1s(ws2, groups, tmp_path, loss_mode):
+    """The sequence-level loss (gspo: a sequence's ratio over its tokens) and the clipped-IS one (cispo): over the
+    same weights and groups, world size 2's first step has world size 1's loss and gradient norm (1e-5). Last in
+    the module: it trains ws2 on with other losses, which the tests above must not see."""
+    extra = {"actor.policy_loss.loss_mode": loss_mode}
+    reconfigure(ws2, **extra)
+    ws2.rollout = FixedRollout(groups)  # the groups from the first again: the tests above took most of them
+    ws1 = PPOTrainer(make_cfg(tmp_path, 1, **extra), rollout=FixedRollout(groups))
+    ws1.actor_group.local_rank.model.load_state_dict(full_weights(ws2))  # the reference model stays the initial one
+    one, _ = run_cycles(ws1, 1)
+    two, _ = run_cycles(ws2, 1)
+    for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "actor/entropy", "actor/ppo_kl"):
+        assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-7), key
+    assert one[0]["actor/pg_loss"] != 0 and one[0]["actor/grad_norm"] > 0
     ws1.close()
