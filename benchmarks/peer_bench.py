@@ -261,6 +261,7 @@ def run_dppo(args, seed: int, model_dir: Path, work: Path) -> Run:
     out = work / f"dppo-{seed}"
     cmd = [*dppo_command(Path(args.dppo_python)), f"model.path={model_dir}", f"trainer.seed={seed}",
            f"trainer.output_dir={out}", *([f"trainer.total_steps={args.steps}"] if args.steps != 60 else []),
+           *([f"trainer.parameter_sync_step={args.sync_steps}"] if args.sync_steps != 4 else []),
            *args.dppo_override]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
     run = measure(Run("dppo", seed, log=str(work / f"dppo-{seed}.log")), cmd, env, out / "metrics.jsonl", dppo_steps)
@@ -275,7 +276,7 @@ def run_trl(args, seed: int, model_dir: Path, work: Path) -> Run:
     progress, result = work / f"trl-{seed}.progress.jsonl", work / f"trl-{seed}.result.json"
     cmd = [args.trl_python, str(REPO / "benchmarks" / "trl_copy.py"), "--model", str(model_dir), "--seed", str(seed),
            "--progress", str(progress), "--result", str(result), "--steps", str(args.steps),
-           "--output-dir", str(work / f"trl-{seed}"), *(["--threads", str(args.trl_threads)] if args.trl_threads else [])]  # fmt: skip
+           "--output-dir", str(work / f"trl-{seed}"), "--steps-per-generation", str(args.sync_steps), *(["--threads", str(args.trl_threads)] if args.trl_threads else [])]  # fmt: skip
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
     run = measure(Run("trl", seed, log=str(work / f"trl-{seed}.log")), cmd, env, progress, trl_steps)
@@ -331,6 +332,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=None, help="JSON file of every run and the summary")
     parser.add_argument("--dppo-python", default=sys.executable)
     parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    parser.add_argument("--sync-steps", type=int, default=4,
+                        help="optimizer steps per generation: dppo's trainer.parameter_sync_step, TRL's steps_per_generation")  # fmt: skip
     parser.add_argument("--trl-threads", type=int, default=None, help="TRL's torch threads (default: torch's own)")
     parser.add_argument("--only", choices=("dppo", "trl"), default=None, help="run one system only (debugging)")
     parser.add_argument("--dppo-override", nargs="*", default=[], metavar="key=value",

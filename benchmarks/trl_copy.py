@@ -60,6 +60,8 @@ def main(argv=None) -> None:
     parser.add_argument("--result", required=True)
     parser.add_argument("--steps", type=int, default=GLOBAL_STEPS, help="generation cycles (global steps)")
     parser.add_argument("--output-dir", default="/tmp/trl_copy")
+    parser.add_argument("--steps-per-generation", type=int, default=STEPS_PER_GENERATION,
+                        help="optimizer steps per generation (dppo's trainer.parameter_sync_step)")  # fmt: skip
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
     args = parser.parse_args(argv)
 
@@ -90,13 +92,16 @@ def main(argv=None) -> None:
         return scores.tolist()
 
     progress = open(args.progress, "a", encoding="utf-8")
+    spg = args.steps_per_generation
+    if (PROMPTS_PER_STEP * SAMPLES) % spg or PROMPTS_PER_STEP % spg:
+        parser.error(f"--steps-per-generation {spg} must divide the {PROMPTS_PER_STEP} prompts of a generation")
 
     class CycleLog(TrainerCallback):
         """A line per generation cycle, written when its last optimizer step ends."""
 
         def on_step_end(self, training_args, state, control, **kwargs):
-            if state.global_step % STEPS_PER_GENERATION == 0:
-                step = state.global_step // STEPS_PER_GENERATION
+            if state.global_step % spg == 0:
+                step = state.global_step // spg
                 progress.write(json.dumps({"step": step, "reward": cycle_rewards[step - 1], "t": time.time()}) + "\n")
                 progress.flush()
 
@@ -107,12 +112,12 @@ def main(argv=None) -> None:
         bf16=False,
         fp16=False,
         gradient_checkpointing=False,
-        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES // STEPS_PER_GENERATION,  # 256 completions a step
+        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES // spg,  # 256 completions a step (spg 4)
         gradient_accumulation_steps=1,
-        steps_per_generation=STEPS_PER_GENERATION,  # 1024 completions generated at once, 4 steps on them
+        steps_per_generation=spg,  # 1024 completions generated at once, spg optimizer steps on them
         num_generations=SAMPLES,
         num_iterations=1,
-        max_steps=STEPS_PER_GENERATION * args.steps,
+        max_steps=spg * args.steps,
         max_completion_length=TASK_LENGTH,
         temperature=1.0,
         learning_rate=1e-3,
@@ -126,7 +131,7 @@ def main(argv=None) -> None:
         loss_type="dapo",
         beta=0.0,
         scale_rewards="group",
-        logging_steps=STEPS_PER_GENERATION,
+        logging_steps=spg,
         save_strategy="no",
         report_to="none",
         dataloader_num_workers=0,
