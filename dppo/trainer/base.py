@@ -133,7 +133,7 @@ class BaseTrainer:
                  resume_point: ResumePoint | None = None):  # fmt: skip
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg), which reads and
         checks any data files; dppo.train.run builds it before Ray starts). rollout: where groups come from
-        (default: made by fit()). resume_point: what trainer.resume=true continues from, if the caller found it
+        (default: made here, before the ranks, for a fresh run on Ray; else by fit()). resume_point: what trainer.resume=true continues from, if the caller found it
         already (find_resume_point, before any Ray process started)."""
         self.cfg = cfg
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -222,8 +222,10 @@ class BaseTrainer:
 
     def close(self) -> None:
         """Release what setup() built, the actor's ranks, and the rollout the constructor started if fit() never ran."""
-        self.actor_group.close()
-        self._close_early_rollout()
+        try:
+            self.actor_group.close()
+        finally:
+            self._close_early_rollout()
 
     def _close_early_rollout(self) -> None:
         """Kill the rollout the constructor started (fit() closes the rollout it ran, and then calls close())."""
