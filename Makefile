@@ -94,3 +94,20 @@ test-vllm: vllm
 	HF_HUB_OFFLINE=1 $(VLLM_BIN)/python -m pytest -m vllm $(PYTEST_ARGS)
 
 .PHONY: vllm test-vllm
+
+# dppo against TRL's GRPOTrainer on the demo's work (issue 18; docs/benchmarks.md, "dppo against TRL"). TRL lives in
+# a venv of its own and is never a dependency of dppo; it gets the same torch and transformers as .venv.
+TRL_VENV ?= .venv-trl
+TRL_SPEC ?= trl==1.16.0
+PEERS_ARGS ?= --out bench_out/peers.json
+
+$(TRL_VENV)/.installed: $(VENV)/.installed
+	$(PYTHON) -m venv $(TRL_VENV)
+	$(TRL_VENV)/bin/python -m pip install --upgrade "pip>=24"
+	$(TRL_VENV)/bin/python -m pip install "$(TORCH_SPEC)" "$(TRL_SPEC)" \
+		"transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"
+	touch $@
+
+.PHONY: bench-peers
+bench-peers: install $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/peer_bench.py $(PEERS_ARGS)

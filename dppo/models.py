@@ -9,7 +9,7 @@ import os
 from collections.abc import Mapping
 
 import torch
-from transformers import AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
 
 from dppo.algo import log_probs_from_logits
@@ -62,6 +62,20 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
             model = Qwen2ForCausalLM(config).to(dtype)
     model.config.use_cache = False  # training passes never need the KV cache
     return model.eval()
+
+
+def policy_config(model_cfg, vocab_size: int):
+    """The transformers config of the policy build_model(model_cfg, vocab_size, seed) builds, without building it: the
+    tiny model's, or model.path's config.json (what the rollout workers need to build their copies)."""
+    if model_cfg.path is not None:
+        if not os.path.isdir(model_cfg.path):
+            raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
+        config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+    else:
+        config = tiny_model_config(vocab_size, model_cfg.hidden_size, model_cfg.num_hidden_layers,
+                                   model_cfg.num_attention_heads, model_cfg.intermediate_size)  # fmt: skip
+    config.use_cache = False  # as build_model sets it
+    return config
 
 
 @contextlib.contextmanager

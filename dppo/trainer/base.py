@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from dppo.config import DppoConfig, to_dict
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
-from dppo.models import model_from_config
+from dppo.models import model_from_config, policy_config
 from dppo.rollout import Group, TrainBatch, collate
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.evaluation import score_policy
@@ -139,7 +139,7 @@ class BaseTrainer:
                  resume_point: ResumePoint | None = None):  # fmt: skip
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg), which reads and
         checks any data files; dppo.train.run builds it before Ray starts). rollout: where groups come from
-        (default: made by fit()). resume_point: what trainer.resume=true continues from, if the caller found it
+        (default: made here, before the ranks, for a fresh run on Ray; else by fit()). resume_point: what trainer.resume=true continues from, if the caller found it
         already (find_resume_point, before any Ray process started)."""
         self.cfg = cfg
         torch.set_num_threads(cfg.trainer.num_threads)
@@ -169,9 +169,22 @@ class BaseTrainer:
             resume_point = find_resume_point(cfg, self.checkpoints)
         elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
             self.checkpoints.discard_run()
-        self.actor_group = make_worker_group(cfg, self.source.vocab_size)
+        # A fresh run on Ray starts its rollout (the workers' and the buffer's processes import torch and build their
+        # copies) before the ranks, so the two start-ups overlap instead of following each other.
+        self.rollout = rollout  # None: made by fit()
+        self._early_rollout = rollout is None and resume_point is None and cfg.ray.enabled
+        if self._early_rollout:
+            early_config = policy_config(cfg.model, self.source.vocab_size)
+            self.rollout = make_rollout(cfg, self.source, early_config, self.rollout_start)
+        try:
+            self.actor_group = make_worker_group(cfg, self.source.vocab_size)
+        except BaseException:
+            self._close_early_rollout()
+            raise
         try:
             self.model_config = self.actor_group.model_config()
+            if self._early_rollout and self.model_config.to_dict() != early_config.to_dict():
+                self._close_early_rollout()  # the ranks' model is not what the config said: fit() makes it anew
             if resume_point is not None:
                 self._resume(resume_point)
             self.metrics = MetricsLog(self.output_dir / "metrics.jsonl",
@@ -182,9 +195,9 @@ class BaseTrainer:
                                           self.global_step if self.resumed_from else None)  # fmt: skip
         except BaseException:
             self.actor_group.close()  # the ranks hold processes and placement groups of the cluster: free them
+            self._close_early_rollout()
             raise
         self._cycle_start = time.perf_counter() - self.progress.elapsed_s
-        self.rollout = rollout  # None: made by fit()
 
     @staticmethod
     def _device(name: str) -> torch.device:
@@ -220,8 +233,19 @@ class BaseTrainer:
         return {}
 
     def close(self) -> None:
-        """Release what setup() built, and the actor's ranks (the trackers are fit()'s: closed when it ends)."""
-        self.actor_group.close()
+        """Release what setup() built, the actor's ranks, and the rollout the constructor started if fit() never ran
+        (the trackers are fit()'s: closed when it ends)."""
+        try:
+            self.actor_group.close()
+        finally:
+            self._close_early_rollout()
+
+    def _close_early_rollout(self) -> None:
+        """Kill the rollout the constructor started (fit() closes the rollout it ran, and then calls close())."""
+        if self._early_rollout and self.rollout is not None:
+            self.rollout.close()
+            self.rollout = None
+        self._early_rollout = False
 
     # ---- the loop ---------------------------------------------------------------------------------
 
@@ -242,6 +266,7 @@ class BaseTrainer:
 
         bar = tqdm(total=tcfg.total_steps, initial=self.global_step, unit="step", desc="dppo train",
                    disable=not tcfg.progress_bar, dynamic_ncols=True)  # fmt: skip
+        self._early_rollout = False  # from here on fit() closes the rollout, whoever made it
         try:
             if self.rollout is None:
                 self.rollout = make_rollout(self.cfg, self.source, self.model_config, self.rollout_start)

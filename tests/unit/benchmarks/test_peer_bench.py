@@ -1,0 +1,102 @@
+"""benchmarks/peer_bench.py's pure parts: the moving-mean threshold crossing, the steady-state step time, the
+process tree and its PSS sum, and the verdicts against issue 18's targets. (The bench itself needs .venv-trl
+and minutes; `make bench-peers` runs it.)"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "peer_bench.py"
+
+
+@pytest.fixture(scope="module")
+def bench():
+    spec = importlib.util.spec_from_file_location("peer_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["peer_bench"] = module  # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop("peer_bench", None)
+
+
+def test_crossing_is_the_first_full_window_whose_mean_reaches_the_threshold(bench):
+    rewards = [0.9, 0.9, 0.9, 0.9, 0.1, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0]
+    steps = [(i + 1, r, 10.0 + i) for i, r in enumerate(rewards)]
+    # windows: steps 1-5 mean 0.74, 2-6 0.66, 3-7 0.58, 4-8 0.54, 5-9 0.54, 6-10 0.70, 7-11 0.80
+    assert bench.moving_mean_crossing(steps, 0.5) == 14.0  # step 5: a full window; steps 1-4 alone never count
+    assert bench.moving_mean_crossing(steps, 0.7) == 14.0
+    assert bench.moving_mean_crossing(steps, 0.75) == 20.0  # step 11: 7-11 mean 0.80 (6-10: 0.70 < 0.75)
+    assert bench.moving_mean_crossing(steps, 0.81) is None
+    assert bench.moving_mean_crossing(steps[:4], 0.1) is None  # fewer steps than a window
+    assert bench.moving_mean_crossing(steps, 0.54, window=1) == 10.0
+
+
+def test_crossing_counts_a_mean_equal_to_the_threshold(bench):
+    steps = [(i + 1, 0.5, float(i)) for i in range(5)]
+    assert bench.moving_mean_crossing(steps, 0.5) == 4.0
+
+
+def test_steady_state_is_the_second_half_of_the_stamps(bench):
+    steps = [(k, 0.0, 5.0 + (k if k <= 3 else 3 + 0.5 * (k - 3))) for k in range(1, 11)]  # 1 s/step, then 0.5
+    assert bench.steady_state_s_per_step(steps) == pytest.approx(0.5)  # steps 6..10
+    assert bench.steady_state_s_per_step(steps[:3]) is None
+
+
+def test_descendants_walks_the_whole_tree_and_nothing_else(bench):
+    parents = {1: 0, 10: 1, 11: 10, 12: 10, 13: 12, 20: 1, 21: 20}
+    assert sorted(bench.descendants(10, parents)) == [10, 11, 12, 13]
+    assert bench.descendants(13, parents) == [13]
+
+
+def test_pss_kb_reads_the_pss_line(bench):
+    text = "55d0-7ffd ---p 00000000 00:00 0  [rollup]\nRss:  2048 kB\nPss:  1536 kB\nPss_Anon:  1000 kB\n"
+    assert bench.pss_kb(text) == 1536
+    assert bench.pss_kb("Rss: 10 kB\n") == 0
+
+
+def test_tree_pss_sums_a_real_process_tree(bench):
+    """A child that holds 64 MB of its own and a grandchild: the tree's sum counts all three processes and exceeds
+    the parent's own PSS by about the child's private memory."""
+    code = ("import subprocess, sys, time; x = bytearray(64 << 20); x[::4096] = b'1' * len(x[::4096]); "
+            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); print('up', flush=True); "
+            "time.sleep(30)")  # fmt: skip
+    child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "up"
+        time.sleep(0.2)  # the grandchild's exec
+        total_kb, procs = bench.tree_pss_kb(child.pid)
+        assert {pid for pid, _, _ in procs} >= {child.pid} and len(procs) == 2
+        assert sum(kb for _, _, kb in procs) == total_kb
+        own = dict((pid, kb) for pid, _, kb in procs)[child.pid]
+        assert own >= 64 * 1024  # the bytearray is the child's alone, so all of it is in its PSS
+        mine_kb, mine = bench.tree_pss_kb(os.getpid())
+        assert mine_kb > total_kb and len(mine) >= 3  # this process, the child and the grandchild
+    finally:
+        for pid in [pid for pid, _, _ in bench.tree_pss_kb(child.pid)[1]][::-1]:
+            os.kill(pid, 9)
+        child.wait()
+
+
+def test_verdicts_judge_the_ratio_of_the_medians(bench):
+    dppo = {"to_0.9_s": 8.0, "whole_s": 30.0, "pss_mb": 2100.0}
+    trl = {"to_0.9_s": 10.0, "whole_s": 30.0, "pss_mb": 1000.0}
+    judged = bench.verdicts(dppo, trl)
+    assert judged["to_0.9_s"]["ratio"] == pytest.approx(0.8) and judged["to_0.9_s"]["pass"]  # at the limit: PASS
+    assert judged["whole_s"]["pass"]
+    assert judged["pss_mb"]["ratio"] == pytest.approx(2.1) and not judged["pss_mb"]["pass"]
+    missing = bench.verdicts({**dppo, "to_0.9_s": None}, trl)  # dppo never reached 0.9
+    assert missing["to_0.9_s"]["ratio"] is None and not missing["to_0.9_s"]["pass"]
+
+
+def test_median_range_skips_missing_values(bench):
+    assert bench.median_range([3.0, None, 1.0, 2.0]) == (2.0, 1.0, 3.0)
+    assert bench.median_range([None]) == (None, None, None)
