@@ -1,6 +1,6 @@
 """The rollout side, each piece a plain class wrapped by a thin Ray actor: rollout workers that generate groups
-with behavior log-probs (worker.py) and the replay buffer that hands them to the trainer under the staleness
-limit (replay_buffer.py).
+with behavior log-probs through an engine (worker.py; engines/: hf, dppo's own sampler, and vllm) and the replay
+buffer that hands them to the trainer under the staleness limit (replay_buffer.py).
 
 The package imports neither module: the replay buffer's Ray process imports only replay_buffer.py (torch, for the
 groups' tensors), not the worker's model code (transformers), which would cost it seconds of start-up and about
