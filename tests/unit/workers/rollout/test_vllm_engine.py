@@ -89,6 +89,22 @@ def test_a_tickets_seed_reproduces_its_samples(engine):
     assert len({tuple(r.tolist()) for r in first.responses[:3]}) > 1
 
 
+def test_greedy_responses_are_the_argmax_of_the_trainer_forward(engine):
+    """ReMax's baseline (RolloutEngine.greedy): each token the argmax of the model's logits at its position, up to EOS."""
+    model = _model(3)
+    engine.load_weights(model.state_dict())
+    prompts = [np.arange(4, 14), np.arange(6, 11)]
+    responses, mask = engine.greedy(prompts)
+    assert responses.shape[0] == 2 and mask.sum() > 0
+    for row, prompt in enumerate(prompts):
+        length = int(mask[row].sum())
+        ids = torch.cat([torch.as_tensor(prompt), responses[row, :length]])[None]
+        with torch.no_grad():
+            logits = model(ids).logits[0, len(prompt) - 1 : len(prompt) - 1 + length]  # (length, V)
+        assert torch.equal(logits.argmax(-1), responses[row, :length])
+        assert length == 12 or responses[row, length - 1] == EOS
+
+
 def test_delta_and_full_sync_give_bitwise_the_same_engine_weights():
     """bf16 engines, fp32 weights: small updates round away in bf16, so delta moves fewer bytes, yet after 3
     cycles both engines hold the same bits."""
