@@ -32,53 +32,51 @@ def tiny_run(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
     ]
 
 
+# The in-process runs' common settings: sync mode without Ray, two triggers of 2 groups of 4, no checkpoints.
+_IN_PROCESS = {
+    "trainer.total_steps": 2,
+    "trainer.parameter_sync_step": 2,
+    "trainer.train_batch_size": 4,
+    "trainer.progress_bar": False,
+    "trainer.mode": "sync",
+    "trainer.checkpoint_every": 0,
+    "ray.enabled": False,
+    "rollout.n": 4,
+    "rollout.groups_per_batch": 2,
+    "actor.micro_batch_size": 5,  # not a divisor of the batch: exercises uneven micro-batches
+}
+
+
+def _as_overrides(values: dict, extra: dict) -> list[str]:
+    values = {**values, **extra}
+    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+
+
 def small_overrides(tmp_path, **extra) -> list[str]:
     """A tiny in-process run (sync mode, no Ray, one-layer model, three-digit task) under tmp_path/run, with the
     {"dotted.key": value} of extra added or replaced."""
-    values = {
-        "trainer.total_steps": 2,
-        "trainer.parameter_sync_step": 2,
-        "trainer.train_batch_size": 4,
-        "trainer.output_dir": str(tmp_path / "run"),
+    return _as_overrides({
+        **_IN_PROCESS,
+        "trainer.output_dir": tmp_path / "run",
         "trainer.eval_prompts": 8,
-        "trainer.progress_bar": False,
-        "trainer.mode": "sync",
-        "trainer.checkpoint_every": 0,
-        "ray.enabled": False,
-        "rollout.n": 4,
-        "rollout.groups_per_batch": 2,
         "task.length": 3,
         "model.hidden_size": 32,
         "model.num_hidden_layers": 1,
         "model.num_attention_heads": 2,
         "model.intermediate_size": 64,
-        "actor.micro_batch_size": 5,  # not a divisor of the batch: exercises uneven micro-batches
-    }
-    values.update(extra)
-    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+    }, extra)  # fmt: skip
 
 
 def text_overrides(tmp_path, example, **extra) -> list[str]:
     """A tiny in-process run on text data: the example's model, parquet files and reward function (the
     text_example fixture), with the {"dotted.key": value} of extra added or replaced."""
-    values = {
+    return _as_overrides({
+        **_IN_PROCESS,
+        "trainer.output_dir": tmp_path / "run",
         "model.path": example["model"],
         "data.train_files": example["train"],
         "data.val_files": example["val"],
         "data.max_prompt_length": 32,
         "data.max_response_length": 6,
         "custom_reward_function.path": example["reward"],
-        "trainer.total_steps": 2,
-        "trainer.parameter_sync_step": 2,
-        "trainer.train_batch_size": 4,
-        "trainer.output_dir": tmp_path / "run",
-        "trainer.progress_bar": False,
-        "trainer.mode": "sync",
-        "trainer.checkpoint_every": 0,
-        "ray.enabled": False,
-        "rollout.n": 4,
-        "rollout.groups_per_batch": 2,
-        "actor.micro_batch_size": 5,  # not a divisor of the batch: exercises uneven micro-batches
-    }
-    values.update(extra)
-    return [f"{k}={'null' if v is None else v}" for k, v in values.items()]
+    }, extra)  # fmt: skip
