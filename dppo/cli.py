@@ -47,6 +47,7 @@ EXIT_CODES = (
         "custom_reward_function.timeout_s in this process; on a Ray worker that ends the rollout, code 1, same line)"),
     (70, "an unexpected error: a bug, or an exception in your own code (its traceback is printed)"),
     (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
+    (141, "stdout was closed by its reader (--help piped into head, say); nothing else happened"),
     (143, "stopped by SIGTERM; checkpoints already written are kept"),
 )
 
@@ -174,6 +175,18 @@ def _one_line(err: BaseException) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    try:
+        return _main(argv)
+    except BrokenPipeError:
+        # The reader of stdout went away (`dppo train --help | head`): not an error of the run. Point stdout at
+        # /dev/null so that the interpreter's own flush at exit does not raise again, and exit as a process killed
+        # by SIGPIPE would (128 + 13), which is what shells expect.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 141
+
+
+def _main(argv: list[str] | None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     # key=value after an option (dppo eval MODEL --config F key=value): argparse leaves them over; they are overrides

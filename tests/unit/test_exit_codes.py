@@ -70,7 +70,20 @@ SIGNALS = {130: signal.SIGINT, 143: signal.SIGTERM}
 
 
 def test_every_code_of_the_table_has_a_case_below():
-    assert sorted([*IN_PROCESS, *SIGNALS]) == [code for code, _ in EXIT_CODES]
+    assert sorted([*IN_PROCESS, *SIGNALS, 141]) == [code for code, _ in EXIT_CODES]
+
+
+def test_a_closed_stdout_is_141_without_a_traceback():
+    """`dppo train --help | head`: the reader is gone before dppo writes (the pipe's read end is closed first)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    try:
+        proc = subprocess.run([sys.executable, "-m", "dppo", "train", "--help"], cwd=REPO, env=env, text=True,
+                              stdout=write_end, stderr=subprocess.PIPE, timeout=120)  # fmt: skip
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141 and proc.stderr == "", proc.stderr[-2000:]
 
 
 @pytest.mark.parametrize("code", sorted(IN_PROCESS))
