@@ -64,7 +64,7 @@ def place_and_probe(actor, rollout):
     try:
         for pool in (actor, rollout):
             probes = [probe_cls.options(**bundle_options(pool, groups[pool.name], i)).remote() for i in range(pool.size)]
-            seen[pool.name] = ray.get([p.where.remote() for p in probes], timeout=60)
+            seen[pool.name] = ray.get([p.where.remote() for p in probes], timeout=240)
             for p in probes:
                 ray.kill(p)
     except BaseException:
@@ -173,13 +173,13 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
     rollout = None
     try:
         probes = [ray.remote(probe_class()).options(**bundle_options(actor, actor_groups, i)).remote() for i in range(2)]
-        actor_gpus = {gpu for _, gpus, _ in ray.get([p.where.remote() for p in probes], timeout=60) for gpu in gpus}
+        actor_gpus = {gpu for _, gpus, _ in ray.get([p.where.remote() for p in probes], timeout=240) for gpu in gpus}
         source = make_prompt_source(cfg)
         rollout = RayRollout(cfg, source, tiny_model_config(source.vocab_size, 32, 1, 2, 64), RolloutStart())
         worker_gpus = []
         for worker in rollout.workers:
             with pytest.raises(ray.exceptions.RayActorError) as err:
-                ray.get(worker.actor.__ray_ready__.remote(), timeout=60)
+                ray.get(worker.actor.__ray_ready__.remote(), timeout=240)
             found = re.search(rf"rollout worker {worker.index} was given GPU\(s\) \['(\d+)'\] by Ray", str(err.value))
             assert found, str(err.value)[-2000:]
             worker_gpus.append(int(found.group(1)))
