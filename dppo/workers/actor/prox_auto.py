@@ -22,6 +22,7 @@ import math
 from dataclasses import dataclass, field
 
 IS_ERR_KEY = "prox_approx/is_weight_abs_err_mean"
+INTERP_KEY = "prox_approx/interp_frac"  # share of the valid tokens loglinear interpolates (0 < alpha < 1)
 METHOD_CODES = {"loglinear": 0.0, "recompute": 1.0}
 
 
@@ -35,11 +36,15 @@ class AutoProxSwitch:
     max_is_err: float
     """algorithm.prox_max_is_err: the largest mean IS-weight error loglinear may make (> 0)."""
 
+    stale_samples: bool = True
+    """Whether samples older than pi_prox can come (then a check must see interpolated tokens to pass)."""
+
     approx_ok: bool = False
     """Whether the last check passed (False before the first: the first cycle is a check)."""
 
     cycles_since_check: int = 0
     cycle_errs: list[float] = field(default_factory=list)
+    cycle_interp: float = 0.0  # the largest share of interpolated tokens of a trigger of the cycle
 
     def __post_init__(self) -> None:
         if isinstance(self.check_every, bool) or not isinstance(self.check_every, int) or self.check_every < 1:
@@ -62,18 +67,20 @@ class AutoProxSwitch:
             if IS_ERR_KEY not in metrics:
                 raise KeyError(f"a check cycle's metrics must carry {IS_ERR_KEY}; got keys {sorted(metrics)}")
             self.cycle_errs.append(float(metrics[IS_ERR_KEY]))
+            self.cycle_interp = max(self.cycle_interp, float(metrics.get(INTERP_KEY, 0.0)))
 
     def end_cycle(self) -> dict[str, float]:
         """Close the cycle: decide the next cycle's method. Returns prox_approx/method (0 loglinear, 1 recompute:
         the method this cycle used), prox_approx/checked, and on a check cycle prox_approx/check_is_err (the
-        worst trigger's mean IS-weight error)."""
+        worst trigger's mean IS-weight error). A check passes when that error is within max_is_err and, where
+        stale samples can come, some trigger interpolated."""
         checked = self.is_check_cycle()
         metrics = {"prox_approx/method": METHOD_CODES[self.method()], "prox_approx/checked": float(checked)}
         if checked and self.cycle_errs:  # a cycle without a trigger decides nothing
             err = max(self.cycle_errs)
             metrics["prox_approx/check_is_err"] = err
-            self.approx_ok = err <= self.max_is_err
+            self.approx_ok = err <= self.max_is_err and (self.cycle_interp > 0 or not self.stale_samples)
             self.cycles_since_check = 0
         self.cycles_since_check += 1
-        self.cycle_errs = []
+        self.cycle_errs, self.cycle_interp = [], 0.0
         return metrics

@@ -21,10 +21,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dppo.algo import UnknownNameError, loglinear_prox_log_prob, prox_approx_metrics
+from dppo.algo import UnknownNameError, loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
 from dppo.config.choices import PROX_LOGP_METHODS
 from dppo.rollout import TrainBatch
-from dppo.workers.actor.prox_auto import METHOD_CODES, AutoProxSwitch
+from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitch
 
 # prox(logp (b, R) of the training forward, detached; sl: the micro-batch's rows of the batch) -> log pi_prox (b, R)
 ProxFn = Callable[[torch.Tensor, slice], torch.Tensor]
@@ -91,7 +91,17 @@ class Metrics(Recompute):
 
     def metrics(self, logp, prox_logp, batch, steps) -> dict[str, float]:
         approx = loglinear_prox(batch, steps)(logp, slice(None))  # (B, R)
-        return prox_approx_metrics(approx, prox_logp, batch.behav_logp, batch.response_mask)
+        metrics = prox_approx_metrics(approx, prox_logp, batch.behav_logp, batch.response_mask)
+        return {**metrics, INTERP_KEY: interpolated_share(batch, steps)}
+
+
+def interpolated_share(batch: TrainBatch, steps: StepVersions) -> float:
+    """The share of the batch's valid tokens that loglinear interpolates (0 < alpha < 1: sampled before the cycle
+    start, trained at a trigger k >= 1); elsewhere it is exact by construction. 0.0 without valid tokens."""
+    alpha = loglinear_alpha(steps.v_prox, steps.v_theta, steps.v_behav)  # (B,)
+    interpolated = ((alpha > 0) & (alpha < 1)).to(batch.response_mask.device)  # (B,)
+    valid = batch.response_mask.sum()
+    return float((batch.response_mask & interpolated[:, None]).sum() / valid) if valid else 0.0
 
 
 class Auto(Recompute):
@@ -100,8 +110,8 @@ class Auto(Recompute):
 
     name = "auto"
 
-    def __init__(self, check_every: int = 10, max_is_err: float = 0.01) -> None:
-        self.switch = AutoProxSwitch(check_every, max_is_err)
+    def __init__(self, check_every: int = 10, max_is_err: float = 0.01, stale_samples: bool = True) -> None:
+        self.switch = AutoProxSwitch(check_every, max_is_err, stale_samples)
         self._started = False
 
     def _current(self) -> Recompute:
@@ -119,19 +129,28 @@ class Auto(Recompute):
         self._started = True
 
     def record(self, merged: dict[str, float]) -> dict[str, float]:
-        self.switch.record_trigger(merged)
-        return {"prox_approx/method": METHOD_CODES[self.switch.method()]}
+        """prox_approx/method, prox_approx/checked, and on a check cycle prox_approx/check_is_err_max: the worst
+        trigger's mean IS-weight error so far (a step's record keeps a _max key's largest: what the switch decides
+        on at the end of the cycle)."""
+        switch = self.switch
+        switch.record_trigger(merged)
+        checked = switch.is_check_cycle()
+        out = {"prox_approx/method": METHOD_CODES[switch.method()], "prox_approx/checked": float(checked)}
+        if checked:
+            out["prox_approx/check_is_err_max"] = max(switch.cycle_errs)
+        return out
 
 
 _METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
 assert tuple(_METHODS) == PROX_LOGP_METHODS
 
 
-def make_prox_method(name: str, algorithm_cfg=None) -> Recompute:
+def make_prox_method(name: str, algorithm_cfg=None, stale_samples: bool = True) -> Recompute:
     """The method named name (one of PROX_LOGP_METHODS; the config has checked it); auto reads
-    algorithm_cfg.prox_check_every and prox_max_is_err."""
+    algorithm_cfg.prox_check_every and prox_max_is_err; stale_samples: whether samples older than the cycle start
+    can come (trainer.mode=separate_async with replay.max_off_policy_threshold > 0; auto's checks must see them)."""
     if name not in _METHODS:
         raise UnknownNameError(f"unknown algorithm.prox_logp_method {name!r}; valid names: {', '.join(_METHODS)}")
     if name == "auto" and algorithm_cfg is not None:
-        return Auto(algorithm_cfg.prox_check_every, algorithm_cfg.prox_max_is_err)
+        return Auto(algorithm_cfg.prox_check_every, algorithm_cfg.prox_max_is_err, stale_samples)
     return _METHODS[name]()

@@ -109,7 +109,8 @@ class ActorRank:
         self.rollout_correction = cfg.algorithm.rollout_correction.to_algo()
         self.objective = select_objective(cfg)
         self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg, copy_model=self.plain_copy)
-        self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method, cfg.algorithm)
+        stale_samples = cfg.trainer.mode != "sync" and cfg.replay.max_off_policy_threshold > 0
+        self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method, cfg.algorithm, stale_samples)
         if hasattr(self.old_log_prob, "switch"):  # auto: the strategy computes pi_old on the method's check cycles
             self.old_log_prob.switch = self.prox_method.switch
         self._pool = None  # a pool for the snapshot calls when the old-log-prob strategy keeps none

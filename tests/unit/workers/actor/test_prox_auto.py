@@ -1,19 +1,20 @@
 """algorithm.prox_logp_method=auto's switch: checks on the first cycle and every prox_check_every cycles; a
-failed check switches to recompute until a check passes again."""
+failed check switches to recompute until a check passes again; where stale samples can come, a check that saw
+no interpolated token cannot pass."""
 
 import pytest
 
-from dppo.workers.actor.prox_auto import IS_ERR_KEY, AutoProxSwitch
+from dppo.workers.actor.prox_auto import INTERP_KEY, IS_ERR_KEY, AutoProxSwitch
 
 
-def run(switch, errs, triggers=2):
-    """Drive one cycle per entry of errs (the IS-weight error loglinear makes that cycle); return each cycle's
-    (method used, checked, measured error or None)."""
+def run(switch, errs, triggers=2, interp=0.5):
+    """Drive one cycle per entry of errs (the IS-weight error loglinear makes that cycle, on a share interp of the
+    tokens interpolated at trigger 1 on); return each cycle's (method used, checked, measured error or None)."""
     seen = []
     for err in errs:
         method = switch.method()
-        for _ in range(triggers):
-            switch.record_trigger({IS_ERR_KEY: err, "actor/pg_loss": 0.1})
+        for k in range(triggers):
+            switch.record_trigger({IS_ERR_KEY: err, INTERP_KEY: interp if k else 0.0, "actor/pg_loss": 0.1})
         m = switch.end_cycle()
         assert m["prox_approx/method"] == {"loglinear": 0.0, "recompute": 1.0}[method]
         seen.append((method, bool(m["prox_approx/checked"]), m.get("prox_approx/check_is_err")))
@@ -41,9 +42,25 @@ def test_a_failed_check_switches_to_recompute_and_a_passing_one_back():
 def test_the_worst_trigger_of_a_check_cycle_decides():
     switch = AutoProxSwitch(check_every=5, max_is_err=0.01)
     for err in (0.001, 0.02, 0.001):
-        switch.record_trigger({IS_ERR_KEY: err})
+        switch.record_trigger({IS_ERR_KEY: err, INTERP_KEY: 0.5})
     assert switch.end_cycle()["prox_approx/check_is_err"] == 0.02
     assert switch.method() == "recompute"
+
+
+def test_a_check_without_interpolated_tokens_cannot_pass_where_stale_samples_come():
+    """The first cycle of an async run: every sample is as new as pi_prox, so loglinear's error is 0 by
+    construction and says nothing; the checks go on until one sees interpolated tokens."""
+    switch = AutoProxSwitch(check_every=3, max_is_err=0.01)
+    seen = run(switch, [0.0, 0.0], interp=0.0)
+    assert seen == [("recompute", True, 0.0), ("recompute", True, 0.0)]
+    seen = run(switch, [0.004, 0.004, 0.004, 0.02], interp=0.25)
+    assert [s[0] for s in seen] == ["recompute", "loglinear", "loglinear", "recompute"]
+    assert run(switch, [0.5], interp=0.0)[0][0] == "recompute" and switch.method() == "recompute"  # fails still
+
+
+def test_in_sync_mode_a_check_passes_on_the_rollouts_numerics():
+    seen = run(AutoProxSwitch(check_every=3, max_is_err=0.01, stale_samples=False), [0.0, 0.0, 0.0], interp=0.0)
+    assert [s[0] for s in seen] == ["recompute", "loglinear", "loglinear"]
 
 
 def test_a_check_cycle_without_triggers_checks_again():
@@ -116,3 +133,10 @@ def test_auto_on_a_rank_switches_to_recompute_and_back(small_cfg):
     # passes and 5 runs loglinear
     assert methods == [[1.0, 1.0], [0.0, 0.0], [1.0, 1.0], [1.0, 1.0], [1.0, 1.0], [0.0, 0.0]]
     assert errs[0] < 0.01 and errs[2] > 0.01 and errs[3] > 0.01 and errs[4] < 0.01
+    for metrics, _ in per_cycle:  # each trigger logs whether its cycle checks, and the worst trigger's error so far
+        checked = metrics[0]["prox_approx/method"] == 1.0
+        assert [m["prox_approx/checked"] for m in metrics] == [float(checked)] * 2
+        if checked:
+            assert metrics[1]["prox_approx/check_is_err_max"] == max(m[IS_ERR_KEY] for m in metrics)
+        else:
+            assert "prox_approx/check_is_err_max" not in metrics[1]

@@ -154,6 +154,9 @@ def test_metrics_reports_loglinear_error_against_the_exact_prox(small_cfg):
     assert metrics["prox_approx/abs_err_max"] == pytest.approx(float(err.max()), rel=1e-4)
     assert metrics["prox_approx/is_weight_abs_err_mean"] == pytest.approx(float(w_err.mean()), rel=1e-4)
     assert metrics["prox_approx/is_weight_abs_err_max"] == pytest.approx(float(w_err.max()), rel=1e-4)
+    # only group 0's tokens are interpolated (0 < alpha < 1); at trigger 0 none is (alpha is 1 or 0 there)
+    assert metrics["prox_approx/interp_frac"] == pytest.approx(float(mask[batch.group_index == 0].sum() / mask.sum()))
+    assert rank.update_actor(0, batch, adv, 2)["prox_approx/interp_frac"] == 0.0
     rank.close()
 
 
