@@ -23,6 +23,7 @@ from dppo.algo.estimators import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATOR_DEFAULTS,
     GREEDY_BASELINE_ESTIMATORS,
+    TOKEN_LEVEL_ESTIMATORS,
     get_advantage_estimator,
 )
 from dppo.algo.kl import KL_PENALTIES, kl_loss, kl_penalty
@@ -43,6 +44,13 @@ from dppo.algo.losses import (
     policy_loss,
     ppo_clip_bypass_loss,
     reinforce_bypass_loss,
+)
+from dppo.algo.kl_reward import (
+    KL_CONTROLLER_TYPES,
+    AdaptiveKLController,
+    FixedKLController,
+    apply_kl_penalty,
+    get_kl_controller,
 )
 from dppo.algo.outcome_advantages import (
     gpg_advantages,
@@ -70,6 +78,7 @@ __all__ = [
     "ESTIMATOR_DEFAULTS",
     "FIXED_AGG_MODES",
     "GREEDY_BASELINE_ESTIMATORS",
+    "KL_CONTROLLER_TYPES",
     "KL_PENALTIES",
     "LOSS_AGG_MODES",
     "LOSS_MODES",
@@ -77,7 +86,10 @@ __all__ = [
     "POLICY_LOSS_DEFAULTS",
     "RANDOM_LOSS_MODES",
     "RS_OPTIONS",
+    "TOKEN_LEVEL_ESTIMATORS",
+    "AdaptiveKLController",
     "AlgoInputError",
+    "FixedKLController",
     "LossNormalizers",
     "NonFiniteError",
     "RolloutCorrectionConfig",
@@ -86,11 +98,13 @@ __all__ = [
     "UnknownNameError",
     "agg_divisor",
     "agg_loss",
+    "apply_kl_penalty",
     "bypass_policy_loss",
     "compute_rollout_correction_and_rejection_mask",
     "entropy_bonus",
     "entropy_from_logits",
     "get_advantage_estimator",
+    "get_kl_controller",
     "get_policy_loss",
     "get_policy_loss_fn",
     "gpg_advantages",

@@ -37,6 +37,10 @@ ESTIMATOR_DEFAULTS: dict[str, object] = {
     "reward_baselines": _REQUIRED,
 }
 
+# verl's estimators that read the token-level rewards token by token (discounted returns, returns-to-go); the others
+# read each sequence's sum, the outcome score dppo's estimators take.
+TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "remax")
+
 # Estimators that need one greedy response per prompt (not trained on) and its score as reward_baselines.
 GREEDY_BASELINE_ESTIMATORS = ("remax",)
 

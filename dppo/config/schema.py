@@ -14,11 +14,13 @@ import torch
 
 from dppo.algo import (
     ADVANTAGE_ESTIMATORS,
+    KL_CONTROLLER_TYPES,
     KL_PENALTIES,
     LOSS_AGG_MODES,
     LOSS_MODES,
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,
+    TOKEN_LEVEL_ESTIMATORS,
 )
 from dppo.config.checks import (
     ConfigError,
@@ -335,6 +337,32 @@ class RolloutCorrectionSection:
 
 
 @dataclass
+class KLControlSection:
+    """algorithm.kl_ctrl: the coefficient of the KL penalty in the reward (algorithm.use_kl_in_reward), verl's keys
+    and defaults."""
+
+    type: str = "fixed"
+    """fixed (kl_coef throughout) or adaptive (Ziegler et al.: after each trigger's mini-batch, kl_coef times
+    1 + clip(KL / target_kl - 1, -0.2, 0.2) x its sequences / horizon)."""
+
+    kl_coef: float = 0.001
+    """The coefficient beta (adaptive: its start)."""
+
+    target_kl: float = 0.1
+    """adaptive: the KL per token the coefficient steers towards."""
+
+    horizon: int = 10000
+    """adaptive: sequences over which a 20% error moves the coefficient by 20%."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "algorithm.kl_ctrl")
+        one_of("algorithm.kl_ctrl.type", self.type, KL_CONTROLLER_TYPES)
+        nonnegative("algorithm.kl_ctrl.kl_coef", self.kl_coef)
+        positive("algorithm.kl_ctrl.target_kl", self.target_kl)
+        positive("algorithm.kl_ctrl.horizon", self.horizon)
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, by verl's name: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo,
@@ -375,6 +403,21 @@ class AlgorithmConfig:
     """prox_logp_method=auto: the largest mean |IS weight error| over valid tokens loglinear may make; above it,
     the exact pi_prox is used until a check passes again."""
 
+    use_kl_in_reward: bool = False
+    """verl's KL penalty in the reward: each trigger's token-level rewards (the score at the last valid token) minus
+    kl_ctrl's beta x kl_penalty(pi || pi_ref) per valid token, pi the live weights before the trigger's step
+    (pi_old at trigger 0) and pi_ref the initial weights (the reference model, as actor.kl_loss_coef's); the
+    estimator then takes each sequence's summed reward. Logs actor/reward_kl_penalty (the mini-batch's KL, mean
+    over sequences of the mean over tokens) and actor/reward_kl_penalty_coeff (beta). Costs two forward passes
+    per trigger (pi and pi_ref). Refused with adv_estimator reinforce_plus_plus and remax, which would need the
+    rewards token by token."""
+
+    kl_penalty: str = "kl"
+    """use_kl_in_reward: the per-token KL estimate, a name as actor.kl_loss_type takes (kl = k1, abs, mse = k2,
+    low_var_kl = k3, and the + variants)."""
+
+    kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
+
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm")
         one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
@@ -383,6 +426,11 @@ class AlgorithmConfig:
         positive("algorithm.prox_max_is_err", self.prox_max_is_err)
         one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
         one_of("algorithm.prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
+        one_of("algorithm.kl_penalty", self.kl_penalty, tuple(KL_PENALTIES))
+        if self.use_kl_in_reward and self.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+            raise ConfigError(f"algorithm.use_kl_in_reward=true with algorithm.adv_estimator={self.adv_estimator!r}: "
+                              "that estimator reads the rewards token by token, which dppo's estimators do not "
+                              f"take yet; use one of {', '.join(e for e in ADVANTAGE_ESTIMATORS if e not in TOKEN_LEVEL_ESTIMATORS)}")  # fmt: skip
 
 
 @dataclass

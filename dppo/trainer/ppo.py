@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import torch
 
-from dppo.algo import get_advantage_estimator
+from dppo.algo import apply_kl_penalty, get_advantage_estimator, get_kl_controller
 from dppo.config.choices import score_ahead_enabled
 from dppo.rollout import TrainBatch
 from dppo.trainer.base import BaseTrainer
@@ -33,6 +33,9 @@ class PPOTrainer(BaseTrainer):
 
     def setup(self) -> None:
         self.advantages = advantage_fn(self.cfg.algorithm)
+        ctrl = self.cfg.algorithm.kl_ctrl
+        self.kl_ctrl = (get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+                        if self.cfg.algorithm.use_kl_in_reward else None)  # fmt: skip
 
     @property
     def score_ahead_enabled(self) -> bool:
@@ -45,10 +48,25 @@ class PPOTrainer(BaseTrainer):
 
     def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
         extra = {} if batch.reward_baselines is None else {"reward_baselines": batch.reward_baselines}  # ReMax's
-        advantages = self.advantages(batch.scores, batch.group_index, batch.response_mask, **extra)  # (B, R)
+        scores, kl_metrics = self.kl_in_reward(batch) if self.kl_ctrl is not None else (batch.scores, {})
+        advantages = self.advantages(scores, batch.group_index, batch.response_mask, **extra)  # (B, R)
         metrics = self.actor_group.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
+        metrics.update(kl_metrics)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics
+
+    def kl_in_reward(self, batch: TrainBatch) -> tuple[torch.Tensor, dict[str, float]]:
+        """algorithm.use_kl_in_reward: each sequence's summed token-level reward (B,), its score at the last valid
+        token minus beta x KL(pi || pi_ref) per valid token (dppo.algo.apply_kl_penalty, verl's), and the metrics."""
+        both = self.actor_group.reward_kl_log_probs([batch])[0]  # (B, R, 2): the live weights', the reference's
+        mask = batch.response_mask
+        # (B,) the last valid token (a row without any keeps its score at the last position: no penalty, as before)
+        last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
+        token_scores = torch.zeros(mask.shape)
+        token_scores[torch.arange(mask.shape[0]), last] = batch.scores.float()
+        rewards, metrics = apply_kl_penalty(token_scores, both[..., 0], both[..., 1], mask, self.kl_ctrl,
+                                            self.cfg.algorithm.kl_penalty)  # fmt: skip
+        return rewards.sum(-1), metrics  # (B,)
 
     def end_cycle(self) -> dict[str, float]:
         return self.actor_group.end_cycle()

@@ -21,7 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from dppo.algo import UnknownNameError, loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
+from dppo.algo import (
+    UnknownNameError,
+    loglinear_alpha,
+    loglinear_prox_log_prob,
+    prox_approx_metrics,
+)
 from dppo.config.choices import PROX_LOGP_METHODS
 from dppo.rollout import TrainBatch
 from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitch

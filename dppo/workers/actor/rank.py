@@ -91,7 +91,8 @@ class ActorRank:
         torch.manual_seed(cfg.trainer.seed)
         self.model = build_model(cfg.model, self.vocab_size, seed=cfg.trainer.seed).to(self.device)
         # the reference policy of the KL penalty: the initial weights, sharded like the policy
-        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if cfg.actor.kl_loss_coef > 0 else None
+        needs_ref = cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward  # the KL loss's or the reward's
+        self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if needs_ref else None
         if self.sharded:
             parallelize(self.model, self.device.type, self.world_size)
             if self.ref_model is not None:
@@ -160,6 +161,16 @@ class ActorRank:
         if whole_cycle:
             self.old_log_prob.skip_snapshot()
         return [self.score(self.model, batch.to(self.device)).cpu() for batch in batches]
+
+    @register(DP_GATHER)
+    def reward_kl_log_probs(self, batches: list[TrainBatch]) -> list[torch.Tensor]:
+        """algorithm.use_kl_in_reward: per batch (b, R, 2) on the CPU, the live weights' log-probs (the policy before
+        this trigger's step) and the reference model's, of this rank's shard."""
+        out = []
+        for batch in batches:
+            batch = batch.to(self.device)
+            out.append(torch.stack([self.score(self.model, batch), self.score(self.ref_model, batch)], -1).cpu())
+        return out
 
     @register(DP)
     def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor, version: int,
