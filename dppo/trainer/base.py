@@ -209,7 +209,15 @@ class BaseTrainer:
     # ---- hooks for subclasses ---------------------------------------------------------------------
 
     def setup(self) -> None:
-        """Build algorithm state once the model and optimizer exist (and a checkpoint is loaded)."""
+        """Build algorithm state once the model and optimizer exist (and a checkpoint is loaded: its
+        algorithm_state() is in self.resumed_algorithm_state)."""
+
+    # The subclass's algorithm_state() of the checkpoint this run resumed from ({} on a fresh run).
+    resumed_algorithm_state: dict = {}  # noqa: RUF012 (read only; _resumed sets the instance's own)
+
+    def algorithm_state(self) -> dict:
+        """The subclass's own state a checkpoint must keep (plain values; torch.save'd into trainer.pt)."""
+        return {}
 
     def begin_cycle(self) -> None:
         """Called before trigger 0 of each sync cycle."""
@@ -449,6 +457,7 @@ class BaseTrainer:
             "config": to_dict(self.cfg),
             "rollout": self.rollout_start.to_state(),
             "trackers": self.trackers.state(),
+            "algorithm": self.algorithm_state(),
         }
         if progress.started:
             state["cycle"] = progress.to_state(time.perf_counter() - self._cycle_start)
@@ -540,6 +549,7 @@ class BaseTrainer:
         self.global_step, self.version = int(state["global_step"]), int(state["version"])
         set_rng_state(state["rng"])
         self._tracker_state = state.get("trackers")
+        self.resumed_algorithm_state = dict(state.get("algorithm") or {})
         if "cycle" in state:
             self.progress = CycleProgress.from_state(state["cycle"])
         self._publish_anchor = bool(state.get("anchor"))

@@ -36,6 +36,11 @@ class PPOTrainer(BaseTrainer):
         ctrl = self.cfg.algorithm.kl_ctrl
         self.kl_ctrl = (get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
                         if self.cfg.algorithm.use_kl_in_reward else None)  # fmt: skip
+        if self.kl_ctrl is not None and "kl_ctrl_value" in self.resumed_algorithm_state:
+            self.kl_ctrl.value = float(self.resumed_algorithm_state["kl_ctrl_value"])  # adaptive: where it was
+
+    def algorithm_state(self) -> dict:
+        return {} if self.kl_ctrl is None else {"kl_ctrl_value": self.kl_ctrl.value}
 
     @property
     def score_ahead_enabled(self) -> bool:

@@ -43,3 +43,15 @@ def test_a_sync_run_with_the_adaptive_controller_trains_and_logs(small_cfg):
 def test_estimators_that_read_token_level_rewards_are_refused(tmp_path):
     with pytest.raises(ConfigError, match="adv_estimator='reinforce_plus_plus': that estimator reads the rewards"):
         load_config(["algorithm.use_kl_in_reward=true", "algorithm.adv_estimator=reinforce_plus_plus"])
+
+
+def test_the_adaptive_coefficient_is_in_checkpoints_and_resumes(small_cfg):
+    adaptive = {**KL, "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.horizon": 20,
+                "trainer.checkpoint_every": 1}  # fmt: skip
+    trainer = PPOTrainer(small_cfg(**adaptive, **{"trainer.total_steps": 1}))
+    trainer.fit()
+    moved = trainer.kl_ctrl.value
+    assert moved != 0.5
+    resumed = PPOTrainer(small_cfg(**adaptive, **{"trainer.total_steps": 2, "trainer.resume": True}))
+    assert resumed.resumed_from is not None and resumed.kl_ctrl.value == moved
+    resumed.close()
