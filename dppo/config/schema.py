@@ -428,9 +428,10 @@ class AlgorithmConfig:
         one_of("algorithm.prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
         one_of("algorithm.kl_penalty", self.kl_penalty, tuple(KL_PENALTIES))
         if self.use_kl_in_reward and self.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
+            usable = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e not in TOKEN_LEVEL_ESTIMATORS)
             raise ConfigError(f"algorithm.use_kl_in_reward=true with algorithm.adv_estimator={self.adv_estimator!r}: "
                               "that estimator reads the rewards token by token, which dppo's estimators do not "
-                              f"take yet; use one of {', '.join(e for e in ADVANTAGE_ESTIMATORS if e not in TOKEN_LEVEL_ESTIMATORS)}")  # fmt: skip
+                              f"take yet; use one of {usable}")  # fmt: skip
 
 
 @dataclass
