@@ -5,7 +5,6 @@ test_stop_resume.py)."""
 import os
 import signal
 import subprocess
-import threading
 import time
 from pathlib import Path
 
@@ -154,16 +153,49 @@ def saved_next_grant(out: Path) -> int:
     return int(state["rollout"]["next_grant"])
 
 
-def held_task(hold: Path):
-    """copy, whose reward function waits while the file hold exists: a worker can be caught holding a ticket."""
+def live_actor_pid(title: str, timeout_s: float = 30.0) -> int:
+    """actor_pid, once exactly one live (not zombie) process of this test's Ray cluster has that title (a killed
+    incarnation may take a moment to go)."""
+    found: list[int] = []
+
+    def one() -> bool:
+        found[:] = [pid for pid, args in descendants(os.getpid()) if args.startswith(f"ray::{title}") and alive(pid)]
+        return len(found) == 1
+
+    wait_for(one, timeout_s, f"one live ray::{title} process")
+    return found[0]
+
+
+def alive(pid: int) -> bool:
+    """pid is a process that has not exited (a zombie has)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def sigkill(pid: int) -> None:
+    """SIGKILL pid and wait until it has exited."""
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: not alive(pid), 30, f"process {pid} to exit")
+
+
+def held_task(hold: Path, holding: Path):
+    """copy, whose reward function, on a rollout worker (not in the driver, which scores the evaluation), waits
+    while the file hold exists, having created the file holding: the worker is caught holding a ticket."""
     from dppo.tasks import Task, digit_task
+
+    driver = os.getpid()
 
     def make(length):
         copy = digit_task("held_copy", length, lambda d: d)
 
         def reward_fn(prompts, responses, mask):
-            while os.path.exists(hold):
-                time.sleep(0.05)
+            if os.getpid() != driver and os.path.exists(hold):
+                holding.touch()
+                while os.path.exists(hold):
+                    time.sleep(0.05)
             return copy.reward_fn(prompts, responses, mask)
 
         return Task("held_copy", copy.prompt_fn, reward_fn, copy.answer_length, copy.vocab_size)
@@ -177,16 +209,33 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
     """separate_async: the rollout worker is SIGKILLed while it holds a ticket; it is restarted, its groups are
     generated anew and the trainer consumes every granted group exactly once, in grant order, staleness within
     its limit. Then the replay buffer is SIGKILLed: `dppo train` checkpoints the trainer (mid-cycle, where it was),
-    prints one line and exits 1; the run resumed from that checkpoint finishes every step."""
+    prints one line and exits 1; the run resumed from that checkpoint finishes every step.
+
+    Both kills happen at chosen points, in the trainer's own thread (its fetch, patched), not raced against the run:
+    the worker at the first fetch, once it holds its first ticket (its reward call waits on a file), so the trainer
+    can only go on through the restart; the buffer at the first fetch after a step was logged with that restart."""
     from dppo.trainer.rollout_source import InProcessRollout, RayRollout
 
-    hold, out, total = tmp_path / "hold", tmp_path / "run", 5
-    register_task("held_copy", held_task(hold))
-    consumed, sources = [], []
+    hold, holding, out, total = tmp_path / "hold", tmp_path / "holding", tmp_path / "run", 3
+    register_task("held_copy", held_task(hold, holding))
+    consumed, killed = [], []
+
+    def inject_faults(rollout) -> None:
+        if not killed:  # the first fetch: the worker holds its first ticket, nothing has been put yet
+            wait_for(holding.exists, 120, "the worker to hold its first ticket")
+            assert rollout.stats()["replay/in_flight"] > 0 and rollout.stats()["replay/size"] == 0
+            sigkill(live_actor_pid("RolloutWorkerActor"))
+            hold.unlink()
+            killed.append("worker")
+        elif killed == ["worker"] and (logged := records(out / "metrics.jsonl")):
+            assert logged[-1]["rollout/worker_restarts"] == 1.0  # the trainer waited through the restart
+            sigkill(live_actor_pid("ReplayBufferActor"))
+            killed.append("buffer")
 
     def recording(fetch):  # fetch, or fetch_ready (score-ahead's takes at trigger 0; None: not all there)
         def recording_fetch(self, num_groups, trainer_version):
-            sources.append(self)
+            if isinstance(self, RayRollout):
+                inject_faults(self)
             got = fetch(self, num_groups, trainer_version)
             consumed.extend(g.index for g in (got[0] if got else []))
             return got
@@ -195,45 +244,18 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
 
     monkeypatch.setattr(RayRollout, "fetch", recording(RayRollout.fetch))
     monkeypatch.setattr(RayRollout, "fetch_ready", recording(RayRollout.fetch_ready))
-    args = ["train", *overrides(out, total, "task.name=held_copy", "trainer.checkpoint_every=100")]
-    errors = []
-
-    def inject_faults():
-        import ray
-
-        try:
-            wait_for(lambda: len(records(out / "metrics.jsonl")) >= 1, 120, "step 1")
-            hold.touch()  # the worker's next reward call waits: it holds a ticket until the kill
-            stats = lambda: ray.get(sources[-1].buffer.stats.remote())  # noqa: E731
-            wait_for(lambda: stats()["replay/in_flight"] > 0, 60, "a ticket in flight")
-            time.sleep(0.5)
-            os.kill(actor_pid("RolloutWorkerActor"), signal.SIGKILL)
-            wait_for(lambda: stats()["replay/regranted_total"] > 0, 60, "the re-grant")
-            hold.unlink()
-            # a step logged after the restart (the trainer notices a death when it takes or waits for groups; with
-            # groups ready ahead, score-ahead may log a step or two before it has to)
-            logged = lambda: records(out / "metrics.jsonl")  # noqa: E731
-            wait_for(lambda: len(logged()) >= 3 and logged()[-1]["rollout/worker_restarts"] == 1.0, 120,
-                     "step 3 or later, logged after the restart")  # fmt: skip
-            os.kill(actor_pid("ReplayBufferActor"), signal.SIGKILL)
-        except BaseException as err:  # surfaced by the test below
-            errors.append(err)
-            hold.unlink(missing_ok=True)
-
-    killer = threading.Thread(target=inject_faults, daemon=True)
-    killer.start()
-    code = main(args)
-    killer.join(5)
-    assert not errors, errors
+    hold.touch()  # the worker's first reward call waits: it holds a ticket until the kill
+    code = main(["train", *overrides(out, total, "task.name=held_copy", "trainer.checkpoint_every=100")])
+    assert killed == ["worker", "buffer"]
     err = capfd.readouterr().err.strip().splitlines()
     dppo_lines = [line for line in err if line.startswith("dppo: ")]
     assert dppo_lines[0] == ("dppo: warning: rollout worker 0 died; restarted it (1 of rollout.max_restarts=3); its "
                              "4 outstanding groups are generated anew")  # fmt: skip
     assert dppo_lines[-1].startswith("dppo: error: the replay buffer died; the trainer's state at step ") and code == 1
     assert err[-1] == dppo_lines[-1] and not any("Traceback" in line for line in err), err
-    assert consumed == list(range(len(consumed)))  # every granted group taken once, in grant order, none lost
+    assert consumed == list(range(len(consumed))) and consumed  # every granted group taken once, in grant order
     first = records(out / "metrics.jsonl")
-    assert first[-1]["rollout/worker_restarts"] == 1.0 and first[-1]["replay/regranted_total"] >= 1.0
+    assert first[-1]["rollout/worker_restarts"] == 1.0 and first[-1]["replay/regranted_total"] == 4.0
 
     # The checkpoint resumes (in this process, in sync mode: what is under test is the trainer's state and where
     # the rollout picks up, and a new Ray worker would cost this suite another process start).
