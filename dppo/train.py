@@ -22,7 +22,7 @@ from dppo.trainer.preflight import (
     check_training_memory,
     run_shape,
 )
-from dppo.trainer.ray_cluster import init_ray, probe_cluster
+from dppo.trainer.ray_cluster import init_ray, probe_cluster, shutdown_ray
 from dppo.trainer.trackers import check_installed
 
 
@@ -64,7 +64,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         result = trainer.fit()
     finally:
         if ours:
-            ray.shutdown()
+            shutdown_ray()
     print("\nsummary:", file=out)
     print(result.summary_table(), file=out)
     print(f"\nmetrics: {result.metrics_path}", file=out)

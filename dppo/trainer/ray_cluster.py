@@ -8,6 +8,13 @@
   Ray's GCS, a gRPC server, does), which settles refused and silent addresses at once; then ray.init runs
   with its first connection bounded (one attempt, RAY_py_gcs_connect_timeout_s=10), unless the environment
   sets those knobs itself. Later reconnects of a running job keep Ray's defaults.
+- A local cluster this process starts does not outlive it, even SIGKILLed: every process the cluster starts
+  carries DPPO_RAY_CLUSTER=<a marker of this cluster> in its environment, and a watchdog process (RAY_WATCHDOG)
+  waits on a pipe from this one; when the pipe closes (this process ended, however, or shutdown_ray) it SIGKILLs
+  each process with the marker. Ray alone leaves its agents (DashboardAgent, RuntimeEnvAgent, about 90 MB each)
+  alive for about a minute after the driver's SIGKILL, trying to tell a dead GCS that their raylet died.
+- Ray's own line for each worker death ("(raylet) A worker died or was killed ...", and its out-of-memory summary)
+  is left out of what the driver prints: dppo says each death in its own line (restarted, or why the run ends).
 """
 
 from __future__ import annotations
@@ -16,10 +23,14 @@ import contextlib
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
+import uuid
 
 import ray
 from ray._private import ray_constants, services, utils
+from ray._private import worker as ray_worker
 
 PROBE_TIMEOUT_S = 5.0
 # The client preface of HTTP/2 (RFC 9113, 3.4) and an empty SETTINGS frame; a gRPC server answers with its own
@@ -132,6 +143,7 @@ def init_ray(cfg) -> bool:
     """Connect as the module docstring says (quietly); nothing if this process is already connected. True if
     this call connected (then the caller owns the connection and shuts it down). RayConnectError, naming the
     address, if a given cluster cannot be joined."""
+    _quiet_ray_death_lines()
     if ray.is_initialized():
         return False
     address = cluster_address(cfg)
@@ -146,14 +158,165 @@ def init_ray(cfg) -> bool:
     kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
                                           "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}}  # fmt: skip
     try:
-        with _caller_signal_handlers(), (_bounded_first_connect() if address != "local" else contextlib.nullcontext()):
+        with _caller_signal_handlers(), (_bounded_first_connect() if address != "local" else _watched()):
             ray.init(**kwargs)
-    except ConnectionError as err:  # ray raises ConnectionError (or a subclass) once its retries are spent
-        if address == "local":
-            raise
+    except BaseException as err:
+        _stop_watchdog()  # what ray.init started of the cluster goes with it
+        if address == "local" or not isinstance(err, ConnectionError):  # ray raises ConnectionError (or a
+            raise  # subclass) once its retries for a given address are spent
         raise RayConnectError(f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
                               f"{' '.join(str(err).split())}. {_AUTH_HINT}") from None  # fmt: skip
     return True
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown(), then whatever of a local cluster init_ray started is still running is killed."""
+    try:
+        ray.shutdown()
+    finally:
+        _stop_watchdog()
+
+
+# ---- the watchdog: a local cluster ends with its driver, however the driver ends --------------------------------
+
+CLUSTER_ENV = "DPPO_RAY_CLUSTER"  # the marker every process of a local cluster init_ray started carries
+# The watchdog's program (argv[1:3]: CLUSTER_ENV and the marker; its parent is the driver). It ignores SIGINT (a
+# Ctrl-C reaches the driver, which stops the cluster itself). Until its stdin, a pipe only the driver writes to,
+# closes (the driver ended, or shut the cluster down), it notes every second which processes below the driver
+# carry the marker or are below one that does (pid and start time): Ray's agents overwrite their environment with
+# their process title, so the marker alone would miss them once the raylet is gone. Then it SIGKILLs those still running and every process whose environment holds the marker, until
+# none is left (the raylet may start another worker as the first ones die).
+RAY_WATCHDOG = r"""
+import os, select, signal, sys, time
+signal.signal(signal.SIGINT, signal.SIG_IGN)
+driver, me, entry = os.getppid(), os.getpid(), ("\0%s=%s\0" % tuple(sys.argv[1:3])).encode()
+
+def table():
+    rows = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open("/proc/%s/stat" % name) as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            rows[int(name)] = (int(fields[1]), fields[19], fields[0])  # ppid, start time, state
+        except (OSError, ValueError, IndexError):
+            pass
+    return rows
+
+def marked(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            return entry in b"\0" + f.read()
+    except OSError:
+        return False
+
+def cluster(rows):  # {pid: start time} below the driver, marked or below a marked one
+    children = {}
+    for pid, (ppid, start, state) in rows.items():
+        children.setdefault(ppid, []).append(pid)
+    found, todo = {}, [(driver, False)]
+    while todo:
+        parent, inside = todo.pop()
+        for pid in children.get(parent, []):
+            start = rows[pid][1]
+            inside_too = inside or seen.get(pid) == start or marked(pid)
+            if inside_too:
+                found[pid] = start
+            todo.append((pid, inside_too))
+    return found
+
+seen = {}
+while not select.select([0], [], [], 1.0)[0]:
+    seen.update(cluster(table()))
+while os.read(0, 4096):
+    pass
+quiet_rounds, deadline = 0, time.monotonic() + 10.0
+while quiet_rounds < 3 and time.monotonic() < deadline:
+    found, rows = 0, table()
+    for pid, (ppid, start, state) in rows.items():
+        if state == "Z" or pid == me:
+            continue
+        if seen.get(pid) == start or marked(pid):
+            try:
+                os.kill(pid, signal.SIGKILL)
+                found += 1
+            except OSError:
+                pass
+    quiet_rounds = 0 if found else quiet_rounds + 1
+    time.sleep(0.1)
+"""
+
+_watchdog: dict = {}  # "marker", "pipe" (the write end), "process" while a watchdog runs
+
+
+@contextlib.contextmanager
+def _watched():
+    """Within: the local cluster ray.init starts gets a watchdog (Linux; elsewhere nothing). Its marker is in this
+    process's environment only meanwhile: the GCS and the raylet inherit it, and the raylet passes it on to every
+    agent and worker it starts; what this process starts later does not carry it."""
+    if not sys.platform.startswith("linux"):
+        yield
+        return
+    _start_watchdog()
+    os.environ[CLUSTER_ENV] = _watchdog["marker"]
+    try:
+        yield
+    finally:
+        del os.environ[CLUSTER_ENV]
+
+
+def _start_watchdog() -> None:
+    """A watchdog with a new marker (one a previous cluster's watchdog had is ended first)."""
+    _stop_watchdog()
+    marker = f"dppo-{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    read_fd, write_fd = os.pipe()  # not inheritable: only this process holds the write end
+    try:
+        env = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV}
+        process = subprocess.Popen([sys.executable, "-c", RAY_WATCHDOG, CLUSTER_ENV, marker], stdin=read_fd,
+                                   env=env, start_new_session=True)  # fmt: skip
+    except BaseException:
+        os.close(write_fd)
+        raise
+    finally:
+        os.close(read_fd)
+    _watchdog.update(marker=marker, pipe=write_fd, process=process)
+
+
+def _stop_watchdog() -> None:
+    """Close the watchdog's pipe (it kills what is left of the cluster, then ends) and wait for it."""
+    if not _watchdog:
+        return
+    os.close(_watchdog["pipe"])
+    try:
+        _watchdog["process"].wait(timeout=15)
+    except subprocess.TimeoutExpired:
+        pass
+    _watchdog.clear()
+
+
+# ---- Ray's own lines for a worker death -------------------------------------------------------------------------
+
+# What the raylet sends the driver when a worker dies or its memory monitor kills one (Ray 2.x)
+_RAY_DEATH_LINES = ("A worker died or was killed while executing a task",
+                    "Workers (tasks / actors) killed due to memory pressure")  # fmt: skip
+
+
+def _quiet_ray_death_lines() -> None:
+    """Leave Ray's lines for a worker death out of what this driver prints (its error listener prints each message
+    the raylet sends, "(raylet) ..." on stdout, through ray._private.worker.print_to_stdstream); the rest stays."""
+    printer = ray_worker.print_to_stdstream
+    if getattr(printer, "dppo_quiet", False):
+        return
+
+    def print_to_stdstream(data, ignore_prefix):
+        if data.get("pid") == "raylet":
+            lines = [line for line in data.get("lines", []) if not any(words in line for words in _RAY_DEATH_LINES)]
+            if not lines:
+                return
+            data = {**data, "lines": lines}
+        printer(data, ignore_prefix)
+
+    print_to_stdstream.dppo_quiet = True
+    ray_worker.print_to_stdstream = print_to_stdstream
 
 
 def cluster_cpus() -> float:
