@@ -5,8 +5,9 @@
 1. Generation: tokens/s of each engine (rollout.n samples of max_new_tokens for each prompt, no EOS, so every
    sample has its full length); target at ~40M on the CPU: vllm >= 4x hf.
 2. Weight sync (vllm engine): seconds and bytes of full vs delta sync over a few cycles whose weights change
-   by Adam steps of the trainer at a given lr (fp32 trainer weights, engine in its dtype), and the fraction
-   of engine-dtype elements that changed: when delta pays.
+   by Adam steps of the trainer at a given lr (fp32 trainer weights, engine in its dtype), published through
+   Ray's object store as the trainer's rank 0 does (delta: computed there, against the previous publish) and
+   loaded as a rollout worker does; and the fraction of engine-dtype elements that changed: when delta pays.
 """
 
 from __future__ import annotations
@@ -22,9 +23,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from dppo.models import tiny_model_config  # noqa: E402
+from dppo.models import DTYPES, tiny_model_config  # noqa: E402
+from dppo.workers.actor.publish_delta import DeltaPublisher  # noqa: E402
 from dppo.workers.rollout.engines.hf import HFEngine  # noqa: E402
 from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from dppo.workers.rollout.worker import load_published  # noqa: E402
 
 # name -> (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size); head size >= 32 (vLLM CPU)
 SIZES = {"tiny": (64, 2, 2, 128), "42m": (512, 10, 8, 2048)}
@@ -71,7 +74,8 @@ def bench_generation(size, dtype, args) -> dict:
     hf.load_weights(model.state_dict())
     hf_tps = _tokens_per_s(hf, prompts, args.n, args.repeats)
     del hf
-    vllm = VLLMEngine(model.config, dtype, 1.0, args.new_tokens, None, 0)
+    vllm = VLLMEngine(model.config, dtype, 1.0, args.new_tokens, None, 0, max_num_seqs=args.prompts * args.n,
+                      max_prompt_len=args.prompt_len)  # fmt: skip
     vllm.load_weights(model.state_dict())
     vllm_tps = _tokens_per_s(vllm, prompts, args.n, args.repeats)
     vllm.close()
@@ -80,15 +84,31 @@ def bench_generation(size, dtype, args) -> dict:
 
 
 def bench_sync(size, dtype, lr, args) -> list[dict]:
+    """Each cycle's weights published as the trainer's rank 0 does (into Ray's object store; with delta, the
+    publisher's delta against its previous publish next to them) and loaded as a rollout worker does: MB = what
+    the engine read (full: the fp32 state dict; delta: the delta), s = the worker's load, publish s = rank 0's
+    put (and delta computation)."""
+    import ray
+
     rows = []
     for mode in ("full", "delta"):
         model = _model(size)
-        engine = VLLMEngine(model.config, dtype, 1.0, 8, None, 0, weight_sync=mode)
-        engine.load_weights(model.state_dict())  # the first sync is full either way
+        engine = VLLMEngine(model.config, dtype, 1.0, 8, None, 0, weight_sync=mode, max_num_seqs=8)
+        publisher = DeltaPublisher(DTYPES[dtype]) if mode == "delta" else None
+
+        def publish(state):
+            start = time.perf_counter()
+            ref = ray.put(state)
+            published = publisher.publish(state, ref) if publisher else [ref]
+            return published, time.perf_counter() - start
+
+        published, _ = publish(model.state_dict())
+        _, holds = load_published(engine, published, None)  # the first sync is full either way
         for cycle, state in enumerate(_adam_cycles(model, lr, args.cycles)):
-            sync = engine.load_weights(state)
+            published, publish_s = publish(state)
+            sync, holds = load_published(engine, published, holds)
             rows.append({"size": size, "dtype": dtype, "lr": lr, "mode": mode, "cycle": cycle, "s": sync.seconds,
-                         "mb": sync.bytes / 2**20, "changed": sync.changed_fraction})  # fmt: skip
+                         "publish_s": publish_s, "mb": sync.bytes / 2**20, "changed": sync.changed_fraction})  # fmt: skip
         engine.close()
     return rows
 
@@ -121,7 +141,11 @@ def main() -> None:
                       f"{r['vllm_tok_s'] / r['hf_tok_s']:.1f}x |", flush=True)  # fmt: skip
     if args.skip_sync:
         return
-    print("\n| model | engine dtype | lr | sync | MB per cycle | s per cycle | changed fraction |\n|---|---|---|---|---|---|---|")
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING")
+    print("\n| model | engine dtype | lr | sync | MB read per cycle | load s | publish s | changed fraction |\n"
+          "|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for dtype in args.dtypes:
             for lr in args.lrs:
@@ -129,8 +153,9 @@ def main() -> None:
                 for mode in ("full", "delta"):
                     mine = [r for r in rows if r["mode"] == mode]
                     print(f"| {size} | {dtype} | {lr:g} | {mode} | {np.mean([r['mb'] for r in mine]):.2f} | "
-                          f"{np.mean([r['s'] for r in mine]):.3f} | "
+                          f"{np.mean([r['s'] for r in mine]):.3f} | {np.mean([r['publish_s'] for r in mine]):.3f} | "
                           f"{', '.join(format(r['changed'], '.3f') for r in mine)} |", flush=True)  # fmt: skip
+    ray.shutdown()
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import free_port, full_state_dict, init_process_group, node_ip, parallelize, reshard
 from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
 from dppo.workers.actor.prox_method import StepVersions, make_prox_method
+from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
@@ -57,6 +58,7 @@ class ActorRank:
         self.sharded = uses_fsdp(cfg, world_size)
         self.model: torch.nn.Module | None = None
         self._closed = False
+        self._delta_publisher = delta_publisher(cfg) if rank == 0 else None
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -263,7 +265,10 @@ class ActorRank:
         if to_object_store:
             import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 
-            return [ray.put(state)]  # in a list: Ray hands the reference on instead of resolving it
+            ref = ray.put(state)
+            if self._delta_publisher is not None:  # rollout.weight_sync=delta: [ref, the delta since the last publish]
+                return self._delta_publisher.publish(state, ref)
+            return [ref]  # in a list: Ray hands the reference on instead of resolving it
         return state
 
     @register(RANK0)

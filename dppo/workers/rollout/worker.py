@@ -2,7 +2,8 @@
 
 RolloutGenerator is the plain logic (a rollout engine, rollout.name's, that samples; a prompt sampler; scoring); the Ray actor
 RolloutWorkerActor only moves data: at each generation boundary it asks the replay buffer for a ticket,
-loads the newer weights the ticket carries (one object-store get), generates and hands the groups back.
+loads the newer weights the ticket carries (one object-store get: the full weights, or with
+rollout.weight_sync=delta only what changed since the weights it holds), generates and hands the groups back.
 A worker that Ray gave a GPU (a bundle of the rollout's pool, rollout.n_gpus_per_node) generates on it.
 """
 
@@ -37,6 +38,17 @@ def worker_device(worker_index: int, gpu_ids: list, cuda_available: bool) -> tor
     return torch.device("cuda", 0)
 
 
+def load_published(engine: RolloutEngine, published: list, holds: str | None) -> tuple[WeightSync, str]:
+    """Load a publish into engine, which holds the publish of id `holds` (None: none, or weights of unknown origin):
+    only the delta where it starts from `holds`, else the full weights. (what it cost, the id the engine holds now)."""
+    full_ref, delta = published[0], (published[1] if len(published) > 1 else None)
+    if delta is not None and holds is not None and delta.base == holds and engine.accepts_delta:
+        sync = engine.load_delta(ray.get(delta.ref))
+    else:
+        sync = engine.load_weights(ray.get(full_ref))
+    return sync, full_ref.hex()
+
+
 class RolloutGenerator:
     """One worker's rollout engine, prompt sampler and sampling state; generate() returns scored groups."""
 
@@ -54,6 +66,7 @@ class RolloutGenerator:
         self.greedy_baseline = cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS  # ReMax
         self.version = -1  # no weights loaded yet
         self.last_sync: WeightSync | None = None  # what the latest load_weights cost
+        self.loaded_publish: str | None = None  # id of the Ray publish the engine holds (None: not one)
 
     def seed_ticket(self, first: int) -> None:
         """Draw the next groups' prompts and samples from (trainer.seed, first), the grant index of the ticket's
@@ -66,6 +79,16 @@ class RolloutGenerator:
     def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightSync | None:
         """Load the weights of `version`; what the load cost, where the engine reports it (else None)."""
         self.last_sync = self.engine.load_weights(state_dict)
+        self.version = version
+        self.loaded_publish = None
+        return self.last_sync if self.engine.reports_sync else None
+
+    def load_published(self, published: list, version: int) -> WeightSync | None:
+        """Load `version` from what the trainer published into Ray's object store: [ObjectRef of the full weights],
+        and with rollout.weight_sync=delta a PublishedDelta against its previous publish. Only the delta is read
+        when the engine holds exactly that previous publish (else the full weights: a first load, a restarted
+        worker, one that skipped a version)."""
+        self.last_sync, self.loaded_publish = load_published(self.engine, published, self.loaded_publish)
         self.version = version
         return self.last_sync if self.engine.reports_sync else None
 
@@ -118,7 +141,7 @@ class RolloutWorkerActor:
             return 0
         sync = None
         if ticket.weights is not None:
-            sync = self.core.load_weights(ray.get(ticket.weights[0]), ticket.version)
+            sync = self.core.load_published(ticket.weights, ticket.version)
         self.core.seed_ticket(ticket.first)
         groups = self.core.generate(ticket.num_groups)
         ray.get(self.buffer.put.remote(groups, ticket.first, self.holder, sync))

@@ -22,7 +22,10 @@ def make_engine(cfg, source, model_config, device: torch.device = torch.device("
     dtype = cfg.rollout.dtype or cfg.model.dtype
     max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
     if cfg.rollout.name == "vllm":
+        # a ticket's rows: rollout.groups_per_batch groups (separate_async), a trigger's (sync), n samples each
+        rows = max(cfg.rollout.groups_per_batch, cfg.groups_per_trigger) * cfg.rollout.n
         return VLLMEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token,
-                          source.pad_token, weight_sync=cfg.rollout.weight_sync)  # fmt: skip
+                          source.pad_token, weight_sync=cfg.rollout.weight_sync, max_num_seqs=rows,
+                          max_prompt_len=source.prompt_length)  # fmt: skip
     return HFEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token, source.pad_token,
                     cfg.actor.micro_batch_size, device)  # fmt: skip

@@ -45,6 +45,15 @@ class RolloutEngine(ABC):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
         """Make the engine sample from these weights (transformers names, the trainer's dtype) from now on."""
 
+    @property
+    def accepts_delta(self) -> bool:
+        """Whether load_delta may be called now: rollout.weight_sync=delta and weights loaded before."""
+        return False
+
+    def load_delta(self, delta) -> WeightSync:
+        """Apply a dppo.workers.weight_delta.WeightDelta computed against the weights loaded last."""
+        raise NotImplementedError(f"{type(self).__name__} loads full weights only")
+
     @abstractmethod
     def seed(self, seed: int) -> None:
         """Seed the samples that follow (a ticket's seed: its samples depend on it and the weights only)."""

@@ -8,6 +8,10 @@ changes), puts them into the copy, and reports the bytes a sparse transfer of th
 smaller of (int32 index + value per changed element) and the dense tensor, 0 for an unchanged one. The copy
 then equals new.to(dtype) bitwise.
 
+A worker whose engine holds exactly the weights of the trainer's last publish gets the delta computed on the
+trainer (dppo.workers.weight_delta.WeightDelta) instead of the full weights: apply_published() puts it into the
+copy. The full-weights path above remains for the first load, a restarted worker and one that skipped a version.
+
 Engines whose layers fuse several checkpoint tensors (vLLM's qkv_proj of q/k/v_proj) reload whole layers:
 reload_groups() widens the changed names to every tensor of the fused layers they belong to.
 """
@@ -17,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from dppo.workers.weight_delta import WeightDelta, apply_delta, bits
 
 _INDEX_BYTES = 4  # int32 element index of a sparse update
 
@@ -28,10 +34,6 @@ class DeltaUpdate:
     changed_fraction: float  # changed elements / all elements
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    """t's elements as integers of the same width (flat): equal bits <=> equal integers."""
-    width = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]
-    return t.reshape(-1).view(width)
 
 
 class DeltaTracker:
@@ -47,7 +49,7 @@ class DeltaTracker:
         for name, new in state_dict.items():
             held = self.weights[name]
             new = new.detach().to(dtype)
-            index = torch.nonzero(_bits(new) != _bits(held)).squeeze(1)  # (k,) changed elements
+            index = torch.nonzero(bits(new) != bits(held)).squeeze(1)  # (k,) changed elements
             total += held.numel()
             if index.numel() == 0:
                 continue
@@ -56,6 +58,15 @@ class DeltaTracker:
             changed += index.numel()
             moved += min(index.numel() * (_INDEX_BYTES + held.element_size()), held.numel() * held.element_size())
         return DeltaUpdate(changed_names, moved, changed / max(total, 1))
+
+    def apply_published(self, delta: WeightDelta) -> DeltaUpdate:
+        """Apply a delta the trainer computed against the weights held here; bytes: the delta's own (what was read)."""
+        if delta.dtype != self._dtype():
+            raise TypeError(f"weight delta computed in {delta.dtype}, but the engine's weights are {self._dtype()}")
+        return DeltaUpdate(apply_delta(self.weights, delta), delta.nbytes, delta.changed_fraction)
+
+    def _dtype(self) -> torch.dtype | None:
+        return next(iter(self.weights.values())).dtype if self.weights else None
 
 
 def reload_groups(weights: dict[str, torch.Tensor], changed_names: list[str],

@@ -14,9 +14,11 @@
   as far as vLLM's logits do: they are bitwise reproducible for the same batch on the same engine, but a
   different batch composition (another scheduling, a prefix-cache hit, chunked prefill) may change logits in
   the last bits and so, rarely, a sampled token.
-- rollout.weight_sync=delta: only the engine-dtype elements that changed since the last sync are taken from
-  the published weights and applied to the copy the worker holds (see DeltaTracker); only the vLLM layers
-  they touch are reloaded. The engine ends with bitwise the weights a full sync gives.
+- rollout.weight_sync=delta: the trainer publishes, next to the full weights, the engine-dtype elements that
+  changed since its last publish (dppo.workers.weight_delta); a worker that holds that last publish reads only
+  them (load_delta) and applies them to the copy it holds (see DeltaTracker); others read the full weights and
+  compare them with the copy. Only the vLLM layers with a changed element are reloaded. The engine ends with
+  bitwise the weights a full sync gives.
 """
 
 from __future__ import annotations
@@ -32,17 +34,35 @@ import torch
 from dppo.models import DTYPES
 from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
 from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
+from dppo.workers.weight_delta import WeightDelta
 
-# KV cache of one engine on the CPU: a few thousand tokens of a small model; vLLM's own default (4 GiB and
-# up) would not fit several workers on a small machine.
-KV_CACHE_BYTES = 256 << 20
+# KV cache blocks of 32 tokens: vLLM's CPU default of 128 gives each sequence a block of 128 tokens, so a rollout
+# of short sequences (48 tokens) holds 2.7x the KV it uses and fits fewer sequences in a batch. 32: the smallest
+# size vLLM's CPU attention is tuned for (multiples of 32).
+KV_BLOCK_TOKENS = 32
+MIN_KV_CACHE_BYTES = 32 << 20
+MAX_NUM_SEQS = 256  # vLLM's default on the CPU
+
+
+def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
+    """The KV cache that holds num_seqs sequences of seq_len tokens at once, in whole blocks (at least
+    MIN_KV_CACHE_BYTES): every row of a ticket in one batch. Sized to the run, not vLLM's default (4 GiB and up,
+    which would not fit several workers on a small machine), and not a fixed size that leaves rows waiting."""
+    heads = model_config.num_attention_heads
+    kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
+    per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].itemsize  # K and V
+    blocks = num_seqs * -(-(seq_len + 1) // block_tokens)
+    return max(MIN_KV_CACHE_BYTES, blocks * block_tokens * per_token)
 
 
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
-                 pad_token: int, weight_sync: str = "full", kv_cache_bytes: int = KV_CACHE_BYTES):  # fmt: skip
+                 pad_token: int, weight_sync: str = "full", max_num_seqs: int = MAX_NUM_SEQS,
+                 max_prompt_len: int = 256, kv_bytes: int | None = None):  # fmt: skip
         """model_config: the trainer model's transformers config; dtype: the engine's (float32, bfloat16, ...);
-        weight_sync: full or delta."""
+        weight_sync: full or delta. max_num_seqs: the rows of a ticket (groups x n), all run in one batch;
+        max_prompt_len: the longest prompt; they size the KV cache (kv_bytes: that size instead)."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: no copies
         # vLLM logs each reload and cache reset at INFO; a run's terminal is its own progress line and summary
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -56,7 +76,10 @@ class VLLMEngine(RolloutEngine):
         model_config.save_pretrained(self._config_dir.name)  # config.json only: the weights come by sync
         self.llm = LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
                        enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       kv_cache_memory_bytes=kv_cache_bytes, max_model_len=model_config.max_position_embeddings,
+                       kv_cache_memory_bytes=kv_bytes or kv_cache_bytes(model_config, dtype, max_num_seqs,
+                                                                        max_prompt_len + max_new_tokens),
+                       block_size=KV_BLOCK_TOKENS, max_num_seqs=max_num_seqs,
+                       max_model_len=model_config.max_position_embeddings,
                        distributed_executor_backend="uni", enforce_eager=True, disable_log_stats=True)  # fmt: skip
         # Set after LLM(), whose logging set-up resets vLLM's loggers: each in-place reload warns that a layer got no
         # weights, for the rotary embedding (it has none to get) and, with delta, for every unchanged layer (its
@@ -67,17 +90,32 @@ class VLLMEngine(RolloutEngine):
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
+        """The full weights (bytes: all of them, as handed over); with delta, the held copy is updated from them."""
         start = time.perf_counter()
         if self.delta is None:
-            weights = {name: t.to(self.dtype) for name, t in state_dict.items()}
-            moved, changed_fraction = state_dict_bytes(weights), 1.0
+            weights, changed_fraction = {name: t.to(self.dtype) for name, t in state_dict.items()}, 1.0
         else:
             update = self.delta.apply(state_dict, self.dtype)
             weights = reload_groups(self.delta.weights, update.changed_names, self.packed_modules)
-            moved, changed_fraction = update.bytes, update.changed_fraction
+            changed_fraction = update.changed_fraction
         if weights:
             self._reload(weights)
-        return WeightSync(time.perf_counter() - start, moved, changed_fraction)
+        return WeightSync(time.perf_counter() - start, state_dict_bytes(state_dict), changed_fraction)
+
+    @property
+    def accepts_delta(self) -> bool:
+        return self.delta is not None and bool(self.delta.weights)
+
+    def load_delta(self, delta: WeightDelta) -> WeightSync:
+        """The trainer's delta against the weights held now (bytes: the delta's); only its layers are reloaded."""
+        if not self.accepts_delta:
+            raise RuntimeError("load_delta needs rollout.weight_sync=delta and weights loaded before")
+        start = time.perf_counter()
+        update = self.delta.apply_published(delta)
+        weights = reload_groups(self.delta.weights, update.changed_names, self.packed_modules)
+        if weights:
+            self._reload(weights)
+        return WeightSync(time.perf_counter() - start, update.bytes, update.changed_fraction)
 
     def _reload(self, weights: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})

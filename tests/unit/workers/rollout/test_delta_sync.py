@@ -2,7 +2,8 @@
 
 import torch
 
-from dppo.workers.rollout.engines.delta import DeltaTracker, _bits, reload_groups
+from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
+from dppo.workers.weight_delta import bits
 
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
@@ -21,7 +22,7 @@ def test_the_held_copy_is_bitwise_the_new_weights_in_the_engine_dtype_after_each
         update = tracker.apply(weights, torch.bfloat16)
         assert update.changed_names == ["a.weight"]  # b unchanged: not sent
         for name, t in weights.items():
-            assert torch.equal(_bits(tracker.weights[name]), _bits(t.to(torch.bfloat16)))
+            assert torch.equal(bits(tracker.weights[name]), bits(t.to(torch.bfloat16)))
         assert tracker.weights["a.weight"] is held  # updated in place, never replaced
         assert 32 / (64 * 32 + 128) <= update.changed_fraction < 1
         assert update.bytes == round(update.changed_fraction * (64 * 32 + 128)) * (4 + 2)
@@ -32,7 +33,7 @@ def test_signed_zero_counts_as_a_change():
     tracker.apply({"w": torch.zeros(4)}, torch.float32)
     update = tracker.apply({"w": torch.tensor([0.0, -0.0, 0.0, 0.0])}, torch.float32)
     assert update.changed_names == ["w"] and update.bytes == 4 + 4
-    assert torch.equal(_bits(tracker.weights["w"]), _bits(torch.tensor([0.0, -0.0, 0.0, 0.0])))
+    assert torch.equal(bits(tracker.weights["w"]), bits(torch.tensor([0.0, -0.0, 0.0, 0.0])))
 
 
 def test_a_fused_layer_is_reloaded_whole():

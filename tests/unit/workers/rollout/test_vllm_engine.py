@@ -7,8 +7,10 @@ import torch
 pytest.importorskip("vllm")
 
 from dppo.models import response_log_probs, tiny_model_config  # noqa: E402
-from dppo.workers.rollout.engines.delta import _bits  # noqa: E402
+from dppo.workers.actor.publish_delta import DeltaPublisher  # noqa: E402
 from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from dppo.workers.rollout.worker import load_published  # noqa: E402
+from dppo.workers.weight_delta import bits  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -105,29 +107,64 @@ def test_greedy_responses_are_the_argmax_of_the_trainer_forward(engine):
         assert length == 12 or responses[row, length - 1] == EOS
 
 
-def test_delta_and_full_sync_give_bitwise_the_same_engine_weights():
-    """bf16 engines, fp32 weights: small updates round away in bf16, so delta moves fewer bytes, yet after 3
-    cycles both engines hold the same bits."""
+@pytest.fixture(scope="module")
+def local_ray():
+    """Ray's object store, where the trainer's rank 0 publishes (no workers needed: the engines run here)."""
+    import ray
+
+    ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def _publish(ray, publisher, model):
+    """What rank 0's rollout_weights publishes: [ref of the full weights] (+ the delta since its last publish)."""
+    state = model.state_dict()
+    return publisher.publish(state, ray.put(state))
+
+
+def test_delta_and_full_sync_give_bitwise_the_same_engine_weights(local_ray):
+    """bf16 engines, fp32 weights published as the trainer's rank 0 does: from the second publish on, the delta
+    engine reads only the delta the publisher computed against its previous publish (small updates round away in
+    bf16, so fewer bytes), yet after 3 cycles both engines hold the same bits. A worker that skipped a publish
+    reads the full weights instead and ends up the same."""
     full = VLLMEngine(CONFIG, "bfloat16", TEMPERATURE, 8, EOS, PAD, weight_sync="full")
     delta = VLLMEngine(CONFIG, "bfloat16", TEMPERATURE, 8, EOS, PAD, weight_sync="delta")
     try:
-        model = _model(4)
-        full.load_weights(model.state_dict())
-        delta.load_weights(model.state_dict())
+        model, publisher = _model(4), DeltaPublisher(torch.bfloat16)
+        published = _publish(local_ray, publisher, model)
+        assert len(published) == 1  # nothing published before: no delta
+        full.load_weights(local_ray.get(published[0]))
+        _, holds = load_published(delta, published, None)
         for cycle in range(3):
             _perturb(model, 1e-3, seed=10 + cycle)
             with torch.no_grad():
                 model.model.norm.weight.add_(1.0)  # one tensor wholly changed, the rest mostly not (in bf16)
-            full_sync = full.load_weights(model.state_dict())
-            delta_sync = delta.load_weights(model.state_dict())
-            assert 0 < delta_sync.changed_fraction < 1
-            assert delta_sync.bytes < full_sync.bytes
-        full_weights, delta_weights = full.engine_state_dict(), delta.engine_state_dict()
-        assert full_weights.keys() == delta_weights.keys()
-        for name, t in full_weights.items():
-            assert t.dtype == delta_weights[name].dtype and torch.equal(_bits(t), _bits(delta_weights[name])), name
-        # and both are the trainer's weights rounded to bf16, not the first cycle's
-        assert torch.equal(full_weights["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
+            published = _publish(local_ray, publisher, model)
+            full_sync = full.load_weights(local_ray.get(published[0]))
+            delta_sync, holds = load_published(delta, published, holds)
+            sent = local_ray.get(published[1].ref)
+            assert delta_sync.bytes == sent.nbytes < full_sync.bytes / 2  # the delta alone, under bf16's full size
+            assert delta_sync.changed_fraction == sent.changed_fraction and 0 < sent.changed_fraction < 1
+        _assert_same_engine_weights(full, delta, model)
+        # a worker that missed a publish: the delta does not start from what it holds, so it reads the full weights
+        _perturb(model, 1e-3, seed=20)
+        _publish(local_ray, publisher, model)
+        _perturb(model, 1e-3, seed=21)
+        published = _publish(local_ray, publisher, model)
+        full_sync = full.load_weights(local_ray.get(published[0]))
+        skipped_sync, _ = load_published(delta, published, holds)
+        assert skipped_sync.bytes == full_sync.bytes
+        _assert_same_engine_weights(full, delta, model)
     finally:
         full.close()
         delta.close()
+
+
+def _assert_same_engine_weights(full, delta, model) -> None:
+    full_weights, delta_weights = full.engine_state_dict(), delta.engine_state_dict()
+    assert full_weights.keys() == delta_weights.keys()
+    for name, t in full_weights.items():
+        assert t.dtype == delta_weights[name].dtype and torch.equal(bits(t), bits(delta_weights[name])), name
+    # and both are the trainer's latest weights rounded to bf16
+    assert torch.equal(full_weights["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
