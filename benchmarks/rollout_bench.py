@@ -3,7 +3,9 @@
     make vllm && .venv-vllm/bin/python benchmarks/rollout_bench.py [--sizes tiny 42m] [--dtypes float32 bfloat16]
 
 1. Generation: tokens/s of each engine (rollout.n samples of max_new_tokens for each prompt, no EOS, so every
-   sample has its full length); target at ~40M on the CPU: vllm >= 4x hf.
+   sample has its full length); target at ~40M on the CPU: vllm >= 4x hf. Also tokens per CPU-second: on a
+   shared machine, run with --threads 1 and compare those (the work each engine does, not the share of the
+   cores it got).
 2. Weight sync (vllm engine): seconds and bytes of full vs delta sync over a few cycles whose weights change
    by Adam steps of the trainer at a given lr (fp32 trainer weights, engine in its dtype), published through
    Ray's object store as the trainer's rank 0 does (delta: computed there, against the previous publish) and
@@ -42,16 +44,20 @@ def _model(size: str):
     return Qwen2ForCausalLM(tiny_model_config(VOCAB, hidden, layers, heads, inter, max_position_embeddings=256)).eval()
 
 
-def _tokens_per_s(engine, prompts, n: int, repeats: int) -> float:
+def _tokens_per_s(engine, prompts, n: int, repeats: int) -> tuple[float, float]:
+    """(tokens per second, tokens per CPU-second of this process), each the best of `repeats` tickets. Per CPU-second
+    is the one to compare on a loaded machine at --threads 1 (no threads spin-waiting): it counts the work only."""
     engine.seed(0)
     engine.sample(prompts[:2], 2)  # warm-up
-    best = 0.0
+    best, best_cpu = 0.0, 0.0
     for r in range(repeats):
         engine.seed(r)
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         samples = engine.sample(prompts, n)
-        best = max(best, int(samples.response_mask.sum()) / (time.perf_counter() - start))
-    return best
+        tokens = int(samples.response_mask.sum())
+        best = max(best, tokens / (time.perf_counter() - start))
+        best_cpu = max(best_cpu, tokens / (time.process_time() - start_cpu))
+    return best, best_cpu
 
 
 def _adam_cycles(model, lr: float, cycles: int):
@@ -72,15 +78,16 @@ def bench_generation(size, dtype, args) -> dict:
     prompts = [np.random.default_rng(p).integers(0, VOCAB, args.prompt_len) for p in range(args.prompts)]
     hf = HFEngine(model.config, dtype, 1.0, args.new_tokens, None, 0, micro_batch_size=64)
     hf.load_weights(model.state_dict())
-    hf_tps = _tokens_per_s(hf, prompts, args.n, args.repeats)
+    hf_tps, hf_cpu = _tokens_per_s(hf, prompts, args.n, args.repeats)
     del hf
     vllm = VLLMEngine(model.config, dtype, 1.0, args.new_tokens, None, 0, max_num_seqs=args.prompts * args.n,
-                      max_prompt_len=args.prompt_len)  # fmt: skip
+                      max_prompt_len=args.prompt_len, compile=args.vllm_compile)  # fmt: skip
     vllm.load_weights(model.state_dict())
-    vllm_tps = _tokens_per_s(vllm, prompts, args.n, args.repeats)
+    vllm_tps, vllm_cpu = _tokens_per_s(vllm, prompts, args.n, args.repeats)
     vllm.close()
     params = sum(p.numel() for p in model.parameters())
-    return {"size": size, "params_m": params / 1e6, "dtype": dtype, "hf_tok_s": hf_tps, "vllm_tok_s": vllm_tps}
+    return {"size": size, "params_m": params / 1e6, "dtype": dtype, "hf_tok_s": hf_tps, "vllm_tok_s": vllm_tps,
+            "hf_tok_cpu_s": hf_cpu, "vllm_tok_cpu_s": vllm_cpu}
 
 
 def bench_sync(size, dtype, lr, args) -> list[dict]:
@@ -97,20 +104,37 @@ def bench_sync(size, dtype, lr, args) -> list[dict]:
         publisher = DeltaPublisher(DTYPES[dtype]) if mode == "delta" else None
 
         def publish(state):
-            start = time.perf_counter()
+            start, rss = time.perf_counter(), _reset_peak_rss()
             ref = ray.put(state)
             published = publisher.publish(state, ref) if publisher else [ref]
-            return published, time.perf_counter() - start
+            return published, time.perf_counter() - start, _peak_rss() - rss
 
-        published, _ = publish(model.state_dict())
+        published, _, _ = publish(model.state_dict())
         _, holds = load_published(engine, published, None)  # the first sync is full either way
         for cycle, state in enumerate(_adam_cycles(model, lr, args.cycles)):
-            published, publish_s = publish(state)
+            published, publish_s, publish_rss = publish(state)
             sync, holds = load_published(engine, published, holds)
             rows.append({"size": size, "dtype": dtype, "lr": lr, "mode": mode, "cycle": cycle, "s": sync.seconds,
-                         "publish_s": publish_s, "mb": sync.bytes / 2**20, "changed": sync.changed_fraction})  # fmt: skip
+                         "publish_s": publish_s, "publish_mb": publish_rss / 2**20, "mb": sync.bytes / 2**20,
+                         "changed": sync.changed_fraction})  # fmt: skip
         engine.close()
     return rows
+
+
+def _rss_field(name: str) -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith(name))
+
+
+def _reset_peak_rss() -> int:
+    """Reset this process's peak RSS (VmHWM) to its RSS now, which it returns (Linux)."""
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    return _rss_field("VmRSS:")
+
+
+def _peak_rss() -> int:
+    return _rss_field("VmHWM:")
 
 
 def main() -> None:
@@ -125,6 +149,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--cycles", type=int, default=3)
     parser.add_argument("--threads", type=int, default=2, help="torch threads of both engines")
+    parser.add_argument("--vllm-compile", action="store_true", help="the vllm engine with torch.compile (not eager)")
     parser.add_argument("--skip-generation", action="store_true")
     parser.add_argument("--skip-sync", action="store_true")
     args = parser.parse_args()
@@ -133,19 +158,21 @@ def main() -> None:
     print(f"# rollout_bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.prompts} prompts x n={args.n}, "
           f"{args.prompt_len} prompt + {args.new_tokens} new tokens, {args.threads} threads")  # fmt: skip
     if not args.skip_generation:
-        print("| model | params | dtype | hf tok/s | vllm tok/s | vllm / hf |\n|---|---|---|---|---|---|")
+        print("| model | params | dtype | hf tok/s | vllm tok/s | vllm / hf | hf tok/cpu-s | vllm tok/cpu-s | vllm / hf (cpu) |\n"
+              "|---|---|---|---|---|---|---|---|---|")
         for size in args.sizes:
             for dtype in args.dtypes:
                 r = bench_generation(size, dtype, args)
                 print(f"| {size} | {r['params_m']:.1f}M | {dtype} | {r['hf_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
-                      f"{r['vllm_tok_s'] / r['hf_tok_s']:.1f}x |", flush=True)  # fmt: skip
+                      f"{r['vllm_tok_s'] / r['hf_tok_s']:.1f}x | {r['hf_tok_cpu_s']:.0f} | {r['vllm_tok_cpu_s']:.0f} | "
+                      f"{r['vllm_tok_cpu_s'] / r['hf_tok_cpu_s']:.1f}x |", flush=True)  # fmt: skip
     if args.skip_sync:
         return
     import ray
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING")
-    print("\n| model | engine dtype | lr | sync | MB read per cycle | load s | publish s | changed fraction |\n"
-          "|---|---|---|---|---|---|---|---|")
+    print("\n| model | engine dtype | lr | sync | MB read per cycle | load s | publish s | publish peak RSS + MB | "
+          "changed fraction |\n|---|---|---|---|---|---|---|---|---|")
     for size in args.sizes:
         for dtype in args.dtypes:
             for lr in args.lrs:
@@ -154,6 +181,7 @@ def main() -> None:
                     mine = [r for r in rows if r["mode"] == mode]
                     print(f"| {size} | {dtype} | {lr:g} | {mode} | {np.mean([r['mb'] for r in mine]):.2f} | "
                           f"{np.mean([r['s'] for r in mine]):.3f} | {np.mean([r['publish_s'] for r in mine]):.3f} | "
+                          f"{max(r['publish_mb'] for r in mine):.0f} | "
                           f"{', '.join(format(r['changed'], '.3f') for r in mine)} |", flush=True)  # fmt: skip
     ray.shutdown()
 

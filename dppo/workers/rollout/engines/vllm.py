@@ -59,10 +59,12 @@ def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
                  pad_token: int, weight_sync: str = "full", max_num_seqs: int = MAX_NUM_SEQS,
-                 max_prompt_len: int = 256, kv_bytes: int | None = None):  # fmt: skip
+                 max_prompt_len: int = 256, kv_bytes: int | None = None, compile: bool = False):  # fmt: skip
         """model_config: the trainer model's transformers config; dtype: the engine's (float32, bfloat16, ...);
         weight_sync: full or delta. max_num_seqs: the rows of a ticket (groups x n), all run in one batch;
-        max_prompt_len: the longest prompt; they size the KV cache (kv_bytes: that size instead)."""
+        max_prompt_len: the longest prompt; they size the KV cache (kv_bytes: that size instead). compile: vLLM's
+        torch.compile (inductor) of the model instead of eager: about 15-20% less CPU work per token at 42M on the
+        CPU, for 40-65 s more start-up per engine (benchmarks/RESULTS.md); off by default."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: no copies
         # vLLM logs each reload and cache reset at INFO; a run's terminal is its own progress line and summary
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -80,7 +82,7 @@ class VLLMEngine(RolloutEngine):
                                                                         max_prompt_len + max_new_tokens),
                        block_size=KV_BLOCK_TOKENS, max_num_seqs=max_num_seqs,
                        max_model_len=model_config.max_position_embeddings,
-                       distributed_executor_backend="uni", enforce_eager=True, disable_log_stats=True)  # fmt: skip
+                       distributed_executor_backend="uni", enforce_eager=not compile, disable_log_stats=True)  # fmt: skip
         # Set after LLM(), whose logging set-up resets vLLM's loggers: each in-place reload warns that a layer got no
         # weights, for the rotary embedding (it has none to get) and, with delta, for every unchanged layer (its
         # weights are put back as they were; the log-prob and delta tests after a sync confirm both).
