@@ -7,6 +7,10 @@ comparison and drops them again (a transient copy while publishing, not a persis
 tensor in the engine's dtype with the new weights, and puts only the changed elements (dppo.workers.weight_delta)
 into the object store. A worker whose engine holds the last publish reads the delta alone; any other reads the full
 weights, which are still published every time (the driver's evaluation model, restarted workers).
+
+Every rollout_weights() into the object store goes through the publisher, also a mid-cycle gather for an hf
+checkpoint that no worker loads: the next delta then starts from a publish no worker holds, and the workers read
+the full weights once (correct, only not smaller).
 """
 
 from __future__ import annotations

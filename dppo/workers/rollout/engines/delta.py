@@ -34,8 +34,6 @@ class DeltaUpdate:
     changed_fraction: float  # changed elements / all elements
 
 
-
-
 class DeltaTracker:
     def __init__(self):
         self.weights: dict[str, torch.Tensor] = {}  # name -> the engine's current weights (engine dtype)
