@@ -7,7 +7,8 @@ never looks at the pad tokens after a response), so equal-length prompts pay not
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 import numpy as np
 import torch
@@ -31,6 +32,26 @@ class Group:
     @property
     def size(self) -> int:
         return self.responses.shape[0]
+
+    def to_arrays(self) -> dict[str, Any]:
+        """The group's fields, every tensor as a numpy array of the same data (on the CPU): the form in which the replay
+        buffer's Ray process holds groups, so that process never imports torch. from_arrays turns it back."""
+        def array(tensor: torch.Tensor) -> np.ndarray:
+            return tensor.detach().cpu().numpy()
+
+        arrays = {f.name: getattr(self, f.name) for f in fields(self)}
+        arrays["reward_extra"] = {key: array(t) for key, t in self.reward_extra.items()}
+        return {name: array(v) if isinstance(v, torch.Tensor) else v for name, v in arrays.items()}
+
+    @classmethod
+    def from_arrays(cls, arrays: dict[str, Any]) -> Group:
+        """The Group that to_arrays gave arrays for (its tensors are copies: Ray may hand back read-only arrays)."""
+        def tensor(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(np.array(a))
+
+        values = {name: tensor(v) if isinstance(v, np.ndarray) else v for name, v in arrays.items()}
+        values["reward_extra"] = {key: tensor(a) for key, a in arrays["reward_extra"].items()}
+        return cls(**values)
 
 
 @dataclass

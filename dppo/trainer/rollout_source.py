@@ -28,7 +28,7 @@ from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
-from dppo.workers.rollout.replay_buffer import ReplayBufferActor, ReplayBufferCore
+from dppo.workers.rollout.replay_buffer import ReplayBufferActor, ReplayBufferCore, StoredGroup
 from dppo.workers.rollout.worker import RolloutGenerator, RolloutWorkerActor
 
 log = logging.getLogger("dppo.rollout")
@@ -39,6 +39,14 @@ BUFFER_TIMEOUT_S = 30.0  # how long a liveness check waits for the replay buffer
 class RolloutFailedError(RuntimeError):
     """The rollout cannot go on: the replay buffer died, a rollout worker died once more than rollout.max_restarts
     allows, or a rollout worker raised. The message names what, in one line."""
+
+
+def _groups(taken: tuple[list[StoredGroup], int] | None) -> tuple[list[Group], int] | None:
+    """What the Ray replay buffer's take returned, with its torch-free StoredGroups as Groups again."""
+    if taken is None:
+        return None
+    stored, dropped = taken
+    return [Group.from_arrays({**s.arrays, "index": s.index}) for s in stored], dropped
 
 
 def _buffer_core(cfg, start: RolloutStart, cls=ReplayBufferCore):
@@ -159,7 +167,7 @@ class RayRollout:
             runs = {w.run: w for w in self.workers if w.run is not None}
             ready, _ = ray.wait([take, *runs], num_returns=1)
             if take in ready:
-                return self._from_buffer(take)
+                return _groups(self._from_buffer(take))
             self._outcome(runs[ready[0]], ready[0])
 
     def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
@@ -169,7 +177,7 @@ class RayRollout:
         if self.mode == "sync":
             return self.fetch(num_groups, trainer_version)
         self._check_workers()  # fetch notices a dead worker while it waits; this takes without waiting
-        return self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version))
+        return _groups(self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version)))
 
     def _check_workers(self) -> None:
         """Restart every worker whose run() loop has ended by dying (or raise what ended it), without waiting."""

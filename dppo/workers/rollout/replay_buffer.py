@@ -21,17 +21,50 @@ late put from the dead holder is refused, and so is anything it asks for afterwa
 ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer is the Ray actor around it.
 ReplayBufferCore.take never waits (None: not all there yet); the actor's take waits and its take_ready does not
 (the trainer's score-ahead takes a cycle's later mini-batches that have already arrived).
+
+The core holds whatever has a version and an index (Group in-process). The Ray actor's process never imports torch:
+that import costs a process about 290 MB and two CPU-seconds at every start. Rollout workers put StoredGroups (numpy
+arrays) and SyncCosts there, and the trainer turns what it takes back into Groups (Group.from_arrays).
 """
 
 from __future__ import annotations
 
 import asyncio
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from dppo.rollout import Group
+if TYPE_CHECKING:  # the module must not import torch (dppo.rollout does)
+    from dppo.rollout import Group
+
+
+@dataclass
+class StoredGroup:
+    """A group as the replay buffer's Ray process holds it: Group.to_arrays()'s fields, numpy arrays where the Group has
+    tensors. version and index as the Group's (the buffer reads the one and sets the other)."""
+
+    arrays: dict[str, Any]
+    version: int
+    index: int = -1
+
+    @classmethod
+    def of(cls, group: Group) -> StoredGroup:
+        return cls(group.to_arrays(), group.version)
+
+
+@dataclass(frozen=True)
+class SyncCost:
+    """What the buffer keeps of a rollout engine's WeightSync (the class itself lives with the engines, which import
+    torch): the seconds, bytes and changed fraction of one weight load."""
+
+    seconds: float
+    bytes: int
+    changed_fraction: float
+
+    @classmethod
+    def of(cls, sync) -> SyncCost | None:
+        return None if sync is None else cls(float(sync.seconds), int(sync.bytes), float(sync.changed_fraction))
 
 
 @dataclass
@@ -227,7 +260,7 @@ class ReplayBufferActor:
         self.core.publish(weights, version)
         await self._notify()
 
-    async def put(self, groups: list[Group], first: int, holder=None, sync=None) -> None:
+    async def put(self, groups: list[StoredGroup], first: int, holder=None, sync: SyncCost | None = None) -> None:
         self.core.put(groups, first, holder, sync)
         await self._notify()
 
@@ -246,7 +279,7 @@ class ReplayBufferActor:
                 await self._condition().wait()
         return ticket
 
-    async def take_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+    async def take_ready(self, num_groups: int, trainer_version: int) -> tuple[list[StoredGroup], int] | None:
         """take without waiting: the groups take would return if they are all there now, else None (nothing
         popped; under drop, stale groups are dropped all the same, as take's first look would)."""
         async with self._condition():
@@ -254,7 +287,7 @@ class ReplayBufferActor:
             self._condition().notify_all()  # taken or dropped groups may have freed budget for waiting workers
         return result
 
-    async def take(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
+    async def take(self, num_groups: int, trainer_version: int) -> tuple[list[StoredGroup], int]:
         async with self._condition():
             while True:
                 result = self.core.take(num_groups, trainer_version)

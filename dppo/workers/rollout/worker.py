@@ -20,6 +20,7 @@ from dppo.data.source import PromptSource
 from dppo.hostmem import keep_freed_host_memory
 from dppo.rollout import Group
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync, make_engine
+from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
 _TICKET_STREAM = 0x71C4E7
@@ -144,7 +145,8 @@ class RolloutWorkerActor:
             sync = self.core.load_published(ticket.weights, ticket.version)
         self.core.seed_ticket(ticket.first)
         groups = self.core.generate(ticket.num_groups)
-        ray.get(self.buffer.put.remote(groups, ticket.first, self.holder, sync))
+        # torch-free forms: the buffer's process does not import torch (replay_buffer.py)
+        ray.get(self.buffer.put.remote([StoredGroup.of(g) for g in groups], ticket.first, self.holder, SyncCost.of(sync)))
         return len(groups)
 
     def run(self) -> None:

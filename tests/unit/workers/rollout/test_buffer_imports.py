@@ -1,15 +1,76 @@
-"""The replay buffer's Ray process imports what the buffer needs and not the rollout worker's model code."""
+"""The replay buffer's Ray process imports what the buffer needs: neither torch nor the rollout worker's model code.
+Groups reach it as numpy arrays (StoredGroup) and come back from it as the same Groups."""
 
 from __future__ import annotations
 
+import pickle
 import subprocess
 import sys
 
+import numpy as np
+import torch
 
-def test_the_replay_buffer_module_does_not_import_transformers():
-    # a fresh interpreter: this one has imported transformers already (conftest, other tests)
-    code = ("import sys, dppo.workers.rollout.replay_buffer as b; b.ReplayBufferActor; "
-            "print(sorted(m for m in ('transformers', 'dppo.workers.rollout.worker', 'dppo.models') if m in sys.modules))")  # fmt: skip
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.strip() == "[]"
+from dppo.rollout import Group
+from dppo.workers.rollout.engines import WeightSync
+from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
+
+
+def _group(version: int) -> Group:
+    g = torch.Generator().manual_seed(version)
+    return Group(torch.randint(0, 9, (3,), generator=g), torch.randint(0, 9, (2, 4), generator=g),
+                 torch.rand(2, 4, generator=g) > 0.3, -torch.rand(2, 4, generator=g), torch.rand(2, generator=g), version,
+                 reward_extra={"acc": torch.tensor([1.0, float("nan")])}, baseline_score=0.25)  # fmt: skip
+
+
+def _pickled(values) -> bytes:
+    """What the workers send the buffer's process (Ray pickles the arguments of put)."""
+    return pickle.dumps(values)
+
+
+def test_the_buffer_process_runs_without_torch():
+    # A fresh interpreter (this one has imported torch): import the module, unpickle what a worker sends, run the
+    # buffer's whole round (publish, acquire, put, stats, take) and pickle what the trainer gets, all without torch.
+    sent = _pickled(([StoredGroup.of(_group(0)), StoredGroup.of(_group(0))], SyncCost.of(WeightSync(0.5, 100, 0.25))))
+    code = ("import asyncio, pickle, sys\n"
+            "from dppo.workers.rollout.replay_buffer import ReplayBufferActor\n"
+            "groups, sync = pickle.loads(sys.stdin.buffer.read())\n"
+            "async def main():\n"
+            "    buf = ReplayBufferActor(1, 'wait', 2)\n"
+            "    await buf.publish(['weights'], 0)\n"
+            "    ticket = await buf.acquire(-1, 2, 7)\n"
+            "    await buf.put(groups, ticket.first, 7, sync)\n"
+            "    stats = buf.stats()\n"
+            "    assert stats['rollout/weight_sync_bytes'] == 100 and stats['replay/size'] == 2, stats\n"
+            "    return await buf.take(2, 0)\n"
+            "taken = asyncio.run(main())\n"
+            "assert [g.index for g in taken[0]] == [0, 1], taken\n"
+            "loaded = sorted(m for m in ('torch', 'transformers', 'dppo.rollout', 'dppo.workers.rollout.worker',\n"
+            "                            'dppo.workers.rollout.engines') if m in sys.modules)\n"
+            "assert loaded == [], loaded\n"
+            "sys.stdout.buffer.write(pickle.dumps(taken))\n")  # fmt: skip
+    out = subprocess.run([sys.executable, "-c", code], input=sent, capture_output=True, timeout=300)
+    assert out.returncode == 0, out.stderr.decode()[-2000:]
+    stored, dropped = pickle.loads(out.stdout)
+    assert dropped == 0 and [s.index for s in stored] == [0, 1]
+
+
+def test_a_stored_group_comes_back_as_the_same_group():
+    group = _group(3)
+    stored = pickle.loads(_pickled(StoredGroup.of(group)))
+    assert stored.version == 3 and not any(isinstance(v, torch.Tensor) for v in stored.arrays.values())
+    stored.index = 5  # as the buffer sets it
+    back = Group.from_arrays({**stored.arrays, "index": stored.index})
+    assert back.index == 5 and back.version == 3 and back.baseline_score == 0.25
+    for name in ("prompt", "responses", "response_mask", "behav_logp", "scores"):
+        a, b = getattr(group, name), getattr(back, name)
+        assert a.dtype == b.dtype and torch.equal(a, b), name
+    assert torch.allclose(back.reward_extra["acc"], group.reward_extra["acc"], equal_nan=True)
+
+
+def test_groups_from_arrays_own_their_memory():
+    # Ray may hand back read-only arrays (zero-copy from its object store): the trainer's tensors must be copies.
+    arrays = StoredGroup.of(_group(1)).arrays
+    arrays["responses"].setflags(write=False)
+    back = Group.from_arrays(arrays)
+    back.responses += 1  # would fail on (or write through to) a read-only buffer
+    assert np.array_equal(arrays["responses"] + 1, back.responses.numpy())
