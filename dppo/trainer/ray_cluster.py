@@ -15,6 +15,8 @@
   alive for about a minute after the driver's SIGKILL, trying to tell a dead GCS that their raylet died.
 - Ray's own line for each worker death ("(raylet) A worker died or was killed ...", and its out-of-memory summary)
   is left out of what the driver prints: dppo says each death in its own line (restarted, or why the run ends).
+- The workers' environment (PYTHONPATH of this tree, HF_HUB_OFFLINE, ...) is a given cluster's job runtime_env; a
+  new local cluster inherits it from this process instead, so that its prestarted workers serve the actors.
 """
 
 from __future__ import annotations
@@ -103,6 +105,23 @@ def _bounded_first_connect():
             os.environ.pop(key, None)
 
 
+@contextlib.contextmanager
+def _cluster_environment(env_vars: dict[str, str]):
+    """Within: this process's environment has env_vars (put back afterwards). A new local cluster's processes inherit
+    them from here, its workers included; as a job's runtime_env they would not reach the workers Ray prestarts
+    when the cluster starts, which would then idle beside a new process for each actor."""
+    saved = {key: os.environ.get(key) for key in env_vars}
+    os.environ.update(env_vars)
+    try:
+        yield
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
 def probe_cluster(cfg) -> None:
     """probe() the cluster cfg names, unless this process is connected to one already."""
     if not ray.is_initialized():
@@ -155,10 +174,13 @@ def init_ray(cfg) -> bool:
     # Workers must import dppo from the same tree as the driver, also when it is not installed.
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    kwargs["runtime_env"] = {"env_vars": {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1",
-                                          "TOKENIZERS_PARALLELISM": "false", "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}}  # fmt: skip
+    env_vars = {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+                "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}  # fmt: skip
+    if address != "local":
+        kwargs["runtime_env"] = {"env_vars": env_vars}
     try:
-        with _caller_signal_handlers(), (_bounded_first_connect() if address != "local" else _watched()):
+        local_env = _cluster_environment(env_vars) if address == "local" else contextlib.nullcontext()
+        with _caller_signal_handlers(), (_bounded_first_connect() if address != "local" else _watched()), local_env:
             ray.init(**kwargs)
     except BaseException as err:
         _stop_watchdog()  # what ray.init started of the cluster goes with it
