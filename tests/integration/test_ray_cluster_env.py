@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from dppo.trainer.ray_cluster import init_ray
+from dppo.trainer.ray_cluster import init_ray, shutdown_ray
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]
@@ -41,4 +41,4 @@ def test_a_new_local_cluster_inherits_the_workers_environment(monkeypatch):
         assert env["HF_HUB_OFFLINE"] == "1" and env["PYTHONPATH"].split(os.pathsep)[0] == str(REPO)
         assert Path(package) == REPO / "dppo" / "__init__.py"
     finally:
-        ray.shutdown()
+        shutdown_ray()  # Ray, and the watchdog init_ray started
