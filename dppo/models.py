@@ -6,8 +6,11 @@ import contextlib
 import functools
 import inspect
 import os
+import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 
+import numpy as np
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.utils import logging as hf_logging
@@ -104,6 +107,76 @@ def model_from_config(hf_config, dtype: str) -> torch.nn.Module:
 def cpu_state_dict(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The model's parameters and persistent buffers as detached CPU tensors (for the Ray object store)."""
     return {name: t.detach().to("cpu") for name, t in model.state_dict().items()}
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """{alias: name} of the parameters that are one tensor under two names, each alias mapped to the first name
+    (a tied lm_head: {"lm_head.weight": "model.embed_tokens.weight"}); {} for an untied model."""
+    first: dict[int, str] = {}
+    aliases = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in first:
+            aliases[name] = first[id(p)]
+        else:
+            first[id(p)] = name
+    return aliases
+
+
+@dataclass
+class SharedWeights:
+    """A whole model's weights as the Ray object store carries them: each tensor once (a tied weight under its first
+    name only) and as a numpy array, which Ray writes straight into the store and hands back as a view of it (no
+    pickled copy on the way in, no copy in the reader's heap on the way out; torch tensors would be both).
+
+    arrays: name -> the tensor's bytes as numpy (bfloat16, which numpy lacks, as int16); dtypes: name -> its torch
+    dtype's name; aliases: the tied names left out -> the name they share (dppo.models.tied_aliases)."""
+
+    arrays: dict[str, np.ndarray]
+    dtypes: dict[str, str]
+    aliases: dict[str, str]
+
+    @classmethod
+    def of(cls, state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> SharedWeights:
+        """From CPU tensors (views where they are contiguous: the copy is the store's)."""
+        arrays, dtypes = {}, {}
+        for name, t in state_dict.items():
+            if name in aliases:
+                continue
+            t = t.detach().contiguous()
+            arrays[name] = (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+            dtypes[name] = str(t.dtype).removeprefix("torch.")
+        return cls(arrays, dtypes, dict(aliases))
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """Tensors viewing the arrays (read-only store memory: load them, never write them), every alias included
+        as the very tensor of its name, so load_state_dict and vLLM's loader see every key of the model."""
+        out = {}
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="The given NumPy array is not writable")
+            for name, array in self.arrays.items():
+                t = torch.from_numpy(array)
+                out[name] = t.view(torch.bfloat16) if self.dtypes[name] == "bfloat16" else t
+        for alias, name in self.aliases.items():
+            out[alias] = out[name]
+        return out
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays.values())
+
+
+def with_aliases(state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """state_dict with every alias (tied_aliases) it lacks added as the very tensor of the name it shares."""
+    out = dict(state_dict)
+    for alias, name in aliases.items():
+        if alias not in out and name in out:
+            out[alias] = out[name]
+    return out
+
+
+def as_state_dict(weights) -> dict[str, torch.Tensor]:
+    """A state dict from what a publish carries: a state dict itself, or SharedWeights."""
+    return weights.state_dict() if isinstance(weights, SharedWeights) else weights
 
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:

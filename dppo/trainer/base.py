@@ -46,7 +46,7 @@ from tqdm.auto import tqdm
 from dppo.config import DppoConfig, to_dict
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
-from dppo.models import model_from_config, policy_config
+from dppo.models import as_state_dict, model_from_config, policy_config
 from dppo.rollout import Group, TrainBatch, collate
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.evaluation import score_policy
@@ -430,7 +430,7 @@ class BaseTrainer:
         if self.policy is None or self.policy_version != self._published_version:
             weights = self._published
             if isinstance(weights, list):
-                weights = ray.get(weights[0])
+                weights = as_state_dict(ray.get(weights[0]))
             if self.policy is None:
                 self.policy = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
             self.policy.load_state_dict(weights)
@@ -481,7 +481,7 @@ class BaseTrainer:
             return
         weights = self.actor_group.rollout_weights(False)
         if isinstance(weights, list):  # [ObjectRef] of the gathered state dict
-            weights = ray.get(weights[0])
+            weights = as_state_dict(ray.get(weights[0]))
         self.save_hf_model(model_with_weights(self.model_config, self.cfg.model.dtype, weights), out_dir)
 
     def _checkpoint_bytes(self) -> int:

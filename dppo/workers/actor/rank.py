@@ -20,12 +20,13 @@ import time
 import torch
 import torch.distributed as dist
 
-from dppo.hostmem import keep_freed_host_memory
-from dppo.models import build_model, model_from_config, response_log_probs
+from dppo.hostmem import bound_retention, keep_freed_host_memory
+from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, tied_aliases
 from dppo.rollout import TrainBatch
 from dppo.snapshot import SnapshotPool
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
-from dppo.workers.actor.fsdp import free_port, full_state_dict, init_process_group, node_ip, parallelize, reshard
+from dppo.workers.actor.fsdp import (free_port, full_state_dict, init_process_group, local_tensor, node_ip, parallelize,
+                                     reshard)
 from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
 from dppo.workers.actor.prox_method import StepVersions, make_prox_method
 from dppo.workers.actor.publish_delta import delta_publisher
@@ -53,6 +54,7 @@ class ActorRank:
         """own_process: this rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem)."""
         if own_process:
             keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in
+        self.own_process = own_process
         self.cfg, self.rank, self.world_size, self.vocab_size = cfg, rank, world_size, vocab_size
         self.peers = RankGroup(rank, world_size)
         self.sharded = uses_fsdp(cfg, world_size)
@@ -103,6 +105,9 @@ class ActorRank:
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay, fused=True)  # fmt: skip
+        if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
+            local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
+            bound_retention(2 * local_bytes)
         self.setup_update()
 
     def setup_update(self) -> None:
@@ -265,10 +270,11 @@ class ActorRank:
         if to_object_store:
             import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 
-            ref = ray.put(state)
             if self._delta_publisher is not None:  # rollout.weight_sync=delta: [ref, the delta since the last publish]
-                return self._delta_publisher.publish(state, ref)
-            return [ref]  # in a list: Ray hands the reference on instead of resolving it
+                return self._delta_publisher.publish(state, ray.put(state))  # it reads its last publish back as a dict
+            # numpy views of the state written straight into the store, a tied weight once (SharedWeights): no
+            # pickled copy of the whole model on this rank; in a list: Ray hands the reference on, not the tensors
+            return [ray.put(SharedWeights.of(state, tied_aliases(self.model)))]
         return state
 
     @register(RANK0)

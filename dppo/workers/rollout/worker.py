@@ -17,7 +17,8 @@ import torch
 
 from dppo.algo import GREEDY_BASELINE_ESTIMATORS
 from dppo.data.source import PromptSource
-from dppo.hostmem import keep_freed_host_memory
+from dppo.hostmem import bound_retention, keep_freed_host_memory
+from dppo.models import as_state_dict
 from dppo.rollout import Group
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync, make_engine
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
@@ -46,7 +47,9 @@ def load_published(engine: RolloutEngine, published: list, holds: str | None) ->
     if delta is not None and holds is not None and delta.base == holds and engine.accepts_delta:
         sync = engine.load_delta(ray.get(delta.ref))
     else:
-        sync = engine.load_weights(ray.get(full_ref))
+        # SharedWeights: views of the object store's copy, loaded in place into the engine's model and dropped when
+        # this returns (no second copy of the weights in this process); a plain state dict from a delta publisher
+        sync = engine.load_weights(as_state_dict(ray.get(full_ref)))
     return sync, full_ref.hex()
 
 
@@ -122,6 +125,14 @@ class RolloutGenerator:
         return self.source.score(prompts, responses.numpy(), mask.numpy()).scores.astype(float).tolist()
 
 
+def generation_step_bytes(cfg, vocab_size: int) -> int:
+    """About what one generate() call allocates and frees again, its largest part: fp32 logits over the vocab (and
+    their log-softmax) of a decode step's sequences or of a scoring micro-batch's positions."""
+    seqs = cfg.rollout.groups_per_batch * cfg.rollout.n
+    scored_rows = min(cfg.actor.micro_batch_size, seqs) * ((cfg.rollout.max_new_tokens or 64) + 1)
+    return 2 * 4 * vocab_size * max(seqs, scored_rows)
+
+
 class RolloutWorkerActor:
     """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
 
@@ -131,6 +142,7 @@ class RolloutWorkerActor:
         torch.set_num_threads(cfg.rollout.num_threads)
         device = worker_device(worker_index, ray.get_gpu_ids(), torch.cuda.is_available())
         self.core = RolloutGenerator(cfg, source, model_config, worker_index, device)
+        bound_retention(generation_step_bytes(cfg, model_config.vocab_size))  # not the model's build transients
         self.buffer = buffer
         self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch
