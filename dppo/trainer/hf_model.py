@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dppo.models import model_from_config
+from dppo.models import model_from_config, tied_aliases, with_aliases
 
 HF_MODEL_DIR = "hf_model"  # under trainer.output_dir: the policy at the end of the run
 CHECKPOINT_HF_DIR = "huggingface"  # under a checkpoint's actor/ directory (actor.checkpoint.save_contents: hf_model)
@@ -33,9 +33,9 @@ def has_tokenizer(path: str | os.PathLike | None) -> bool:
 
 def model_with_weights(hf_config, dtype: str, weights: dict[str, torch.Tensor]) -> torch.nn.Module:
     """A model of hf_config's architecture in dtype ("float32", "bfloat16", ...) holding weights (a full state
-    dict; tied weights may be there under both names). Every parameter must be given: strict loading."""
+    dict; a tied weight under either name or both). Every other parameter must be given: strict loading."""
     model = model_from_config(hf_config, dtype)
-    model.load_state_dict(weights, strict=True)
+    model.load_state_dict(with_aliases(weights, tied_aliases(model)), strict=True)
     return model
 
 

@@ -34,6 +34,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.distributed.tensor import DTensor
 
+from dppo.models import tied_aliases, with_aliases
 from dppo.workers.actor.fsdp import local_tensor
 
 # (module, name) of every global a .metadata written by DCP refers to; torch dtypes are checked by type.
@@ -112,11 +113,22 @@ def _safe_reader_classes():
 
 
 def _state_dict(model, optimizer, ref_model) -> dict:
-    """The rank's state as DCP sees it: FQN-keyed (DTensor shards under FSDP2, plain tensors otherwise)."""
-    state = {"model": get_model_state_dict(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
+    """The rank's state as DCP sees it: FQN-keyed (DTensor shards under FSDP2, plain tensors otherwise); a tied weight
+    (lm_head.weight = embed_tokens.weight) once, under its first name: DCP would write it twice."""
+    state = {"model": _untied(model), "optimizer": get_optimizer_state_dict(model, optimizer)}
     if ref_model is not None:
-        state["ref_model"] = get_model_state_dict(ref_model)
+        state["ref_model"] = _untied(ref_model)
     return state
+
+
+def _untied(model) -> dict:
+    aliases = tied_aliases(model)
+    return {name: t for name, t in get_model_state_dict(model).items() if name not in aliases}
+
+
+def _set_model(model, loaded: dict) -> None:
+    """Load a model's state read by DCP (its tied weights once) into model, every alias given its tensor."""
+    set_model_state_dict(model, with_aliases(loaded, tied_aliases(model)))
 
 
 @contextlib.contextmanager
@@ -161,10 +173,10 @@ def load_sharded(path: str | Path, model, optimizer, ref_model=None, anchor: boo
         state["anchor"] = _like_parameters(model, empty)
     with _single_process_is_intended(), _dcp_errors("reading the checkpoint", path):
         dcp.load(state, storage_reader=reader_cls(str(path)), planner=planner_cls())
-    set_model_state_dict(model, state["model"])
+    _set_model(model, state["model"])
     set_optimizer_state_dict(model, optimizer, state["optimizer"])
     if ref_model is not None:
-        set_model_state_dict(ref_model, state["ref_model"])
+        _set_model(ref_model, state["ref_model"])
     return {name: local_tensor(t).to("cpu") for name, t in state["anchor"].items()} if anchor else None
 
 
