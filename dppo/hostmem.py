@@ -10,7 +10,10 @@ caching allocator would. The cost is that the process keeps up to `trim_threshol
 memory mapped.
 
 `dppo train` and the benchmarks call keep_freed_host_memory() at start; set DPPO_MALLOC_TUNING=0 to
-leave malloc alone. Other allocators (jemalloc, tcmalloc via LD_PRELOAD) and non-glibc systems are
+leave malloc alone. Once a process knows what its own step frees and allocates again (an actor rank: its
+gradients and activations; a rollout worker: its KV cache and logits), bound_retention(step_bytes) lowers both
+thresholds to that and hands back what it kept beyond: one-off frees (a model converted to another dtype, weights
+loaded once) then go back to the kernel instead of staying mapped beside the next process's peak. Other allocators (jemalloc, tcmalloc via LD_PRELOAD) and non-glibc systems are
 left as they are.
 """
 
@@ -57,5 +60,30 @@ def keep_freed_host_memory(
     if not mallopt(_M_MMAP_THRESHOLD, settings["mmap_threshold_bytes"]):
         return None  # glibc refused the value: leave the trim threshold alone too
     mallopt(_M_TRIM_THRESHOLD, settings["trim_threshold_bytes"])
+    _applied = settings
+    return settings
+
+
+MIN_RETENTION_BYTES = 64 << 20  # below this, bounding saves little and costs page faults on every step
+
+
+def bound_retention(step_bytes: int) -> dict[str, int] | None:
+    """Where keep_freed_host_memory applied its settings: lower both thresholds to step_bytes (at least
+    MIN_RETENTION_BYTES, at most what is set), the bytes this process's own step frees and allocates again, and
+    give back what it keeps beyond (malloc_trim). Returns the settings now in force, or None where malloc is left
+    alone."""
+    global _applied
+    if not isinstance(step_bytes, int) or isinstance(step_bytes, bool) or step_bytes < 0:
+        raise ValueError(f"step_bytes must be a non-negative int, got {step_bytes!r}")
+    if _applied is None:
+        return None
+    bound = max(MIN_RETENTION_BYTES, step_bytes)
+    settings = {name: min(value, bound) for name, value in _applied.items()}
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    libc.mallopt(_M_MMAP_THRESHOLD, settings["mmap_threshold_bytes"])
+    libc.mallopt(_M_TRIM_THRESHOLD, settings["trim_threshold_bytes"])
+    libc.malloc_trim.argtypes, libc.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    libc.malloc_trim(0)
     _applied = settings
     return settings

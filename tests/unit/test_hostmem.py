@@ -58,3 +58,27 @@ def test_bad_thresholds_are_rejected_naming_the_value(bad):
     assert repr(bad) in str(err.value)
     with pytest.raises(ValueError, match="trim_threshold_bytes"):
         keep_freed_host_memory(trim_threshold_bytes=bad)
+
+
+_BOUNDED_PROBE = _PROBE.replace("applied = keep_freed_host_memory()",
+                                "keep_freed_host_memory(); from dppo.hostmem import bound_retention; "
+                                "applied = bound_retention(10 << 20)")  # fmt: skip
+
+
+@glibc_only
+def test_a_bounded_process_hands_back_blocks_larger_than_its_step():
+    # a step that frees 10 MB: the bound is MIN_RETENTION_BYTES (64 MB), so a 100 MB block is mmap'ed on its own
+    # and goes back to the kernel on free(), as with glibc's defaults
+    env = {**os.environ, "DPPO_MALLOC_TUNING": "1"}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run([sys.executable, "-c", _BOUNDED_PROBE], env=env, capture_output=True, text=True, check=True)
+    assert [word == "True" for word in out.stdout.split()] == [True, True, False]
+
+
+def test_bound_retention_leaves_an_untuned_process_alone_and_rejects_bad_bytes(monkeypatch):
+    import dppo.hostmem as hostmem
+
+    monkeypatch.setattr(hostmem, "_applied", None)
+    assert hostmem.bound_retention(1 << 30) is None
+    with pytest.raises(ValueError, match="step_bytes"):
+        hostmem.bound_retention(-1)
