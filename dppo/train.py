@@ -41,7 +41,8 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     source = make_prompt_source(cfg)  # reads and checks any data files (one line naming what is wrong)
     shape = run_shape(cfg, source)
     check_sequence_length(cfg, shape)
-    check_training_memory(cfg, shape)
+    memory = check_training_memory(cfg, shape)  # refused in one line if the run cannot fit
+    print(memory.line(), file=out, flush=True)
     check_checkpoint_space(cfg, shape)  # a warning line only: the run may still free space or write fewer
     resume_point = find_resume_point(cfg) if cfg.trainer.resume else None
     if cfg.ray.enabled:

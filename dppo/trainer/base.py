@@ -295,7 +295,10 @@ class BaseTrainer:
                 if self._checkpoint_due():  # one that cannot be written is a warning; two in a row stop the run
                     name = ckpt.CheckpointId(self.global_step).name
                     self._checkpoint_attempts.save(self.save_checkpoint, name)
-            self._current_policy()  # the final weights, before the ranks (which own them in Ray) go
+            # the final weights, before the ranks (which own them in Ray) go: their views in the object store, pinned
+            # there by this process; the policy is built from them once the ranks and workers have freed their memory
+            if isinstance(self._published, list):
+                self._published = ray.get(self._published[0])
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self._checkpoint_after_failure()}") from None
         except RankDiedError as err:
@@ -425,12 +428,12 @@ class BaseTrainer:
                              self.source.pad_token)  # fmt: skip
 
     def _current_policy(self) -> torch.nn.Module:
-        """A plain model on self.device holding the weights last published (a state dict, or [ObjectRef] of one),
-        loaded again only when a newer version was published."""
+        """A plain model on self.device holding the weights last published (a state dict, [ObjectRef] of SharedWeights,
+        or the SharedWeights themselves once the run has pinned them), loaded again only when a newer version was
+        published."""
         if self.policy is None or self.policy_version != self._published_version:
             weights = self._published
-            if isinstance(weights, list):
-                weights = as_state_dict(ray.get(weights[0]))
+            weights = as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
             if self.policy is None:
                 self.policy = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
             self.policy.load_state_dict(weights)

@@ -2,9 +2,10 @@
 
 - the output directory can be created and written (OutputDirError), and has room for about two checkpoints
   (a warning line if not);
-- a prompt and a response fit the model's positions, and the run's memory (the model's weights, gradients,
-  Adam's two moments, a snapshot slot, the rollout copies on this machine, and each process's batch tensors)
-  fits the memory available, counted from the config without allocating anything (ConfigError);
+- a prompt and a response fit the model's positions, and the run's memory fits the memory available: an
+  estimate by process (each actor rank, each rollout worker, the driver, the replay buffer, the object store, Ray;
+  dppo.trainer.memory_estimate) counted from the config without allocating anything, printed in one line on every
+  run; a run that cannot fit is a ConfigError giving the estimate by role and what to change;
 - once Ray is up: the actor's ranks and the rollout's GPU workers fit the cluster's nodes together
   (PlacementError, with the counts), and on a cluster of the user's own the rollout workers' threads fit its
   CPUs (ConfigError).
@@ -25,15 +26,14 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dppo.config import ConfigError, DppoConfig
 from dppo.models import tiny_model_config
-from dppo.config.choices import select_strategy_name
 from dppo.trainer import placement, ray_cluster
 from dppo.trainer.checkpoint_failure import checkpoint_bytes_estimate, free_bytes, size_in_words
+from dppo.trainer.memory_estimate import DTYPE_BYTES, MemoryEstimate, Shape, estimate, local_cluster, what_to_change
 from dppo.workers.rollout.engines import VLLM_CPU_HEAD_SIZES
 
 log = logging.getLogger("dppo.preflight")
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 
 class OutputDirError(OSError):
@@ -72,6 +72,12 @@ class RunShape:
     layers: int = 0  # transformer layers, hidden size, key/value width (0 where the config does not say)
     hidden: int = 0
     kv_width: int = 0
+    intermediate: int = 0  # the MLP's width
+    embedding_params: int = 0  # the input embeddings, and the lm_head where it is not tied to them
+
+    def for_estimate(self) -> Shape:
+        return Shape(self.params, self.vocab_size, self.prompt_length, self.response_length, self.layers, self.hidden,
+                     self.kv_width, self.intermediate, self.embedding_params)  # fmt: skip
 
 
 def tiny_model_parameters(vocab_size: int, hidden: int, layers: int, intermediate: int) -> int:
@@ -90,18 +96,20 @@ def run_shape(cfg: DppoConfig, task) -> RunShape:
         config = tiny_model_config(task.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
         params = tiny_model_parameters(task.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
         vocab_size = task.vocab_size
+        layers, hidden, kv_width, intermediate = m.num_hidden_layers, m.hidden_size, m.hidden_size, m.intermediate_size
+        embedding_params = 2 * vocab_size * hidden  # untied
     else:
         config = AutoConfig.from_pretrained(m.path, local_files_only=True)
         with torch.device("meta"):
             model = AutoModelForCausalLM.from_config(config)
         params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
         vocab_size = config.vocab_size
-    if m.path is None:
-        layers, hidden, kv_width = m.num_hidden_layers, m.hidden_size, m.hidden_size
-    else:
         layers, hidden, kv_width = _widths(config)
+        intermediate = getattr(config, "intermediate_size", 0) or 0
+        embedding_params = sum(p.numel() for p in {id(p): p for p in (model.get_input_embeddings().weight,
+                                                                      model.get_output_embeddings().weight)}.values())  # fmt: skip
     return RunShape(params, vocab_size, prompt_length, response_length, getattr(config, "max_position_embeddings", None),
-                    layers, hidden, kv_width)  # fmt: skip
+                    layers, hidden, kv_width, intermediate, embedding_params)  # fmt: skip
 
 
 def _widths(config) -> tuple[int, int, int]:
@@ -172,52 +180,39 @@ def available_host_bytes() -> int:
     return available
 
 
-def _rollout_copies_here(cfg: DppoConfig) -> int:
-    """Model copies the rollout keeps in this machine's host memory: the in-process generator's, or every worker's on a
-    local cluster (none where the workers have GPUs of their own: rollout.n_gpus_per_node)."""
-    if not cfg.ray.enabled:
-        return 1
-    if cfg.rollout.n_gpus_per_node:
-        return 0
-    local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-    return cfg.rollout.num_workers if local else 0
-
-
 def _ranks_here(cfg: DppoConfig) -> int:
     """The actor's ranks on this machine: all of them in-process or on a local cluster, none (as far as this machine
     can tell) on a cluster of the user's own."""
     if not cfg.ray.enabled:
         return 1
-    local = not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node if local else 0
+    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node if local_cluster(cfg) else 0
 
 
-def check_training_memory(cfg: DppoConfig, shape: RunShape) -> None:
-    """ConfigError if the run cannot fit in the memory available. A lower bound (no other activations), so what it
-    refuses would certainly fail. The actor's weights, gradients, Adam moments and snapshot slot are sharded over
-    its world size ranks (one GPU each), each rank updating on its part of a trigger's mini-batch."""
+def memory_estimate(cfg: DppoConfig, shape: RunShape) -> MemoryEstimate:
+    """The host memory of the run on this machine, by role (dppo.trainer.memory_estimate)."""
+    return estimate(cfg, shape.for_estimate(), on_gpu=_trainer_on_gpu(cfg))
+
+
+def check_training_memory(cfg: DppoConfig, shape: RunShape) -> MemoryEstimate:
+    """The run's host memory estimate by role (its line() is printed on every run); ConfigError, in one line with
+    the estimate by role and what to change, if it exceeds the memory available. With the actor on GPUs, also a
+    lower bound of each GPU's share: a 1/world-size shard of the weights, gradients and Adam moments and an
+    update's batch."""
     world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    ranks_here = _ranks_here(cfg)
     copy_bytes = shape.params * DTYPE_BYTES[cfg.model.dtype]
     trainer_copies = 4 + (1 if cfg.actor.kl_loss_coef > 0 else 0)  # weights, grads, 2 Adam moments (+ KL reference)
-    snapshot = 1 if select_strategy_name(cfg).startswith("cycle_start") else 0
-    rollout = _rollout_copies_here(cfg)
-    generate, update = batch_bytes(cfg, shape)
-    on_gpu = _trainer_on_gpu(cfg)
     what = f"{shape.params:,} parameters in {cfg.model.dtype}, {_model_keys(cfg)}"
-    if on_gpu and ranks_here:
+    if _trainer_on_gpu(cfg) and _ranks_here(cfg):
+        _, update = batch_bytes(cfg, shape)
         free, _ = torch.cuda.mem_get_info()
         _require_fits(trainer_copies * copy_bytes // world_size + update, free, what, "GPU",
-                      f"a 1/{world_size} shard of the weights, gradients and Adam's two moments, an update's batch")  # fmt: skip
-    if not cfg.ray.enabled:  # one process generates, then updates
-        batches = generate if on_gpu else max(generate, update)
-    else:
-        batches = rollout * generate + (0 if on_gpu else update * ranks_here)
-    actor_copies = snapshot + (0 if on_gpu else trainer_copies)  # of the actor's ranks, on this machine's host
-    host = rollout * copy_bytes + actor_copies * copy_bytes * ranks_here // world_size + batches
-    parts = ("weights, gradients and Adam's two moments, " if not on_gpu else "") + \
-        f"{snapshot} snapshot slot(s), {rollout} rollout model copies, their batches"  # fmt: skip
-    _require_fits(host, available_host_bytes(), what, "host", parts)
+                      f"a 1/{world_size} shard of the weights, gradients and Adam's two moments, an update's batch",
+                      "use a smaller model or smaller batches")  # fmt: skip
+    memory = memory_estimate(cfg, shape)
+    by_role = ", ".join(f"{name} {b / GIB:.1f}" for name, b in memory.by_role().items() if b)
+    _require_fits(memory.total_bytes, available_host_bytes(), what, "host", by_role,
+                  f"to make it fit: {what_to_change(cfg)}; or use a smaller model")  # fmt: skip
+    return memory
 
 
 def _trainer_on_gpu(cfg: DppoConfig) -> bool:
@@ -235,12 +230,11 @@ def _model_keys(cfg: DppoConfig) -> str:
             f"model.intermediate_size={m.intermediate_size}")  # fmt: skip
 
 
-def _require_fits(need: int, available: int, what: str, where: str, parts: str) -> None:
+def _require_fits(need: int, available: int, what: str, where: str, parts: str, change: str) -> None:
     if need > available:
         raise ConfigError(f"the run ({what}; batches from rollout.n, rollout.groups_per_batch, "
-                          f"trainer.train_batch_size, actor.micro_batch_size) needs at least {need / GIB:,.1f} GiB of "
-                          f"{where} memory ({parts}), but {available / GIB:,.1f} GiB is available; use a smaller "
-                          "model or smaller batches")  # fmt: skip
+                          f"trainer.train_batch_size, actor.micro_batch_size) needs about {need / GIB:,.1f} GiB of "
+                          f"{where} memory ({parts}), but {available / GIB:,.1f} GiB is available; {change}")  # fmt: skip
 
 
 # ---- a cluster of the user's own ----------------------------------------------------------------------

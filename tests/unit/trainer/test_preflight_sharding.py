@@ -7,6 +7,7 @@ import torch
 from dppo.data import make_prompt_source
 from dppo.trainer import preflight
 from dppo.config import ConfigError
+from dppo.trainer.memory_estimate import PROCESS_BYTES
 
 GIB = 2**30
 
@@ -41,7 +42,8 @@ def test_ranks_on_a_cluster_of_ones_own_take_no_host_memory_here(small_cfg, monk
                        "ray.address": address, "trainer.device": "cpu", "rollout.num_workers": 1})  # fmt: skip
     shape, copy_bytes = shape_and_bytes(cfg)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
-    monkeypatch.setattr(preflight, "available_host_bytes", lambda: 3 * copy_bytes)  # less than the actor's 5 copies
+    # less than the actor's 5 copies, more than the driver's process and its policy copy
+    monkeypatch.setattr(preflight, "available_host_bytes", lambda: 3 * copy_bytes + PROCESS_BYTES)
     if fits:
         preflight.check_training_memory(cfg, shape)  # the ranks (and the rollout workers) are elsewhere
     else:
