@@ -52,7 +52,8 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
         if not os.path.isdir(model_cfg.path):
             raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
         with _quiet_loading():
-            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True).to(dtype)
+            # loaded straight into dtype (each tensor cast as it is read): no whole fp32 copy beside the bf16 one
+            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=dtype).to(dtype)
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"model at {model_cfg.path!r} has vocab_size {model.config.vocab_size}; the task needs {vocab_size}"
@@ -99,7 +100,8 @@ def model_from_config(hf_config, dtype: str) -> torch.nn.Module:
     Rollout workers build their copy this way and then load the trainer's weights, so they need neither
     model.path on their node nor the trainer's seed.
     """
-    model = AutoModelForCausalLM.from_config(hf_config).to(DTYPES[dtype])
+    # built in dtype: a bf16 copy never holds fp32 weights on the way (its weights are replaced anyway)
+    model = AutoModelForCausalLM.from_config(hf_config, dtype=DTYPES[dtype]).to(DTYPES[dtype])
     model.config.use_cache = False
     return model.eval()
 
