@@ -4,8 +4,8 @@ Every process of a CPU run and what it holds at its peak (W: the model's bytes i
 
     actor rank (each)  its 1/ws of the weights, gradients and AdamW's two moments (4 W/ws: 16 B/param in fp32), the
                        snapshot slot (W/ws; the cycle_start strategies only), the KL reference (W/ws, with
-                       actor.kl_loss_coef > 0); under FSDP2 (ws > 1) the largest unit gathered whole (the embeddings
-                       and a layer) and, on rank 0, the full weights gathered to publish them (W); one micro-batch's
+                       actor.kl_loss_coef > 0 or algorithm.use_kl_in_reward); under FSDP2 (ws > 1) the largest unit
+                       gathered whole (the embeddings and a layer) and, on rank 0, the full weights gathered to publish them (W); one micro-batch's
                        activations (logits over the vocab and the layers' saved outputs); the process itself
     rollout worker     its copy of the weights (in rollout.dtype), loaded in place, and its batch's KV cache and
                        logits; the process itself
@@ -111,7 +111,7 @@ def actor_rank(cfg: DppoConfig, shape: Shape, on_gpu: bool) -> dict[str, int]:
     if on_gpu:
         return parts
     parts.update({"weights": w // ws, "grads": w // ws, "optimizer": 2 * w // ws})
-    if cfg.actor.kl_loss_coef > 0:
+    if cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward:  # the KL loss's or the reward's reference
         parts["kl reference"] = w // ws
     b = DTYPE_BYTES[cfg.model.dtype]
     if ws > 1:
