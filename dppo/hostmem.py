@@ -65,13 +65,18 @@ def keep_freed_host_memory(
 
 
 MIN_RETENTION_BYTES = 64 << 20  # below this, bounding saves little and costs page faults on every step
+# A step that frees more than this leaves malloc as glibc has it: on a 0.5B model the tuning kept 0.2-0.45 GiB more
+# in each rank (benchmarks/memory_bench.py, issue 23) for no measurable gain in step time, which page faults
+# weigh little in at that size (they matter on small models' short steps, where the tuning stays on).
+UNTUNED_ABOVE_BYTES = 512 << 20
+_GLIBC_DEFAULT_THRESHOLD_BYTES = 128 << 10  # glibc's initial mmap and trim thresholds
 
 
 def bound_retention(step_bytes: int) -> dict[str, int] | None:
     """Where keep_freed_host_memory applied its settings: lower both thresholds to step_bytes (at least
     MIN_RETENTION_BYTES, at most what is set), the bytes this process's own step frees and allocates again, and
-    give back what it keeps beyond (malloc_trim). Returns the settings now in force, or None where malloc is left
-    alone."""
+    give back what it keeps beyond (malloc_trim); above UNTUNED_ABOVE_BYTES, glibc's defaults again. Returns the
+    settings now in force, or None where malloc is left alone."""
     global _applied
     if not isinstance(step_bytes, int) or isinstance(step_bytes, bool) or step_bytes < 0:
         raise ValueError(f"step_bytes must be a non-negative int, got {step_bytes!r}")
@@ -79,6 +84,8 @@ def bound_retention(step_bytes: int) -> dict[str, int] | None:
         return None
     bound = max(MIN_RETENTION_BYTES, step_bytes)
     settings = {name: min(value, bound) for name, value in _applied.items()}
+    if step_bytes > UNTUNED_ABOVE_BYTES:  # glibc's own thresholds again
+        settings = dict.fromkeys(_applied, _GLIBC_DEFAULT_THRESHOLD_BYTES)
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     libc.mallopt.argtypes, libc.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     libc.mallopt(_M_MMAP_THRESHOLD, settings["mmap_threshold_bytes"])

@@ -82,3 +82,13 @@ def test_bound_retention_leaves_an_untuned_process_alone_and_rejects_bad_bytes(m
     assert hostmem.bound_retention(1 << 30) is None
     with pytest.raises(ValueError, match="step_bytes"):
         hostmem.bound_retention(-1)
+
+
+@glibc_only
+def test_a_step_above_the_untuned_size_gets_glibcs_thresholds_back():
+    code = ("from dppo.hostmem import keep_freed_host_memory, bound_retention, UNTUNED_ABOVE_BYTES; "
+            "keep_freed_host_memory(); print(bound_retention(UNTUNED_ABOVE_BYTES + 1))")  # fmt: skip
+    env = {**os.environ, "DPPO_MALLOC_TUNING": "1"}
+    env.pop("LD_PRELOAD", None)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str({"mmap_threshold_bytes": 128 << 10, "trim_threshold_bytes": 128 << 10})
