@@ -34,7 +34,8 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # What a process holds before any model: the interpreter with torch and transformers imported (shared libraries
 # counted by PSS, so shared among the processes), Ray's core worker. Measured by memory_bench on this machine.
 PROCESS_BYTES = 400 * 2**20
-RAY_RUNTIME_BYTES = 384 * 2**20  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
+RAY_RUNTIME_BYTES = 384 * 2**20
+BUFFER_PROCESS_BYTES = 128 * 2**20  # the replay buffer's process, which imports no torch  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
 LOGIT_COPIES = 4  # a micro-batch's logits (B, R+1, V) as the loss holds them: fp32 logits, log-softmax, their grads
 
 
@@ -163,7 +164,7 @@ def estimate(cfg: DppoConfig, shape: Shape, on_gpu: bool = False) -> MemoryEstim
         Role("driver", 1, {"process": PROCESS_BYTES}),  # its final policy is built once the ranks have gone
         Role("actor rank", ranks, actor_rank(cfg, shape, on_gpu)),
         Role("rollout worker", workers, rollout_worker(cfg, shape)),
-        Role("replay buffer", 1 if local else 0, {"process": PROCESS_BYTES}),
+        Role("replay buffer", 1 if local else 0, {"process": BUFFER_PROCESS_BYTES}),  # imports no torch
         Role("object store", 1 if store else 0, {"published weights": store}),
         Role("ray runtime", 1 if local else 0, {"process": RAY_RUNTIME_BYTES}),
     )
