@@ -19,7 +19,7 @@ import ray
 import torch
 
 from dppo.data import make_prompt_source
-from dppo.models import build_model
+from dppo.models import as_state_dict, build_model
 from dppo.rollout import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
@@ -136,8 +136,8 @@ def run_cycles(trainer: PPOTrainer, cycles: int) -> list[dict]:
 
 
 def full_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
-    weights = trainer.actor_group.rollout_weights()
-    return ray.get(weights[0]) if isinstance(weights, list) else weights
+    weights = trainer.actor_group.rollout_weights()  # [ObjectRef of SharedWeights] under Ray, else a state dict
+    return as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
 
 
 def assert_weights_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float = 1e-4) -> None:
