@@ -17,6 +17,7 @@ from dppo.config import load_config
 from dppo.trainer.report import read_metrics
 
 from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
+from processes import alive  # tests/processes.py
 
 pytestmark = pytest.mark.integration
 
@@ -164,15 +165,6 @@ def live_actor_pid(title: str, timeout_s: float = 30.0) -> int:
 
     wait_for(one, timeout_s, f"one live ray::{title} process")
     return found[0]
-
-
-def alive(pid: int) -> bool:
-    """pid is a process that has not exited (a zombie has)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def sigkill(pid: int) -> None:

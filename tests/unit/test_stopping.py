@@ -7,6 +7,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from processes import alive  # tests/processes.py (tests/conftest.py puts tests/ on sys.path)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -26,14 +27,6 @@ with StopOnSignal(grace_s=1.0) as stop:
     while True:
         time.sleep(60)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def test_sigterm_ends_a_stubborn_process_and_its_orphans_within_the_grace_time(tmp_path):

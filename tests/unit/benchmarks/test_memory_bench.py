@@ -3,27 +3,16 @@ process tree, and the principled figure of issue 23."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "memory_bench.py"
-
+from bench_scripts import load_bench  # tests/bench_scripts.py (tests/conftest.py puts tests/ on sys.path)
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("memory_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["memory_bench"] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("memory_bench", None)
+    yield from load_bench("memory_bench")
 
 
 def test_roles_come_from_ray_proc_titles(bench):

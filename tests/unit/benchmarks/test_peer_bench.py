@@ -4,28 +4,17 @@ and minutes; `make bench-peers` runs it.)"""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
-
-BENCH = Path(__file__).resolve().parents[3] / "benchmarks" / "peer_bench.py"
-
+from bench_scripts import load_bench  # tests/bench_scripts.py (tests/conftest.py puts tests/ on sys.path)
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("peer_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["peer_bench"] = module  # its dataclasses look their module up there
-    try:
-        spec.loader.exec_module(module)
-        yield module
-    finally:
-        sys.modules.pop("peer_bench", None)
+    yield from load_bench("peer_bench")
 
 
 def test_crossing_is_the_first_full_window_whose_mean_reaches_the_threshold(bench):
