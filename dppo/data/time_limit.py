@@ -10,6 +10,7 @@ is left behind, which is harmless since a timeout stops the run.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 import time
@@ -32,6 +33,7 @@ class _Watchdog:
         self._armed: tuple[object, float] | None = None  # (token of the call, monotonic deadline)
         self.fired: object | None = None  # token of the call whose deadline passed
         self.current: object | None = None  # token of the call running on the main thread (set there only)
+        self.pid = os.getpid()  # a forked child gets a copy without the thread (and maybe with its lock held)
         threading.Thread(target=self._loop, name="dppo-reward-watchdog", daemon=True).start()
 
     def arm(self, token: object, deadline: float) -> None:
@@ -72,9 +74,12 @@ def _main_thread_watchdog() -> _Watchdog | None:
     """The process's watchdog, its handler installed; None where SIGUSR2 already has a handler of somebody else's."""
     global _watchdog
     handler = signal.getsignal(_SIGNAL)
-    if _watchdog is not None and handler == _watchdog.on_signal:
+    inherited = _watchdog is not None and _watchdog.pid != os.getpid()  # a forked process: its thread stayed behind
+    if _watchdog is not None and not inherited and handler == _watchdog.on_signal:
         return _watchdog
-    if handler not in (signal.SIG_DFL, None):
+    if inherited and handler == _watchdog.on_signal:
+        _watchdog = None  # the handler is the parent's watchdog's: this process gets its own
+    elif handler not in (signal.SIG_DFL, None):
         return None
     _watchdog = _watchdog or _Watchdog()
     signal.signal(_SIGNAL, _watchdog.on_signal)

@@ -99,3 +99,22 @@ def test_a_failing_reward_over_its_time_limit_stops_dppo_train_within_the_limit(
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith(f"dppo: error: reward function 'compute_score' in {path!r} did not "
                                                "return within 2 s (custom_reward_function.timeout_s) (data_source=")  # fmt: skip
+
+
+def test_a_forked_process_gets_its_own_watchdog():
+    """A rollout worker forked from the trainer after the trainer timed a reward call: the parent's watchdog thread
+    did not come along, so the child must start its own, or a reward that never returns would hang it."""
+    import os
+
+    assert call_with_time_limit(lambda: 1, 5.0) == 1  # the parent's watchdog exists now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if the hanging call was interrupted within its limit
+        code = 1
+        try:
+            call_with_time_limit(lambda: time.sleep(30), 0.5)
+        except CallTimeout:
+            code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
