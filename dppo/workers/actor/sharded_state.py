@@ -60,10 +60,15 @@ class ShardedCheckpointError(RuntimeError):
 
 @contextlib.contextmanager
 def _dcp_errors(what: str, path: str | Path):
-    """DCP's CheckpointException (a BaseException holding every rank's traceback) as one ShardedCheckpointError."""
+    """DCP's CheckpointException (a BaseException holding every rank's traceback) as one ShardedCheckpointError; an
+    interrupt that DCP caught on a rank (Ctrl-C, or dppo.stopping's Stopped in a rank running in the trainer's own
+    process) is raised as itself: the run is stopping, not failing to write."""
     try:
         yield
     except CheckpointException as err:
+        for exc, _ in err.failures.values():
+            if isinstance(exc, KeyboardInterrupt):
+                raise exc from None
         failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
                              for rank, (exc, _) in sorted(err.failures.items()))  # fmt: skip
         raise ShardedCheckpointError(f"{what} {str(path)!r} failed: {failures}") from None
