@@ -160,8 +160,9 @@ def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | 
 
 
 def to_dict(cfg: DppoConfig) -> dict:
-    """The config as plain nested dicts (for checkpoints and the run's config.yaml)."""
-    return OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True)
+    """The config as plain nested dicts (for checkpoints and the trackers): what OmegaConf's to_container of the
+    structured config gives, without its cost (about 15 ms a call, at every checkpoint)."""
+    return dataclasses.asdict(cfg)
 
 
 def to_yaml(cfg: DppoConfig) -> str:
