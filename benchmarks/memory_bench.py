@@ -98,10 +98,13 @@ def descendants(root: int) -> list[int]:
     return out
 
 
-def role_of(cmdline: str, is_root: bool) -> str:
-    """The role of a process of the run, by its command line (Ray sets an actor's proc title to ray::Class...)."""
+def role_of(cmdline: str, is_root: bool, comm: str = "") -> str:
+    """The role of a process of the run, by its command line (Ray sets an actor's proc title to ray::Class...) or its
+    name (comm: a local rollout worker of a run without Ray names itself dppo-rollout-N)."""
     if is_root:
         return "driver"
+    if comm.startswith("dppo-rollout"):
+        return "rollout_worker"
     if "ray::ActorRank" in cmdline:
         return "actor_rank"
     if "ray::RolloutWorkerActor" in cmdline:
@@ -152,7 +155,11 @@ class Sampler:
             mem = read_kib(f"/proc/{pid}/smaps_rollup", ("Rss", "Pss"))
             if "Pss" not in mem:
                 continue
-            role = role_of(cmdline, pid == self.root)
+            try:
+                comm = Path(f"/proc/{pid}/comm").read_text().strip()
+            except OSError:
+                comm = ""
+            role = role_of(cmdline, pid == self.root, comm)
             peak = self.peaks.setdefault(pid, ProcessPeak(pid, role, cmdline.strip()[:60]))
             if peak.role != role:  # an idle Ray worker that has become an actor since (its proc title changed)
                 peak.role, peak.title = role, cmdline.strip()[:60]

@@ -21,6 +21,8 @@ def test_roles_come_from_ray_proc_titles(bench):
     assert bench.role_of("ray::RolloutWorkerActor.step", is_root=False) == "rollout_worker"
     assert bench.role_of("ray::ReplayBufferActor", is_root=False) == "replay_buffer"
     assert bench.role_of("/x/raylet --store_socket_name=...", is_root=False) == "ray_runtime"
+    # a local rollout worker of a run without Ray: the driver's command line, its own name
+    assert bench.role_of("python -m dppo train x=1", is_root=False, comm="dppo-rollout-0") == "rollout_worker"
 
 
 def test_the_principled_figure_is_24_bytes_a_parameter_in_fp32_and_12_in_bf16(bench):
