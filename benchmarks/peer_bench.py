@@ -313,7 +313,7 @@ def format_table(summary: dict, judged: dict) -> str:
             return "n/a"
         return f"{med:.{digits}f}" if lo == hi else f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
-    lines = [f"| | dppo (defaults) | TRL GRPOTrainer | dppo / TRL |", "|---|---|---|---|"]
+    lines = ["| | dppo (defaults) | TRL GRPOTrainer | dppo / TRL |", "|---|---|---|---|"]
     for key, label, digits in ROWS:
         a, b = summary["dppo"][key], summary["trl"][key]
         ratio = f"{a[0] / b[0]:.2f}x" if a[0] is not None and b[0] else ""

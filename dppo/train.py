@@ -45,15 +45,18 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     print(memory.line(), file=out, flush=True)
     check_checkpoint_space(cfg, shape)  # a warning line only: the run may still free space or write fewer
     resume_point = find_resume_point(cfg) if cfg.trainer.resume else None
-    if cfg.ray.enabled:
+    if cfg.use_ray:
         probe_cluster(cfg)  # an address that cannot be joined fails now, not after the ranks are placed
-    ours = cfg.ray.enabled and not ray.is_initialized()  # a cluster we start (also half-way) we shut down
+    ours = cfg.use_ray and not ray.is_initialized()  # a cluster we start (also half-way) we shut down
     try:
-        if cfg.ray.enabled:
+        if cfg.use_ray:
             init_ray(cfg)
             check_cluster_fits(cfg)
         trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point)
         print(trainer.actor_group.describe(), file=out, flush=True)
+        rollout = getattr(trainer, "rollout", None)
+        if hasattr(rollout, "describe"):  # local rollout processes (on Ray, the actors' nodes tell where)
+            print(rollout.describe(), file=out, flush=True)
         try:
             (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
         except BaseException:

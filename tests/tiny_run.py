@@ -1,6 +1,6 @@
 """The key=value overrides of the tests' tiny runs, in one place.
 
-tiny_run: the run the integration tests start as a user would (a one-layer model on a three-digit task, two
+tiny_run: the run the integration tests start as a user would, on Ray (a one-layer model on a three-digit task, two
 triggers per cycle of 4 groups of 4, staleness limit THRESHOLD; a test adds or replaces keys after these, the last
 value of a key wins). small_overrides and text_overrides: the in-process runs of the unit tests (sync mode, no
 Ray), on the integer task and on text data."""
@@ -13,7 +13,10 @@ THRESHOLD = 1  # replay.max_off_policy_threshold of a tiny run
 
 
 def tiny_run(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
+    """On Ray (the integration tests of Ray's roles); a test passes ray.enabled=null or false after it for the local
+    processes that a one-machine CPU run gets by default."""
     return [
+        "ray.enabled=true",
         f"trainer.output_dir={output_dir}",
         f"trainer.total_steps={total_steps}",
         "trainer.parameter_sync_step=2",

@@ -20,15 +20,17 @@ def validate_combinations(cfg) -> None:
             f"trainer.train_batch_size={t.train_batch_size} must be a multiple of "
             f"trainer.parameter_sync_step={t.parameter_sync_step} (each optimizer step takes an equal share)"
         )
-    if not cfg.ray.enabled and t.mode != "sync":
-        raise ConfigError(f"ray.enabled=false runs the rollout in-process and needs trainer.mode=sync; got trainer.mode={t.mode!r}")
     world_size = t.nnodes * t.n_gpus_per_node
-    if world_size > 1 and not cfg.ray.enabled:
+    if world_size > 1 and not cfg.use_ray:
         raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: a world size "
                           "above 1 runs its ranks as Ray actors; ray.enabled=false runs one rank in this process")  # fmt: skip
-    if cfg.rollout.n_gpus_per_node and not cfg.ray.enabled:
+    if cfg.rollout.n_gpus_per_node and not cfg.use_ray:
         raise ConfigError(f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node} gives the rollout workers GPUs of "
-                          "their own as Ray actors; ray.enabled=false generates in this process, on the CPU")  # fmt: skip
+                          "their own as Ray actors; ray.enabled=false generates on this machine's CPU")  # fmt: skip
+    if not cfg.use_ray and t.mode == "separate_async" and cfg.rollout.name != "hf":
+        raise ConfigError(f"rollout.name={cfg.rollout.name!r} with ray.enabled=false and trainer.mode=separate_async: the "
+                          "local rollout processes generate with the hf engine only; set ray.enabled=true (or leave it "
+                          "null) for this engine")  # fmt: skip
     if world_size > 1 or cfg.actor.fsdp == "always":
         try:
             check_reader_for_sharding(cfg.snapshot.strategy)
@@ -112,17 +114,19 @@ def _check_data_or_task(cfg) -> None:
 
 
 def _check_local_workers_fit(cfg) -> None:
-    """On a local Ray cluster every rollout worker runs on this machine: their threads must fit its CPUs (on a
-    cluster of your own, dppo.train checks the cluster's CPUs once it has joined)."""
+    """On a local Ray cluster, or as local processes, every rollout worker runs on this machine: their threads must
+    fit its CPUs (on a cluster of your own, dppo.train checks the cluster's CPUs once it has joined)."""
     r = cfg.rollout
-    if not cfg.ray.enabled or cfg.ray.address or os.environ.get("RAY_ADDRESS"):
+    if cfg.trainer.mode == "sync" and not cfg.use_ray:
+        return  # the rollout runs inside the trainer's process
+    if cfg.use_ray and (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
         return
     cpus = machine_cpus()
     if r.num_workers * r.num_threads > cpus:
         raise ConfigError(
             f"rollout.num_workers={shown(r.num_workers)} with rollout.num_threads={r.num_threads}: "
-            f"{r.num_workers * r.num_threads} worker threads, but this machine has {cpus} CPUs (a local Ray cluster "
-            "runs every rollout worker here); lower them, or join a larger cluster with ray.address"
+            f"{r.num_workers * r.num_threads} worker threads, but this machine has {cpus} CPUs (every rollout worker "
+            "runs here); lower them, or join a larger cluster with ray.address"
         )
 
 

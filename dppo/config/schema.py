@@ -101,7 +101,7 @@ class TrainerConfig:
     """torch intra-op threads of each actor rank (rollout workers use rollout.num_threads)."""
 
     nnodes: int = 1
-    """Nodes the actor's ranks span (verl's key); world size = nnodes x n_gpus_per_node. Needs ray.enabled=true
+    """Nodes the actor's ranks span (verl's key); world size = nnodes x n_gpus_per_node. Needs Ray (ray.enabled)
     above 1, and a filesystem that every node sees under trainer.output_dir (each rank writes its checkpoint shards)."""
 
     n_gpus_per_node: int = 1
@@ -683,8 +683,13 @@ class RayConfig:
     address: Optional[str] = None
     """Ray cluster address; null uses RAY_ADDRESS, or starts a local cluster if that is unset too."""
 
-    enabled: bool = True
-    """false: no Ray; the rollout runs inside the trainer process (trainer.mode=sync only; for tests and debugging)."""
+    enabled: Optional[bool] = None
+    """null (auto): Ray where the run needs it (ray.address or RAY_ADDRESS set, an actor world size above 1, the
+    rollout on GPUs, rollout.name other than hf, or the actor on CUDA), else false. false: no Ray,
+    one machine's CPU: the actor's one rank in the trainer's process, and with trainer.mode=separate_async the
+    rollout workers as local processes beside it (with sync, the rollout inside the trainer's process); this skips
+    Ray's start-up (its services and one process per role importing torch: seconds on a small machine). true:
+    Ray actors for every role, a local Ray cluster if no address is given."""
 
     num_cpus: Optional[int] = None
     """CPUs a local Ray cluster may use (null: all)."""
@@ -711,6 +716,17 @@ class DppoConfig:
 
     def __post_init__(self) -> None:
         validate_combinations(self)
+
+    @property
+    def use_ray(self) -> bool:
+        """Whether the run's roles are Ray actors: ray.enabled, or where it is null (auto), whether the run needs
+        Ray (see RayConfig.enabled)."""
+        if self.ray.enabled is not None:
+            return self.ray.enabled
+        t, r = self.trainer, self.rollout
+        on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
+        return bool(self.ray.address or os.environ.get("RAY_ADDRESS") or t.nnodes * t.n_gpus_per_node > 1
+                    or r.n_gpus_per_node or r.name != "hf" or on_cuda)  # fmt: skip
 
     @property
     def groups_per_trigger(self) -> int:

@@ -169,13 +169,14 @@ class BaseTrainer:
             resume_point = find_resume_point(cfg, self.checkpoints)
         elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
             self.checkpoints.discard_run()
-        # A fresh run on Ray starts its rollout (the workers' and the buffer's processes import torch and build their
-        # copies) before the ranks, so the two start-ups overlap instead of following each other.
+        # A fresh run starts its rollout before the ranks, so the two start-ups overlap instead of following each other:
+        # on Ray the workers' and the buffer's processes import torch and build their copies; local worker processes
+        # are forked now, while this process is single-threaded, and build theirs.
         self.rollout = rollout  # None: made by fit()
-        self._early_rollout = rollout is None and resume_point is None and cfg.ray.enabled
+        self._early_rollout = rollout is None and resume_point is None and (cfg.use_ray or cfg.trainer.mode != "sync")
         if self._early_rollout:
             early_config = policy_config(cfg.model, self.source.vocab_size)
-            self.rollout = make_rollout(cfg, self.source, early_config, self.rollout_start)
+            self.rollout = make_rollout(cfg, self.source, early_config, self.rollout_start, early=True)
         try:
             self.actor_group = make_worker_group(cfg, self.source.vocab_size)
         except BaseException:

@@ -150,12 +150,18 @@ def estimate(cfg: DppoConfig, shape: Shape, on_gpu: bool = False) -> MemoryEstim
     """The host memory of cfg's run on this machine, by role (only the processes that run here)."""
     w = shape.params * DTYPE_BYTES[cfg.model.dtype]
     ws = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if not cfg.ray.enabled:  # one process: the rank, the generator and the policy it evaluates and saves at the end
+    if not cfg.use_ray:  # the trainer's process: the rank and the policy it evaluates and saves at the end
+        in_process = cfg.trainer.mode == "sync"  # and the generator; else local worker processes beside it
         merged = {"process": PROCESS_BYTES, "policy": w}
-        for key, value in [*actor_rank(cfg, shape, on_gpu).items(), *rollout_worker(cfg, shape).items()]:
+        parts = [*actor_rank(cfg, shape, on_gpu).items(), *(rollout_worker(cfg, shape).items() if in_process else ())]
+        for key, value in parts:
             if key != "process":
                 merged[key] = merged.get(key, 0) + value
-        return MemoryEstimate((Role("driver", 1, merged),), shape.params, cfg.model.dtype)
+        roles = [Role("driver", 1, merged)]
+        if not in_process:  # shared memory: a new version is copied in before the old one is let go
+            roles += [Role("rollout worker", cfg.rollout.num_workers, rollout_worker(cfg, shape)),
+                      Role("shared weights", 1, {"published weights": 2 * w})]  # fmt: skip
+        return MemoryEstimate(tuple(roles), shape.params, cfg.model.dtype)
     local = local_cluster(cfg)
     ranks = ws if local else 0
     workers = cfg.rollout.num_workers if local and not cfg.rollout.n_gpus_per_node else 0

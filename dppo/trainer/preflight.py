@@ -183,7 +183,7 @@ def available_host_bytes() -> int:
 def _ranks_here(cfg: DppoConfig) -> int:
     """The actor's ranks on this machine: all of them in-process or on a local cluster, none (as far as this machine
     can tell) on a cluster of the user's own."""
-    if not cfg.ray.enabled:
+    if not cfg.use_ray:
         return 1
     return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node if local_cluster(cfg) else 0
 

@@ -1,4 +1,5 @@
-"""Where the trainer's groups come from: Ray rollout workers (async or lockstep) or an in-process generator.
+"""Where the trainer's groups come from: Ray rollout workers (async or lockstep), local worker processes
+(dppo.trainer.local_rollout) or an in-process generator.
 
 Both sources run the same worker step (ticket from the replay buffer -> load newer weights -> generate -> put)
 and the same replay-buffer logic; they differ only in who runs the step and when. fetch(num_groups, version)
@@ -28,31 +29,14 @@ from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
-from dppo.workers.rollout.replay_buffer import ReplayBufferActor, ReplayBufferCore, StoredGroup
+from dppo.trainer.local_rollout import LocalRollout
+from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, groups_of, one_line
+from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from dppo.workers.rollout.worker import RolloutGenerator, RolloutWorkerActor
 
 log = logging.getLogger("dppo.rollout")
 
 BUFFER_TIMEOUT_S = 30.0  # how long a liveness check waits for the replay buffer to answer
-
-
-class RolloutFailedError(RuntimeError):
-    """The rollout cannot go on: the replay buffer died, a rollout worker died once more than rollout.max_restarts
-    allows, or a rollout worker raised. The message names what, in one line."""
-
-
-def _groups(taken: tuple[list[StoredGroup], int] | None) -> tuple[list[Group], int] | None:
-    """What the Ray replay buffer's take returned, with its torch-free StoredGroups as Groups again."""
-    if taken is None:
-        return None
-    stored, dropped = taken
-    return [Group.from_arrays({**s.arrays, "index": s.index}) for s in stored], dropped
-
-
-def _buffer_core(cfg, start: RolloutStart, cls=ReplayBufferCore):
-    return cls(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy, cfg.trainer.train_batch_size,
-               start.version, start_consumed=start.consumed, start_grant=start.next_grant,
-               start_dropped=start.dropped_total)  # fmt: skip
 
 
 class InProcessRollout:
@@ -61,7 +45,7 @@ class InProcessRollout:
     worker_restarts = 0
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
-        self.buffer = _buffer_core(cfg, start)
+        self.buffer = buffer_core(cfg, start)
         self.worker = RolloutGenerator(cfg, source, model_config, 0)
 
     def start(self) -> None:
@@ -125,7 +109,7 @@ class RayRollout:
         # predecessor's); CPU workers (no pool): spread over the nodes, reserving nothing.
         self._pool = pools(cfg)[1]
         self._groups = place_pool(self._pool, plan(cfg).rollout_nodes) if self._pool is not None else []
-        self.buffer = _buffer_core(cfg, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
+        self.buffer = buffer_core(cfg, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker
         # process has only the built-in tasks registered, so looking task.name up there would miss a
@@ -167,7 +151,7 @@ class RayRollout:
             runs = {w.run: w for w in self.workers if w.run is not None}
             ready, _ = ray.wait([take, *runs], num_returns=1)
             if take in ready:
-                return _groups(self._from_buffer(take))
+                return groups_of(self._from_buffer(take))
             self._outcome(runs[ready[0]], ready[0])
 
     def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
@@ -177,7 +161,7 @@ class RayRollout:
         if self.mode == "sync":
             return self.fetch(num_groups, trainer_version)
         self._check_workers()  # fetch notices a dead worker while it waits; this takes without waiting
-        return _groups(self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version)))
+        return groups_of(self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version)))
 
     def _check_workers(self) -> None:
         """Restart every worker whose run() loop has ended by dying (or raise what ended it), without waiting."""
@@ -205,7 +189,7 @@ class RayRollout:
             self._check_buffer()
             cause = err.cause if getattr(err, "cause", None) is not None else err
             raise RolloutFailedError(f"rollout worker {worker.index} raised {type(cause).__name__}: "
-                                     f"{_one_line(cause)}") from None  # fmt: skip
+                                     f"{one_line(cause)}") from None  # fmt: skip
         except process_gone_errors() as err:  # the process is gone, however Ray says so
             self._restart(worker, death_in_words(err))
             return None
@@ -260,13 +244,13 @@ class RayRollout:
             pass
 
 
-def _one_line(err: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
-def make_rollout(cfg, source: PromptSource, model_config, start: RolloutStart | None = None):
-    """The rollout source cfg asks for (ray.enabled, trainer.mode); source is the trainer's PromptSource,
-    model_config the policy's HF config, start where it picks up (a fresh run's start by default)."""
-    cls = RayRollout if cfg.ray.enabled else InProcessRollout
-    return cls(cfg, source, model_config, start or RolloutStart())
+def make_rollout(cfg, source: PromptSource, model_config, start: RolloutStart | None = None, early: bool = False):
+    """The rollout source cfg asks for (cfg.use_ray, trainer.mode); source is the trainer's PromptSource,
+    model_config the policy's HF config, start where it picks up (a fresh run's start by default); early: made
+    before the actor's rank was built (local workers may then be forked)."""
+    start = start or RolloutStart()
+    if cfg.use_ray:
+        return RayRollout(cfg, source, model_config, start)
+    if cfg.trainer.mode == "separate_async":
+        return LocalRollout(cfg, source, model_config, start, fork=early)
+    return InProcessRollout(cfg, source, model_config, start)

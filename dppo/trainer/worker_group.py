@@ -171,4 +171,4 @@ class RayWorkerGroup(WorkerGroup):
 
 def make_worker_group(cfg, vocab_size: int) -> WorkerGroup:
     """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process."""
-    return RayWorkerGroup(cfg, vocab_size) if cfg.ray.enabled else LocalWorkerGroup.create(cfg, vocab_size)
+    return RayWorkerGroup(cfg, vocab_size) if cfg.use_ray else LocalWorkerGroup.create(cfg, vocab_size)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.test_stop_resume import REPO, ENV, kill_session, records, session, start, tiny, wait_for
+from integration.test_stop_resume import REPO, ENV, kill_session, records, session, start, tiny
 
 pytestmark = pytest.mark.integration
 

@@ -1,5 +1,6 @@
-"""`dppo train` as a process, stopped: SIGTERM ends a run and its Ray cluster within 5 s and the run resumes; a sync
-run SIGKILLed and resumed ends bitwise as if never interrupted."""
+"""`dppo train` as a process, stopped: SIGTERM ends a run and its Ray cluster (or, without Ray, its local rollout
+worker processes) within 5 s and the run resumes; a sync run SIGKILLed and resumed ends bitwise as if never
+interrupted."""
 
 import json
 import os
@@ -82,11 +83,41 @@ def kill_session(sid: int) -> None:
             pass
 
 
+def stop_with_sigterm(proc: subprocess.Popen, log: Path, what: str) -> None:
+    """SIGTERM the run: it and every process of its session (what: in words) are gone within 5 s, exit code 143,
+    with one line and no traceback."""
+    sent = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    code = proc.wait(timeout=30)
+    wait_for(lambda: not session(proc.pid), 30, f"{what} to end")
+    stopped_s = time.monotonic() - sent
+    assert stopped_s < 5.0, stopped_s
+    assert code == 143, log.read_text()[-3000:]
+    lines = log.read_text().strip().splitlines()
+    assert lines[-1].startswith("dppo: stopped by SIGTERM; checkpoints already written are intact")
+    assert not any("Traceback" in line for line in lines), lines
+
+
 def newest_trainer_state(checkpoints: Path) -> dict:
     from dppo.trainer import checkpoint as ckpt
     from dppo.trainer.base import TRAINER_FILE
 
     return ckpt.CheckpointDir(checkpoints).newest(lambda path, manifest: ckpt.load_torch(path / TRAINER_FILE))[1]
+
+
+def test_sigterm_stops_an_async_run_without_ray_and_its_worker_processes_within_5_s(tmp_path):
+    """The default on one CPU machine: no Ray, two rollout worker processes. SIGTERM mid-run: the run and its workers
+    are gone within 5 s, exit code 143, one line, and the last checkpoint loads."""
+    out, log = tmp_path / "run", tmp_path / "local.log"
+    proc = start(tiny(out, 1000, "ray.enabled=null", "trainer.checkpoint_every=2", "rollout.num_workers=2"), log)
+    try:
+        wait_for(lambda: len(records(out / "metrics.jsonl")) >= 3 or proc.poll() is not None, 150, "step 3")
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert len(session(proc.pid)) == 3  # the trainer and its two workers, nothing of Ray's
+        stop_with_sigterm(proc, log, "the worker processes")
+    finally:
+        kill_session(proc.pid)
+    assert newest_trainer_state(out / "checkpoints")["global_step"] >= 2
 
 
 def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_resumes(tmp_path):
@@ -100,18 +131,9 @@ def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_r
         wait_for(lambda: len(records(metrics)) >= 5 or proc.poll() is not None, 150, "step 5")
         assert proc.poll() is None, log.read_text()[-3000:]
         assert len(session(proc.pid)) > 3  # the driver and its local Ray cluster (GCS, raylet, workers, ...)
-        sent = time.monotonic()
-        proc.send_signal(signal.SIGTERM)
-        code = proc.wait(timeout=30)
-        wait_for(lambda: not session(proc.pid), 30, "the Ray processes to end")
-        stopped_s = time.monotonic() - sent
+        stop_with_sigterm(proc, log, "the Ray processes")
     finally:
         kill_session(proc.pid)
-    assert stopped_s < 5.0, stopped_s
-    assert code == 143, log.read_text()[-3000:]
-    lines = log.read_text().strip().splitlines()
-    assert lines[-1].startswith("dppo: stopped by SIGTERM; checkpoints already written are intact")
-    assert not any("Traceback" in line for line in lines), lines
     before = records(metrics)
     last = newest_trainer_state(out / "checkpoints")["global_step"]  # the last checkpoint verifies and loads
     assert last % 2 == 0 and 4 <= last <= len(before)

@@ -43,7 +43,7 @@ def test_impossible_pools_are_refused(overrides, message):
 
 def test_a_pool_without_ray_is_refused():
     with pytest.raises(ConfigError, match="rollout.n_gpus_per_node=1 gives the rollout workers GPUs of their own as "
-                                          "Ray actors; ray.enabled=false generates in this process"):  # fmt: skip
+                                          "Ray actors; ray.enabled=false generates on this machine's CPU"):  # fmt: skip
         load_config(["ray.enabled=false", "trainer.mode=sync", "rollout.n_gpus_per_node=1"])
 
 

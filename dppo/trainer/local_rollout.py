@@ -1,0 +1,221 @@
+"""Separate-async rollout without Ray: rollout workers as local processes, the replay buffer in the trainer's.
+
+ray.enabled=false with trainer.mode=separate_async (the default where one machine's CPU holds the whole run:
+see DppoConfig.use_ray). The workers generate while the trainer trains, as on Ray, with the same tickets,
+staleness rules, score-ahead and restarts; what is not here is Ray's start-up (its services and one more process
+per role, each importing torch and transformers: about 8-10 s before the first step on a 2-core machine).
+
+- Workers (dppo.workers.rollout.process): the first incarnations are forked from this process before the actor's
+  rank is built, while it is single-threaded and holds no CUDA context, so they start with torch, transformers
+  and dppo imported; a worker that replaces a dead one is spawned (a fresh interpreter: forking a process whose
+  other threads may hold locks is not safe). Each worker talks to the buffer through its own pipe, served here
+  by one thread per worker.
+- Weights: publish() copies the rank's state dict into one anonymous shared-memory file (a tied weight once); a
+  worker's ticket carries where each tensor lies in it and the file's descriptor follows on the worker's pipe; the
+  worker maps it and copies the weights into its model. The kernel frees a version once the trainer has replaced
+  it and every worker has unmapped it.
+- Faults: a worker whose process dies is restarted up to rollout.max_restarts times, its outstanding tickets
+  granted again (rollout/worker_restarts); a worker that raises ends the run with RolloutFailedError naming the
+  error. The workers die with this process (PR_SET_PDEATHSIG), however it ends.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import logging
+import multiprocessing
+from multiprocessing import reduction
+import os
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import cloudpickle
+import torch
+
+from dppo.data.source import PromptSource
+from dppo.rollout import Group
+from dppo.trainer.resume import RolloutStart
+from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, groups_of
+from dppo.workers.rollout.process import SharedState, serve
+from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+
+log = logging.getLogger("dppo.rollout")
+
+POLL_S = 0.5  # how often a waiting fetch looks at the workers' processes
+# Threads a fork may leave behind: they hold no lock while they block (dppo.stopping's watcher reads a pipe).
+FORK_SAFE_THREADS = frozenset({"dppo-stop-watcher"})
+
+
+class _Buffer:
+    """ReplayBufferCore behind a condition: the workers' threads wait in acquire, the trainer in take."""
+
+    def __init__(self, core: ReplayBufferCore) -> None:
+        self.core = core
+        self.changed = threading.Condition()
+
+    def call(self, name: str, *args) -> Any:
+        with self.changed:
+            result = getattr(self.core, name)(*args)
+            self.changed.notify_all()  # groups put or taken, weights published, a holder released: others may go on
+            return result
+
+    def acquire(self, version: int, num_groups: int, holder: int):
+        with self.changed:
+            while (ticket := self.core.acquire(version, num_groups, holder)) is None:
+                self.changed.wait()
+            return ticket
+
+
+@dataclass
+class _Worker:
+    """One incarnation of rollout worker `index`."""
+
+    index: int
+    holder: int  # its id at the replay buffer (a restarted worker gets a new one)
+    process: Any
+    conn: Any
+    restarts: int = 0
+    error: str | None = None  # what it reported before exiting with an error
+    server: threading.Thread | None = field(default=None, repr=False)
+
+
+class LocalRollout:
+    """Rollout workers as local processes (see the module docstring); the interface of RayRollout."""
+
+    def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart, fork: bool = False) -> None:
+        """fork: the first workers may be forked (made before the actor's rank, whose threads a fork would copy
+        half of); they still are not where this process runs other Python threads or holds a CUDA context."""
+        self.cfg = cfg
+        self.worker_restarts = start.worker_restarts
+        self.buffer = _Buffer(buffer_core(cfg, start))
+        self._payload = cloudpickle.dumps((cfg, source, model_config))
+        self._holders = itertools.count()
+        ctx = self._context(fork)
+        self.workers = [self._start(i, 0, ctx) for i in range(cfg.rollout.num_workers)]  # all forked before any thread
+        for worker in self.workers:
+            self._listen(worker)
+
+    @staticmethod
+    def _context(fork: bool):
+        """fork where it is safe (no other Python thread, no CUDA context: the worker starts with everything
+        imported), else spawn."""
+        others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.name not in FORK_SAFE_THREADS]
+        if fork and not others and not torch.cuda.is_initialized():
+            return multiprocessing.get_context("fork")
+        return multiprocessing.get_context("spawn")
+
+    def _start(self, index: int, restarts: int, ctx) -> _Worker:
+        ours, theirs = ctx.Pipe(duplex=True)
+        process = ctx.Process(target=serve, args=(theirs, self._payload, index, os.getpid()),
+                              name=f"dppo-rollout-{index}", daemon=True)  # fmt: skip
+        process.start()
+        theirs.close()  # the worker's end lives in the worker now: EOF here once it exits
+        return _Worker(index, next(self._holders), process, ours, restarts)
+
+    def _listen(self, worker: _Worker) -> None:
+        worker.server = threading.Thread(target=self._serve, args=(worker,), name=f"dppo-rollout-pipe-{worker.index}",
+                                         daemon=True)  # fmt: skip
+        worker.server.start()
+
+    def _serve(self, worker: _Worker) -> None:
+        """Answer worker's requests until its pipe closes (it exited, or close() closed it)."""
+        conn = worker.conn
+        try:
+            while True:
+                message = conn.recv()
+                if message[0] == "acquire":
+                    ticket = self.buffer.acquire(message[1], message[2], worker.holder)
+                    shared = ticket.weights  # a SharedState: its layout goes in the ticket, its memory as a descriptor
+                    conn.send(ticket if shared is None else dataclasses.replace(ticket, weights=shared.layout))
+                    if shared is not None:
+                        reduction.send_handle(conn, shared.fd, worker.process.pid)
+                elif message[0] == "put":
+                    self.buffer.call("put", message[1], message[2], worker.holder, message[3])
+                elif message[0] == "error":
+                    worker.error = f"{message[1]}: {message[2]}"
+        except (EOFError, OSError):
+            pass  # the worker exited (or was killed), or close() closed the pipe
+        finally:
+            with self.buffer.changed:
+                self.buffer.changed.notify_all()  # a fetch waiting on this worker looks at it now
+
+    def start(self) -> None:
+        pass  # the workers ask for tickets as soon as they are up; the first one waits for the first publish
+
+    def publish(self, state_dict, version: int) -> None:
+        """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers."""
+        self.buffer.call("publish", SharedState.of(state_dict), version)
+
+    def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
+        while True:
+            with self.buffer.changed:
+                taken = self.buffer.core.take(num_groups, trainer_version)
+                self.buffer.changed.notify_all()  # taken or dropped groups may free budget for waiting workers
+                if taken is None:
+                    self.buffer.changed.wait(POLL_S)
+            if taken is not None:
+                return groups_of(taken)
+            self._check_workers()
+
+    def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+        self._check_workers()
+        return groups_of(self.buffer.call("take", num_groups, trainer_version))
+
+    def _check_workers(self) -> None:
+        """Restart each worker whose process has died (or raise what a worker reported before it exited)."""
+        for worker in list(self.workers):
+            if worker.process.is_alive():
+                continue
+            worker.process.join()
+            # its pipe is closed: the thread reads what the worker sent last, unless it waits for a ticket for the
+            # dead worker (it then sends the stop ticket that _restart's release makes, into a closed pipe)
+            worker.server.join(timeout=1.0)
+            if worker.error is not None:
+                raise RolloutFailedError(f"rollout worker {worker.index} raised {worker.error}")
+            self._restart(worker, _exit_in_words(worker.process.exitcode))
+
+    def _restart(self, worker: _Worker, how: str) -> None:
+        limit = self.cfg.rollout.max_restarts
+        if worker.restarts >= limit:
+            raise RolloutFailedError(f"rollout worker {worker.index} {how} and its restarts are used up "
+                                     f"({worker.restarts} of rollout.max_restarts={limit})")  # fmt: skip
+        worker.conn.close()
+        regranted = self.buffer.call("release", worker.holder)
+        self.workers[worker.index] = new = self._start(worker.index, worker.restarts + 1, self._context(fork=False))
+        self._listen(new)
+        self.worker_restarts += 1
+        log.warning(f"rollout worker {worker.index} {how}; restarted it ({worker.restarts + 1} of "
+                    f"rollout.max_restarts={limit}); its {regranted} outstanding groups are generated anew")  # fmt: skip
+
+    def stats(self) -> dict[str, float]:
+        return {**self.buffer.call("stats"), "rollout/worker_restarts": float(self.worker_restarts)}
+
+    def describe(self) -> str:
+        pids = ", ".join(str(w.process.pid) for w in self.workers)
+        return f"rollout: {len(self.workers)} worker process(es) on this machine, no Ray (pid {pids})"
+
+    def close(self) -> None:
+        """Kill the workers (the run is over, or failed: nothing they would still generate is wanted) and free the
+        shared weights; never raises."""
+        self.buffer.call("close")  # a worker waiting for a ticket gets a stop ticket
+        for worker in self.workers:
+            try:
+                worker.process.kill()
+                worker.process.join()
+                worker.conn.close()
+            except (OSError, ValueError):  # a process already reaped, a pipe already closed
+                pass
+        self.buffer.core.weights = None
+
+
+def _exit_in_words(code: int | None) -> str:
+    if code is not None and code < 0:
+        import signal
+
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with status {code}"
