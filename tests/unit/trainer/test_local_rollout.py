@@ -119,7 +119,11 @@ def test_local_workers_generate_what_the_in_process_rollout_does(tmp_path):
         assert all(g.version in (0, 1) for g in later)  # generated ahead with version 0, or with 1
         assert local.stats()["rollout/worker_restarts"] == 0.0
         pids = [w.process.pid for w in local.workers]
-        assert [open(f"/proc/{pid}/comm").read().strip() for pid in pids] == ["dppo-rollout-0", "dppo-rollout-1"]
+        names = lambda: [open(f"/proc/{pid}/comm").read().strip() for pid in pids]  # noqa: E731
+        deadline = time.monotonic() + 120  # a spawned worker names itself once its imports are done
+        while names() != ["dppo-rollout-0", "dppo-rollout-1"] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert names() == ["dppo-rollout-0", "dppo-rollout-1"]
     finally:
         local.close()
         reference.close()
