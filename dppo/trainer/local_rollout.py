@@ -6,9 +6,9 @@ staleness rules, score-ahead and restarts; what is not here is Ray's start-up (i
 per role, each importing torch and transformers: about 8-10 s before the first step on a 2-core machine).
 
 - Workers (dppo.workers.rollout.process): the first incarnations are forked from this process before the actor's
-  rank is built, while it is single-threaded and holds no CUDA context, so they start with torch, transformers
-  and dppo imported; a worker that replaces a dead one is spawned (a fresh interpreter: forking a process whose
-  other threads may hold locks is not safe). Each worker talks to the buffer through its own pipe, served here
+  rank is built, while it runs no other thread that could hold a lock and has no CUDA context, so they start with
+  torch, transformers and dppo imported; a worker that replaces a dead one, and the workers of a resumed run, are
+  spawned (a fresh interpreter: forking a process whose other threads may hold locks is not safe). Each worker talks to the buffer through its own pipe, served here
   by one thread per worker.
 - Weights: publish() copies the rank's state dict into one anonymous shared-memory file (a tied weight once); a
   worker's ticket carries where each tensor lies in it and the file's descriptor follows on the worker's pipe; the
@@ -25,10 +25,10 @@ import dataclasses
 import itertools
 import logging
 import multiprocessing
-from multiprocessing import reduction
 import os
 import threading
 from dataclasses import dataclass, field
+from multiprocessing import reduction
 from typing import Any
 
 import cloudpickle
