@@ -26,6 +26,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import signal
 import threading
 from dataclasses import dataclass, field
 from multiprocessing import reduction
@@ -146,7 +147,7 @@ class LocalRollout:
 
     def publish(self, state_dict, version: int) -> None:
         """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers."""
-        self.buffer.call("publish", SharedState.of(state_dict), version)
+        self.buffer.call("publish", SharedState(state_dict), version)
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         while True:
@@ -212,8 +213,6 @@ class LocalRollout:
 
 def _exit_in_words(code: int | None) -> str:
     if code is not None and code < 0:
-        import signal
-
         try:
             return f"was killed by {signal.Signals(-code).name}"
         except ValueError:

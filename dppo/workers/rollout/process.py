@@ -65,6 +65,7 @@ class SharedState:
     version and every worker has closed its mapping."""
 
     def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        """A copy of state_dict (CPU tensors; they may be a training model's live ones) in new shared memory."""
         placed: dict[tuple, int] = {}  # (data_ptr, shape, stride, dtype) -> byte offset: an alias is stored once
         entries, nbytes = [], 0
         for key, tensor in state_dict.items():
@@ -79,11 +80,6 @@ class SharedState:
         self._buffer = mmap.mmap(self.fd, max(nbytes, 1))
         for (key, *_), view in zip(entries, self.layout.views(self._buffer).values()):
             view.copy_(state_dict[key].detach())  # an alias is written twice to the same place: harmless
-
-    @classmethod
-    def of(cls, state_dict: dict[str, torch.Tensor]) -> SharedState:
-        """A copy of state_dict (CPU tensors; they may be a training model's live ones) in new shared memory."""
-        return cls(state_dict)
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         """Views of this process's mapping (the trainer's: tests read the published weights back with it)."""

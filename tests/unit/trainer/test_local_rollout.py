@@ -72,7 +72,7 @@ def _same_groups(a, b) -> None:
 def test_shared_state_is_one_shared_file_a_tied_weight_once_and_a_copy():
     a, b = torch.randn(3, 4), torch.randn(5).bfloat16()
     state = {"a": a, "tied": a, "b": b, "c": torch.randn(2), "empty": torch.empty(0)}
-    shared = SharedState.of(state)
+    shared = SharedState(state)
     views = shared.state_dict()
     assert list(views) == list(state)
     assert all(torch.equal(views[k], state[k]) and views[k].dtype == state[k].dtype for k in state)
