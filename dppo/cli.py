@@ -15,6 +15,7 @@ import sys
 import textwrap
 import traceback
 
+from dppo._text import one_line
 from dppo.stopping import StopOnSignal
 
 USAGE_EXAMPLES = """\
@@ -169,11 +170,6 @@ def _warning_lines():
         logger.propagate = previous
 
 
-def _one_line(err: BaseException) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= 2000 else text[:1997] + "..."
-
-
 def main(argv: list[str] | None = None) -> int:
     try:
         return _main(argv)
@@ -210,10 +206,10 @@ def _main(argv: list[str] | None) -> int:
                 if isinstance(err, cls):
                     if debug:
                         traceback.print_exc()
-                    print(f"dppo: error: {_one_line(err)}", file=sys.stderr)
+                    print(f"dppo: error: {one_line(err, 2000)}", file=sys.stderr)
                     return code
             traceback.print_exc()
-            print(f"dppo: internal error: {type(err).__name__}: {_one_line(err)}", file=sys.stderr)
+            print(f"dppo: internal error: {type(err).__name__}: {one_line(err, 2000)}", file=sys.stderr)
             return 70
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from dppo._text import one_line
 from dppo.data.errors import DataColumnError, DataFileError, DataRowError
 
 
@@ -63,7 +64,7 @@ def _read_one(path: str, prompt_key: str, rows: ParquetRows) -> None:
             schema, metadata = parquet.schema_arrow, parquet.metadata
             group_rows = [metadata.row_group(i).num_rows for i in range(metadata.num_row_groups)]
         except (pa.ArrowException, OSError) as err:
-            raise DataFileError(f"data file {path!r} is not a readable parquet file ({_one_line(err)})") from None
+            raise DataFileError(f"data file {path!r} is not a readable parquet file ({one_line(err, None)})") from None
         for column, why in ((prompt_key, " (data.prompt_key)"), ("data_source", ""), ("reward_model", "")):
             if column not in schema.names:
                 raise DataColumnError(f"data file {path!r} has no column {column!r}{why}; its columns: {', '.join(schema.names)}")
@@ -99,12 +100,8 @@ def _read_row_group(parquet, path: str, index: int, group_rows: list[int], colum
     except (pa.ArrowException, OSError) as err:
         first = sum(group_rows[:index])
         raise DataFileError(f"data file {path!r}: row group {index} of {len(group_rows)} (rows {first} to "
-                            f"{first + group_rows[index] - 1}) cannot be read ({_one_line(err)}); the file is "
+                            f"{first + group_rows[index] - 1}) cannot be read ({one_line(err, None)}); the file is "
                             "damaged: write it again") from None  # fmt: skip
-
-
-def _one_line(err: BaseException) -> str:
-    return " ".join(str(err).split())
 
 
 def _check_row(path: str, i: int, prompt_key: str, messages, data_source, ground_truth) -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dppo._text import one_line
 from dppo.data.errors import DataFileError, RewardFunctionError
 from dppo.data.time_limit import CallTimeout, call_with_time_limit
 
@@ -61,10 +62,6 @@ def gsm8k_compute_score(data_source: str, solution_str: str, ground_truth: str, 
     return float(got is not None and got == expected)
 
 
-def _one_line(text: str) -> str:
-    return " ".join(str(text).split())
-
-
 class RewardFunction:
     """compute_score from custom_reward_function.path (the built-in gsm8k_compute_score when path is None).
 
@@ -80,7 +77,7 @@ class RewardFunction:
                 with open(path, encoding="utf-8") as f:
                     self._source = f.read()
             except OSError as err:
-                raise DataFileError(f"custom_reward_function.path={path!r}: cannot read it ({_one_line(err)})") from None
+                raise DataFileError(f"custom_reward_function.path={path!r}: cannot read it ({one_line(err, None)})") from None
         self._fn: ScoreFn | None = None
         self.function()  # compile now: a broken file or a missing name fails before any worker starts
 
@@ -101,7 +98,7 @@ class RewardFunction:
             exec(compile(self._source, self.path, "exec"), module.__dict__)  # noqa: S102 - the user's own file
         except Exception as err:
             raise RewardFunctionError(f"custom_reward_function.path={self.path!r} failed to load: "
-                                      f"{type(err).__name__}: {_one_line(err)}") from err  # fmt: skip
+                                      f"{type(err).__name__}: {one_line(err, None)}") from err  # fmt: skip
         fn = getattr(module, self.name, None)
         if not callable(fn):
             defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
@@ -125,7 +122,7 @@ class RewardFunction:
                                       f"(custom_reward_function.timeout_s) {context}") from None  # fmt: skip
         except Exception as err:
             raise RewardFunctionError(f"reward function {self.label} raised {type(err).__name__}: "
-                                      f"{_one_line(err)} {context}") from err  # fmt: skip
+                                      f"{one_line(err, None)} {context}") from err  # fmt: skip
         extras = {}
         if isinstance(result, dict):
             if "score" not in result:
@@ -135,7 +132,7 @@ class RewardFunction:
             result = result["score"]
         if not _is_real(result):
             raise RewardFunctionError(f"reward function {self.label} returned {type(result).__name__} "
-                                      f"{_one_line(repr(result))[:80]}; expected a float or a dict with 'score' {context}")  # fmt: skip
+                                      f"{one_line(repr(result), None)[:80]}; expected a float or a dict with 'score' {context}")  # fmt: skip
         score = float(result)
         if not math.isfinite(score):
             raise RewardFunctionError(f"reward function {self.label} returned the non-finite score {score} {context}")

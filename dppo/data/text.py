@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from dppo._text import one_line
 from dppo.data.errors import DataRowError, PromptTooLongError, TokenizerError
 from dppo.data.parquet import ParquetRows, read_parquet_files
 from dppo.data.rewards import RewardFunction, RewardRow, score_texts
@@ -21,10 +22,6 @@ from dppo.data.source import Prompts, PromptSource, Scores
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 TRUNCATIONS = ("error", "left", "right")
-
-
-def _one_line(err: BaseException) -> str:
-    return f"{type(err).__name__}: {' '.join(str(err).split())}"
 
 
 def load_tokenizer(model_path: str):
@@ -37,7 +34,7 @@ def load_tokenizer(model_path: str):
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as err:  # transformers raises many kinds here; all mean the same to the user
-        raise TokenizerError(f"model.path={model_path!r}: AutoTokenizer cannot load its tokenizer ({_one_line(err)})") from err
+        raise TokenizerError(f"model.path={model_path!r}: AutoTokenizer cannot load its tokenizer ({type(err).__name__}: {one_line(err, None)})") from err
     if not getattr(tokenizer, "chat_template", None):
         raise TokenizerError(f"the tokenizer in model.path={model_path!r} has no chat template (chat_template in "
                              "tokenizer_config.json or chat_template.jinja); set tokenizer.chat_template and save it "
@@ -75,7 +72,7 @@ def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncati
         try:
             texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
         except Exception as err:  # a jinja template error, or a role the template rejects
-            raise DataRowError(f"{rows.where(i)}: the tokenizer's chat template fails on its prompt ({_one_line(err)})") from err
+            raise DataRowError(f"{rows.where(i)}: the tokenizer's chat template fails on its prompt ({type(err).__name__}: {one_line(err, None)})") from err
     prompt_ids = []
     for i, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
         if len(ids) > max_prompt_length:

@@ -43,6 +43,7 @@ import ray
 import torch
 from tqdm.auto import tqdm
 
+from dppo._text import one_line
 from dppo.config import DppoConfig, to_dict
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
@@ -528,7 +529,7 @@ class BaseTrainer:
                 state = point[1] if path == point[0] else _read_trainer_state(self.cfg, path, self.checkpoints.trusted(path))
                 self._load_actor(path, state)
             except ckpt.CheckpointError as err:
-                reason = ckpt._one_line(str(err))
+                reason = one_line(err)
                 self.checkpoints.warn(f"skipped checkpoint {path}: {reason}")
                 skipped.append(f"{path.name}: {reason}")
                 continue

@@ -38,6 +38,8 @@ from typing import Any
 
 import torch
 
+from dppo._text import one_line
+
 log = logging.getLogger("dppo.checkpoint")
 
 MANIFEST = "manifest.json"
@@ -383,13 +385,13 @@ class CheckpointDir:
                 found = path, load_fn(path, manifest)
                 break
             except CheckpointError as err:
-                reason = _one_line(str(err)) + (f" (dropped from {LEDGER})" if path.name in dropped else "")
+                reason = one_line(err) + (f" (dropped from {LEDGER})" if path.name in dropped else "")
                 self.warn(f"skipped checkpoint {path}: {reason}")
                 skipped.append(f"{path.name}: {reason}")
                 dropped.discard(path.name)
         for name in sorted(dropped):  # not reached by the walk above (older, or no directory): still one line each
             if str(checked[name]) not in (_NEVER_IN_PLACE, _RETIRED):  # what a kill undid or finished: nothing to say
-                self.warn(f"dropped {name} from {LEDGER}: {_one_line(str(checked[name]))}")
+                self.warn(f"dropped {name} from {LEDGER}: {one_line(checked[name])}")
         if found is None and skipped:
             raise CheckpointError(f"no usable checkpoint in {str(self.directory)!r}; skipped {len(skipped)} "
                                   f"(newest: {skipped[0]})")  # fmt: skip
@@ -424,11 +426,6 @@ def _remove(path: Path) -> None:
         path.unlink(missing_ok=True)
 
 
-def _one_line(text: str, limit: int = 300) -> str:
-    text = " ".join(text.split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 # ---- torch files --------------------------------------------------------------------------------------
 
 
@@ -438,7 +435,7 @@ def load_torch(path: Path) -> Any:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a pickle asking for anything but tensors and plain types lands here too
         raise CheckpointError(f"cannot read {path.name} as tensors and plain data ({type(err).__name__}: "
-                              f"{_one_line(str(err), 160)})") from None  # fmt: skip
+                              f"{one_line(err, 160)})") from None  # fmt: skip
 
 
 def save_checkpoint(directory: str | os.PathLike, step: int, version: int, write_fn: Callable[[Path], None],

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from dppo._text import one_line
 from dppo.models import tiny_model_config
 from dppo.tasks import make_task
 from dppo.trainer import checkpoint as ckpt
@@ -61,7 +62,7 @@ def verify(checkpoint_dir: str | os.PathLike) -> tuple[Path, dict]:
         if f"{ACTOR_DIR}/.metadata" not in manifest["files"] or not isinstance(state.get("config"), dict):
             raise ckpt.CheckpointError(f"it holds no actor shards ({ACTOR_DIR}/) or no config: written by an older dppo")
     except ckpt.CheckpointError as err:
-        raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {ckpt._one_line(str(err))}") from None
+        raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {one_line(err)}") from None
     except (KeyError, TypeError, ValueError) as err:
         raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {TRAINER_FILE} is not a dppo trainer state "
                                    f"({type(err).__name__}: {err})") from None  # fmt: skip
@@ -92,7 +93,7 @@ def load_checkpoint_policy(checkpoint_dir: str | os.PathLike) -> CheckpointPolic
     try:
         weights = load_full_weights(path / ACTOR_DIR, "model")
     except (UnsafeCheckpointError, ShardedCheckpointError) as err:
-        raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {ckpt._one_line(str(err))}") from None
+        raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {one_line(err)}") from None
     config = state["config"]
     model = model_with_weights(_hf_config(path, config, weights), config["model"]["dtype"], weights)
     saved = path / ACTOR_DIR / CHECKPOINT_HF_DIR

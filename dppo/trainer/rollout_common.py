@@ -29,8 +29,3 @@ def buffer_core(cfg, start: RolloutStart, cls=ReplayBufferCore):
     return cls(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy, cfg.trainer.train_batch_size,
                start.version, start_consumed=start.consumed, start_grant=start.next_grant,
                start_dropped=start.dropped_total)  # fmt: skip
-
-
-def one_line(err: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."

@@ -30,7 +30,7 @@ from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remo
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
 from dppo.trainer.local_rollout import LocalRollout
-from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, groups_of, one_line
+from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, groups_of
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from dppo.workers.rollout.worker import RolloutGenerator, RolloutWorkerActor
 

@@ -29,6 +29,7 @@ from multiprocessing import reduction
 import cloudpickle
 import torch
 
+from dppo._text import one_line
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 from dppo.workers.rollout.worker import RolloutGenerator, generation_step_bytes
@@ -113,11 +114,6 @@ def die_with_parent(name: str) -> None:
         pass
 
 
-def _one_line(err: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(err).split())
-    return text if len(text) <= limit else text[: limit - 3] + "..."
-
-
 def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
     """The worker process's main: payload is cloudpickle.dumps((cfg, source, model_config)), the trainer's
     PromptSource object itself (a worker must not rebuild it: a register_task task exists in the trainer only);
@@ -151,7 +147,7 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
         return  # the trainer closed its end or is gone: nothing to report to
     except BaseException as err:  # noqa: BLE001  reported to the trainer, which raises it as the rollout's failure
         try:
-            conn.send(("error", type(err).__name__, _one_line(err)))
+            conn.send(("error", type(err).__name__, one_line(err)))
         except OSError:
             pass
         raise SystemExit(1) from None
