@@ -108,6 +108,11 @@ $(TRL_VENV)/.installed: $(VENV)/.installed
 		"transformers==$$($(BIN)/python -c 'import transformers; print(transformers.__version__)')"
 	touch $@
 
-.PHONY: bench-peers
+.PHONY: bench-peers bench-peers-text
 bench-peers: install $(TRL_VENV)/.installed
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/peer_bench.py $(PEERS_ARGS)
+
+# issue 18's point 3: a 43M model on a text task with 64-token responses, dppo generating with vLLM (.venv-vllm)
+PEERS_TEXT_ARGS ?= --out bench_out/peers_text.json
+bench-peers-text: install vllm $(TRL_VENV)/.installed
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/peer_bench.py --task text $(PEERS_TEXT_ARGS)

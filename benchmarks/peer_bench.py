@@ -1,6 +1,11 @@
 """dppo against TRL's GRPOTrainer on the same work, on this machine (issue 18): `make bench-peers`.
 
     .venv/bin/python benchmarks/peer_bench.py [--seeds 0 1 2] [--steps 60] [--out bench_out/peers.json]
+    .venv/bin/python benchmarks/peer_bench.py --task text [--seeds 0] [--out bench_out/peers_text.json]
+
+--task text (point 3, `make bench-peers-text`) runs the same way on the text task of benchmarks/text_peer_task.py
+(a 43M model, 64-token responses): dppo with rollout.name=vllm from .venv-vllm, TRL with benchmarks/trl_text.py;
+its one target is time to 0.9 at most 0.5x TRL's. docs/benchmarks.md lists what is matched for each task.
 
 Each seed builds the tiny Qwen2 of dppo's defaults once (dppo.models.build_model, the weights `dppo train` would
 build with that seed) and saves it to a temporary directory that both systems load. Then, alternating which
@@ -44,11 +49,19 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
 POLL_S = 0.05  # progress files are polled this often
-SAMPLE_S = 0.5  # PSS sampling period
+SAMPLE_S = 0.5  # PSS sampling period (at least; see SAMPLER_DUTY)
+# The most of one core the PSS sampler may take: reading smaps_rollup walks each process's page tables, which for
+# a dozen processes of several GB (dppo on Ray with a 43M model) took a good part of a core every 0.5 s and slowed
+# the run it measured. After a sample that took c seconds the sampler waits max(SAMPLE_S, c / SAMPLER_DUTY).
+SAMPLER_DUTY = 0.02
 WINDOW = 5  # global steps in the reward's moving mean
 THRESHOLDS = (0.5, 0.9)
 # issue 18, point 2: dppo's figure at most this multiple of TRL's
 TARGETS = {"to_0.9_s": 0.8, "whole_s": 1.0, "pss_mb": 2.0}
+# issue 18, point 3 (--task text): the text task's thresholds and target, time to the same reward <= 0.5x TRL's
+TEXT_THRESHOLDS = (0.5, 0.9)
+TEXT_TARGETS = {"to_0.9_s": 0.5}
+TEXT_STEPS, TEXT_SYNC_STEPS, TEXT_PROMPTS, TEXT_LR = 25, 2, 16, 5e-4
 
 
 # ---- pure parts (tests/unit/benchmarks/test_peer_bench.py) ----------------------------------------------
@@ -93,6 +106,12 @@ def pss_kb(smaps_rollup: str) -> int:
     return 0
 
 
+def sampler_wait(cost_s: float) -> float:
+    """Seconds to wait after a PSS sample that took cost_s: SAMPLE_S, longer if the sample was expensive, so that the
+    sampler takes at most SAMPLER_DUTY of a core from the run it measures."""
+    return max(SAMPLE_S, cost_s / SAMPLER_DUTY)
+
+
 def median_range(values: list[float | None]) -> tuple[float | None, float | None, float | None]:
     """(median, min, max) of the values that are not None; Nones if there are none."""
     present = [v for v in values if v is not None]
@@ -101,15 +120,23 @@ def median_range(values: list[float | None]) -> tuple[float | None, float | None
     return statistics.median(present), min(present), max(present)
 
 
-def verdicts(dppo: dict[str, float | None], trl: dict[str, float | None]) -> dict[str, dict]:
-    """Per target key: dppo's and TRL's medians, the ratio and PASS/FAIL against TARGETS (FAIL if a figure is missing)."""
+def verdicts(dppo: dict[str, float | None], trl: dict[str, float | None], targets: dict[str, float] = TARGETS) -> dict[str, dict]:
+    """Per target key: dppo's and TRL's medians, the ratio and PASS/FAIL against targets (FAIL if a figure is missing)."""
     out = {}
-    for key, limit in TARGETS.items():
+    for key, limit in targets.items():
         a, b = dppo.get(key), trl.get(key)
         ratio = a / b if a is not None and b else None
         out[key] = {"dppo": a, "trl": b, "ratio": ratio, "limit": limit,
                     "pass": ratio is not None and ratio <= limit}  # fmt: skip
     return out
+
+
+def eval_reward(evaluation: dict) -> float | None:
+    """The greedy evaluation's mean reward: TRL's scripts and dppo's task runs write eval/reward; a dppo run on
+    parquet data writes val/score/<data_source> (the text task has one source)."""
+    if "eval/reward" in evaluation:
+        return evaluation["eval/reward"]
+    return next((v for k, v in evaluation.items() if k.startswith("val/score/")), None)
 
 
 # ---- measuring a process tree ------------------------------------------------------------------------
@@ -167,16 +194,19 @@ class Run:
     procs_at_peak: int = 0
     procs_max: int = 0
     procs_at_peak_detail: list[tuple[int, str, int]] = field(default_factory=list)  # (pid, name, PSS kB)
+    pss_samples: int = 0
+    sampler_s: float = 0.0  # wall seconds the PSS sampler spent reading /proc
     evaluation: dict = field(default_factory=dict)
     load_before: float = 0.0
     load_after: float = 0.0
     log: str = ""
+    thresholds: tuple[float, ...] = THRESHOLDS
 
     def figures(self) -> dict[str, float | None]:
-        fig = {f"to_{t}_s": moving_mean_crossing(self.steps, t) for t in THRESHOLDS}
+        fig = {f"to_{t}_s": moving_mean_crossing(self.steps, t) for t in self.thresholds}
         fig.update(whole_s=self.whole_s, s_per_step=steady_state_s_per_step(self.steps),
                    pss_mb=self.pss_peak_kb / 1024, final_reward=self.steps[-1][1] if self.steps else None,
-                   eval_reward=self.evaluation.get("eval/reward"), eval_exact=self.evaluation.get("eval/accuracy"))  # fmt: skip
+                   eval_reward=eval_reward(self.evaluation), eval_exact=self.evaluation.get("eval/accuracy"))  # fmt: skip
         return fig
 
 
@@ -191,11 +221,14 @@ def measure(run: Run, cmd: list[str], env: dict, progress: Path, read_steps) -> 
 
         def sample() -> None:
             while not done.is_set():
+                began = time.perf_counter()
                 kb, procs = tree_pss_kb(proc.pid)
+                cost = time.perf_counter() - began
+                run.pss_samples, run.sampler_s = run.pss_samples + 1, run.sampler_s + cost
                 if kb > run.pss_peak_kb:
                     run.pss_peak_kb, run.procs_at_peak, run.procs_at_peak_detail = kb, len(procs), procs
                 run.procs_max = max(run.procs_max, len(procs))
-                done.wait(SAMPLE_S)
+                done.wait(sampler_wait(cost))
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
@@ -257,14 +290,39 @@ def dppo_command(python: Path) -> list[str]:
     return [str(script), "train"] if script.exists() else [str(python), "-m", "dppo", "train"]
 
 
+def text_task():
+    """benchmarks/text_peer_task.py (the text task's builder and constants), loaded from its path."""
+    import importlib.util
+
+    if "text_peer_task" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("text_peer_task", REPO / "benchmarks" / "text_peer_task.py")
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        sys.modules["text_peer_task"] = module
+    return sys.modules["text_peer_task"]
+
+
+def text_overrides(task_dir: Path, lr: float) -> list[str]:
+    """dppo's keys for the text task (benchmarks/text_peer_task.py), matched by benchmarks/trl_text.py; the rest
+    are dppo's defaults. Both systems use both cores: dppo's trainer 2 threads next to the engine's 1."""
+    text = text_task()
+    return [f"model.path={task_dir / 'model'}", f"data.train_files={task_dir / 'data' / 'train.parquet'}",
+            f"data.val_files={task_dir / 'data' / 'val.parquet'}", "data.max_prompt_length=32",
+            f"data.max_response_length={text.RESPONSE_TOKENS}", f"custom_reward_function.path={text.REWARD_FILE}",
+            f"trainer.train_batch_size={TEXT_PROMPTS}", f"rollout.groups_per_batch={TEXT_PROMPTS}",
+            "rollout.name=vllm", "trainer.num_threads=2", f"actor.lr={lr}"]  # fmt: skip
+
+
 def run_dppo(args, seed: int, model_dir: Path, work: Path) -> Run:
     out = work / f"dppo-{seed}"
-    cmd = [*dppo_command(Path(args.dppo_python)), f"model.path={model_dir}", f"trainer.seed={seed}",
+    task_keys = [f"model.path={model_dir}"] if args.task == "copy" else text_overrides(model_dir, args.lr)
+    cmd = [*dppo_command(Path(args.dppo_python)), *task_keys, f"trainer.seed={seed}",
            f"trainer.output_dir={out}", *([f"trainer.total_steps={args.steps}"] if args.steps != 60 else []),
            *([f"trainer.parameter_sync_step={args.sync_steps}"] if args.sync_steps != 4 else []),
            *args.dppo_override]  # fmt: skip
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = measure(Run("dppo", seed, log=str(work / f"dppo-{seed}.log")), cmd, env, out / "metrics.jsonl", dppo_steps)
+    run = measure(Run("dppo", seed, log=str(work / f"dppo-{seed}.log"), thresholds=args.thresholds), cmd, env,
+                  out / "metrics.jsonl", dppo_steps)  # fmt: skip
     try:
         run.evaluation = json.loads((out / "summary.json").read_text())["evaluation"]
     except (OSError, KeyError, json.JSONDecodeError):
@@ -274,12 +332,14 @@ def run_dppo(args, seed: int, model_dir: Path, work: Path) -> Run:
 
 def run_trl(args, seed: int, model_dir: Path, work: Path) -> Run:
     progress, result = work / f"trl-{seed}.progress.jsonl", work / f"trl-{seed}.result.json"
-    cmd = [args.trl_python, str(REPO / "benchmarks" / "trl_copy.py"), "--model", str(model_dir), "--seed", str(seed),
+    script, model = ("trl_copy.py", ["--model"]) if args.task == "copy" else ("trl_text.py", ["--lr", str(args.lr), "--task-dir"])
+    cmd = [args.trl_python, str(REPO / "benchmarks" / script), *model, str(model_dir), "--seed", str(seed),
            "--progress", str(progress), "--result", str(result), "--steps", str(args.steps),
            "--output-dir", str(work / f"trl-{seed}"), "--steps-per-generation", str(args.sync_steps), *(["--threads", str(args.trl_threads)] if args.trl_threads else [])]  # fmt: skip
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
-    run = measure(Run("trl", seed, log=str(work / f"trl-{seed}.log")), cmd, env, progress, trl_steps)
+    run = measure(Run("trl", seed, log=str(work / f"trl-{seed}.log"), thresholds=args.thresholds), cmd, env, progress,
+                  trl_steps)  # fmt: skip
     try:
         run.evaluation = json.loads(result.read_text())["evaluation"]
     except (OSError, KeyError, json.JSONDecodeError):
@@ -313,7 +373,7 @@ def format_table(summary: dict, judged: dict) -> str:
             return "n/a"
         return f"{med:.{digits}f}" if lo == hi else f"{med:.{digits}f} ({lo:.{digits}f}-{hi:.{digits}f})"
 
-    lines = ["| | dppo (defaults) | TRL GRPOTrainer | dppo / TRL |", "|---|---|---|---|"]
+    lines = ["| | dppo | TRL GRPOTrainer | dppo / TRL |", "|---|---|---|---|"]
     for key, label, digits in ROWS:
         a, b = summary["dppo"][key], summary["trl"][key]
         ratio = f"{a[0] / b[0]:.2f}x" if a[0] is not None and b[0] else ""
@@ -327,29 +387,46 @@ def format_table(summary: dict, judged: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
-    parser.add_argument("--steps", type=int, default=60, help="global steps (generation cycles) of each run")
+    parser.add_argument("--task", choices=("copy", "text"), default="copy",
+                        help="copy: dppo's demo (point 2); text: the 43M text task with dppo on vLLM (point 3)")  # fmt: skip
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (copy), 0 (text)")
+    parser.add_argument("--steps", type=int, default=None, help="global steps (generation cycles) of each run; "
+                        f"default: 60 (copy), {TEXT_STEPS} (text)")  # fmt: skip
+    parser.add_argument("--lr", type=float, default=TEXT_LR, help="both systems' lr on the text task")
     parser.add_argument("--out", default=None, help="JSON file of every run and the summary")
-    parser.add_argument("--dppo-python", default=sys.executable)
     parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
-    parser.add_argument("--sync-steps", type=int, default=4,
+    parser.add_argument("--sync-steps", type=int, default=None,
                         help="optimizer steps per generation: dppo's trainer.parameter_sync_step, TRL's steps_per_generation")  # fmt: skip
     parser.add_argument("--trl-threads", type=int, default=None, help="TRL's torch threads (default: torch's own)")
     parser.add_argument("--only", choices=("dppo", "trl"), default=None, help="run one system only (debugging)")
     parser.add_argument("--dppo-override", nargs="*", default=[], metavar="key=value",
                         help="extra dppo overrides (scaling runs), after the matching ones")  # fmt: skip
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics)")
+    parser.add_argument("--dppo-python", default=None,
+                        help="dppo's interpreter; default: this one (copy), .venv-vllm's (text: `make vllm`)")  # fmt: skip
     args = parser.parse_args(argv)
+    text = args.task == "text"
+    args.seeds = args.seeds or ([0] if text else [0, 1, 2])
+    args.steps = args.steps or (TEXT_STEPS if text else 60)
+    args.sync_steps = args.sync_steps or (TEXT_SYNC_STEPS if text else 4)
+    args.dppo_python = args.dppo_python or (str(REPO / ".venv-vllm" / "bin" / "python") if text else sys.executable)
+    args.thresholds, targets = (TEXT_THRESHOLDS, TEXT_TARGETS) if text else (THRESHOLDS, TARGETS)
     if args.only != "dppo" and not Path(args.trl_python).exists():
         parser.error(f"--trl-python {args.trl_python} does not exist: `make bench-peers` creates .venv-trl")
+    if args.only != "trl" and not Path(args.dppo_python).exists():
+        parser.error(f"--dppo-python {args.dppo_python} does not exist" + (": `make vllm` creates .venv-vllm" if text else ""))
 
     work = Path(tempfile.mkdtemp(prefix="dppo-peers-"))
     runs: list[Run] = []
     started = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     try:
         for i, seed in enumerate(args.seeds):
-            model_dir = work / f"model-{seed}"
-            build_model(seed, model_dir)
+            model_dir = work / f"{args.task}-{seed}"
+            if text:
+                print(f"seed {seed}: building the text task's model and data (benchmarks/text_peer_task.py)", flush=True)
+                text_task().build(model_dir, seed)
+            else:
+                build_model(seed, model_dir)
             order = [run_dppo, run_trl] if i % 2 == 0 else [run_trl, run_dppo]
             for fn in order:
                 if args.only and fn.__name__ != f"run_{args.only}":
@@ -359,13 +436,15 @@ def main(argv: list[str] | None = None) -> int:
                 fig = run.figures()
                 print(f"seed {seed} {run.system:>4}: rc {run.returncode}, whole {run.whole_s:.1f} s, "
                       f"to 0.5 {_s(fig['to_0.5_s'])}, to 0.9 {_s(fig['to_0.9_s'])}, s/step {_s(fig['s_per_step'], 3)}, "
-                      f"PSS {fig['pss_mb']:.0f} MB in {run.procs_at_peak} processes, eval {fig['eval_reward']} "
+                      f"PSS {fig['pss_mb']:.0f} MB in {run.procs_at_peak} processes ({run.pss_samples} samples, "
+                      f"{run.sampler_s:.1f} s), eval {fig['eval_reward']} "
                       f"exact {fig['eval_exact']}, load {run.load_before:.1f} -> {run.load_after:.1f}", flush=True)  # fmt: skip
                 if run.returncode != 0:
                     print(f"  the run failed; its log: {run.log}", flush=True)
                     args.keep = True
         summary = summarize(runs)
-        judged = verdicts({k: v[0] for k, v in summary["dppo"].items()}, {k: v[0] for k, v in summary["trl"].items()})
+        judged = verdicts({k: v[0] for k, v in summary["dppo"].items()}, {k: v[0] for k, v in summary["trl"].items()},
+                          targets)  # fmt: skip
         print(f"\nmedians over seeds {args.seeds}, {args.steps} global steps ({started}; "
               f"load average now {os.getloadavg()[0]:.2f}):\n")
         print(format_table(summary, judged))

@@ -89,3 +89,52 @@ def test_verdicts_judge_the_ratio_of_the_medians(bench):
 def test_median_range_skips_missing_values(bench):
     assert bench.median_range([3.0, None, 1.0, 2.0]) == (2.0, 1.0, 3.0)
     assert bench.median_range([None]) == (None, None, None)
+
+
+# ---- the text task (--task text, issue 18's point 3) ----------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def text_reward():
+    yield from load_bench("text_peer_reward")
+
+
+@pytest.mark.parametrize(("response", "score", "named"), [
+    ("7" * 64, 1.0, 1.0),            # the named digit, 64 times
+    ("3" * 64, 1.0, 0.0),            # one digit, not the named one: full score (named_digit logs the gap)
+    ("7" * 32, 0.5, 0.5),            # stopped half way: each missing position costs 1/64
+    ("73" * 32, 0.5, 0.5),           # two digits mixed: only the most frequent counts
+    ("7" * 80, 1.0, 1.0),            # past 64 characters nothing counts
+    ("ab c" * 16, 0.0, 0.0),         # no digits
+    ("", 0.0, 0.0),
+])  # fmt: skip
+def test_the_text_reward_is_the_share_of_64_positions_holding_the_most_frequent_digit(text_reward, response, score, named):
+    out = text_reward.compute_score("repeat_digit", response, "7")
+    assert out["score"] == pytest.approx(score) and out["named_digit"] == pytest.approx(named)
+
+
+def test_a_dppo_text_run_reports_its_greedy_reward_under_its_data_source(bench):
+    assert bench.eval_reward({"val/score/repeat_digit": 0.75}) == 0.75
+    assert bench.eval_reward({"eval/reward": 0.5, "eval/accuracy": 1.0}) == 0.5  # TRL's scripts and the copy task
+    assert bench.eval_reward({}) is None
+
+
+def test_the_text_task_runs_dppo_on_vllm_with_the_matched_batch_and_lr(bench, tmp_path):
+    keys = dict(k.split("=", 1) for k in bench.text_overrides(tmp_path, 5e-4))
+    assert keys["rollout.name"] == "vllm" and keys["actor.lr"] == "0.0005"
+    assert keys["trainer.train_batch_size"] == keys["rollout.groups_per_batch"] == str(bench.TEXT_PROMPTS)
+    assert keys["data.max_response_length"] == "64" and keys["model.path"] == str(tmp_path / "model")
+    assert keys["custom_reward_function.path"].endswith("benchmarks/text_peer_reward.py")
+
+
+def test_the_text_target_is_time_to_0_9_at_most_half_of_trls(bench):
+    judged = bench.verdicts({"to_0.9_s": 100.0, "whole_s": 500.0}, {"to_0.9_s": 199.0, "whole_s": 100.0}, bench.TEXT_TARGETS)
+    assert list(judged) == ["to_0.9_s"] and not judged["to_0.9_s"]["pass"]  # 0.503x; whole is not a target here
+    assert bench.verdicts({"to_0.9_s": 100.0}, {"to_0.9_s": 200.0}, bench.TEXT_TARGETS)["to_0.9_s"]["pass"]
+
+
+def test_the_pss_sampler_takes_at_most_its_duty_of_a_core(bench):
+    assert bench.sampler_wait(0.001) == bench.SAMPLE_S  # cheap samples: the plain period
+    cost = 0.3  # a dozen processes of several GB
+    wait = bench.sampler_wait(cost)
+    assert cost / (cost + wait) <= bench.SAMPLER_DUTY and wait == pytest.approx(cost / bench.SAMPLER_DUTY)
