@@ -37,6 +37,7 @@ build: install
 
 test: install $(VENV)/.oracle
 	$(BIN)/lint-imports
+	$(BIN)/ruff check --quiet --select F821,F822,F823 dppo benchmarks examples tests  # names used but never bound
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install

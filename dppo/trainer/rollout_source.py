@@ -23,6 +23,7 @@ import numpy as np
 import ray
 from ray.exceptions import GetTimeoutError, RayTaskError
 
+from dppo._text import one_line
 from dppo.data.source import PromptSource
 from dppo.rollout import Group
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
