@@ -301,6 +301,6 @@ def test_appending_a_fully_masked_row_changes_nothing(batch, mode):
     padded_mask = torch.cat([mask, torch.zeros(1, mask.shape[1], dtype=torch.bool)])
     loss2, metrics2 = policy_loss(*padded, padded_mask, loss_agg_mode=mode)
     # the sums run over a tensor of another shape, so fp32 rounds them differently: for token-sum, whose terms can
-    # cancel to ~0, that is ~1e-7 absolute (hypothesis found 1.2e-7)
+    # cancel to ~0, that is ~1e-7 absolute (hypothesis found 1.2e-7, in the loss and in its metric actor/pg_loss)
     assert loss2.item() == pytest.approx(loss.item(), rel=1e-6, abs=1e-6)
-    assert metrics2 == pytest.approx(metrics, rel=1e-6, abs=1e-7)
+    assert metrics2 == pytest.approx(metrics, rel=1e-6, abs=1e-6)
