@@ -41,7 +41,9 @@ def hog():
     chunks = []
     while node_used_bytes() < give_up:
         chunks.append(np.ones(32 << 20, np.uint8))  # 32 MiB, touched
-        hogged.write_text(str(len(chunks) * (32 << 20)))
+        # whole or not at all: the monitor may kill this process between write_text's truncation and its write
+        hogged.with_suffix(".part").write_text(str(len(chunks) * (32 << 20)))
+        os.replace(hogged.with_suffix(".part"), hogged)
     time.sleep(5)  # the monitor looks every 50 ms: not killed by now, it will not be
     chunks.clear()
     raise RuntimeError("Ray's memory monitor did not kill the rollout worker")
