@@ -70,7 +70,7 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, TrainerCallback
+    from transformers import AutoModelForCausalLM
     from trl import GRPOConfig, GRPOTrainer
 
     task = make_task("copy", TASK_LENGTH)
@@ -95,15 +95,6 @@ def main(argv=None) -> None:
     spg = args.steps_per_generation
     if (PROMPTS_PER_STEP * SAMPLES) % spg or PROMPTS_PER_STEP % spg:
         parser.error(f"--steps-per-generation {spg} must divide the {PROMPTS_PER_STEP} prompts of a generation")
-
-    class CycleLog(TrainerCallback):
-        """A line per generation cycle, written when its last optimizer step ends."""
-
-        def on_step_end(self, training_args, state, control, **kwargs):
-            if state.global_step % spg == 0:
-                step = state.global_step // spg
-                progress.write(json.dumps({"step": step, "reward": cycle_rewards[step - 1], "t": time.time()}) + "\n")
-                progress.flush()
 
     config = GRPOConfig(
         output_dir=args.output_dir,
@@ -138,7 +129,7 @@ def main(argv=None) -> None:
     )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config, train_dataset=dataset,
-                          processing_class=make_tokenizer(), callbacks=[CycleLog()])  # fmt: skip
+                          processing_class=make_tokenizer(), callbacks=[cycle_log(progress, spg, cycle_rewards)])  # fmt: skip
     trainer.train()
     progress.close()
     evaluation = evaluate(trainer.model, task, held_out)
@@ -147,6 +138,21 @@ def main(argv=None) -> None:
                    "config": {k: getattr(config, k) for k in ("per_device_train_batch_size", "steps_per_generation",
                                                               "num_generations", "max_steps", "optim")}},
                   f, indent=2, default=str)  # fmt: skip
+
+
+def cycle_log(progress, spg: int, cycle_rewards: list[float]):
+    """A TrainerCallback writing a progress line per generation cycle ({"step", "reward": the cycle's mean reward from
+    cycle_rewards, "t"}) when the cycle's last of spg optimizer steps ends. Shared with trl_text.py."""
+    from transformers import TrainerCallback
+
+    class CycleLog(TrainerCallback):
+        def on_step_end(self, training_args, state, control, **kwargs):
+            if state.global_step % spg == 0:
+                step = state.global_step // spg
+                progress.write(json.dumps({"step": step, "reward": cycle_rewards[step - 1], "t": time.time()}) + "\n")
+                progress.flush()
+
+    return CycleLog()
 
 
 def evaluate(model, task, held_out: np.ndarray) -> dict[str, float]:

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
-import time
 from pathlib import Path
 
 PROMPTS_PER_STEP = 16  # trainer.train_batch_size
@@ -59,7 +58,8 @@ def main(argv=None) -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     from datasets import Dataset
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl_copy import cycle_log  # next to this file
     from trl import GRPOConfig, GRPOTrainer
 
     reward = load_reward()
@@ -83,13 +83,6 @@ def main(argv=None) -> None:
         parser.error(f"--steps-per-generation {spg} must divide the {PROMPTS_PER_STEP * SAMPLES} samples of a generation")
     progress = open(args.progress, "a", encoding="utf-8")
 
-    class CycleLog(TrainerCallback):
-        def on_step_end(self, training_args, state, control, **kwargs):
-            if state.global_step % spg == 0:
-                step = state.global_step // spg
-                progress.write(json.dumps({"step": step, "reward": cycle_rewards[step - 1], "t": time.time()}) + "\n")
-                progress.flush()
-
     config = GRPOConfig(
         output_dir=args.output_dir, seed=args.seed, use_cpu=True, bf16=False, fp16=False,
         gradient_checkpointing=False,
@@ -103,7 +96,7 @@ def main(argv=None) -> None:
     tokenizer = AutoTokenizer.from_pretrained(task / "model")
     model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
     trainer = GRPOTrainer(model=model, reward_funcs=text_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[CycleLog()])  # fmt: skip
+                          processing_class=tokenizer, callbacks=[cycle_log(progress, spg, cycle_rewards)])  # fmt: skip
     trainer.train()
     progress.close()
     evaluation = evaluate(trainer.model, tokenizer, val, reward)
