@@ -27,10 +27,6 @@ def validate_combinations(cfg) -> None:
     if cfg.rollout.n_gpus_per_node and not cfg.use_ray:
         raise ConfigError(f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node} gives the rollout workers GPUs of "
                           "their own as Ray actors; ray.enabled=false generates on this machine's CPU")  # fmt: skip
-    if not cfg.use_ray and t.mode == "separate_async" and cfg.rollout.name != "hf":
-        raise ConfigError(f"rollout.name={cfg.rollout.name!r} with ray.enabled=false and trainer.mode=separate_async: the "
-                          "local rollout processes generate with the hf engine only; set ray.enabled=true (or leave it "
-                          "null) for this engine")  # fmt: skip
     if world_size > 1 or cfg.actor.fsdp == "always":
         try:
             check_reader_for_sharding(cfg.snapshot.strategy)

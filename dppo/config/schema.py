@@ -685,9 +685,9 @@ class RayConfig:
 
     enabled: Optional[bool] = None
     """null (auto): Ray where the run needs it (ray.address or RAY_ADDRESS set, an actor world size above 1, the
-    rollout on GPUs, rollout.name other than hf, or the actor on CUDA), else false. false: no Ray,
-    one machine's CPU: the actor's one rank in the trainer's process, and with trainer.mode=separate_async the
-    rollout workers as local processes beside it (with sync, the rollout inside the trainer's process); this skips
+    rollout on GPUs, or the actor on CUDA), else false. false: no Ray, one machine's CPU: the actor's one rank in
+    the trainer's process, and with trainer.mode=separate_async the rollout workers (either engine) as local
+    processes beside it (with sync, the rollout inside the trainer's process); this skips
     Ray's start-up (its services and one process per role importing torch: seconds on a small machine). true:
     Ray actors for every role, a local Ray cluster if no address is given."""
 
@@ -726,7 +726,7 @@ class DppoConfig:
         t, r = self.trainer, self.rollout
         on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
         return bool(self.ray.address or os.environ.get("RAY_ADDRESS") or t.nnodes * t.n_gpus_per_node > 1
-                    or r.n_gpus_per_node or r.name != "hf" or on_cuda)  # fmt: skip
+                    or r.n_gpus_per_node or on_cuda)  # fmt: skip
 
     @property
     def groups_per_trigger(self) -> int:

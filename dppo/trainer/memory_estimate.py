@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from dppo.config import DppoConfig
 from dppo.config.choices import select_strategy_name
+from dppo.workers.rollout.engines.vllm import kv_bytes_of
 
 GIB = 2**30
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -36,6 +37,9 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 PROCESS_BYTES = 400 * 2**20
 RAY_RUNTIME_BYTES = 384 * 2**20
 BUFFER_PROCESS_BYTES = 128 * 2**20  # the replay buffer's process, which imports no torch  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
+# vLLM imported and started in a rollout worker, beyond what an hf worker holds: a forked local worker of the tiny
+# demo model held 531 MB PSS with vllm (32 MiB of it KV cache) against 171 MB with hf (2026-12-02).
+VLLM_IMPORT_BYTES = 330 * 2**20
 LOGIT_COPIES = 4  # a micro-batch's logits (B, R+1, V) as the loss holds them: fp32 logits, log-softmax, their grads
 
 
@@ -136,10 +140,20 @@ def _tied(shape: Shape) -> bool:
 
 
 def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
-    """What one rollout worker (hf engine, on the CPU) holds: its weights, its batch's KV cache and logits."""
+    """What one rollout worker (on the CPU) holds: its weights, its batch's KV cache and logits; a vllm engine's
+    KV cache is the one the engine sizes (every row of a ticket), and with delta sync it keeps one more copy of the
+    weights in its dtype (the last publish, to compare with)."""
     b = DTYPE_BYTES[cfg.rollout.dtype or cfg.model.dtype]
     seqs = cfg.rollout.groups_per_batch * cfg.rollout.n
     length = shape.prompt_length + shape.response_length
+    if cfg.rollout.name == "vllm":
+        rows = max(cfg.rollout.groups_per_batch, cfg.groups_per_trigger) * cfg.rollout.n  # as make_engine sizes it
+        parts = {"process": PROCESS_BYTES + VLLM_IMPORT_BYTES, "weights": shape.params * b,
+                 "kv cache and logits": kv_bytes_of(shape.layers, shape.kv_width, b, rows, length)
+                 + rows * shape.vocab_size * 4 * 2}  # fmt: skip
+        if cfg.rollout.weight_sync == "delta":
+            parts["delta copy"] = shape.params * b
+        return parts
     kv = 2 * shape.layers * length * shape.kv_width * b * seqs
     micro = max(1, min(cfg.actor.micro_batch_size, seqs))  # the behavior log-probs' scoring pass, every position
     logits = max(seqs * shape.vocab_size * 4 * 2, micro * length * shape.vocab_size * 4 * LOGIT_COPIES)

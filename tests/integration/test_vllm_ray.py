@@ -1,5 +1,6 @@
-"""`dppo train rollout.name=vllm` on a local Ray cluster (runs in .venv-vllm: make test-vllm): the demo task learns in
-sync mode, a text run with a tokenizer and chat template, and a killed vLLM rollout worker is restarted."""
+"""`dppo train rollout.name=vllm` (runs in .venv-vllm: make test-vllm): on a local Ray cluster, the demo task learns in
+sync mode and a killed vLLM rollout worker is restarted; a text run with a tokenizer and chat template (and delta
+sync) as a user starts it, which on this one CPU machine runs without Ray (test_vllm_local.py has more of that)."""
 
 import functools
 import importlib.util

@@ -57,7 +57,6 @@ def test_overrides_are_typed_and_nested():
         (["algorithm.rollout_correction.rollout_is=word"], ["rollout_is", "word"]),
         (["algorithm.rollout_correction.rollout_rs=token_k1"], ["rollout_rs_threshold"]),
         (["trainer.train_batch_size=10", "trainer.parameter_sync_step=4"], ["train_batch_size=10", "parameter_sync_step=4"]),
-        (["ray.enabled=false", "rollout.name=vllm"], ["rollout.name='vllm'", "ray.enabled=false", "hf engine only"]),
         (["trainer.verify_old_log_prob=true", "algorithm.rollout_correction.bypass_mode=true"], ["verify_old_log_prob", "bypass_mode"]),
         (["actor.loss_agg_mode=sum"], ["actor.loss_agg_mode", "sum", "token-mean"]),
         (["algorithm.prox_logp_method=exact"], ["algorithm.prox_logp_method", "exact", "'recompute', 'loglinear'"]),

@@ -205,8 +205,8 @@ def test_auto_runs_one_cpu_machine_without_ray_and_the_rest_on_ray(tmp_path, mon
     auto = {"ray.enabled": None, "trainer.device": "cpu"}
     assert not _cfg(tmp_path, **auto).use_ray
     assert not _cfg(tmp_path, **auto, **{"trainer.mode": "sync"}).use_ray
-    for needs_ray in ({"ray.address": "10.0.0.1:6379"}, {"trainer.n_gpus_per_node": 2}, {"rollout.n_gpus_per_node": 1},
-                      {"rollout.name": "vllm"}):  # fmt: skip
+    assert not _cfg(tmp_path, **auto, **{"rollout.name": "vllm"}).use_ray  # vLLM engines in local processes too
+    for needs_ray in ({"ray.address": "10.0.0.1:6379"}, {"trainer.n_gpus_per_node": 2}, {"rollout.n_gpus_per_node": 1}):
         assert _cfg(tmp_path, **auto, **needs_ray).use_ray, needs_ray
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
     assert _cfg(tmp_path, **auto).use_ray
@@ -214,7 +214,5 @@ def test_auto_runs_one_cpu_machine_without_ray_and_the_rest_on_ray(tmp_path, mon
 
 
 def test_local_processes_refuse_what_needs_ray(tmp_path):
-    with pytest.raises(ConfigError, match=r"rollout.name='vllm' with ray.enabled=false and trainer.mode=separate_async"):
-        _cfg(tmp_path, **{"rollout.name": "vllm"})
     with pytest.raises(ConfigError, match=r"rollout.n_gpus_per_node=1 gives the rollout workers GPUs"):
         _cfg(tmp_path, **{"rollout.n_gpus_per_node": 1})

@@ -104,3 +104,24 @@ def test_the_actor_rank_shards_its_model_bytes_over_the_world_size(small_cfg, dt
         w = memory.params * per_param
         assert rank.parts["weights"] == w // ws and rank.parts["optimizer"] == 2 * w // ws
         assert ("publish gather" in rank.parts) == (ws > 1)
+
+
+@pytest.mark.parametrize("sync", ["full", "delta"])
+def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, sync):
+    from dppo.trainer.memory_estimate import PROCESS_BYTES, VLLM_IMPORT_BYTES
+
+    keys = {"ray.enabled": True, "trainer.device": "cpu", "model.hidden_size": 256, "model.num_hidden_layers": 4,
+            "model.num_attention_heads": 4, "model.intermediate_size": 512, "rollout.n": 8,
+            "rollout.groups_per_batch": 64, "rollout.weight_sync": sync}  # fmt: skip
+    hf = small_cfg(**keys)
+    cfg = small_cfg(**keys, **{"rollout.name": "vllm"})
+    shape = preflight.run_shape(cfg, make_prompt_source(cfg))
+    worker = next(r for r in preflight.memory_estimate(cfg, shape).roles if r.name == "rollout worker").parts
+    hf_worker = next(r for r in preflight.memory_estimate(hf, shape).roles if r.name == "rollout worker").parts
+    rows = 64 * 8  # rollout.groups_per_batch x n, which is more than a trigger's groups here
+    tokens = rows * -(-(shape.prompt_length + shape.response_length + 1) // 32) * 32  # whole blocks of 32
+    kv = tokens * 2 * 4 * 256 * 4  # K and V, 4 layers, 256 wide, fp32
+    assert kv > 32 * 2**20  # above the engine's minimum, so the count is the rows'
+    assert worker["kv cache and logits"] == kv + rows * shape.vocab_size * 4 * 2
+    assert worker["process"] == PROCESS_BYTES + VLLM_IMPORT_BYTES and worker["weights"] == hf_worker["weights"]
+    assert ("delta copy" in worker) == (sync == "delta")

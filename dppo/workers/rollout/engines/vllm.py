@@ -27,6 +27,7 @@ import logging
 import os
 import tempfile
 import time
+import warnings
 
 import numpy as np
 import torch
@@ -43,6 +44,36 @@ KV_BLOCK_TOKENS = 32
 MIN_KV_CACHE_BYTES = 32 << 20
 MAX_NUM_SEQS = 256  # vLLM's default on the CPU
 
+# vLLM's start-up warnings that this engine's own choices cause (no tokenizer, eager mode, the worker's thread count
+# set before the engine starts, per-request seeds) or that say Triton is missing on the CPU, which vLLM's CPU build
+# does not use: dropped, so that a worker's start-up shows only what may matter (logger name -> message prefixes).
+EXPECTED_WARNINGS = {
+    "vllm.renderers.base": ("Chat template warmup failed", "Using None for EOS token id"),
+    "vllm.v1.worker.cpu_worker": ("CPU backend doesn't allow to use `torch.set_num_threads`",),
+    "vllm.config.vllm": ("Enforce eager set", "Inductor compilation was disabled", "Model Runner V2 requires Triton"),
+    "vllm.engine.arg_utils": ("The global random seed is set to",),
+    "vllm.platforms.cpu": ("Triton is not installed", "Reset SSM cache type"),
+}
+
+
+class _DropExpected(logging.Filter):
+    def __init__(self, prefixes: tuple[str, ...]) -> None:
+        super().__init__()
+        self.prefixes = prefixes
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.prefixes)
+
+
+def quiet_expected_warnings() -> None:
+    """Filter EXPECTED_WARNINGS out of vLLM's loggers (once per process; logger filters outlive vLLM's logging
+    set-up, which replaces handlers only), and the FutureWarning its Triton shim triggers on import."""
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"vllm\.triton_utils")
+    for name, prefixes in EXPECTED_WARNINGS.items():
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropExpected) for f in logger.filters):
+            logger.addFilter(_DropExpected(prefixes))
+
 
 def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
     """The KV cache that holds num_seqs sequences of seq_len tokens at once, in whole blocks (at least
@@ -51,7 +82,14 @@ def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    per_token = 2 * model_config.num_hidden_layers * kv_heads * head_dim * DTYPES[dtype].itemsize  # K and V
+    return kv_bytes_of(model_config.num_hidden_layers, kv_heads * head_dim, DTYPES[dtype].itemsize, num_seqs, seq_len,
+                       block_tokens)  # fmt: skip
+
+
+def kv_bytes_of(layers: int, kv_width: int, itemsize: int, num_seqs: int, seq_len: int,
+                block_tokens: int = KV_BLOCK_TOKENS) -> int:  # fmt: skip
+    """kv_cache_bytes from the widths: kv_width = key-value heads x head size (also the run's memory estimate's)."""
+    per_token = 2 * layers * kv_width * itemsize  # K and V
     blocks = num_seqs * -(-(seq_len + 1) // block_tokens)
     return max(MIN_KV_CACHE_BYTES, blocks * block_tokens * per_token)
 
@@ -68,6 +106,7 @@ class VLLMEngine(RolloutEngine):
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: no copies
         # vLLM logs each reload and cache reset at INFO; a run's terminal is its own progress line and summary
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+        quiet_expected_warnings()
         from vllm import LLM  # vLLM lives in .venv-vllm only (make vllm)
 
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
