@@ -9,6 +9,16 @@ from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
 
+try:
+    from hypothesis import settings
+except ImportError:  # an environment without the test extra's hypothesis has no property tests to run
+    settings = None
+if settings is not None:
+    # .ci/run sets HYPOTHESIS_PROFILE=ci: the property tests draw the same examples every run there, so a landing
+    # cannot fail on a counterexample drawn for the first time; `make test` elsewhere keeps drawing new ones.
+    settings.register_profile("ci", derandomize=True)
+    settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "default"))
+
 REPO = Path(__file__).resolve().parents[1]
 # Test modules import the few helpers they share (tiny_run) from tests/, which is no package (--import-mode=importlib).
 sys.path.insert(0, str(REPO / "tests"))
