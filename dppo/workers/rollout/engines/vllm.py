@@ -23,8 +23,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
+import random
 import tempfile
 import time
 import warnings
@@ -75,6 +77,18 @@ def quiet_expected_warnings() -> None:
             logger.addFilter(_DropExpected(prefixes))
 
 
+@contextlib.contextmanager
+def _host_random_state_kept():
+    """Python's, numpy's and torch's (CPU) global random states as they were before the block (vLLM's start-up seeds
+    them all: in a local worker or the trainer's own process they are the host's, not the engine's). Samples
+    never depend on them: every request has its own seed."""
+    py_state, np_state = random.getstate(), np.random.get_state()
+    with torch.random.fork_rng(devices=[]):
+        yield
+    random.setstate(py_state)
+    np.random.set_state(np_state)
+
+
 def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
     """The KV cache that holds num_seqs sequences of seq_len tokens at once, in whole blocks (at least
     MIN_KV_CACHE_BYTES): every row of a ticket in one batch. Sized to the run, not vLLM's default (4 GiB and up,
@@ -115,13 +129,14 @@ class VLLMEngine(RolloutEngine):
         self.delta = DeltaTracker() if weight_sync == "delta" else None
         self._config_dir = tempfile.TemporaryDirectory(prefix="dppo-vllm-")
         model_config.save_pretrained(self._config_dir.name)  # config.json only: the weights come by sync
-        self.llm = LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
-                       enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                       kv_cache_memory_bytes=kv_bytes or kv_cache_bytes(model_config, dtype, max_num_seqs,
-                                                                        max_prompt_len + max_new_tokens),
-                       block_size=KV_BLOCK_TOKENS, max_num_seqs=max_num_seqs,
-                       max_model_len=model_config.max_position_embeddings,
-                       distributed_executor_backend="uni", enforce_eager=not compile, disable_log_stats=True)  # fmt: skip
+        with _host_random_state_kept():  # vLLM seeds the global generators of the process it starts in
+            self.llm = LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
+                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
+                           kv_cache_memory_bytes=kv_bytes or kv_cache_bytes(model_config, dtype, max_num_seqs,
+                                                                            max_prompt_len + max_new_tokens),
+                           block_size=KV_BLOCK_TOKENS, max_num_seqs=max_num_seqs,
+                           max_model_len=model_config.max_position_embeddings, distributed_executor_backend="uni",
+                           enforce_eager=not compile, disable_log_stats=True)  # fmt: skip
         # Set after LLM(), whose logging set-up resets vLLM's loggers: each in-place reload warns that a layer got no
         # weights, for the rotary embedding (it has none to get) and, with delta, for every unchanged layer (its
         # weights are put back as they were; the log-prob and delta tests after a sync confirm both).

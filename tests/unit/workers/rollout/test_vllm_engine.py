@@ -54,6 +54,25 @@ def engine():
     eng.close()
 
 
+def test_starting_an_engine_leaves_the_hosts_random_generators_as_they_were():
+    import random
+
+    def draws():
+        return random.random(), float(np.random.rand()), torch.rand(3).tolist()
+
+    def seed():
+        random.seed(11)
+        np.random.seed(12)
+        torch.manual_seed(13)
+
+    seed()
+    expected = draws()
+    seed()
+    # vLLM's start-up seeds all three with its own seed (0); a local worker's or the trainer's process is the host
+    VLLMEngine(CONFIG, "float32", TEMPERATURE, max_new_tokens=4, eos_token=EOS, pad_token=PAD).close()
+    assert draws() == expected
+
+
 def test_behavior_logp_match_the_trainer_before_and_after_a_sync(engine):
     rng = np.random.default_rng(0)
     block = engine.llm.llm_engine.vllm_config.cache_config.block_size
