@@ -1,6 +1,7 @@
 """`dppo train rollout.name=vllm` on one CPU machine without Ray (runs in .venv-vllm: make test-vllm): the vLLM
 engines in local rollout processes, generating while the trainer trains; the demo task learns, and a worker
-SIGKILLed mid-run is restarted as a fresh interpreter (which starts its own engine) and the run completes."""
+SIGKILLed mid-run is restarted as a fresh interpreter (which starts its own engine) and the run completes; and in
+sync mode the engine inside the trainer's own process, checkpoints included."""
 
 import os
 import re
@@ -60,3 +61,20 @@ def test_a_local_async_vllm_run_learns_and_survives_a_killed_worker(tmp_path):
         assert r["rollout/weight_sync_bytes"] > 0 and r["timing_s/rollout_weight_sync"] > 0
     scores = [r["critic/score/mean"] for r in steps]
     assert np.mean(scores[-4:]) > np.mean(scores[:4]) + 0.08, scores
+
+
+def test_a_sync_run_without_ray_runs_the_vllm_engine_in_the_trainers_process(tmp_path):
+    out = tmp_path / "sync"
+    args = tiny_run(out, 6, "ray.enabled=null", "trainer.mode=sync", "trainer.checkpoint_every=3", "rollout.name=vllm",
+                    *VLLM_MODEL)  # fmt: skip
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
+    done = subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=300, start_new_session=True)  # fmt: skip
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "rollout:" not in done.stdout and "Ray" not in done.stdout  # no worker processes, no Ray: in-process
+    steps = read_metrics(out / "metrics.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, 7))
+    assert (out / "checkpoints" / "step_00000006").is_dir()  # the engine's process group does not upset a save
+    for r in steps:
+        assert r["staleness/max"] == 0.0 and r["rollout/weight_sync_bytes"] > 0
+        assert abs(r["rollout_corr/kl_k1"]) < 1e-3, r  # an fp32 engine: pi_behav is pi_old up to kernel rounding

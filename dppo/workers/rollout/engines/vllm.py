@@ -78,15 +78,19 @@ def quiet_expected_warnings() -> None:
 
 
 @contextlib.contextmanager
-def _host_random_state_kept():
-    """Python's, numpy's and torch's (CPU) global random states as they were before the block (vLLM's start-up seeds
-    them all: in a local worker or the trainer's own process they are the host's, not the engine's). Samples
-    never depend on them: every request has its own seed."""
-    py_state, np_state = random.getstate(), np.random.get_state()
-    with torch.random.fork_rng(devices=[]):
-        yield
-    random.setstate(py_state)
-    np.random.set_state(np_state)
+def _host_state_kept():
+    """What vLLM's start-up changes in the process it starts in, put back after the block: the global random states
+    of Python, numpy and torch (CPU), which it seeds (samples never depend on them: every request has its own seed),
+    and torch.set_num_threads, which its CPU worker replaces by a no-op. In a local worker or in the trainer's own
+    process (in-process sync) they are the host's, not the engine's."""
+    py_state, np_state, set_num_threads = random.getstate(), np.random.get_state(), torch.set_num_threads
+    try:
+        with torch.random.fork_rng(devices=[]):
+            yield
+    finally:
+        random.setstate(py_state)
+        np.random.set_state(np_state)
+        torch.set_num_threads = set_num_threads
 
 
 def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS) -> int:
@@ -129,7 +133,7 @@ class VLLMEngine(RolloutEngine):
         self.delta = DeltaTracker() if weight_sync == "delta" else None
         self._config_dir = tempfile.TemporaryDirectory(prefix="dppo-vllm-")
         model_config.save_pretrained(self._config_dir.name)  # config.json only: the weights come by sync
-        with _host_random_state_kept():  # vLLM seeds the global generators of the process it starts in
+        with _host_state_kept():  # vLLM seeds the global generators of the process it starts in, and more
             self.llm = LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
                            enable_prefix_caching=True, logprobs_mode="processed_logprobs",
                            kv_cache_memory_bytes=kv_bytes or kv_cache_bytes(model_config, dtype, max_num_seqs,

@@ -54,8 +54,10 @@ def engine():
     eng.close()
 
 
-def test_starting_an_engine_leaves_the_hosts_random_generators_as_they_were():
+def test_starting_an_engine_leaves_the_hosts_random_generators_and_threads_as_they_were():
     import random
+
+    set_num_threads = torch.set_num_threads
 
     def draws():
         return random.random(), float(np.random.rand()), torch.rand(3).tolist()
@@ -71,6 +73,7 @@ def test_starting_an_engine_leaves_the_hosts_random_generators_as_they_were():
     # vLLM's start-up seeds all three with its own seed (0); a local worker's or the trainer's process is the host
     VLLMEngine(CONFIG, "float32", TEMPERATURE, max_new_tokens=4, eos_token=EOS, pad_token=PAD).close()
     assert draws() == expected
+    assert torch.set_num_threads is set_num_threads  # vLLM's CPU worker replaces it by a no-op that warns
 
 
 def test_behavior_logp_match_the_trainer_before_and_after_a_sync(engine):
