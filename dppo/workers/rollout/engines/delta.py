@@ -6,7 +6,8 @@ fp32 trainer most small updates round away. DeltaTracker holds that last engine-
 names); apply() finds the changed elements of each tensor (bitwise, so -0.0 vs 0.0 and NaNs count as
 changes), puts them into the copy, and reports the bytes a sparse transfer of them takes: per tensor the
 smaller of (int32 index + value per changed element) and the dense tensor, 0 for an unchanged one. The copy
-then equals new.to(dtype) bitwise.
+then equals new.to(dtype) bitwise. Tied tensors (a tied embedding and lm_head: one tensor under two names) are held
+once and compared once.
 
 A worker whose engine holds exactly the weights of the trainer's last publish gets the delta computed on the
 trainer (dppo.workers.weight_delta.WeightDelta) instead of the full weights: apply_published() puts it into the
@@ -34,17 +35,37 @@ class DeltaUpdate:
     changed_fraction: float  # changed elements / all elements
 
 
+def tied_aliases(state_dict: dict[str, torch.Tensor]) -> dict[str, str]:
+    """name -> the earlier name whose tensor it is (the same memory, shape and strides): a tied embedding's lm_head."""
+    owners: dict[tuple, str] = {}
+    aliases = {}
+    for name, t in state_dict.items():
+        key = (t.device, t.data_ptr(), tuple(t.shape), t.stride(), t.dtype)
+        if key in owners:
+            aliases[name] = owners[key]
+        else:
+            owners[key] = name
+    return aliases
+
+
 class DeltaTracker:
     def __init__(self):
         self.weights: dict[str, torch.Tensor] = {}  # name -> the engine's current weights (engine dtype)
+        self.aliases: dict[str, str] = {}  # tied names -> the name whose held tensor they share (one copy)
 
     def apply(self, state_dict: dict[str, torch.Tensor], dtype: torch.dtype) -> DeltaUpdate:
         if not self.weights or self.weights.keys() != state_dict.keys():  # first sync (or a new model): all of it
-            self.weights = {name: t.detach().to(dtype).clone() for name, t in state_dict.items()}
-            dense = sum(t.numel() * t.element_size() for t in self.weights.values())
+            self.aliases = tied_aliases(state_dict)
+            self.weights = {}
+            for name, t in state_dict.items():
+                owner = self.aliases.get(name)
+                self.weights[name] = self.weights[owner] if owner else t.detach().to(dtype).clone()
+            dense = sum(t.numel() * t.element_size() for name, t in self.weights.items() if name not in self.aliases)
             return DeltaUpdate(list(self.weights), dense, 1.0)
         changed_names, moved, changed, total = [], 0, 0, 0
         for name, new in state_dict.items():
+            if name in self.aliases:
+                continue  # its owner's tensor, compared and updated once (reloaded with it, below)
             held = self.weights[name]
             new = new.detach().to(dtype)
             index = torch.nonzero(bits(new) != bits(held)).squeeze(1)  # (k,) changed elements
@@ -55,6 +76,7 @@ class DeltaTracker:
             changed_names.append(name)
             changed += index.numel()
             moved += min(index.numel() * (_INDEX_BYTES + held.element_size()), held.numel() * held.element_size())
+        changed_names += [alias for alias, owner in self.aliases.items() if owner in changed_names]
         return DeltaUpdate(changed_names, moved, changed / max(total, 1))
 
     def apply_published(self, delta: WeightDelta) -> DeltaUpdate:

@@ -44,3 +44,22 @@ def test_a_fused_layer_is_reloaded_whole():
     chosen = reload_groups(weights, ["m.l0.attn.k_proj.weight"], packed)
     assert sorted(chosen) == sorted(names[:4])  # layer 0's q, k, v (and q's bias); not o_proj, not layer 1
     assert sorted(reload_groups(weights, ["m.l0.attn.o_proj.weight"], packed)) == ["m.l0.attn.o_proj.weight"]
+
+
+def test_a_tied_tensor_is_held_once_and_reloaded_under_both_names():
+    g = torch.Generator().manual_seed(3)
+    embed = torch.randn(16, 8, generator=g)
+    weights = {"embed.weight": embed, "b.weight": torch.randn(8, generator=g), "lm_head.weight": embed}
+    tracker = DeltaTracker()
+    first = tracker.apply(weights, torch.bfloat16)
+    assert tracker.weights["lm_head.weight"] is tracker.weights["embed.weight"]  # one copy, not two
+    assert first.bytes == (16 * 8 + 8) * 2 and sorted(first.changed_names) == sorted(weights)
+    embed[2, :] += 1.0  # the tied tensor changes (both names see it)
+    update = tracker.apply(weights, torch.bfloat16)
+    assert sorted(update.changed_names) == ["embed.weight", "lm_head.weight"]  # the engine reloads both
+    assert update.bytes == 8 * (4 + 2) and update.changed_fraction == 8 / (16 * 8 + 8)  # counted once
+    for name, t in weights.items():
+        assert torch.equal(bits(tracker.weights[name]), bits(t.to(torch.bfloat16)))
+    untied = DeltaTracker()
+    untied.apply({**weights, "lm_head.weight": embed.clone()}, torch.bfloat16)  # equal values, own memory: two
+    assert untied.weights["lm_head.weight"] is not untied.weights["embed.weight"]

@@ -190,3 +190,34 @@ def _assert_same_engine_weights(full, delta, model) -> None:
         assert t.dtype == delta_weights[name].dtype and torch.equal(bits(t), bits(delta_weights[name])), name
     # and both are the trainer's latest weights rounded to bf16
     assert torch.equal(full_weights["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
+
+
+def test_a_tied_model_synced_by_delta_from_full_weights_matches_a_full_sync():
+    """A tied embedding (one tensor under embed_tokens and lm_head, as a local worker's shared-memory weights hold
+    it): the delta engine holds it once and reloads it under both names whenever it changes."""
+    from transformers import Qwen2ForCausalLM
+
+    config = tiny_model_config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                               intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+    config.tie_word_embeddings = True
+    torch.manual_seed(5)
+    model = Qwen2ForCausalLM(config).eval()
+    state = model.state_dict()
+    assert state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr()
+    full = VLLMEngine(config, "bfloat16", TEMPERATURE, 8, EOS, PAD, weight_sync="full")
+    delta = VLLMEngine(config, "bfloat16", TEMPERATURE, 8, EOS, PAD, weight_sync="delta")
+    try:
+        for cycle in range(3):
+            if cycle:
+                with torch.no_grad():
+                    model.model.embed_tokens.weight[cycle].add_(1.0)  # the tied tensor changes
+                    model.model.norm.weight.add_(1.0)
+            full.load_weights(model.state_dict())
+            sync = delta.load_weights(model.state_dict())
+            assert cycle == 0 or 0 < sync.changed_fraction < 0.5
+        held = delta.delta.weights
+        assert held["lm_head.weight"] is held["model.embed_tokens.weight"]  # one copy
+        _assert_same_engine_weights(full, delta, model)
+    finally:
+        full.close()
+        delta.close()
