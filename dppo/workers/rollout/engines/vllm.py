@@ -120,8 +120,8 @@ class VLLMEngine(RolloutEngine):
         weight_sync: full or delta. max_num_seqs: the rows of a ticket (groups x n), all run in one batch;
         max_prompt_len: the longest prompt; they size the KV cache (kv_bytes: that size instead). compile: vLLM's
         torch.compile (inductor) of the model, and CUDA graphs on a GPU, instead of eager (rollout.enforce_eager):
-        about 15-20% less CPU work per token at 42M on the CPU, for 40-65 s more start-up per engine
-        (benchmarks/RESULTS.md); off by default here, and make_engine turns it on on a GPU."""
+        on the CPU 15-20% less work per token at 42M on 128 rows and none on 512, for 40-65 s more start-up per
+        engine (benchmarks/RESULTS.md); off by default here, and make_engine turns it on on a GPU."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: no copies
         # vLLM logs each reload and cache reset at INFO; a run's terminal is its own progress line and summary
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
