@@ -31,7 +31,10 @@ def test_vllm_loads_hf_model_and_decodes_greedily_as_transformers(tmp_path):
     llm = LLM(model=str(out), dtype="float32", skip_tokenizer_init=True, max_model_len=64, enforce_eager=True,
               seed=0, gpu_memory_utilization=0.5)  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=8, stop_token_ids=[EOS], detokenize=False)
-    outputs = llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts], params)
+    try:
+        outputs = llm.generate([TokensPrompt(prompt_token_ids=row.tolist()) for row in prompts], params)
+    finally:  # its engine-core process, stopped now rather than force-killed at the interpreter's exit
+        llm.llm_engine.engine_core.shutdown()
     for row, output in enumerate(outputs):
         length = int(mask[row].sum())
         assert list(output.outputs[0].token_ids) == expected[row, :length].tolist(), row
