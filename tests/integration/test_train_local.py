@@ -5,11 +5,9 @@ resumed from its checkpoint (its workers spawned, not forked)."""
 
 import os
 import re
-import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,8 @@ import pytest
 from dppo.cli import main
 from dppo.trainer.report import read_metrics
 
-from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
+from processes import kill_the_local_worker_mid_run  # tests/processes.py (conftest.py puts tests/ on sys.path)
+from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py
 
 pytestmark = pytest.mark.integration
 
@@ -61,21 +60,7 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", _REGISTERED, *overrides(out, 8, "task.name=shift")],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})  # fmt: skip
-    try:
-        worker = None
-        for line in proc.stdout:
-            if found := re.search(r"rollout: 1 worker process\(es\) on this machine, no Ray \(pid (\d+)\)", line):
-                worker = int(found[1])
-                break
-        assert worker is not None
-        deadline = time.monotonic() + 120
-        while not (out / "metrics.jsonl").exists() or not read_metrics(out / "metrics.jsonl"):
-            assert time.monotonic() < deadline and proc.poll() is None
-            time.sleep(0.05)
-        os.kill(worker, signal.SIGKILL)
-        rest, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    err = kill_the_local_worker_mid_run(proc, out / "metrics.jsonl", after_steps=1, wait_s=120)
     assert proc.returncode == 0, err[-3000:]
     assert "rollout worker 0 was killed by SIGKILL; restarted it (1 of rollout.max_restarts=3)" in err, err[-3000:]
     steps = read_metrics(out / "metrics.jsonl")

@@ -4,11 +4,8 @@ SIGKILLed mid-run is restarted as a fresh interpreter (which starts its own engi
 sync mode the engine inside the trainer's own process, checkpoints included."""
 
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numpy as np
@@ -19,6 +16,7 @@ pytest.importorskip("vllm")
 from dppo.trainer.report import read_metrics  # noqa: E402
 
 from integration.test_vllm_ray import VLLM_MODEL  # noqa: E402  (tests/ is on sys.path)
+from processes import kill_the_local_worker_mid_run  # noqa: E402
 from tiny_run import tiny_run  # noqa: E402
 
 pytestmark = [pytest.mark.integration, pytest.mark.vllm]
@@ -35,21 +33,7 @@ def test_a_local_async_vllm_run_learns_and_survives_a_killed_worker(tmp_path):
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
     proc = subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, cwd=REPO, env=env, start_new_session=True)  # fmt: skip
-    try:
-        worker = None
-        for line in proc.stdout:
-            if found := re.search(r"rollout: 1 worker process\(es\) on this machine, no Ray \(pid (\d+)\)", line):
-                worker = int(found[1])
-                break
-        assert worker is not None, "no local rollout worker announced (did the run start Ray?)"
-        deadline = time.monotonic() + 180
-        while not (out / "metrics.jsonl").exists() or len(read_metrics(out / "metrics.jsonl")) < 2:
-            assert time.monotonic() < deadline and proc.poll() is None, proc.stderr.read()[-3000:]
-            time.sleep(0.05)
-        os.kill(worker, signal.SIGKILL)
-        rest, err = proc.communicate(timeout=300)
-    finally:
-        proc.kill()
+    err = kill_the_local_worker_mid_run(proc, out / "metrics.jsonl", after_steps=2, wait_s=180)
     assert proc.returncode == 0, err[-3000:]
     assert "rollout worker 0 was killed by SIGKILL; restarted it (1 of rollout.max_restarts=3)" in err, err[-3000:]
     assert "Chat template warmup failed" not in err  # the vLLM start-up warnings the engine's own choices cause
