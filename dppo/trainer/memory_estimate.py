@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 from dppo.config import DppoConfig
 from dppo.config.choices import select_strategy_name
+from dppo.workers.rollout.engines import vllm_rows
 from dppo.workers.rollout.engines.vllm import kv_bytes_of
 
 GIB = 2**30
@@ -147,7 +148,7 @@ def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
     seqs = cfg.rollout.groups_per_batch * cfg.rollout.n
     length = shape.prompt_length + shape.response_length
     if cfg.rollout.name == "vllm":
-        rows = max(cfg.rollout.groups_per_batch, cfg.groups_per_trigger) * cfg.rollout.n  # as make_engine sizes it
+        rows = vllm_rows(cfg)
         parts = {"process": PROCESS_BYTES + VLLM_IMPORT_BYTES, "weights": shape.params * b,
                  "kv cache and logits": kv_bytes_of(shape.layers, shape.kv_width, b, rows, length)
                  + rows * shape.vocab_size * 4 * 2}  # fmt: skip

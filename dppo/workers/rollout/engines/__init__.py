@@ -13,15 +13,21 @@ from dppo.workers.rollout.engines.vllm import VLLMEngine
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 __all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "Samples", "VLLM_CPU_HEAD_SIZES", "WEIGHT_SYNC_MODES", "WeightSync", "make_engine",
-           "vllm_enforce_eager"]
+           "vllm_enforce_eager", "vllm_rows"]
 
 
 def vllm_enforce_eager(cfg, device: torch.device) -> bool:
     """rollout.enforce_eager, or where it is null, eager on the CPU only (compiling there costs 40-65 s per engine
-    start for 15-20% less work; on a GPU, CUDA graphs are vLLM's default)."""
+    start and saved little work; on a GPU, CUDA graphs are vLLM's default)."""
     if cfg.rollout.enforce_eager is not None:
         return cfg.rollout.enforce_eager
-    return torch.device(device).type == "cpu"
+    return device.type == "cpu"
+
+
+def vllm_rows(cfg) -> int:
+    """The rows a vllm engine runs in one batch, which size its KV cache: a ticket's, rollout.groups_per_batch groups
+    (separate_async) or a trigger's (sync), rollout.n samples each."""
+    return max(cfg.rollout.groups_per_batch, cfg.groups_per_trigger) * cfg.rollout.n
 
 
 def make_engine(cfg, source, model_config, device: torch.device = torch.device("cpu")) -> RolloutEngine:
@@ -31,10 +37,8 @@ def make_engine(cfg, source, model_config, device: torch.device = torch.device("
     dtype = cfg.rollout.dtype or cfg.model.dtype
     max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
     if cfg.rollout.name == "vllm":
-        # a ticket's rows: rollout.groups_per_batch groups (separate_async), a trigger's (sync), n samples each
-        rows = max(cfg.rollout.groups_per_batch, cfg.groups_per_trigger) * cfg.rollout.n
         return VLLMEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token,
-                          source.pad_token, weight_sync=cfg.rollout.weight_sync, max_num_seqs=rows,
+                          source.pad_token, weight_sync=cfg.rollout.weight_sync, max_num_seqs=vllm_rows(cfg),
                           max_prompt_len=source.prompt_length,
                           compile=not vllm_enforce_eager(cfg, torch.device(device)))  # fmt: skip
     return HFEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token, source.pad_token,
