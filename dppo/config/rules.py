@@ -58,6 +58,10 @@ def _check_prox_logp_method(cfg) -> None:
         raise ConfigError(f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
                           "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
                           "for free; use prox_logp_method=recompute or prox_anchor=cycle_start")  # fmt: skip
+    if method == "auto" and cfg.snapshot.strategy == "reference":
+        raise ConfigError(f"{key} reads slot 0 on its check cycles through a slot reader, but snapshot.strategy="
+                          "'reference' is verl v1's save-and-restore scheme, kept for comparison only; use "
+                          "snapshot.strategy=auto (or view, swap, stream), or prox_logp_method=recompute with it")  # fmt: skip
     if method not in ("loglinear", "auto"):
         return
     if rc.rollout_is is not None and rc.rollout_is_batch_normalize:

@@ -46,6 +46,9 @@ def one_error_line(lines: list[str]) -> str:
         ({"rollout.max_new_tokens": 300}, ["a response of 300", "305 positions", "has 256 (max_position_embeddings)"]),
         ({"task.length": 10**12}, ["task.length=1000000000000: a single prompt of task 'copy' cannot be allocated"]),
         ({"trainer.eval_prompts": 10**12}, ["trainer.eval_prompts=1000000000000: task 'copy'", "only 1000 distinct"]),
+        # once crashed at rank start (UnknownStrategyError: unknown slot reader 'reference')
+        ({"algorithm.prox_logp_method": "auto", "snapshot.strategy": "reference"},
+         ["algorithm.prox_logp_method=auto", "snapshot.strategy='reference'"]),
     ],
 )
 def test_each_config_error_is_one_line_with_exit_code_2(run_cli, override, fragments):

@@ -70,6 +70,8 @@ def test_overrides_are_typed_and_nested():
          ["prox_logp_method=metrics", "prox_anchor=current"]),
         (["algorithm.prox_logp_method=loglinear", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
          ["prox_logp_method=loglinear", "rollout_is_batch_normalize=true"]),
+        (["algorithm.prox_logp_method=auto", "snapshot.strategy=reference"],
+         ["prox_logp_method=auto", "snapshot.strategy='reference'", "snapshot.strategy=auto"]),
         (["algorithm.prox_logp_method=loglinear", "trainer.verify_old_log_prob=true"],
          ["verify_old_log_prob=true", "prox_logp_method=loglinear", "prox_logp_method=metrics"]),
         (["trainer.total_steps"], ["key=value"]),
