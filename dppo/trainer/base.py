@@ -65,6 +65,12 @@ from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheck
 
 TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
 ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
+# A mid-cycle checkpoint whose ranks kept no pi_old weights (loglinear, auto between checks, current, bypass, a cycle
+# scored wholly ahead): the cycle-start weights as they were published to the rollout, whole, in the model's dtype.
+PI_OLD_FILE = "pi_old.pt"
+# Where a checkpoint's pi_old weights are (trainer.pt's pi_old.weights): the live ones (a step boundary), the ranks'
+# anchor (their shards' slot 0), or PI_OLD_FILE.
+PI_OLD_LIVE, PI_OLD_ANCHOR, PI_OLD_IN_FILE = "live", "anchor", "file"
 
 # (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
 ResumePoint = tuple[Path, dict]
@@ -88,10 +94,27 @@ def _read_trainer_state(cfg: DppoConfig, path: Path, manifest: dict) -> dict:
                                        f"{inside[2]}, its manifest says otherwise")  # fmt: skip
         if f"{ACTOR_DIR}/.metadata" not in manifest["files"]:
             raise ckpt.CheckpointError(f"it holds no actor shards ({ACTOR_DIR}/): written by an older dppo")
+        _check_pi_old(state, manifest)
         _check_cycle_fits(cfg, state)
     except (ValueError, KeyError, TypeError) as err:
         raise ckpt.CheckpointError(f"{TRAINER_FILE} does not fit this run: {type(err).__name__}: {err}") from None
     return state
+
+
+def _check_pi_old(state: dict, manifest: dict) -> None:
+    """The checkpoint's pi_old record (if any) names weights that are there, of the version the run continues at."""
+    record = state.get("pi_old")
+    if record is None:
+        return
+    if int(record["version"]) != int(state["version"]):
+        raise ckpt.CheckpointError(f"its pi_old was published as version {record['version']}, but it continues "
+                                   f"version {state['version']}")  # fmt: skip
+    if record["weights"] not in (PI_OLD_LIVE, PI_OLD_ANCHOR, PI_OLD_IN_FILE):
+        raise ckpt.CheckpointError(f"its pi_old weights are in {record['weights']!r}, which this dppo does not know")
+    if record["weights"] == PI_OLD_IN_FILE and PI_OLD_FILE not in manifest["files"]:
+        raise ckpt.CheckpointError(f"its pi_old weights are said to be in {PI_OLD_FILE}, which it does not hold")
+    if record["weights"] == PI_OLD_ANCHOR and not state.get("anchor"):
+        raise ckpt.CheckpointError("its pi_old weights are said to be the ranks' anchor, which it does not hold")
 
 
 def _check_cycle_fits(cfg: DppoConfig, state: dict) -> None:
@@ -162,8 +185,9 @@ class BaseTrainer:
         self.resumed_from: Path | None = None
         self.policy: torch.nn.Module | None = None  # what evaluate() decodes with: the weights of policy_version
         self.policy_version = -1
-        # A cycle resumed mid-way publishes its pi_old (the current version's weights) rather than the live ones.
-        self._publish_anchor = False
+        # A cycle resumed mid-way publishes its pi_old (the current version's weights) rather than the live ones:
+        # from the ranks' anchor (PI_OLD_ANCHOR) or the checkpoint's PI_OLD_FILE (PI_OLD_IN_FILE, with its weights).
+        self._resumed_pi_old: tuple[str, dict | None] = (PI_OLD_LIVE, None)
         self._tracker_state: dict | None = None  # the trackers' runs a resumed run continues (from trainer.pt)
         self.trackers = Trackers([])
         if cfg.trainer.resume and resume_point is None:
@@ -280,8 +304,9 @@ class BaseTrainer:
         try:
             if self.rollout is None:
                 self.rollout = make_rollout(self.cfg, self.source, self.model_config, self.rollout_start)
-            self.publish_weights(self.version, anchor=self._publish_anchor)
-            self._publish_anchor = False
+            where, weights = self._resumed_pi_old
+            self.publish_weights(self.version, anchor=where == PI_OLD_ANCHOR, weights=weights)
+            self._resumed_pi_old = (PI_OLD_LIVE, None)
             self.rollout.start()
             while self.global_step < tcfg.total_steps:
                 record = self.run_cycle()
@@ -417,10 +442,12 @@ class BaseTrainer:
         record["timing_s/step"] = step_s
         return record
 
-    def publish_weights(self, version: int, anchor: bool = False) -> None:
+    def publish_weights(self, version: int, anchor: bool = False, weights: dict | None = None) -> None:
         """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
-        once); anchor: pi_old's weights instead (a cycle resumed mid-way)."""
-        self._published, self._published_version = self.actor_group.rollout_weights(anchor), version
+        once); a cycle resumed mid-way publishes its pi_old instead: the ranks' anchor (anchor), or weights (the
+        state dict of the checkpoint's PI_OLD_FILE), which the rollout then takes as they are."""
+        self._published = weights if weights is not None else self.actor_group.rollout_weights(anchor)
+        self._published_version = version
         self.rollout.publish(self._published, version)
 
     def save_hf_model(self, policy: torch.nn.Module, out_dir: Path) -> Path:
@@ -472,11 +499,21 @@ class BaseTrainer:
             if saved["write_error"] is not None:  # the ranks are fine; the files are not (a full disk, say)
                 raise ShardedCheckpointError(saved["write_error"])
             state["anchor"] = saved["anchor"]
+            state["pi_old"] = self._pi_old_record(staging, progress.started, saved["anchor"])
             if "hf_model" in self.cfg.actor.checkpoint.save_contents:
                 self._checkpoint_hf_model(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=progress.started)
             torch.save(state, staging / TRAINER_FILE)
 
         return self.checkpoints.save(self.global_step, self.version, write, trigger=progress.trigger)
+
+    def _pi_old_record(self, staging: Path, mid_cycle: bool, anchored: bool) -> dict:
+        """What a checkpoint says of pi_old: the version its weights were published as, where those weights are (the
+        live ones at a step boundary; mid-cycle the ranks' anchor, or else PI_OLD_FILE, written here from what the
+        rollout was given), and the ranks' pi_old state (auto's switch, the cycle's verification so far)."""
+        where = PI_OLD_LIVE if not mid_cycle else PI_OLD_ANCHOR if anchored else PI_OLD_IN_FILE
+        if where == PI_OLD_IN_FILE:
+            torch.save(self.rollout.published_weights(), staging / PI_OLD_FILE)
+        return {"version": self._published_version, "weights": where, **self.actor_group.pi_old_state()}
 
     def _checkpoint_hf_model(self, out_dir: Path, mid_cycle: bool) -> None:
         """The live weights as a transformers directory inside a checkpoint. At a step boundary they are the weights
@@ -557,7 +594,7 @@ class BaseTrainer:
         self.resumed_algorithm_state = dict(state.get("algorithm") or {})
         if "cycle" in state:
             self.progress = CycleProgress.from_state(state["cycle"])
-        self._publish_anchor = bool(state.get("anchor"))
+        self._resumed_pi_old = self._pi_old_of(path, state)
         rollout = state["rollout"]
         self.rollout_start = RolloutStart(
             version=self.version,
@@ -566,6 +603,23 @@ class BaseTrainer:
             next_grant=int(rollout["next_grant"]), dropped_total=int(rollout["dropped_total"]),
             worker_restarts=int(rollout["worker_restarts"]),
         )  # fmt: skip
+
+    def _pi_old_of(self, path: Path, state: dict) -> tuple[str, dict | None]:
+        """Where the resumed run's first publish takes pi_old from, and the ranks' pi_old state loaded. A checkpoint
+        of an older dppo has no pi_old record: mid-cycle without an anchor it kept no pi_old weights, so the rollout
+        gets the live ones (one line says so)."""
+        record = state.get("pi_old")
+        if record is None:
+            if self.progress.started and not state.get("anchor"):
+                self.checkpoints.warn(
+                    f"checkpoint {path.name} was written mid-cycle by an older dppo that kept no pi_old weights: until "
+                    f"this cycle ends the rollout samples with the live weights ({self.progress.trigger} optimizer "
+                    f"step(s) past the cycle start) labelled version {self.version}, so staleness and loglinear's "
+                    "interpolation are off by that much for this cycle's samples")  # fmt: skip
+            return (PI_OLD_ANCHOR if state.get("anchor") else PI_OLD_LIVE), None
+        self.actor_group.load_pi_old_state(record)
+        where = record["weights"]
+        return where, ckpt.load_torch(path / PI_OLD_FILE) if where == PI_OLD_IN_FILE else None
 
     # ---- the end of a run -------------------------------------------------------------------------
 

@@ -147,7 +147,12 @@ class LocalRollout:
 
     def publish(self, state_dict, version: int) -> None:
         """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers."""
-        self.buffer.call("publish", SharedState(state_dict), version)
+        self._published = SharedState(state_dict)
+        self.buffer.call("publish", self._published, version)
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """The weights of the last publish, exactly as published: views of the shared-memory copy the workers load."""
+        return self._published.state_dict()
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         while True:

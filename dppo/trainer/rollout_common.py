@@ -4,6 +4,8 @@ torch-free groups the buffer held turned back into Groups."""
 
 from __future__ import annotations
 
+import torch
+
 from dppo.rollout import Group
 from dppo.trainer.resume import RolloutStart
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore, StoredGroup
@@ -29,3 +31,16 @@ def buffer_core(cfg, start: RolloutStart, cls=ReplayBufferCore):
     return cls(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy, cfg.trainer.train_batch_size,
                start.version, start_consumed=start.consumed, start_grant=start.next_grant,
                start_dropped=start.dropped_total)  # fmt: skip
+
+
+def cloned_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A copy of state_dict that no later in-place update of its tensors reaches (a plain module's CPU state dict
+    aliases its live parameters); tensors that are one (a tied embedding) stay one in the copy."""
+    copies: dict[tuple, torch.Tensor] = {}
+    out = {}
+    for name, tensor in state_dict.items():
+        ident = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        if ident not in copies:
+            copies[ident] = tensor.detach().clone()
+        out[name] = copies[ident]
+    return out

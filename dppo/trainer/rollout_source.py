@@ -21,17 +21,19 @@ from typing import Any
 
 import numpy as np
 import ray
+import torch
 from ray.exceptions import GetTimeoutError, RayTaskError
 
 from dppo._text import one_line
 from dppo.data.source import PromptSource
+from dppo.models import as_state_dict
 from dppo.rollout import Group
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
 from dppo.trainer.resume import RolloutStart
 from dppo.trainer.local_rollout import LocalRollout
-from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, groups_of
+from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, cloned_state, groups_of
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from dppo.workers.rollout.worker import RolloutGenerator, RolloutWorkerActor
 
@@ -53,7 +55,14 @@ class InProcessRollout:
         pass
 
     def publish(self, state_dict, version: int) -> None:
-        self.buffer.publish(state_dict, version)
+        """A copy of state_dict (the rank's CPU state dict: the live tensors, which the cycle's steps move) is what the
+        worker loads at its next ticket and what published_weights() gives back."""
+        self._published = cloned_state(state_dict)
+        self.buffer.publish(self._published, version)
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """The weights of the last publish, exactly as published (the model's dtype)."""
+        return self._published
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         """(groups, groups dropped since the last fetch)."""
@@ -141,7 +150,13 @@ class RayRollout:
         """weights: [ObjectRef] of a state dict already in the object store (the actor's rank 0 put it there),
         or a state dict, put here once. The buffer hands the reference to each worker at its next boundary."""
         refs = weights if isinstance(weights, list) else [ray.put(weights)]  # rank 0 put them there, or one put here
+        self._published = refs
         self._from_buffer(self.buffer.publish.remote(refs, version))
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """The weights of the last publish, read back from the object store (their owner, the actor's rank 0 or this
+        process, keeps them there after a worker or the buffer died)."""
+        return as_state_dict(ray.get(self._published[0]))
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         if self.mode == "sync":

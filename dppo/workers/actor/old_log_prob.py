@@ -109,6 +109,13 @@ class OldLogProbStrategy:
     def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
         """Make weights (from anchor_weights()) pi_old for the rest of the current cycle."""
 
+    def state(self) -> dict:
+        """What a mid-cycle checkpoint must keep of this strategy besides pi_old's weights (plain values)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from state() of a checkpointed run ({}: nothing kept)."""
+
     def close(self) -> None:
         pass
 
@@ -281,6 +288,8 @@ class AutoOldLogProb(CycleStartOldLogProb):
 
     def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:
         if self.switch is not None and not self.switch.is_check_cycle():
+            if trigger == 0:  # slot 0 still holds the last check cycle's pi_old: never hand it out as this one's
+                self._slot_is_pi_old, self._skip_next = False, False
             return None
         return super().compute(trigger, batch)
 
@@ -427,6 +436,15 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         self.inner.load_anchor(weights)
         if self.anchor == "cycle_start":
             self.reference = with_weights(self.model, weights, lambda: self.copy_model(self.model))
+
+    def state(self) -> dict:
+        """The cycle's verification so far: a cycle resumed mid-way reports its whole cycle's largest difference."""
+        return {**self.inner.state(), "max_abs_diff": self.max_abs_diff, "unverified": self.unverified}
+
+    def load_state(self, state: dict) -> None:
+        self.inner.load_state(state)
+        self.max_abs_diff = float(state.get("max_abs_diff", 0.0))
+        self.unverified = int(state.get("unverified", 0))
 
     def end_cycle(self) -> dict[str, float]:
         diff, self.max_abs_diff = self.max_abs_diff, 0.0

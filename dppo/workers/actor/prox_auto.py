@@ -53,6 +53,18 @@ class AutoProxSwitch:
         if not (ok and math.isfinite(self.max_is_err) and self.max_is_err > 0):
             raise ValueError(f"algorithm.prox_max_is_err must be a finite number > 0; got {self.max_is_err!r}")
 
+    def state(self) -> dict:
+        """What decides the cycles to come, as plain values (a checkpoint's)."""
+        return {"approx_ok": self.approx_ok, "cycles_since_check": self.cycles_since_check,
+                "cycle_errs": list(self.cycle_errs), "cycle_interp": self.cycle_interp}  # fmt: skip
+
+    def load_state(self, state: dict) -> None:
+        """Continue from state(); the settings (check_every, max_is_err) stay this run's."""
+        self.approx_ok = bool(state["approx_ok"])
+        self.cycles_since_check = int(state["cycles_since_check"])
+        self.cycle_errs = [float(err) for err in state["cycle_errs"]]
+        self.cycle_interp = float(state["cycle_interp"])
+
     def is_check_cycle(self) -> bool:
         """Whether this cycle computes the exact pi_prox (and measures loglinear's error against it)."""
         return not self.approx_ok or self.cycles_since_check >= self.check_every

@@ -83,6 +83,13 @@ class Recompute:
         """The trigger's metrics merged over the ranks (the same on every rank); returns metrics to add."""
         return {}
 
+    def state(self) -> dict:
+        """What a checkpoint must keep of this method across cycles (plain values; the same on every rank)."""
+        return {}
+
+    def load_state(self, state: dict) -> None:
+        """Continue from state() of a checkpointed run ({} : a fresh run, or a checkpoint without it)."""
+
 
 class Loglinear(Recompute):
     name = "loglinear"
@@ -144,6 +151,16 @@ class Auto(Recompute):
         if checked:
             out["prox_approx/check_is_err_max"] = max(switch.cycle_errs)
         return out
+
+    def state(self) -> dict:
+        """The switch's state and whether a cycle has begun (the next trigger 0 closes it): without them a resumed
+        run would start over with a check cycle, mid-way through a cycle that ran loglinear."""
+        return {"started": self._started, "switch": self.switch.state()}
+
+    def load_state(self, state: dict) -> None:
+        if state:
+            self._started = bool(state["started"])
+            self.switch.load_state(state["switch"])
 
 
 _METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}

@@ -219,6 +219,21 @@ class ActorRank:
         """The old-log-prob strategy's metrics of the cycle, the worst over the ranks."""
         return self.peers.reduce_metrics(self.old_log_prob.end_cycle(), default=MAX)
 
+    @register(RANK0)
+    def pi_old_state(self) -> dict:
+        """What a checkpoint keeps of pi_old on the ranks besides its weights: the prox method's state across cycles
+        (auto's switch: the same on every rank) and the strategy's state within the cycle (its numbers the largest
+        over the ranks: every rank takes part)."""
+        strategy = {key: float(value) for key, value in self.old_log_prob.state().items()}
+        return {"method": self.prox_method.state(),
+                "strategy": self.peers.reduce_metrics(strategy, default=MAX) if strategy else {}}  # fmt: skip
+
+    @register(ALL)
+    def load_pi_old_state(self, state: dict) -> None:
+        """Continue from pi_old_state() of a checkpointed run."""
+        self.prox_method.load_state(state.get("method") or {})
+        self.old_log_prob.load_state(state.get("strategy") or {})
+
     # ---- snapshots (verl's worker-group names) -------------------------------------------------------
 
     @property

@@ -107,40 +107,87 @@ def weights(model) -> dict:
     return {k: v.clone() for k, v in model.state_dict().items()}
 
 
-def test_a_rollout_failure_mid_cycle_checkpoints_and_the_resumed_run_is_bitwise_the_same(small_cfg, monkeypatch):
-    """The rollout fails at step 2's second trigger: the trainer checkpoints its state there (pi_old of the cycle,
-    the cycle's metrics so far), and the resumed run ends with exactly the weights and metrics of a run that never
-    failed."""
-    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+# Every prox_logp_method; auto with checks that pass (sync samples are never older than pi_prox; a loose bound) every
+# second cycle: cycle 0 checks, cycle 1 (where the failure is) runs loglinear, cycle 2 checks again.
+PI_OLD_METHODS = {
+    "recompute": {},
+    "metrics": {"algorithm.prox_logp_method": "metrics"},
+    "loglinear": {"algorithm.prox_logp_method": "loglinear"},
+    "auto": {"algorithm.prox_logp_method": "auto", "algorithm.prox_check_every": 2, "algorithm.prox_max_is_err": 10.0},
+}
 
-    # score_ahead off: in sync mode it takes a cycle's groups at trigger 0 (test_score_ahead.py covers that case)
+
+def recording_publishes(monkeypatch) -> list[tuple[int, dict]]:
+    """From now on every publish to an in-process rollout appends (version, a copy of the weights) to the list."""
+    from dppo.trainer.rollout_source import InProcessRollout
+
+    published, publish = [], InProcessRollout.publish
+
+    def recording(self, state_dict, version):
+        published.append((version, weights_of(state_dict)))
+        return publish(self, state_dict, version)
+
+    monkeypatch.setattr(InProcessRollout, "publish", recording)
+    return published
+
+
+def weights_of(state_dict) -> dict:
+    return {k: v.detach().clone() for k, v in state_dict.items()}
+
+
+@pytest.mark.parametrize("score_ahead", [False, True], ids=["score_ahead_off", "score_ahead_on"])
+@pytest.mark.parametrize("method", list(PI_OLD_METHODS))
+def test_a_rollout_failure_mid_cycle_checkpoints_pi_old_and_the_resumed_run_is_bitwise_the_same(
+    small_cfg, monkeypatch, method, score_ahead
+):
+    """The rollout fails at step 2's second trigger: the trainer checkpoints its state there (pi_old of the cycle: the
+    ranks' slot 0 where a later trigger reads it, else the weights the rollout was given; auto's switch; the cycle's
+    metrics so far), and the resumed run publishes the cycle-start weights as the cycle's version again and ends with
+    exactly the weights and metrics of a run that never failed. In sync mode with score-ahead on, trigger 0 takes and
+    scores the whole cycle, so no snapshot is taken and pi_old's weights come from the rollout's copy."""
     common = {"trainer.total_steps": 3, "trainer.checkpoint_every": 10, "trainer.output_dir": None,
-              "snapshot.score_ahead": False}  # fmt: skip
+              "snapshot.score_ahead": score_ahead, "actor.lr": 0.05, **PI_OLD_METHODS[method]}  # fmt: skip
     out = small_cfg().trainer.output_dir
+    published = recording_publishes(monkeypatch)
     clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
     clean.fit()
     expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.actor_group.local_rank.model)
+    cycle_start = dict(published)[1]  # what version 1 was: the weights at step 2's start
+    if method == "auto":
+        assert [r["prox_approx/method"] for r in expected_records] == [1.0, 0.0, 1.0]  # the failure hits loglinear's cycle
 
-    fetch, calls = InProcessRollout.fetch, []
+    train_trigger = PPOTrainer.train_trigger
 
-    def failing_fetch(self, num_groups, trainer_version):
-        calls.append(trainer_version)
-        if len(calls) == 4:  # step 2 (version 1), trigger 1
+    def failing(self, batch, prox_logp=None):
+        if (self.global_step, self.local_trigger_step) == (1, 1):
             raise RolloutFailedError("the replay buffer died")
-        return fetch(self, num_groups, trainer_version)
+        return train_trigger(self, batch, prox_logp)
 
-    monkeypatch.setattr(InProcessRollout, "fetch", failing_fetch)
+    from dppo.trainer.rollout_source import RolloutFailedError
+
+    monkeypatch.setattr(PPOTrainer, "train_trigger", failing)
     with pytest.raises(RolloutFailedError, match=r"^the replay buffer died; the trainer's state at step 1, trigger 1 "
                                                  r"is checkpointed in .*step_00000001_trigger_1 "):  # fmt: skip
         PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out})).fit()
-    monkeypatch.setattr(InProcessRollout, "fetch", fetch)
+    monkeypatch.setattr(PPOTrainer, "train_trigger", train_trigger)
     assert names(f"{out}/checkpoints") == ["step_00000001_trigger_1"]
-    assert saved_state(f"{out}/checkpoints")["anchor"] is True  # pi_old of the cycle, in the actor's shards
+    state = saved_state(f"{out}/checkpoints")
+    slot_read = method in ("recompute", "metrics") and not score_ahead  # trigger 1 reads slot 0
+    assert state["anchor"] is slot_read
+    assert state["pi_old"]["version"] == 1 and state["pi_old"]["weights"] == ("anchor" if slot_read else "file")
+    if method == "auto":
+        assert state["pi_old"]["method"] == {"started": True, "switch": {"approx_ok": True, "cycles_since_check": 1,
+                                                                         "cycle_errs": [], "cycle_interp": 0.0}}  # fmt: skip
 
+    published.clear()
     resumed = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out, "trainer.resume": True}))
     assert resumed.resumed_from.name == "step_00000001_trigger_1"
     assert (resumed.global_step, resumed.progress.trigger) == (1, 1)
     resumed.fit()
+    version, first = published[0]
+    assert version == 1 and first.keys() == cycle_start.keys()
+    for name, tensor in first.items():  # never the live weights, a step past the cycle start, labelled version 1
+        assert torch.equal(tensor, cycle_start[name]), name
     for name, tensor in weights(resumed.actor_group.local_rank.model).items():
         assert torch.equal(tensor, expected_weights[name]), name
     got, want = without_timing(read_metrics(f"{out}/metrics.jsonl")), without_timing(expected_records)
