@@ -39,6 +39,7 @@ from dppo.algo.loss_modes import (
 from dppo.algo.losses import (
     POLICY_LOSSES,
     bypass_policy_loss,
+    clip_range,
     entropy_bonus,
     get_policy_loss,
     policy_loss,
@@ -100,6 +101,7 @@ __all__ = [
     "agg_loss",
     "apply_kl_penalty",
     "bypass_policy_loss",
+    "clip_range",
     "compute_rollout_correction_and_rejection_mask",
     "entropy_bonus",
     "entropy_from_logits",

@@ -26,7 +26,7 @@ from dppo.algo._common import (
 )
 from dppo.algo._loss_terms import LossTerms
 from dppo.algo.aggregation import LOSS_AGG_MODES, agg_loss_unchecked
-from dppo.algo.losses import check_loss_inputs, policy_loss
+from dppo.algo.losses import check_loss_inputs, clip_range, policy_loss
 from dppo.algo.losses_cov import clip_cov_terms, kl_cov_terms
 from dppo.algo.losses_logp import dppo_kl_terms, dppo_tv_terms, dro_terms, gpg_terms
 from dppo.algo.losses_ratio import cispo_terms, geo_mean_terms, gspo_terms, sapo_terms
@@ -35,6 +35,7 @@ PolicyLossFn = Callable[..., "tuple[torch.Tensor, dict[str, float]]"]
 
 # verl 0.9.1's config keys of the policy losses and their defaults (ActorConfig, PolicyLossConfig).
 POLICY_LOSS_DEFAULTS: dict[str, float | None] = {
+    "clip_ratio": 0.2,  # the fallback of clip_ratio_low / clip_ratio_high where those are None (verl's)
     "clip_ratio_low": 0.2,
     "clip_ratio_high": 0.2,
     "clip_ratio_c": 3.0,
@@ -69,7 +70,12 @@ def _settings(loss_mode: str, reads: tuple[str, ...], config: dict) -> dict:
             f"unknown policy loss config key(s) {unknown} for loss_mode {loss_mode!r}; "
             f"known keys: {', '.join(POLICY_LOSS_DEFAULTS)}"
         )
-    return {key: config.get(key, POLICY_LOSS_DEFAULTS[key]) for key in reads}
+    settings = {key: config.get(key, POLICY_LOSS_DEFAULTS[key]) for key in reads}
+    if "clip_ratio_low" in settings or "clip_ratio_high" in settings:  # a None falls back to clip_ratio, as in verl
+        low, high = clip_range(config.get("clip_ratio", POLICY_LOSS_DEFAULTS["clip_ratio"]),
+                               settings.get("clip_ratio_low"), settings.get("clip_ratio_high"))  # fmt: skip
+        settings.update({k: v for k, v in (("clip_ratio_low", low), ("clip_ratio_high", high)) if k in settings})
+    return settings
 
 
 def _from_terms(loss_mode: str, terms: Callable, default_agg_mode: str = "token-mean") -> PolicyLossFn:

@@ -40,6 +40,13 @@ from dppo.algo.rollout_correction import (
 # ---------------------------------------------------------------------------------------------------
 
 
+def clip_range(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
+    """(low, high) as verl reads them: clip_ratio_low and clip_ratio_high where set, clip_ratio where they are None."""
+    check_number("clip_ratio", clip_ratio)
+    return (clip_ratio if clip_ratio_low is None else clip_ratio_low,
+            clip_ratio if clip_ratio_high is None else clip_ratio_high)  # fmt: skip
+
+
 def check_clip_range(clip_ratio_low: float, clip_ratio_high: float) -> None:
     """Validate the clip range [1 - low, 1 + high]."""
     check_number("clip_ratio_low", clip_ratio_low)

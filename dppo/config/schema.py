@@ -21,6 +21,7 @@ from dppo.algo import (
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,
     TOKEN_LEVEL_ESTIMATORS,
+    clip_range,
 )
 from dppo.config.checks import (
     ConfigError,
@@ -226,11 +227,14 @@ class ActorConfig:
     grad_clip: float = 1.0
     """Clip the global gradient norm to this value (0: no clipping)."""
 
-    clip_ratio_low: float = 0.2
-    """PPO clip: ratio lower bound is 1 - clip_ratio_low."""
+    clip_ratio: float = 0.2
+    """PPO clip (verl's key): the clip ratio where clip_ratio_low or clip_ratio_high is null."""
 
-    clip_ratio_high: float = 0.2
-    """PPO clip: ratio upper bound is 1 + clip_ratio_high."""
+    clip_ratio_low: Optional[float] = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_ratio_low (null: clip_ratio)."""
+
+    clip_ratio_high: Optional[float] = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_ratio_high (null: clip_ratio)."""
 
     clip_ratio_c: float = 3.0
     """Dual-clip constant: for negative advantages the loss is capped at -clip_ratio_c * A."""
@@ -273,8 +277,10 @@ class ActorConfig:
         nonnegative("actor.weight_decay", self.weight_decay)
         positive("actor.micro_batch_size", self.micro_batch_size)
         nonnegative("actor.grad_clip", self.grad_clip)
-        require(0 <= self.clip_ratio_low < 1, "actor.clip_ratio_low", self.clip_ratio_low, "a value in [0, 1)")
-        nonnegative("actor.clip_ratio_high", self.clip_ratio_high)
+        low, high = clip_range(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high)
+        fallback = " (the lower clip: actor.clip_ratio_low is null)" if self.clip_ratio_low is None else ""
+        require(0 <= low < 1, "actor.clip_ratio" + ("_low" if not fallback else ""), low, "a value in [0, 1)" + fallback)
+        nonnegative("actor.clip_ratio_high" if self.clip_ratio_high is not None else "actor.clip_ratio", high)
         require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "a value > 1")
         one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_MODES))
         nonnegative("actor.entropy_coeff", self.entropy_coeff)

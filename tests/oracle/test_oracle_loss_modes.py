@@ -132,3 +132,25 @@ def test_micro_batches_with_global_normalizers_match_verl(batch, loss_mode, mode
         theirs = theirs + verl_loss(loss_mode, *args, info=info)[0]
     close(ours, theirs, "loss")
     close(grad_of(ours, log_prob), grad_of(theirs, log_prob), "gradient")
+
+
+# verl's clip_ratio: the clip where clip_ratio_low / clip_ratio_high are null (None), ignored where they are set.
+CLIP_CASES = {
+    "both_set": dict(clip_ratio=0.1, clip_ratio_low=0.2, clip_ratio_high=0.28),
+    "low_null": dict(clip_ratio=0.15, clip_ratio_low=None, clip_ratio_high=0.28),
+    "high_null": dict(clip_ratio=0.15, clip_ratio_low=0.2, clip_ratio_high=None),
+    "both_null": dict(clip_ratio=0.15, clip_ratio_low=None, clip_ratio_high=None),
+}
+
+
+@pytest.mark.parametrize("case", list(CLIP_CASES))
+@pytest.mark.parametrize("loss_mode", list(LOSS_MODES))
+def test_clip_ratio_is_the_fallback_of_null_clip_ratio_low_and_high_as_in_verl(batch, loss_mode, case):
+    settings = {**SETTINGS, **CLIP_CASES[case]}
+    old, mask, log_prob, adv, weights = inputs(batch, 0, loss_mode)
+    loss, m = dppo_loss(loss_mode, old, log_prob, adv, mask, "token-mean", settings, weights, 0)
+    v_loss, v_m = verl_loss(loss_mode, old, log_prob, adv, mask, "token-mean", settings, weights, 0)
+    close(loss, v_loss, "loss")
+    close(grad_of(loss, log_prob), grad_of(v_loss, log_prob), "gradient")
+    for key, value in v_m.items():
+        assert m[key] == pytest.approx(value, rel=1e-5, abs=1e-7), key

@@ -18,7 +18,7 @@ from dppo.algo import (
 )
 
 # Where each of verl's policy-loss keys sits in dppo's config (verl's places): actor.<key> or actor.policy_loss.<key>.
-_ACTOR_KEYS = ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
+_ACTOR_KEYS = ("clip_ratio", "clip_ratio_low", "clip_ratio_high", "clip_ratio_c", "tau_pos", "tau_neg")
 
 
 @dataclass(frozen=True)

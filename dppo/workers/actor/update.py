@@ -22,6 +22,7 @@ from dppo.algo import (
     LOSS_AGG_MODES,
     LossNormalizers,
     agg_divisor,
+    clip_range,
     compute_rollout_correction_and_rejection_mask,
     entropy_bonus,
     entropy_from_logits,
@@ -90,9 +91,9 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 
 def _clip_settings(actor_cfg) -> dict:
     """The clip and aggregation keyword arguments the bypass losses take, from the actor config."""
-    return dict(clip_ratio_low=actor_cfg.clip_ratio_low, clip_ratio_high=actor_cfg.clip_ratio_high,
-                clip_ratio_c=actor_cfg.clip_ratio_c, loss_agg_mode=actor_cfg.loss_agg_mode,
-                loss_scale_factor=actor_cfg.loss_scale_factor)  # fmt: skip
+    low, high = clip_range(actor_cfg.clip_ratio, actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high)
+    return dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
+                loss_agg_mode=actor_cfg.loss_agg_mode, loss_scale_factor=actor_cfg.loss_scale_factor)  # fmt: skip
 
 
 def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callable[..., Objective]:

@@ -40,8 +40,11 @@ def test_registry_names_and_errors():
     with pytest.raises(UnknownNameError, match="unknown policy loss_mode 'ppo'; valid names: 'vanilla', 'gspo'"):
         get_policy_loss_fn("ppo")
     log_prob, old, adv, mask = random_inputs()
-    with pytest.raises(TypeError, match=r"unknown policy loss config key\(s\) \['clip_ratio'\] for loss_mode 'gspo'"):
-        get_policy_loss_fn("gspo")(log_prob, old, adv, mask, clip_ratio=0.2)
+    with pytest.raises(TypeError, match=r"unknown policy loss config key\(s\) \['clip_ratios'\] for loss_mode 'gspo'"):
+        get_policy_loss_fn("gspo")(log_prob, old, adv, mask, clip_ratios=0.2)
+    # verl's clip_ratio is a key (the fallback of a null clip_ratio_low / clip_ratio_high), and checked as one
+    with pytest.raises(AlgoInputError, match="clip_ratio must be a finite number"):
+        get_policy_loss_fn("gspo")(log_prob, old, adv, mask, clip_ratio=float("nan"), clip_ratio_low=None)
     with pytest.raises(AlgoInputError, match="dro_beta must be a number > 0 for loss_mode 'dro'"):
         get_policy_loss_fn("dro")(log_prob, old, adv, mask)
     with pytest.raises(AlgoInputError, match="tau_neg must be > 0; got 0"):
@@ -61,7 +64,7 @@ def test_vanilla_is_policy_loss_and_ignores_other_keys():
 
 def test_defaults_are_verls():
     assert POLICY_LOSS_DEFAULTS == {
-        "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "clip_cov_ratio": 0.0002,
+        "clip_ratio": 0.2, "clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, "clip_cov_ratio": 0.0002,
         "clip_cov_lb": 1.0, "clip_cov_ub": 5.0, "kl_cov_ratio": 0.0002, "ppo_kl_coef": 0.1, "dro_beta": None,
         "tau_pos": 1.0, "tau_neg": 1.05,
     }  # fmt: skip
