@@ -304,9 +304,7 @@ class BaseTrainer:
         try:
             if self.rollout is None:
                 self.rollout = make_rollout(self.cfg, self.source, self.model_config, self.rollout_start)
-            where, weights = self._resumed_pi_old
-            self.publish_weights(self.version, anchor=where == PI_OLD_ANCHOR, weights=weights)
-            self._resumed_pi_old = (PI_OLD_LIVE, None)
+            self.publish_start_weights()
             self.rollout.start()
             while self.global_step < tcfg.total_steps:
                 record = self.run_cycle()
@@ -442,6 +440,12 @@ class BaseTrainer:
         record["timing_s/step"] = step_s
         return record
 
+    def publish_start_weights(self) -> None:
+        """The first publish of a run: the live weights, or where it resumed mid-cycle, that cycle's pi_old."""
+        where, weights = self._resumed_pi_old
+        self.publish_weights(self.version, anchor=where == PI_OLD_ANCHOR, weights=weights)
+        self._resumed_pi_old = (PI_OLD_LIVE, None)
+
     def publish_weights(self, version: int, anchor: bool = False, weights: dict | None = None) -> None:
         """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
         once); a cycle resumed mid-way publishes its pi_old instead: the ranks' anchor (anchor), or weights (the
@@ -513,7 +517,7 @@ class BaseTrainer:
         where = PI_OLD_LIVE if not mid_cycle else PI_OLD_ANCHOR if anchored else PI_OLD_IN_FILE
         if where == PI_OLD_IN_FILE:
             torch.save(self.rollout.published_weights(), staging / PI_OLD_FILE)
-        return {"version": self._published_version, "weights": where, **self.actor_group.pi_old_state()}
+        return {"version": self.version, "weights": where, **self.actor_group.pi_old_state()}
 
     def _checkpoint_hf_model(self, out_dir: Path, mid_cycle: bool) -> None:
         """The live weights as a transformers directory inside a checkpoint. At a step boundary they are the weights
@@ -619,7 +623,10 @@ class BaseTrainer:
             return (PI_OLD_ANCHOR if state.get("anchor") else PI_OLD_LIVE), None
         self.actor_group.load_pi_old_state(record)
         where = record["weights"]
-        return where, ckpt.load_torch(path / PI_OLD_FILE) if where == PI_OLD_IN_FILE else None
+        weights = ckpt.load_torch(path / PI_OLD_FILE) if where == PI_OLD_IN_FILE else None
+        if weights is not None and self.cfg.trainer.verify_old_log_prob:
+            self.actor_group.load_published_pi_old(weights)
+        return where, weights
 
     # ---- the end of a run -------------------------------------------------------------------------
 

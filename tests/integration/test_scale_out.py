@@ -24,6 +24,7 @@ from dppo.rollout import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.rollout_source import RolloutFailedError
 from dppo.workers.rollout.worker import RolloutGenerator
 import partial_rollout
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
@@ -72,12 +73,16 @@ class FixedRollout:
 
     def __init__(self, groups: list[Group]) -> None:
         self.groups, self.taken = groups, 0
+        self.published: list[tuple[int, object]] = []  # (version, what was published), every publish
 
     def start(self) -> None:
         pass
 
     def publish(self, weights, version: int) -> None:
-        pass
+        self.published.append((version, weights))
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        return published_state(self.published[-1][1])
 
     def fetch(self, num_groups: int, trainer_version: int):
         groups = self.groups[self.taken : self.taken + num_groups]
@@ -135,9 +140,13 @@ def run_cycles(trainer: PPOTrainer, cycles: int) -> list[dict]:
     return triggers, records
 
 
-def full_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
-    weights = trainer.actor_group.rollout_weights()  # [ObjectRef of SharedWeights] under Ray, else a state dict
+def published_state(weights) -> dict[str, torch.Tensor]:
+    """A state dict from what the trainer publishes: [ObjectRef of SharedWeights] under Ray, else a state dict."""
     return as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
+
+
+def full_weights(trainer: PPOTrainer) -> dict[str, torch.Tensor]:
+    return published_state(trainer.actor_group.rollout_weights())
 
 
 def assert_weights_close(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tol: float = 1e-4) -> None:
@@ -385,3 +394,86 @@ def test_world_size_2_first_step_of_a_loss_mode_is_world_size_1s(ws2, groups, tm
         assert two[0][key] == pytest.approx(one[0][key], rel=1e-5, abs=1e-7), key
     assert one[0]["actor/pg_loss"] != 0 and one[0]["actor/grad_norm"] > 0
     ws1.close()
+
+
+# auto's checks pass (sync samples are never older than pi_prox; a loose bound) every second cycle
+PI_OLD_METHODS = {
+    "recompute": {},
+    "metrics": {},
+    "loglinear": {"trainer.verify_old_log_prob": False},
+    "auto": {"trainer.verify_old_log_prob": False, "algorithm.prox_check_every": 2, "algorithm.prox_max_is_err": 10.0},
+}
+
+
+@pytest.mark.parametrize(("method", "score_ahead"), [("recompute", False), ("recompute", True), ("metrics", False),
+                                                     ("metrics", True), ("loglinear", False), ("auto", False)])  # fmt: skip
+def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_logp_method(ws2, groups, method,
+                                                                                          score_ahead):  # fmt: skip
+    """Issue 31 at world size 2: from a step-boundary checkpoint the ranks take two cycles (the uninterrupted run);
+    resumed from it they take one and fail at the second's trigger 1, checkpoint there (pi_old's weights: the ranks'
+    slot 0 shards, or the weights the rollout was given), and resumed again they finish that cycle: the cycle-start
+    weights are published as its version again, and the weights and the cycle's metrics are the uninterrupted
+    run's, bitwise. Score-ahead applies to recompute and metrics only (the strategies that read slot 0); sync mode
+    takes a whole cycle ahead, so no snapshot is taken there. auto: cycle 0 checks, the failing cycle 1 runs
+    loglinear."""
+    reconfigure(ws2, **{"algorithm.prox_logp_method": method, "snapshot.score_ahead": score_ahead,
+                        **PI_OLD_METHODS[method]})  # fmt: skip
+    fixed, ws2.rollout = ws2.rollout, FixedRollout(groups)
+    rollout = ws2.rollout
+    try:
+        boundary = ws2.save_checkpoint()
+        version = ws2.version
+        _, clean = run_cycles(ws2, 2)
+        clean_weights, clean_published = full_weights(ws2), dict(rollout.published)
+        if method == "auto":
+            assert [r["prox_approx/method"] for r in clean] == [1.0, 0.0]
+
+        ws2._resume((boundary, ckpt_state(boundary)))
+        rollout.taken = 0
+        train_trigger = ws2.train_trigger
+
+        def failing(batch, prox_logp=None):
+            if (ws2.global_step, ws2.local_trigger_step) == (version + 1, 1):
+                raise RolloutFailedError("the replay buffer died")
+            return train_trigger(batch, prox_logp)
+
+        ws2.train_trigger = failing
+        try:
+            ws2.run_cycle()
+            with pytest.raises(RolloutFailedError):
+                ws2.run_cycle()
+        finally:
+            ws2.train_trigger = train_trigger
+        mid = ws2.save_checkpoint()
+        assert mid.name == f"step_{version + 1:08d}_trigger_1"
+        state = ckpt_state(mid)
+        slot_read = method in ("recompute", "metrics") and not score_ahead
+        assert state["pi_old"]["weights"] == ("anchor" if slot_read else "file") and state["anchor"] is slot_read
+        run_cycles(ws2, 2)  # the ranks (and auto's switch) move on before the resume puts them back
+
+        ws2._resume((mid, state))
+        rollout.taken = ws2.rollout_start.consumed - version * ws2.cfg.trainer.train_batch_size
+        rollout.published = []
+        ws2.publish_start_weights()
+        _, resumed = run_cycles(ws2, 1)
+    finally:
+        ws2.rollout = fixed
+    first_version, first = rollout.published[0]
+    assert first_version == version + 1
+    cycle_start = published_state(clean_published[version + 1])
+    for name, value in published_state(first).items():  # never the live weights a step on, labelled version + 1
+        assert torch.equal(value, cycle_start[name]), name
+    for name, value in full_weights(ws2).items():
+        assert torch.equal(value, clean_weights[name]), name
+    assert without_timing(resumed[0]) == without_timing(clean[1])
+
+
+def ckpt_state(path: Path) -> dict:
+    from dppo.trainer import checkpoint as ckpt
+    from dppo.trainer.base import TRAINER_FILE
+
+    return ckpt.load_torch(path / TRAINER_FILE)
+
+
+def without_timing(record: dict) -> dict:
+    return {k: v for k, v in record.items() if not k.startswith("timing_s/")}

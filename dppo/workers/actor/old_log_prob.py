@@ -109,6 +109,10 @@ class OldLogProbStrategy:
     def load_anchor(self, weights: dict[str, torch.Tensor]) -> None:
         """Make weights (from anchor_weights()) pi_old for the rest of the current cycle."""
 
+    def load_published(self, weights: dict[str, torch.Tensor], build: Callable[[dict], torch.nn.Module]) -> None:
+        """pi_old's whole weights as they were published (a mid-cycle checkpoint that kept none on the ranks); build
+        makes a plain module holding them. Only a verifier needs them (its reference copy)."""
+
     def state(self) -> dict:
         """What a mid-cycle checkpoint must keep of this strategy besides pi_old's weights (plain values)."""
         return {}
@@ -373,9 +377,9 @@ class VerifiedOldLogProb(OldLogProbStrategy):
     copy_model(model) makes that copy (default copy.deepcopy; a sharded actor gathers its full weights into a
     plain module). end_cycle() reports debug/old_log_prob_max_abs_diff: the largest |old log-prob the loss used
     (record_used: a separate pass's, the training forward's own, detached, or one scored ahead) - the copy's|
-    over the valid tokens of the cycle. A cycle resumed mid-way whose checkpoint kept no pi_old weights (every
-    later mini-batch was scored ahead, so none were needed) has no copy to check its scored-ahead old log-probs
-    against: debug/old_log_prob_unverified counts those mini-batches.
+    over the valid tokens of the cycle. A cycle resumed mid-way gets its copy from the checkpoint (the ranks' anchor,
+    or the weights it was published as: load_published); one from a checkpoint of an older dppo that kept neither
+    has none to check its scored-ahead old log-probs against: debug/old_log_prob_unverified counts those.
     """
 
     def __init__(self, inner: OldLogProbStrategy, copy_model: Callable[[torch.nn.Module], torch.nn.Module] = copy.deepcopy):
@@ -436,6 +440,11 @@ class VerifiedOldLogProb(OldLogProbStrategy):
         self.inner.load_anchor(weights)
         if self.anchor == "cycle_start":
             self.reference = with_weights(self.model, weights, lambda: self.copy_model(self.model))
+
+    def load_published(self, weights: dict[str, torch.Tensor], build: Callable[[dict], torch.nn.Module]) -> None:
+        """The reference the rest of a resumed cycle (its mini-batches scored ahead) is checked against."""
+        if self.anchor == "cycle_start":
+            self.reference = build(weights)
 
     def state(self) -> dict:
         """The cycle's verification so far: a cycle resumed mid-way reports its whole cycle's largest difference."""

@@ -152,8 +152,11 @@ class ActorRank:
         """An unsharded copy of model's current weights on this rank's device (collective when sharded)."""
         if not self.sharded:
             return copy.deepcopy(model)
-        state = full_state_dict(model, cpu_offload=False)  # every rank gets the whole model
-        plain = model_from_config(model.config, self.cfg.model.dtype).to(self.device)
+        return self.plain_model(full_state_dict(model, cpu_offload=False))  # every rank gets the whole model
+
+    def plain_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+        """An unsharded policy on this rank's device holding the whole weights state."""
+        plain = model_from_config(self.model.config, self.cfg.model.dtype).to(self.device)
         plain.load_state_dict(state)
         return plain
 
@@ -234,6 +237,12 @@ class ActorRank:
         self.prox_method.load_state(state.get("method") or {})
         self.old_log_prob.load_state(state.get("strategy") or {})
 
+    @register(ALL)
+    def load_published_pi_old(self, weights: dict[str, torch.Tensor]) -> None:
+        """pi_old's whole weights as a mid-cycle checkpoint kept them where the ranks kept none (trainer.pt's
+        pi_old.pt): the old-log-prob verifier's reference for the rest of the cycle."""
+        self.old_log_prob.load_published(weights, self.plain_model)
+
     # ---- snapshots (verl's worker-group names) -------------------------------------------------------
 
     @property
@@ -310,6 +319,8 @@ class ActorRank:
         """Load the DCP checkpoint at path, resharded to this world size (the caller verified its files); with
         with_anchor, make the pi_old weights it holds slot 0 of the cycle it was written in."""
         anchor = load_sharded(path, self.model, self.optimizer, self.ref_model, with_anchor)
+        self.old_log_prob.close()  # the pi_old pieces start as a new process's would (nothing of a later cycle kept)
+        self.setup_update()
         if anchor is not None:
             self.old_log_prob.load_anchor(anchor)
 
