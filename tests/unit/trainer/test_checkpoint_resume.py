@@ -6,6 +6,7 @@ import io
 import json
 import os
 import pickle
+from pathlib import Path
 
 import pytest
 import torch
@@ -253,3 +254,45 @@ def test_dcp_values_load_without_running_code(tmp_path):
     value.seek(0)
     planner.load_bytes(item, value)  # plain values still load
     assert planner.state_dict["optimizer.param_groups.0.lr"] == {"lr": 0.5, "betas": (0.9, 0.99)}
+
+
+def test_a_mid_cycle_checkpoint_of_an_older_dppo_without_pi_old_resumes_and_says_what_it_loses(small_cfg, monkeypatch,
+                                                                                              caplog):  # fmt: skip
+    """A checkpoint written before the pi_old record existed (loglinear: no anchor, no pi_old.pt) still resumes; one
+    warning line says the rest of its cycle samples with the live weights under the cycle's version."""
+    from dppo.trainer.base import PI_OLD_FILE
+    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+
+    common = {"trainer.total_steps": 3, "trainer.checkpoint_every": 10, "snapshot.score_ahead": False,
+              "algorithm.prox_logp_method": "loglinear"}  # fmt: skip
+    fetch, calls = InProcessRollout.fetch, []
+
+    def failing_fetch(self, num_groups, trainer_version):
+        calls.append(trainer_version)
+        if len(calls) == 4:  # step 2 (version 1), trigger 1
+            raise RolloutFailedError("the replay buffer died")
+        return fetch(self, num_groups, trainer_version)
+
+    monkeypatch.setattr(InProcessRollout, "fetch", failing_fetch)
+    with pytest.raises(RolloutFailedError):
+        PPOTrainer(small_cfg(**common)).fit()
+    monkeypatch.setattr(InProcessRollout, "fetch", fetch)
+    out = Path(small_cfg().trainer.output_dir)
+    checkpoints = out / "checkpoints"
+    path = checkpoints / "step_00000001_trigger_1"
+    state = torch.load(path / TRAINER_FILE, weights_only=True)
+    del state["pi_old"]
+    torch.save(state, path / TRAINER_FILE)
+    (path / PI_OLD_FILE).unlink()
+    manifest = json.loads((path / ckpt.MANIFEST).read_text())
+    del manifest["files"][PI_OLD_FILE]
+    (path / ckpt.MANIFEST).write_text(json.dumps(manifest))
+    forge(path)
+
+    with caplog.at_level("WARNING", logger="dppo.checkpoint"):
+        resumed = PPOTrainer(small_cfg(**common, **{"trainer.resume": True}))
+    lines = [r.getMessage() for r in caplog.records if "older dppo" in r.getMessage()]
+    assert len(lines) == 1 and "step_00000001_trigger_1" in lines[0] and "labelled version 1" in lines[0], lines
+    assert (resumed.global_step, resumed.progress.trigger) == (1, 1)
+    resumed.fit()
+    assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
