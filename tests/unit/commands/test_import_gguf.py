@@ -8,13 +8,11 @@ from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from tiny_gguf import HIDDEN, KV_HEADS, write_gguf_of_architecture, write_tiny_smollm_gguf
 
 from dppo.cli import main
-
-transformers = pytest.importorskip("transformers")
-pytest.importorskip("gguf", reason="the extra dppo[gguf] (make test installs it)")
 
 
 @pytest.fixture(scope="module")
