@@ -5,6 +5,8 @@
     dppo eval MODEL_DIR_OR_CHECKPOINT [key=value ...]      evaluate as training does (dppo.trainer.evaluation)
     dppo import-gguf SRC.gguf OUT_DIR [--dtype D]          a GGUF model file as a transformers directory
                                                            (dppo.commands.import_gguf)
+    dppo data reasoning-gym NAME OUT.parquet [--size N]    a reasoning-gym dataset as verl-format parquet
+                                                           (dppo.commands.data)
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ EXIT_CODES = (
         "dppo[gguf], dppo[tasks])"),
     (3, "trainer.output_dir cannot be created or written, or two checkpoints in a row could not be written there "
         "(full disk, quota, permissions, I/O error; the line says which, with the free and the needed bytes); "
-        "dppo import-gguf: OUT_DIR exists and is not empty (without --force) or cannot be written"),
+        "dppo import-gguf and dppo data: the output exists (without --force) or cannot be written"),
     (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
         "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted"),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
@@ -162,6 +164,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
     evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.val_files=v.parquet")
     _add_import_gguf(commands)
+    _add_data(commands)
     return parser
 
 
@@ -182,6 +185,34 @@ def _add_import_gguf(commands) -> None:
                       help="the weights' dtype (default float32: exactly what transformers dequantizes)")  # fmt: skip
     gguf.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     gguf.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
+
+
+def _add_data(commands) -> None:
+    data = commands.add_parser("data", help="write training data files (reasoning-gym problems as verl-format parquet)",
+                               description="Write training data files.")  # fmt: skip
+    kinds = data.add_subparsers(dest="data_command", metavar="KIND")
+    kinds.required = True
+    rg = kinds.add_parser(
+        "reasoning-gym",
+        help="a reasoning-gym dataset's problems as verl-format parquet",
+        description="Items 0..SIZE-1 of a reasoning-gym dataset at SEED as verl-format parquet (prompt as chat "
+        "messages, reward_model.ground_truth, data_source, extra_info with the whole entry), as data.source="
+        "reasoning_gym generates them. Needs the extra dppo[tasks]. Score them with the dataset's verifier: "
+        "custom_reward_function.path=examples/reasoning_gym_reward.py.",
+        epilog="example:\n  dppo data reasoning-gym basic_arithmetic train.parquet --size 2000 --seed 0 "
+        "--config max_terms=2 --config max_digits=2 --config 'operators=[+,-]'\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )  # fmt: skip
+    rg.add_argument("name", metavar="NAME", help="the dataset, e.g. basic_arithmetic, chain_sum, gsm_symbolic")
+    rg.add_argument("out", metavar="OUT.parquet", help="the parquet file to write")
+    rg.add_argument("--size", type=int, default=1000, help="problems (items 0..SIZE-1; default 1000)")
+    rg.add_argument("--seed", type=int, default=0, help="reasoning-gym draws item i from SEED + i (default 0)")
+    rg.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
+                    help="a setting of the dataset's config, its value read as YAML (repeat for several)")  # fmt: skip
+    rg.add_argument("--prompt-suffix", default="", metavar="TEXT", help="text after each question (after a space)")
+    rg.add_argument("--split", default="train", help="extra_info.split of every row (default train)")
+    rg.add_argument("--force", action="store_true", help="replace OUT.parquet if it exists")
+    rg.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
 
 
 @contextlib.contextmanager
@@ -223,7 +254,8 @@ def _main(argv: list[str] | None) -> int:
 
     with StopOnSignal() as stop, _warning_lines():
         try:
-            return {"train": _train, "export": _export, "eval": _eval, "import-gguf": _import_gguf}[args.command](args)
+            return {"train": _train, "export": _export, "eval": _eval, "import-gguf": _import_gguf,
+                    "data": _data}[args.command](args)  # fmt: skip
         except KeyboardInterrupt:  # Stopped, or what Ray made of it (ray.get raises a plain KeyboardInterrupt)
             if debug:
                 traceback.print_exc()
@@ -283,6 +315,15 @@ def _import_gguf(args) -> int:
     done = import_gguf(args.src, args.out_dir, dtype=args.dtype, force=args.force)
     print(f"wrote {done.out_dir}: {done.params:,} parameters in {done.dtype}, {done.bytes:,} bytes "
           f"({', '.join(done.files)}) in {done.seconds:.1f} s")  # fmt: skip
+    return 0
+
+
+def _data(args) -> int:
+    from dppo.commands.data import parse_config_items, write_reasoning_gym_parquet
+
+    rows = write_reasoning_gym_parquet(args.name, args.out, args.size, args.seed, parse_config_items(args.config),
+                                       args.prompt_suffix, args.split, args.force)  # fmt: skip
+    print(f"wrote {args.out}: {rows} problems of reasoning-gym {args.name!r} (seeds {args.seed}..{args.seed + rows - 1})")
     return 0
 
 
