@@ -172,9 +172,10 @@ def _add_import_gguf(commands) -> None:
     gguf = commands.add_parser(
         "import-gguf",
         help="write a GGUF model file (llama.cpp's format) as a transformers model directory",
-        description="Load a GGUF model file with transformers' own GGUF loader (dequantized to float32) and write it "
-        "as a plain transformers directory: model.safetensors, config.json, generation_config.json and the tokenizer "
-        "with its chat template, for model.path. Needs the extra dppo[gguf]. OUT_DIR is written whole or not at all.",
+        description="Load a GGUF model file with transformers' own GGUF loader (dequantized to float32) and write it\n"
+        "as a plain transformers directory for model.path: model.safetensors, config.json,\n"
+        "generation_config.json and the tokenizer with its chat template. Needs the extra dppo[gguf].\n"
+        "OUT_DIR is written whole or not at all.",
         epilog="example:\n  dppo import-gguf SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2-135m-instruct\n"
         "  dppo train model.path=models/smollm2-135m-instruct data.source=reasoning_gym ...\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -195,10 +196,10 @@ def _add_data(commands) -> None:
     rg = kinds.add_parser(
         "reasoning-gym",
         help="a reasoning-gym dataset's problems as verl-format parquet",
-        description="Items 0..SIZE-1 of a reasoning-gym dataset at SEED as verl-format parquet (prompt as chat "
-        "messages, reward_model.ground_truth, data_source, extra_info with the whole entry), as data.source="
-        "reasoning_gym generates them. Needs the extra dppo[tasks]. Score them with the dataset's verifier: "
-        "custom_reward_function.path=examples/reasoning_gym_reward.py.",
+        description="Items 0..SIZE-1 of a reasoning-gym dataset at SEED as verl-format parquet (prompt as chat\n"
+        "messages, reward_model.ground_truth, data_source, extra_info with the whole entry), as\n"
+        "data.source=reasoning_gym generates them. Needs the extra dppo[tasks]. Score them with the dataset's\n"
+        "verifier: custom_reward_function.path=examples/reasoning_gym_reward.py.",
         epilog="example:\n  dppo data reasoning-gym basic_arithmetic train.parquet --size 2000 --seed 0 "
         "--config max_terms=2 --config max_digits=2 --config 'operators=[+,-]'\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
