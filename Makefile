@@ -23,7 +23,7 @@ $(BIN)/python:
 
 # The stamp rebuilds the extension whenever setup.py or anything in csrc/ changes.
 $(VENV)/.installed: $(BIN)/python $(BUILD_INPUTS)
-	$(BIN)/python -m pip install --no-build-isolation -e ".[test,trackers]"
+	$(BIN)/python -m pip install --no-build-isolation -e ".[test,trackers,gguf,tasks]"
 	$(BIN)/python -m dppo.build_info
 	touch $@
 

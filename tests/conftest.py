@@ -41,6 +41,20 @@ def text_example(tmp_path_factory):
     return {**paths, "module": example}
 
 
+@pytest.fixture(scope="session")
+def tiny_smollm(tmp_path_factory):
+    """A tiny random Llama of SmolLM2's architecture written as GGUF (tests/tiny_gguf.py) and imported with
+    `dppo import-gguf`, once per session: {"gguf": the file, "model": the transformers directory} -> Path."""
+    from tiny_gguf import write_tiny_smollm_gguf
+
+    from dppo.cli import main
+
+    root = tmp_path_factory.mktemp("tiny_smollm")
+    gguf = write_tiny_smollm_gguf(root / "tiny-smollm2.Q4_1.gguf")
+    assert main(["import-gguf", str(gguf), str(root / "model")]) == 0
+    return {"gguf": gguf, "model": root / "model"}
+
+
 def _cuda_available() -> bool:
     try:
         import torch

@@ -2,8 +2,8 @@
 
 tiny_run: the run the integration tests start as a user would, on Ray (a one-layer model on a three-digit task, two
 triggers per cycle of 4 groups of 4, staleness limit THRESHOLD; a test adds or replaces keys after these, the last
-value of a key wins). small_overrides and text_overrides: the in-process runs of the unit tests (sync mode, no
-Ray), on the integer task and on text data."""
+value of a key wins). small_overrides, text_overrides and reasoning_gym_overrides: the in-process runs of the unit tests
+(sync mode, no Ray), on the integer task, on text data and on reasoning-gym problems."""
 
 from __future__ import annotations
 
@@ -82,4 +82,25 @@ def text_overrides(tmp_path, example, **extra) -> list[str]:
         "data.max_prompt_length": 32,
         "data.max_response_length": 6,
         "custom_reward_function.path": example["reward"],
+    }, extra)  # fmt: skip
+
+
+# basic_arithmetic with two terms of 1 or 2 digits, + and -: the reasoning-gym problems of the tiny runs
+BASIC_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2, "operators": "[+,-]"}
+
+
+def reasoning_gym_overrides(tmp_path, model_dir, **extra) -> list[str]:
+    """A tiny in-process run on reasoning-gym's basic_arithmetic (64 training problems, 8 held out) with the model of
+    model_dir (the tiny_smollm fixture's), with the {"dotted.key": value} of extra added or replaced."""
+    return _as_overrides({
+        **_IN_PROCESS,
+        "trainer.output_dir": tmp_path / "run",
+        "model.path": model_dir,
+        "data.source": "reasoning_gym",
+        "data.reasoning_gym.dataset": "basic_arithmetic",
+        **{f"data.reasoning_gym.config.{key}": value for key, value in BASIC_ARITHMETIC.items()},
+        "data.reasoning_gym.size": 64,
+        "data.reasoning_gym.val_size": 8,
+        "data.max_prompt_length": 96,
+        "data.max_response_length": 8,
     }, extra)  # fmt: skip

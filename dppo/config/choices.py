@@ -14,6 +14,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logg
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
 ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)
 WEIGHT_SYNC_MODES = ("full", "delta")  # rollout.weight_sync
+PROMPT_SOURCES = ("task", "parquet", "reasoning_gym")  # data.source (dppo.data.make_prompt_source builds each)
 
 # algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")
@@ -69,3 +70,11 @@ def score_ahead_enabled(cfg) -> bool:
     """Whether the driver scores a cycle's later mini-batches ahead at trigger 0 (snapshot.score_ahead): only
     where they would read slot 0 otherwise (the cycle_start strategy)."""
     return cfg.snapshot.score_ahead and select_strategy_name(cfg) == "cycle_start"
+
+
+def prompt_source_kind(source: str | None, train_files: object) -> str:
+    """Where a run's prompts come from (data.source; null: parquet when data.train_files is set, else task), from
+    the config's values (a DppoConfig's, or a checkpoint's config dict's)."""
+    if source is not None:
+        return source
+    return "parquet" if train_files is not None else "task"

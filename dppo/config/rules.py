@@ -9,6 +9,8 @@ import numpy as np
 from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, machine_cpus, shown
 from dppo.config.choices import InexactUnderShardingError, check_reader_for_sharding
+from dppo.data.errors import MissingExtraError
+from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
 
 
@@ -97,20 +99,64 @@ def _check_policy_loss(cfg) -> None:
 
 
 def _check_data_or_task(cfg) -> None:
-    """Text data needs a model directory (its tokenizer); the data-only keys need text data; a task must leave
-    prompts to train on."""
-    if cfg.data.train_files is not None:
-        if cfg.model.path is None:
-            raise ConfigError(
-                f"data.train_files={cfg.data.train_files!r} needs model.path: a local model directory holding the "
-                "tokenizer (and its chat template) that turns the prompts into tokens"
-            )
+    """Each prompt source's own keys, and only its: text data (parquet) needs a model directory (its tokenizer);
+    reasoning-gym problems a model directory and a dataset that exists with a config it takes; a task must leave
+    prompts to train on. The keys of the other sources must stay unset."""
+    data, kind = cfg.data, cfg.data.kind
+    if kind != "reasoning_gym" and data.reasoning_gym.dataset is not None:
+        raise ConfigError(f"data.reasoning_gym.dataset={data.reasoning_gym.dataset!r} is for data.source=reasoning_gym, "
+                          f"but the run's prompts come from data.source={kind}; set data.source=reasoning_gym or drop it")  # fmt: skip
+    if kind == "parquet":
+        if data.train_files is None:
+            raise ConfigError("data.source=parquet needs data.train_files: verl-format parquet file(s) of prompts")
+        _require_model_path(cfg, f"data.train_files={data.train_files!r}")
         return
-    for key, value in (("data.val_files", cfg.data.val_files), ("custom_reward_function.path", cfg.custom_reward_function.path)):
-        if value is not None:
+    if data.train_files is not None:
+        raise ConfigError(f"data.train_files={data.train_files!r} is for data.source=parquet, but data.source={kind}; "
+                          "drop one of them")  # fmt: skip
+    for key, value in (("data.val_files", data.val_files), ("custom_reward_function.path", cfg.custom_reward_function.path)):
+        if value is None:
+            continue
+        if kind == "task":
             raise ConfigError(f"{key}={value!r} is for text data, but data.train_files is null (the run trains on "
                               f"task.name={cfg.task.name!r}); set data.train_files or drop {key}")  # fmt: skip
+        raise ConfigError(f"{key}={value!r} is for text data, but the run trains on data.source=reasoning_gym, whose "
+                          "held-out problems come from data.reasoning_gym.val_seed and whose reward is the dataset's "
+                          f"own verifier; drop {key}")  # fmt: skip
+    if kind == "reasoning_gym":
+        _check_reasoning_gym(cfg)
+        return
     _check_prompts_left_for_training(cfg)
+
+
+def _require_model_path(cfg, what: str) -> None:
+    if cfg.model.path is None:
+        raise ConfigError(f"{what} needs model.path: a local model directory holding the tokenizer (and its chat "
+                          "template) that turns the prompts into tokens")  # fmt: skip
+
+
+def _check_reasoning_gym(cfg) -> None:
+    """A dataset reasoning-gym has, a config it takes, a model directory, and held-out problems whose seeds are not
+    the training ones' (reasoning-gym draws item i from seed + i). Imports reasoning-gym (about a second)."""
+    rg = cfg.data.reasoning_gym
+    if rg.dataset is None:
+        raise ConfigError("data.source=reasoning_gym needs data.reasoning_gym.dataset: a reasoning-gym dataset name, "
+                          "e.g. basic_arithmetic, chain_sum, gsm_symbolic, countdown")  # fmt: skip
+    _require_model_path(cfg, f"data.source=reasoning_gym (dataset {rg.dataset!r})")
+    seed, val_seed = rg.resolved_seeds(cfg.trainer.seed)
+    if rg.val_size and val_seed < seed + rg.size and seed < val_seed + rg.val_size:
+        raise ConfigError(f"data.reasoning_gym.val_seed={val_seed}: the held-out problems' seeds {val_seed}.."
+                          f"{val_seed + rg.val_size - 1} overlap the training problems' {seed}..{seed + rg.size - 1} "
+                          f"(data.reasoning_gym.seed={seed}, size={rg.size}; reasoning-gym draws item i from seed + i); "
+                          f"use a val_seed >= {seed + rg.size} or null")  # fmt: skip
+    try:
+        make_dataset(rg.dataset, rg.config, size=1, seed=seed)
+    except UnknownDatasetError as err:
+        raise ConfigError(f"data.reasoning_gym.dataset={rg.dataset!r}: {err}") from None
+    except DatasetConfigError as err:
+        raise ConfigError(f"data.reasoning_gym.config: {err}") from None
+    except MissingExtraError as err:
+        raise ConfigError(str(err)) from None
 
 
 def _check_local_workers_fit(cfg) -> None:

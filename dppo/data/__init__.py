@@ -1,4 +1,5 @@
-"""Prompts, scorers and evaluation sets: integer tasks (the demo) and verl-format parquet text data.
+"""Prompts, scorers and evaluation sets: integer tasks (the demo), verl-format parquet text data, and reasoning-gym's
+generated problems with their verifiers.
 
 See dppo.data.source for the interface the trainer and the rollout workers use.
 """
@@ -8,12 +9,14 @@ from dppo.data.errors import (
     DataError,
     DataFileError,
     DataRowError,
+    MissingExtraError,
     PromptTooLongError,
     RewardFunctionError,
     TokenizerError,
 )
 from dppo.data.rewards import RewardFunction, gsm8k_compute_score
 from dppo.data.source import Prompts, PromptSource, Scores, TaskSource
+from dppo.data.reasoning_gym import ReasoningGymSource
 from dppo.data.text import TextSource
 
 __all__ = [
@@ -21,9 +24,11 @@ __all__ = [
     "DataError",
     "DataFileError",
     "DataRowError",
+    "MissingExtraError",
     "PromptSource",
     "PromptTooLongError",
     "Prompts",
+    "ReasoningGymSource",
     "RewardFunction",
     "RewardFunctionError",
     "Scores",
@@ -36,7 +41,12 @@ __all__ = [
 
 
 def make_prompt_source(cfg) -> PromptSource:
-    """TextSource when data.train_files is set (reads and checks every file now), else the task's TaskSource."""
-    if cfg.data.train_files is not None:
+    """The source data.source names (null: parquet when data.train_files is set, else task): a TextSource over the
+    parquet files (reads and checks every file now), a ReasoningGymSource (generates and tokenizes its problems
+    now), or the task's TaskSource."""
+    kind = cfg.data.kind
+    if kind == "parquet":
         return TextSource.from_config(cfg)
+    if kind == "reasoning_gym":
+        return ReasoningGymSource.from_config(cfg)
     return TaskSource.from_config(cfg)

@@ -1,9 +1,13 @@
 """Errors of bad data, tokenizers and reward functions: one base class the command line prints as one line.
 
-Each also derives from the matching builtin and names the file, row, column or function at fault.
+Each also derives from the matching builtin and names the file, row, column or function at fault. And the error
+of an optional package that is not installed (MissingExtraError), which names the extra that brings it.
 """
 
 from __future__ import annotations
+
+import importlib
+import sys
 
 
 class DataError(Exception):
@@ -35,3 +39,18 @@ class TokenizerError(DataError, ValueError):
 
 class RewardFunctionError(DataError, RuntimeError):
     """The reward function raised, or returned something other than a finite score."""
+
+
+class MissingExtraError(ImportError):
+    """An optional package that a data source or a command needs is not installed; the message names dppo's extra
+    that brings it (`pip install 'dppo[tasks]'`). Not a DataError: the command line reports it as an invalid
+    setting (exit code 2), as it does a tracker or vLLM that is not installed."""
+
+
+def require_extra(module: str, extra: str, needed_by: str):
+    """The imported module, or MissingExtraError naming needed_by, the module and the extra."""
+    try:
+        return importlib.import_module(module)
+    except ImportError as err:
+        raise MissingExtraError(f"{needed_by} needs the {module} package, which is not importable in this Python "
+                                f"({sys.prefix}: {err}); install the extra: pip install 'dppo[{extra}]'") from None

@@ -63,14 +63,19 @@ def gsm8k_compute_score(data_source: str, solution_str: str, ground_truth: str, 
 
 
 class RewardFunction:
-    """compute_score from custom_reward_function.path (the built-in gsm8k_compute_score when path is None).
+    """compute_score from custom_reward_function.path (the built-in gsm8k_compute_score when path is None, or the
+    builtin given: a data source's own scorer with the same signature, e.g. a reasoning-gym dataset's).
 
     Picklable: it carries the file's text, not the compiled function, and compiles it where it is first called.
     """
 
-    def __init__(self, path: str | None = None, name: str = "compute_score", timeout_s: float | None = 60.0):
-        """timeout_s: how long one call may take (None: no limit); past it the run stops, as if it had raised."""
+    def __init__(self, path: str | None = None, name: str = "compute_score", timeout_s: float | None = 60.0,
+                 builtin: ScoreFn = gsm8k_compute_score, builtin_label: str = "the built-in gsm8k reward"):  # fmt: skip
+        """timeout_s: how long one call may take (None: no limit); past it the run stops, as if it had raised.
+        builtin (a picklable callable) and builtin_label: the function used when path is None, and how messages
+        name it."""
         self.path, self.name, self.timeout_s = path, name, timeout_s
+        self.builtin, self.builtin_label = builtin, builtin_label
         self._source: str | None = None
         if path is not None:
             try:
@@ -84,11 +89,11 @@ class RewardFunction:
     @property
     def label(self) -> str:
         """How messages name the function: 'compute_score' in 'my_reward.py', or the built-in default."""
-        return "the built-in gsm8k reward" if self.path is None else f"{self.name!r} in {self.path!r}"
+        return self.builtin_label if self.path is None else f"{self.name!r} in {self.path!r}"
 
     def function(self) -> ScoreFn:
         if self._fn is None:
-            self._fn = gsm8k_compute_score if self.path is None else self._compile()
+            self._fn = self.builtin if self.path is None else self._compile()
         return self._fn
 
     def _compile(self) -> ScoreFn:

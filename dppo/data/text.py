@@ -24,8 +24,9 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tok
 TRUNCATIONS = ("error", "left", "right")
 
 
-def load_tokenizer(model_path: str):
-    """AutoTokenizer of model_path; TokenizerError if it has none, no chat template or no EOS token."""
+def load_tokenizer(model_path: str, chat_template: bool = True):
+    """AutoTokenizer of model_path; TokenizerError if it has none, no EOS token, or (chat_template) no chat
+    template."""
     from transformers import AutoTokenizer  # heavy; only a run on text data loads a tokenizer
 
     if not any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
@@ -35,13 +36,17 @@ def load_tokenizer(model_path: str):
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as err:  # transformers raises many kinds here; all mean the same to the user
         raise TokenizerError(f"model.path={model_path!r}: AutoTokenizer cannot load its tokenizer ({type(err).__name__}: {one_line(err, None)})") from err
-    if not getattr(tokenizer, "chat_template", None):
+    if chat_template and not has_chat_template(tokenizer):
         raise TokenizerError(f"the tokenizer in model.path={model_path!r} has no chat template (chat_template in "
                              "tokenizer_config.json or chat_template.jinja); set tokenizer.chat_template and save it "
                              "with save_pretrained")  # fmt: skip
     if tokenizer.eos_token_id is None:
         raise TokenizerError(f"the tokenizer in model.path={model_path!r} has no eos_token: responses could not end")
     return tokenizer
+
+
+def has_chat_template(tokenizer) -> bool:
+    return bool(getattr(tokenizer, "chat_template", None))
 
 
 @dataclass
@@ -62,13 +67,18 @@ class TextRows:
         return max((int(ids.max()) for ids in self.prompt_ids if len(ids)), default=-1)
 
 
-def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncation: str) -> TextRows:
-    """Chat template with the generation prompt, then tokens (no special tokens added on top, as verl does);
-    a prompt longer than max_prompt_length is cut on the left or right, or a PromptTooLongError (truncation)."""
+def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncation: str,
+                  chat_template: bool = True) -> TextRows:  # fmt: skip
+    """Chat template with the generation prompt (chat_template=False: the messages' contents as plain text), then
+    tokens (no special tokens added on top, as verl does); a prompt longer than max_prompt_length is cut on the
+    left or right, or a PromptTooLongError (truncation)."""
     if truncation not in TRUNCATIONS:
         raise ValueError(f"data.truncation={truncation!r}: expected one of {', '.join(TRUNCATIONS)}")
     texts = []
     for i, messages in enumerate(rows.messages):
+        if not chat_template:
+            texts.append("\n".join(message["content"] for message in messages))
+            continue
         try:
             texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
         except Exception as err:  # a jinja template error, or a role the template rejects

@@ -11,8 +11,9 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
     evaluate() every trainer.test_freq steps       greedy, on the source's eval prompts
 
-Prompts, rewards and the evaluation set come from one PromptSource (dppo.data): an integer task, or text
-data from parquet files (data.train_files); the loop does not know which.
+Prompts, rewards and the evaluation set come from one PromptSource (dppo.data): an integer task, text data from
+parquet files (data.train_files), or reasoning-gym problems (data.source=reasoning_gym); the loop does not know
+which.
 
 The policy, its optimizer and its snapshots live on the actor's ranks (self.actor_group, a worker group of
 dppo.workers.actor.rank.ActorRank; dppo.trainer.worker_group); this process holds no model but the one it

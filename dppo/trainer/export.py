@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from dppo._text import one_line
+from dppo.config.choices import prompt_source_kind
 from dppo.models import tiny_model_config
 from dppo.tasks import make_task
 from dppo.trainer import checkpoint as ckpt
@@ -103,9 +104,11 @@ def load_checkpoint_policy(checkpoint_dir: str | os.PathLike) -> CheckpointPolic
 
 
 def generation_tokens(config: dict, tokenizer_dir: str | None) -> tuple[int | None, int | None]:
-    """(eos, pad) token ids of a run, as its prompt source has them: the tokenizer's for text data (pad: its EOS
-    if it has none), the task's for an integer task (pad 0); None where unknown (a task not importable here)."""
-    if config.get("data", {}).get("train_files") is not None:
+    """(eos, pad) token ids of a run, as its prompt source has them: the tokenizer's for text data and reasoning-gym
+    problems (pad: its EOS if it has none), the task's for an integer task (pad 0); None where unknown (a task not
+    importable here)."""
+    data = config.get("data", {})
+    if prompt_source_kind(data.get("source"), data.get("train_files")) != "task":
         if tokenizer_dir is None:
             return None, None
         from transformers import AutoTokenizer
