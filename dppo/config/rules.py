@@ -8,7 +8,7 @@ import numpy as np
 
 from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, machine_cpus, shown
-from dppo.config.choices import InexactUnderShardingError, check_reader_for_sharding
+from dppo.config.choices import FILTER_REWARD_METRICS, InexactUnderShardingError, check_reader_for_sharding
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
 
 
@@ -39,6 +39,7 @@ def validate_combinations(cfg) -> None:
         )
     _check_prox_logp_method(cfg)
     _check_policy_loss(cfg)
+    _check_stability_remedies(cfg)
     _check_local_workers_fit(cfg)
     _check_data_or_task(cfg)
 
@@ -90,6 +91,15 @@ def _check_policy_loss(cfg) -> None:
             f"actor.loss_agg_mode={actor.loss_agg_mode!r}: with rejection sampling (algorithm.rollout_correction."
             "rollout_rs) they must divide by the same count; use a seq-mean-* loss_agg_mode"
         )
+
+
+def _check_stability_remedies(cfg) -> None:
+    """A task's reward has no extra outputs for algorithm.filter_groups.metric to name."""
+    fg = cfg.algorithm.filter_groups
+    if fg.enable and fg.metric not in FILTER_REWARD_METRICS and cfg.data.train_files is None:
+        raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on task.name="
+                          f"{cfg.task.name!r}, whose reward has no extra outputs; use "
+                          f"{' or '.join(FILTER_REWARD_METRICS)}")  # fmt: skip
 
 
 def _check_data_or_task(cfg) -> None:

@@ -363,6 +363,34 @@ class KLControlSection:
 
 
 @dataclass
+class FilterGroupsSection:
+    """algorithm.filter_groups: DAPO's dynamic sampling, with verl's keys. A group whose metric is the same for all
+    its responses has no advantage under any group-relative estimator (nothing to learn from it); it is dropped
+    before the update and the trigger takes more groups from the rollout until its mini-batch is full."""
+
+    enable: bool = False
+    """Drop the groups whose metric has zero variance (verl's rule: more than one response, std == 0) and take
+    more, in the order the rollout granted them (filter_groups/kept_frac, filter_groups/extra_batches)."""
+
+    metric: str = "reward"
+    """What must vary within a group for it to be kept: reward (verl's default; score and seq_reward name the same:
+    each response's reward, before any KL penalty), or, with text data, a key of the reward function's extra
+    outputs (the numeric entries of its dict besides score, logged as reward/extra/<key>, e.g. acc)."""
+
+    max_num_gen_batches: int = 0
+    """How many generation batches a trigger may draw (verl's key; 0 or less: no limit). dppo draws a trigger's
+    groups from the replay buffer: a trigger takes at most this many times its mini-batch (train_batch_size /
+    parameter_sync_step groups), each draw only the groups still missing. When the limit is reached it trains on
+    the groups kept so far, or, if none was kept, on the last mini-batch's worth it took (the update the run
+    without the filter would have made; verl raises an error there instead)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "algorithm.filter_groups")
+        require(bool(self.metric) and isinstance(self.metric, str), "algorithm.filter_groups.metric", self.metric,
+                "reward, or a key of the reward function's extra outputs")  # fmt: skip
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, by verl's name: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo,
@@ -417,6 +445,8 @@ class AlgorithmConfig:
     low_var_kl = k3, and the + variants)."""
 
     kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
+
+    filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
 
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm")
