@@ -14,6 +14,7 @@ LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logg
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
 ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)
 WEIGHT_SYNC_MODES = ("full", "delta")  # rollout.weight_sync
+LR_SCHEDULER_TYPES = ("constant", "cosine")  # actor.optim.lr_scheduler_type (dppo.workers.actor.lr_schedule)
 # algorithm.filter_groups.metric names of each response's reward (verl 0.9.1's "reward"; "score" and "seq_reward" are
 # verl's older DAPO names of the same); any other name is a key of the reward function's extra outputs
 FILTER_REWARD_METRICS = ("reward", "score", "seq_reward")

@@ -94,7 +94,14 @@ def _check_policy_loss(cfg) -> None:
 
 
 def _check_stability_remedies(cfg) -> None:
-    """A task's reward has no extra outputs for algorithm.filter_groups.metric to name."""
+    """The lr warmup must end within the run; a task's reward has no extra outputs for algorithm.filter_groups.metric
+    to name."""
+    t, optim = cfg.trainer, cfg.actor.optim
+    total = t.total_steps * t.parameter_sync_step
+    if optim.warmup_steps(total) > total:
+        raise ConfigError(f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
+                          f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
+                          f"{t.parameter_sync_step}); the lr would never reach actor.lr")  # fmt: skip
     fg = cfg.algorithm.filter_groups
     if fg.enable and fg.metric not in FILTER_REWARD_METRICS and cfg.data.train_files is None:
         raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on task.name="

@@ -37,6 +37,7 @@ from dppo.config.choices import (
     DTYPES,
     FSDP_MODES,
     LOGGERS,
+    LR_SCHEDULER_TYPES,
     OFF_POLICY_STRATEGIES,
     PROX_ANCHORS,
     PROX_LOGP_METHODS,
@@ -213,6 +214,64 @@ class PolicyLossSection:
 
 
 @dataclass
+class ActorOptimSection:
+    """actor.optim: the learning-rate schedule, with verl's keys of actor_rollout_ref.actor.optim and verl's
+    schedules (verl.utils.torch_functional's get_constant_schedule_with_warmup and get_cosine_schedule_with_warmup).
+    dppo counts the schedule in optimizer steps, one per trigger: a run has trainer.total_steps x
+    trainer.parameter_sync_step of them (verl steps its scheduler once per trainer step, whose update takes several
+    optimizer steps). The step count is part of every checkpoint: a resumed run follows the same curve."""
+
+    lr: Optional[float] = None
+    """verl's name of actor.lr; null: actor.lr. Set, it is the lr (and actor.lr, if also set, must be equal)."""
+
+    lr_warmup_steps: int = -1
+    """Optimizer steps of the linear warmup from 0 to the lr; 0 or less: lr_warmup_steps_ratio decides (verl's
+    rule)."""
+
+    lr_warmup_steps_ratio: float = 0.0
+    """Where lr_warmup_steps <= 0: the warmup's length as a fraction of the run's optimizer steps, int(ratio x
+    total) (verl's rounding); 0: no warmup."""
+
+    lr_scheduler_type: str = "constant"
+    """After the warmup: constant (the lr) or cosine (a cosine from the lr down to min_lr_ratio x lr, reached at
+    the run's last optimizer step with num_cycles=0.5)."""
+
+    warmup_style: Optional[str] = None
+    """verl's older (deprecated) name of lr_scheduler_type: set, it is used as lr_scheduler_type."""
+
+    min_lr_ratio: float = 0.0
+    """cosine: the floor of the lr, as a fraction of the lr."""
+
+    num_cycles: float = 0.5
+    """cosine: waves of the cosine over the steps after the warmup (0.5: one half-wave, from the lr down to the
+    floor)."""
+
+    zero_indexed_step: bool = True
+    """cosine (verl's key): true counts the first optimizer step as step 0, so with a warmup its lr is 0; false
+    counts it as step 1 (torchtitan's convention). verl's constant schedule always counts from 0."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor.optim")
+        if self.lr is not None:
+            positive("actor.optim.lr", self.lr)
+        require(0 <= self.lr_warmup_steps_ratio <= 1, "actor.optim.lr_warmup_steps_ratio", self.lr_warmup_steps_ratio,
+                "a fraction in [0, 1]")  # fmt: skip
+        one_of("actor.optim.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
+        if self.warmup_style is not None:
+            one_of("actor.optim.warmup_style", self.warmup_style, LR_SCHEDULER_TYPES)
+            require(self.lr_scheduler_type in ("constant", self.warmup_style), "actor.optim.warmup_style",
+                    self.warmup_style, f"the same as actor.optim.lr_scheduler_type={self.lr_scheduler_type!r} (it is "
+                    "that key's old name; set one of them)")  # fmt: skip
+            self.lr_scheduler_type = self.warmup_style
+        require(0 <= self.min_lr_ratio <= 1, "actor.optim.min_lr_ratio", self.min_lr_ratio, "a fraction in [0, 1]")
+        positive("actor.optim.num_cycles", self.num_cycles)
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """The warmup's optimizer steps in a run of total_steps optimizer steps (verl's rule)."""
+        return self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * total_steps)
+
+
+@dataclass
 class ActorConfig:
     lr: float = 1e-3
     """AdamW learning rate."""
@@ -267,9 +326,16 @@ class ActorConfig:
     tau_neg: float = 1.05
     """loss_mode=sapo: the gate's temperature where the advantage is <= 0."""
 
+    optim: ActorOptimSection = field(default_factory=ActorOptimSection)
+
     def __post_init__(self) -> None:
         check_numbers(self, "actor")
         positive("actor.lr", self.lr)
+        if self.optim.lr is not None:  # verl's name of the same key
+            default = ActorConfig.__dataclass_fields__["lr"].default
+            require(self.lr in (default, self.optim.lr), "actor.optim.lr", self.optim.lr,
+                    f"the same value as actor.lr={self.lr} (the two name one lr; set one of them)")  # fmt: skip
+            self.lr = self.optim.lr
         nonnegative("actor.weight_decay", self.weight_decay)
         positive("actor.micro_batch_size", self.micro_batch_size)
         nonnegative("actor.grad_clip", self.grad_clip)
