@@ -94,15 +94,22 @@ def _check_policy_loss(cfg) -> None:
 
 
 def _check_stability_remedies(cfg) -> None:
-    """The lr warmup must end within the run; a task's reward has no extra outputs for algorithm.filter_groups.metric
-    to name."""
+    """The lr warmup must end within the run; the ppo_kl guard needs a ppo_kl that can be non-zero; a task's reward
+    has no extra outputs for algorithm.filter_groups.metric to name."""
     t, optim = cfg.trainer, cfg.actor.optim
     total = t.total_steps * t.parameter_sync_step
     if optim.warmup_steps(total) > total:
         raise ConfigError(f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
                           f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
                           f"{t.parameter_sync_step}); the lr would never reach actor.lr")  # fmt: skip
-    fg = cfg.algorithm.filter_groups
+    a = cfg.algorithm
+    if cfg.actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
+        why = ("algorithm.prox_anchor=current" if a.prox_anchor == "current" else
+               "trainer.parameter_sync_step=1" if t.parameter_sync_step == 1 else None)  # fmt: skip
+        if why is not None:
+            raise ConfigError(f"actor.max_ppo_kl={cfg.actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
+                              "at every trigger (pi_old is the live weights); the guard would never act: drop it")  # fmt: skip
+    fg = a.filter_groups
     if fg.enable and fg.metric not in FILTER_REWARD_METRICS and cfg.data.train_files is None:
         raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on task.name="
                           f"{cfg.task.name!r}, whose reward has no extra outputs; use "

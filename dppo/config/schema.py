@@ -328,6 +328,17 @@ class ActorConfig:
 
     optim: ActorOptimSection = field(default_factory=ActorOptimSection)
 
+    max_ppo_kl: Optional[float] = None
+    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl (the mean over its
+    valid tokens of log pi_old - log pi_theta, pi_theta the live weights before its step; merged over the ranks, so
+    every rank decides alike) exceeds this bound takes no optimizer step: its gradients are zeroed, and the weights
+    and Adam's moments and step count stay as they were (the lr schedule still counts the step). Counted in
+    actor/skipped_updates (triggers skipped in the global step) and logged in one line. ppo_kl is measured before the
+    step, so the guard stops a cycle's drift from pi_old once it passes the bound (and the cycle's later triggers
+    while it stays past it); it does not undo the steps that got there (see docs/training.md, "When a run
+    collapses"). Refused where ppo_kl is 0 by construction (prox_anchor=current, parameter_sync_step=1, outside
+    bypass mode)."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "actor")
         positive("actor.lr", self.lr)
@@ -336,6 +347,8 @@ class ActorConfig:
             require(self.lr in (default, self.optim.lr), "actor.optim.lr", self.optim.lr,
                     f"the same value as actor.lr={self.lr} (the two name one lr; set one of them)")  # fmt: skip
             self.lr = self.optim.lr
+        if self.max_ppo_kl is not None:
+            positive("actor.max_ppo_kl", self.max_ppo_kl)
         nonnegative("actor.weight_decay", self.weight_decay)
         positive("actor.micro_batch_size", self.micro_batch_size)
         nonnegative("actor.grad_clip", self.grad_clip)

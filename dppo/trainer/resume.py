@@ -49,9 +49,14 @@ def set_rng_state(state: dict) -> None:
 # ---- the current sync cycle -----------------------------------------------------------------------------
 
 
+# Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips)
+COUNTED_METRICS = ("actor/skipped_updates",)
+
+
 @dataclass
 class CycleMetrics:
-    """Accumulates trigger metrics into one record: timing_s/* summed, *_max / *_min extremes, the rest averaged."""
+    """Accumulates trigger metrics into one record: timing_s/* and COUNTED_METRICS summed, *_max / *_min extremes,
+    the rest averaged."""
 
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
@@ -59,7 +64,7 @@ class CycleMetrics:
 
     def add(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
-            if key.startswith("timing_s/"):
+            if key.startswith("timing_s/") or key in COUNTED_METRICS:
                 self.sums[key] = self.sums.get(key, 0.0) + value
                 self.counts[key] = 1
             elif key.endswith("_max"):
