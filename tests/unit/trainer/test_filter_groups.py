@@ -287,3 +287,18 @@ def test_a_mid_cycle_checkpoint_keeps_a_half_drawn_mini_batch_and_the_resumed_ru
     skip = ("timing_s/", "snapshot/scored_ahead_frac")
     got, want = [[{k: v for k, v in r.items() if not k.startswith(skip)} for r in rs] for rs in (records, expected_records)]
     assert [{k: (v, b.get(k)) for k, v in a.items() if b.get(k) != v} for a, b in zip(got, want)] == [{}] * len(want)
+
+
+def test_a_tiny_run_with_the_filter_learns(small_cfg):
+    """The copy task at length 2 with the demo's model: the filter drops groups all along (the real rule, no patch)
+    and the sampled reward still rises from chance."""
+    cfg = small_cfg(**{"task.length": 2, "trainer.total_steps": 40, "trainer.train_batch_size": 16, "rollout.n": 8,
+                       "rollout.groups_per_batch": 8, "actor.lr": 0.003, "trainer.eval_prompts": 16,
+                       "model.hidden_size": 64, "model.num_hidden_layers": 2, "model.num_attention_heads": 4,
+                       "model.intermediate_size": 128, "algorithm.filter_groups.enable": True})  # fmt: skip
+    result = PPOTrainer(cfg).fit()
+    rewards = [r["critic/score/mean"] for r in result.records]
+    assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
+    assert all(r["filter_groups/kept_frac"] < 1.0 for r in result.records[-10:])  # groups were dropped, and replaced
+    assert all(r["filter_groups/extra_batches"] > 0.0 for r in result.records[-10:])
+    assert result.evaluation["eval/accuracy"] > 0.25
