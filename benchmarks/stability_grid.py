@@ -14,11 +14,12 @@ summary.json and metrics.jsonl:
     exact       the final greedy evaluation's exact match (eval/accuracy)
     last 10%    the mean sampled reward (critic/score/mean) over the last 10% of the steps (dppo.trainer.report)
     to 0.9      wall seconds from the process start to the first step whose critic/score/mean is >= 0.9
-                (peer_bench's moving_mean_crossing with a window of one step)
+                (peer_bench's moving_mean_crossing with a window of one step), and that step's number (which
+                does not depend on how busy the machine was)
 
 The table gives, per setting and parameter_sync_step: the seeds that end at exact match >= 0.99, the min and median
 exact match, the median last-10% reward, the median time to 0.9 and its ratio to the baseline's at
-parameter_sync_step 4. Every run keeps its result in --work/<setting>/ps<k>/seed<s>/result.json; a run whose result is
+parameter_sync_step 4, and the median step at which 0.9 was reached. Every run keeps its result in --work/<setting>/ps<k>/seed<s>/result.json; a run whose result is
 there is not run again (the grid resumes where it stopped); its checkpoints and hf_model/ are deleted once read.
 --out writes every run and the table as JSON. The whole grid is 240 runs of about 30 s on a quiet 2-core machine.
 """
@@ -89,6 +90,7 @@ def result_of(setting: str, sync_steps: int, seed: int, summary: dict, records: 
             "exact": evaluation.get("eval/accuracy"), "eval_reward": evaluation.get("eval/reward"),
             "last_10pct_reward": tail_mean(records, "critic/score/mean") if records else None,
             "to_0.9_s": peer_bench().moving_mean_crossing(stamps, 0.9, window=1),
+            "step_0.9": next((r["step"] for r in records if r["critic/score/mean"] >= 0.9), None),
             "steps": len(records)}  # fmt: skip
 
 
@@ -100,7 +102,7 @@ def _median(values: list) -> float | None:
 def table_rows(results: list[dict]) -> list[dict]:
     """Per (setting, sync_steps), in SETTINGS order: runs, seeds at exact >= TARGET_EXACT, min and median exact, the
     median last-10% reward, the median time to 0.9 (None if no run got there) and its ratio to the baseline's at
-    parameter_sync_step 4 (None without that baseline)."""
+    parameter_sync_step 4 (None without that baseline), and the median step at which 0.9 was reached."""
     groups: dict[tuple[str, int], list[dict]] = {}
     for r in results:
         groups.setdefault((r["setting"], r["sync_steps"]), []).append(r)
@@ -115,7 +117,8 @@ def table_rows(results: list[dict]) -> list[dict]:
                      "at_target": sum(e is not None and e >= TARGET_EXACT for e in exact),
                      "min_exact": min((e for e in exact if e is not None), default=None), "median_exact": _median(exact),
                      "median_last_10pct": _median([r["last_10pct_reward"] for r in runs]), "median_to_0.9_s": to_09,
-                     "to_0.9_ratio": to_09 / base_time if to_09 is not None and base_time else None})  # fmt: skip
+                     "to_0.9_ratio": to_09 / base_time if to_09 is not None and base_time else None,
+                     "median_step_0.9": _median([r.get("step_0.9") for r in runs])})  # fmt: skip
     return rows
 
 
@@ -124,11 +127,12 @@ def format_table(rows: list[dict]) -> str:
         return "n/a" if value is None else f"{value:.{digits}f}"
 
     lines = [f"| setting | ps | seeds at exact >= {TARGET_EXACT} | min / median exact | median last-10% reward | "
-             "median s to 0.9 | vs baseline ps 4 |", "|---|---|---|---|---|---|---|"]  # fmt: skip
+             "median s to 0.9 | vs baseline ps 4 | median step to 0.9 |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
     for r in rows:
         ratio = "n/a" if r["to_0.9_ratio"] is None else f"{r['to_0.9_ratio']:.2f}x"
         lines.append(f"| {r['setting']} | {r['sync_steps']} | {r['at_target']} / {r['runs']} | {f(r['min_exact'])} / "
-                     f"{f(r['median_exact'])} | {f(r['median_last_10pct'])} | {f(r['median_to_0.9_s'], 1)} | {ratio} |")  # fmt: skip
+                     f"{f(r['median_exact'])} | {f(r['median_last_10pct'])} | {f(r['median_to_0.9_s'], 1)} | {ratio} | "
+                     f"{f(r['median_step_0.9'], 1)} |")  # fmt: skip
     return "\n".join(lines)
 
 

@@ -4,7 +4,8 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
 
     begin_cycle()
     for k in 0 .. parameter_sync_step - 1:        self.local_trigger_step = k
-        groups <- the mini-batch held since trigger 0, or rollout.fetch(train_batch_size / parameter_sync_step, version)
+        groups <- the mini-batch held since trigger 0, or drawn from the rollout: train_batch_size / parameter_sync_step
+                  groups (rollout.fetch), more where algorithm.filter_groups drops some (dppo.trainer.filter_groups)
         k == 0 (score_ahead_enabled): hold the later mini-batches that have arrived, scored now (score_ahead)
         metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()

@@ -34,13 +34,14 @@ def test_a_runs_figures(grid):
     result = grid.result_of("kl_guard", 8, 2, {"evaluation": {"eval/accuracy": 0.574, "eval/reward": 0.9}}, records,
                             stamps, 0, 40.0)  # fmt: skip
     assert result["exact"] == 0.574 and result["to_0.9_s"] == 15.0  # step 10, the first at >= 0.9, at 15 s
+    assert result["step_0.9"] == 10
     assert result["last_10pct_reward"] == pytest.approx((0.95 + 0.5) / 2)  # the last 2 of 20 steps
     assert grid.result_of("baseline", 4, 0, {}, [], [], 1, 3.0)["exact"] is None  # a run that failed early
 
 
 def result(setting, ps, seed, exact, to_09):
     return {"setting": setting, "sync_steps": ps, "seed": seed, "exact": exact, "last_10pct_reward": exact,
-            "to_0.9_s": to_09}  # fmt: skip
+            "to_0.9_s": to_09, "step_0.9": None if to_09 is None else to_09 / 2}  # fmt: skip
 
 
 def test_the_table_counts_the_seeds_at_the_target_and_compares_times_with_the_baseline_at_4(grid):
@@ -54,7 +55,7 @@ def test_the_table_counts_the_seeds_at_the_target_and_compares_times_with_the_ba
     assert base4["median_exact"] == pytest.approx(0.787)
     assert base4["to_0.9_ratio"] == 1.0 and rows[("baseline", 8)]["to_0.9_ratio"] == pytest.approx(8 / 12)
     assert (guard8["runs"], guard8["at_target"], guard8["min_exact"]) == (3, 2, 0.99)  # 0.99 counts; a failed run not
-    assert guard8["median_to_0.9_s"] == 18.0 and guard8["to_0.9_ratio"] == 1.5
+    assert guard8["median_to_0.9_s"] == 18.0 and guard8["to_0.9_ratio"] == 1.5 and guard8["median_step_0.9"] == 9.0
     assert "| kl_guard | 8 | 2 / 3 | 0.990 / 0.995 |" in grid.format_table(list(rows.values()))
     assert grid.table_rows([result("dr_grpo", 4, 0, 1.0, 9.0)])[0]["to_0.9_ratio"] is None  # no baseline at 4
 
