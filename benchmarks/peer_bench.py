@@ -29,7 +29,10 @@ Per run:
 
 The table shows each system's median over the seeds (min-max), the ratios dppo / TRL of the medians, and
 PASS/FAIL against issue 18's targets for the demo task: time to 0.9 <= 0.8x TRL's, whole process <= 1.0x,
-summed PSS <= 2x. --out writes every run and the summary as JSON.
+summed PSS <= 2x. A second table gives every run's final greedy evaluation (exact match and reward), and on the
+demo task every dppo run must end at greedy exact match >= FINAL_EXACT (issue 32: a run that peaks and then
+collapses is fast to 0.9 and still a failure): one FAIL line names each run below it. --out writes every run, the
+summary and the verdicts as JSON.
 """
 
 from __future__ import annotations
@@ -62,6 +65,7 @@ TARGETS = {"to_0.9_s": 0.8, "whole_s": 1.0, "pss_mb": 2.0}
 TEXT_THRESHOLDS = (0.5, 0.9)
 TEXT_TARGETS = {"to_0.9_s": 0.5}
 TEXT_STEPS, TEXT_SYNC_STEPS, TEXT_PROMPTS, TEXT_LR = 25, 2, 16, 5e-4
+FINAL_EXACT = 0.99  # issue 32: the demo task's greedy exact match every dppo run must end at (the text task has none)
 
 
 # ---- pure parts (tests/unit/benchmarks/test_peer_bench.py) ----------------------------------------------
@@ -129,6 +133,13 @@ def verdicts(dppo: dict[str, float | None], trl: dict[str, float | None], target
         out[key] = {"dppo": a, "trl": b, "ratio": ratio, "limit": limit,
                     "pass": ratio is not None and ratio <= limit}  # fmt: skip
     return out
+
+
+def final_exact_verdict(runs: list[tuple[int, float | None]], minimum: float = FINAL_EXACT) -> dict:
+    """PASS/FAIL of one system's runs, (seed, final greedy exact match) each: every run must end at >= minimum; a run
+    without an evaluation fails too. The failing runs are named, with their figure."""
+    failing = [(seed, exact) for seed, exact in runs if exact is None or exact < minimum]
+    return {"minimum": minimum, "runs": len(runs), "failing": failing, "pass": bool(runs) and not failing}
 
 
 def eval_reward(evaluation: dict) -> float | None:
@@ -366,6 +377,31 @@ def summarize(runs: list[Run]) -> dict[str, dict[str, tuple]]:
     return out
 
 
+def final_table(runs: list[Run]) -> str:
+    """Every run's final greedy evaluation (and its time to 0.9), one row each, in seed order."""
+    lines = ["| system | seed | greedy exact match | greedy eval reward | s to 0.9 |", "|---|---|---|---|---|"]
+    for run in sorted(runs, key=lambda r: (r.system, r.seed)):
+        fig = run.figures()
+        cells = [_f(fig["eval_exact"]), _f(fig["eval_reward"]), _f(fig.get("to_0.9_s"), 1)]
+        lines.append(f"| {run.system} | {run.seed} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_final_verdict(verdict: dict) -> str:
+    """The target line of final_exact_verdict."""
+    what = f"every dppo run ends at greedy exact match >= {verdict['minimum']}"
+    if verdict["pass"]:
+        return f"PASS final exact match: {what} ({verdict['runs']} runs)"
+    if not verdict["runs"]:
+        return f"FAIL final exact match: {what}: no dppo run"
+    failing = ", ".join(f"seed {seed} at {_f(exact)}" for seed, exact in verdict["failing"])
+    return f"FAIL final exact match: {what}; {len(verdict['failing'])} of {verdict['runs']} did not: {failing}"
+
+
+def _f(value: float | None, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
 def format_table(summary: dict, judged: dict) -> str:
     def cell(stats: tuple, digits: int) -> str:
         med, lo, hi = stats
@@ -448,9 +484,15 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\nmedians over seeds {args.seeds}, {args.steps} global steps ({started}; "
               f"load average now {os.getloadavg()[0]:.2f}):\n")
         print(format_table(summary, judged))
+        if not text and args.only != "trl":  # the demo task's exact match (issue 32); the text task has none
+            judged["final_exact"] = final_exact_verdict([(r.seed, r.figures()["eval_exact"]) for r in runs
+                                                         if r.system == "dppo"])  # fmt: skip
+            print(format_final_verdict(judged["final_exact"]))
+        print(f"\nevery run's final greedy evaluation:\n\n{final_table(runs)}")
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
             Path(args.out).write_text(json.dumps({"started": started, "argv": sys.argv[1:], "runs": [asdict(r) for r in runs],
+                                                  "finals": [{"system": r.system, "seed": r.seed, **r.figures()} for r in runs],
                                                   "summary": summary, "targets": judged}, indent=2))  # fmt: skip
     finally:
         if args.keep:

@@ -43,6 +43,9 @@ class PartialRollout:
         self.ready_calls.append(True)
         return self.inner.fetch_ready(num_groups, trainer_version)
 
+    def discard(self, count: int) -> None:
+        self.inner.discard(count)
+
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
 

@@ -15,6 +15,10 @@ SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.
 ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)
 WEIGHT_SYNC_MODES = ("full", "delta")  # rollout.weight_sync
 PROMPT_SOURCES = ("task", "parquet", "reasoning_gym")  # data.source (dppo.data.make_prompt_source builds each)
+LR_SCHEDULER_TYPES = ("constant", "cosine")  # actor.optim.lr_scheduler_type (dppo.workers.actor.lr_schedule)
+# algorithm.filter_groups.metric names of each response's reward (verl 0.9.1's "reward"; "score" and "seq_reward" are
+# verl's older DAPO names of the same); any other name is a key of the reward function's extra outputs
+FILTER_REWARD_METRICS = ("reward", "score", "seq_reward")
 
 # algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")

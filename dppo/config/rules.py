@@ -8,7 +8,7 @@ import numpy as np
 
 from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, machine_cpus, shown
-from dppo.config.choices import InexactUnderShardingError, check_reader_for_sharding
+from dppo.config.choices import FILTER_REWARD_METRICS, InexactUnderShardingError, check_reader_for_sharding
 from dppo.data.errors import MissingExtraError
 from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
@@ -41,6 +41,7 @@ def validate_combinations(cfg) -> None:
         )
     _check_prox_logp_method(cfg)
     _check_policy_loss(cfg)
+    _check_stability_remedies(cfg)
     _check_local_workers_fit(cfg)
     _check_data_or_task(cfg)
 
@@ -96,6 +97,29 @@ def _check_policy_loss(cfg) -> None:
             f"actor.loss_agg_mode={actor.loss_agg_mode!r}: with rejection sampling (algorithm.rollout_correction."
             "rollout_rs) they must divide by the same count; use a seq-mean-* loss_agg_mode"
         )
+
+
+def _check_stability_remedies(cfg) -> None:
+    """The lr warmup must end within the run; the ppo_kl guard needs a ppo_kl that can be non-zero; a task's reward
+    has no extra outputs for algorithm.filter_groups.metric to name."""
+    t, optim = cfg.trainer, cfg.actor.optim
+    total = t.total_steps * t.parameter_sync_step
+    if optim.warmup_steps(total) > total:
+        raise ConfigError(f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
+                          f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
+                          f"{t.parameter_sync_step}); the lr would never reach actor.lr")  # fmt: skip
+    a = cfg.algorithm
+    if cfg.actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
+        why = ("algorithm.prox_anchor=current" if a.prox_anchor == "current" else
+               "trainer.parameter_sync_step=1" if t.parameter_sync_step == 1 else None)  # fmt: skip
+        if why is not None:
+            raise ConfigError(f"actor.max_ppo_kl={cfg.actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
+                              "at every trigger (pi_old is the live weights); the guard would never act: drop it")  # fmt: skip
+    fg = a.filter_groups
+    if fg.enable and fg.metric not in FILTER_REWARD_METRICS and cfg.data.kind != "parquet":
+        where = f"task.name={cfg.task.name!r}" if cfg.data.kind == "task" else "data.source=reasoning_gym"
+        raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on {where}, whose reward has no "
+                          f"extra outputs (only a custom_reward_function does); use {' or '.join(FILTER_REWARD_METRICS)}")  # fmt: skip
 
 
 def _check_data_or_task(cfg) -> None:

@@ -38,6 +38,7 @@ from dppo.config.choices import (
     DTYPES,
     FSDP_MODES,
     LOGGERS,
+    LR_SCHEDULER_TYPES,
     OFF_POLICY_STRATEGIES,
     PROMPT_SOURCES,
     PROX_ANCHORS,
@@ -216,6 +217,64 @@ class PolicyLossSection:
 
 
 @dataclass
+class ActorOptimSection:
+    """actor.optim: the learning-rate schedule, with verl's keys of actor_rollout_ref.actor.optim and verl's
+    schedules (verl.utils.torch_functional's get_constant_schedule_with_warmup and get_cosine_schedule_with_warmup).
+    dppo counts the schedule in optimizer steps, one per trigger: a run has trainer.total_steps x
+    trainer.parameter_sync_step of them (verl steps its scheduler once per trainer step, whose update takes several
+    optimizer steps). The step count is part of every checkpoint: a resumed run follows the same curve."""
+
+    lr: Optional[float] = None
+    """verl's name of actor.lr; null: actor.lr. Set, it is the lr (and actor.lr, if also set, must be equal)."""
+
+    lr_warmup_steps: int = -1
+    """Optimizer steps of the linear warmup from 0 to the lr; 0 or less: lr_warmup_steps_ratio decides (verl's
+    rule)."""
+
+    lr_warmup_steps_ratio: float = 0.0
+    """Where lr_warmup_steps <= 0: the warmup's length as a fraction of the run's optimizer steps, int(ratio x
+    total) (verl's rounding); 0: no warmup."""
+
+    lr_scheduler_type: str = "constant"
+    """After the warmup: constant (the lr) or cosine (a cosine from the lr down to min_lr_ratio x lr, reached at
+    the run's last optimizer step with num_cycles=0.5)."""
+
+    warmup_style: Optional[str] = None
+    """verl's older (deprecated) name of lr_scheduler_type: set, it is used as lr_scheduler_type."""
+
+    min_lr_ratio: float = 0.0
+    """cosine: the floor of the lr, as a fraction of the lr."""
+
+    num_cycles: float = 0.5
+    """cosine: waves of the cosine over the steps after the warmup (0.5: one half-wave, from the lr down to the
+    floor)."""
+
+    zero_indexed_step: bool = True
+    """cosine (verl's key): true counts the first optimizer step as step 0, so with a warmup its lr is 0; false
+    counts it as step 1 (torchtitan's convention). verl's constant schedule always counts from 0."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor.optim")
+        if self.lr is not None:
+            positive("actor.optim.lr", self.lr)
+        require(0 <= self.lr_warmup_steps_ratio <= 1, "actor.optim.lr_warmup_steps_ratio", self.lr_warmup_steps_ratio,
+                "a fraction in [0, 1]")  # fmt: skip
+        one_of("actor.optim.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
+        if self.warmup_style is not None:
+            one_of("actor.optim.warmup_style", self.warmup_style, LR_SCHEDULER_TYPES)
+            require(self.lr_scheduler_type in ("constant", self.warmup_style), "actor.optim.warmup_style",
+                    self.warmup_style, f"the same as actor.optim.lr_scheduler_type={self.lr_scheduler_type!r} (it is "
+                    "that key's old name; set one of them)")  # fmt: skip
+            self.lr_scheduler_type = self.warmup_style
+        require(0 <= self.min_lr_ratio <= 1, "actor.optim.min_lr_ratio", self.min_lr_ratio, "a fraction in [0, 1]")
+        positive("actor.optim.num_cycles", self.num_cycles)
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """The warmup's optimizer steps in a run of total_steps optimizer steps (verl's rule)."""
+        return self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * total_steps)
+
+
+@dataclass
 class ActorConfig:
     lr: float = 1e-3
     """AdamW learning rate."""
@@ -273,9 +332,29 @@ class ActorConfig:
     tau_neg: float = 1.05
     """loss_mode=sapo: the gate's temperature where the advantage is <= 0."""
 
+    optim: ActorOptimSection = field(default_factory=ActorOptimSection)
+
+    max_ppo_kl: Optional[float] = None
+    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl (the mean over its
+    valid tokens of log pi_old - log pi_theta, pi_theta the live weights before its step; merged over the ranks, so
+    every rank decides alike) exceeds this bound takes no optimizer step: its gradients are zeroed, and the weights
+    and Adam's moments and step count stay as they were (the lr schedule still counts the step). Counted in
+    actor/skipped_updates (triggers skipped in the global step) and logged in one line. ppo_kl is measured before the
+    step, so the guard stops a cycle's drift from pi_old once it passes the bound (and the cycle's later triggers
+    while it stays past it); it does not undo the steps that got there (see docs/training.md, "When a run
+    collapses"). Refused where ppo_kl is 0 by construction (prox_anchor=current, parameter_sync_step=1, outside
+    bypass mode)."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "actor")
         positive("actor.lr", self.lr)
+        if self.optim.lr is not None:  # verl's name of the same key
+            default = ActorConfig.__dataclass_fields__["lr"].default
+            require(self.lr in (default, self.optim.lr), "actor.optim.lr", self.optim.lr,
+                    f"the same value as actor.lr={self.lr} (the two name one lr; set one of them)")  # fmt: skip
+            self.lr = self.optim.lr
+        if self.max_ppo_kl is not None:
+            positive("actor.max_ppo_kl", self.max_ppo_kl)
         nonnegative("actor.weight_decay", self.weight_decay)
         positive("actor.micro_batch_size", self.micro_batch_size)
         nonnegative("actor.grad_clip", self.grad_clip)
@@ -371,6 +450,34 @@ class KLControlSection:
 
 
 @dataclass
+class FilterGroupsSection:
+    """algorithm.filter_groups: DAPO's dynamic sampling, with verl's keys. A group whose metric is the same for all
+    its responses has no advantage under any group-relative estimator (nothing to learn from it); it is dropped
+    before the update and the trigger takes more groups from the rollout until its mini-batch is full."""
+
+    enable: bool = False
+    """Drop the groups whose metric has zero variance (verl's rule: more than one response, std == 0) and take
+    more, in the order the rollout granted them (filter_groups/kept_frac, filter_groups/extra_batches)."""
+
+    metric: str = "reward"
+    """What must vary within a group for it to be kept: reward (verl's default; score and seq_reward name the same:
+    each response's reward, before any KL penalty), or, with text data, a key of the reward function's extra
+    outputs (the numeric entries of its dict besides score, logged as reward/extra/<key>, e.g. acc)."""
+
+    max_num_gen_batches: int = 0
+    """How many generation batches a trigger may draw (verl's key; 0 or less: no limit). dppo draws a trigger's
+    groups from the replay buffer: a trigger takes at most this many times its mini-batch (train_batch_size /
+    parameter_sync_step groups), each draw only the groups still missing. When the limit is reached it trains on
+    the groups kept so far, or, if none was kept, on the last mini-batch's worth it took (the update the run
+    without the filter would have made; verl raises an error there instead)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "algorithm.filter_groups")
+        require(bool(self.metric) and isinstance(self.metric, str), "algorithm.filter_groups.metric", self.metric,
+                "reward, or a key of the reward function's extra outputs")  # fmt: skip
+
+
+@dataclass
 class AlgorithmConfig:
     adv_estimator: str = "grpo"
     """Advantage estimator, by verl's name: grpo, rloo, reinforce_plus_plus, reinforce_plus_plus_baseline, opo,
@@ -425,6 +532,8 @@ class AlgorithmConfig:
     low_var_kl = k3, and the + variants)."""
 
     kl_ctrl: KLControlSection = field(default_factory=KLControlSection)
+
+    filter_groups: FilterGroupsSection = field(default_factory=FilterGroupsSection)
 
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm")

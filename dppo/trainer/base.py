@@ -4,7 +4,8 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
 
     begin_cycle()
     for k in 0 .. parameter_sync_step - 1:        self.local_trigger_step = k
-        groups <- the mini-batch held since trigger 0, or rollout.fetch(train_batch_size / parameter_sync_step, version)
+        groups <- the mini-batch held since trigger 0, or drawn from the rollout: train_batch_size / parameter_sync_step
+                  groups (rollout.fetch), more where algorithm.filter_groups drops some (dppo.trainer.filter_groups)
         k == 0 (score_ahead_enabled): hold the later mini-batches that have arrived, scored now (score_ahead)
         metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()
@@ -52,12 +53,13 @@ from dppo.models import as_state_dict, model_from_config, policy_config
 from dppo.rollout import Group, TrainBatch, collate
 from dppo.trainer import checkpoint as ckpt
 from dppo.trainer.evaluation import score_policy
+from dppo.trainer.filter_groups import GroupFilter
 from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
 from dppo.trainer.checkpoint_failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
                                              is_write_failure)
 from dppo.trainer.preflight import DTYPE_BYTES, run_shape
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
-from dppo.trainer.resume import CycleProgress, HeldBatch, RolloutStart, rng_state, set_rng_state
+from dppo.trainer.resume import CycleProgress, Draw, HeldBatch, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
@@ -183,6 +185,7 @@ class BaseTrainer:
         self.local_trigger_step = 0  # trigger (optimizer step) within the current cycle, 0-based
         self.progress = CycleProgress()  # of the current cycle
         self.rollout_start = RolloutStart()  # where the rollout picks up; kept current as groups are taken
+        self.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # how a trigger draws
         self.resumed_from: Path | None = None
         self.policy: torch.nn.Module | None = None  # what evaluate() decodes with: the weights of policy_version
         self.policy_version = -1
@@ -363,7 +366,8 @@ class BaseTrainer:
             self.local_trigger_step = progress.trigger
             held = progress.ahead[0] if progress.ahead else None  # taken and scored at trigger 0
             wait_start = time.perf_counter()
-            groups, dropped = (held.groups, 0) if held else self.rollout.fetch(self.cfg.groups_per_trigger, self.version)
+            draw = None if held else self.group_filter.fetch(self.rollout, self.version, progress.pending)
+            groups = held.groups if held else draw.groups(self.cfg.groups_per_trigger)
             wait_s = time.perf_counter() - wait_start
             ahead = self._take_ahead() if progress.trigger == 0 else None
             batch = collate(groups, self.source.pad_token)
@@ -373,13 +377,15 @@ class BaseTrainer:
             progress.metrics.add({"timing_s/gen_wait": wait_s})
             progress.metrics.add(metrics)
             progress.staleness.append(self.version - batch.versions)
-            progress.scores.append(batch.scores)
+            # the sampled reward: of every group the trigger took (with algorithm.filter_groups, the dropped ones too)
+            progress.scores.append(draw.taken_scores() if draw else
+                                   batch.scores if held.taken_scores is None else held.taken_scores)  # fmt: skip
             progress.trigger += 1
             if held:
                 progress.ahead.pop(0)  # its groups were counted as taken at trigger 0
             else:
-                progress.dropped += dropped
-                self._taken(groups, dropped)
+                self._drawn(draw, since=progress.pending)
+                progress.pending = None
             if ahead is not None:
                 self._hold(ahead)
         if not progress.ended:
@@ -402,25 +408,43 @@ class BaseTrainer:
             return None
         later = self.cfg.trainer.parameter_sync_step - 1
         start = time.perf_counter()
-        taken, dropped = take_ready(self.rollout, later, self.cfg.groups_per_trigger, self.version)
-        batches = [collate(groups, self.source.pad_token) for groups in taken]
-        prox_logps = self.score_ahead(batches, whole_cycle=len(taken) == later)
-        held = [HeldBatch(groups, logp) for groups, logp in zip(taken, prox_logps, strict=True)]
-        return Ahead(held, dropped, len(held) / later, time.perf_counter() - start)
+        draws, pending = take_ready(self.rollout, later, self.group_filter, self.version)
+        size = self.cfg.groups_per_trigger
+        batches = [collate(draw.groups(size), self.source.pad_token) for draw in draws]
+        prox_logps = self.score_ahead(batches, whole_cycle=len(draws) == later)
+        held = [HeldBatch(draw.groups(size), logp, draw.taken_scores() if self.group_filter.enabled else None)
+                for draw, logp in zip(draws, prox_logps, strict=True)]  # fmt: skip
+        dropped = sum(d.dropped for d in draws) + (pending.dropped if pending else 0)
+        return Ahead(held, draws, pending, dropped, len(held) / later, time.perf_counter() - start)
 
     def _hold(self, ahead: Ahead) -> None:
-        """Commit trigger 0's score-ahead: the held mini-batches wait in the cycle's progress for their triggers."""
+        """Commit trigger 0's score-ahead: the held mini-batches wait in the cycle's progress for their triggers, and
+        a draw it began and could not fill waits for its trigger to draw the rest."""
         progress = self.progress
         progress.ahead = ahead.held
-        progress.dropped += ahead.dropped
+        progress.pending = ahead.pending
         progress.metrics.add({"snapshot/scored_ahead_frac": ahead.fraction, "timing_s/score_ahead": ahead.seconds})
-        self._taken([g for held in ahead.held for g in held.groups], ahead.dropped)
+        for draw in ahead.draws:
+            self._drawn(draw)
+        if ahead.pending is not None:
+            progress.dropped += ahead.pending.dropped
+            self._taken(ahead.pending.taken, ahead.pending.dropped, ahead.pending.discarded)
 
-    def _taken(self, groups: list[Group], dropped: int) -> None:
-        """Where a new rollout would pick up after these groups (see RolloutStart)."""
+    def _drawn(self, draw: Draw, since: Draw | None = None) -> None:
+        """Commit a done draw of a trigger's mini-batch: its groups taken and dropped since `since` (what score-ahead
+        had taken of it at trigger 0, already committed), and its filter_groups/* metrics."""
+        before = since or Draw()
+        dropped = draw.dropped - before.dropped
+        self.progress.dropped += dropped
+        self.progress.metrics.add(self.group_filter.metrics(draw))
+        self._taken(draw.taken[len(before.taken) :], dropped, draw.discarded - before.discarded)
+
+    def _taken(self, groups: list[Group], dropped: int, discarded: int = 0) -> None:
+        """Where a new rollout would pick up after these groups taken (see RolloutStart); discarded: how many of them
+        the trainer told the rollout it does not train on (algorithm.filter_groups)."""
         start = self.rollout_start
         start.version = self.version
-        start.consumed += len(groups)
+        start.consumed += len(groups) - discarded
         start.next_grant = max([start.next_grant, *(g.index + 1 for g in groups)])
         start.dropped_total += dropped
 
@@ -604,7 +628,8 @@ class BaseTrainer:
         self.rollout_start = RolloutStart(
             version=self.version,
             consumed=self.version * self.cfg.trainer.train_batch_size + self.progress.trigger * self.cfg.groups_per_trigger
-            + sum(held.num_groups for held in self.progress.ahead),
+            + sum(held.num_groups for held in self.progress.ahead)
+            + (self.progress.pending.num_kept if self.progress.pending else 0),
             next_grant=int(rollout["next_grant"]), dropped_total=int(rollout["dropped_total"]),
             worker_restarts=int(rollout["worker_restarts"]),
         )  # fmt: skip

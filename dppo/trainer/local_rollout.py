@@ -169,6 +169,10 @@ class LocalRollout:
         self._check_workers()
         return groups_of(self.buffer.call("take", num_groups, trainer_version))
 
+    def discard(self, count: int) -> None:
+        """The trainer took count groups it does not train on (algorithm.filter_groups; ReplayBufferCore.discard)."""
+        self.buffer.call("discard", count)
+
     def _check_workers(self) -> None:
         """Restart each worker whose process has died (or raise what a worker reported before it exited)."""
         for worker in list(self.workers):

@@ -12,6 +12,7 @@ arrived with the live weights instead (dppo.trainer.score_ahead).
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -20,6 +21,8 @@ from dppo.algo import apply_kl_penalty, get_advantage_estimator, get_kl_controll
 from dppo.config.choices import score_ahead_enabled
 from dppo.rollout import TrainBatch
 from dppo.trainer.base import BaseTrainer
+
+log = logging.getLogger("dppo.trainer")
 
 
 def advantage_fn(algorithm_cfg) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
@@ -56,6 +59,10 @@ class PPOTrainer(BaseTrainer):
         scores, kl_metrics = self.kl_in_reward(batch) if self.kl_ctrl is not None else (batch.scores, {})
         advantages = self.advantages(scores, batch.group_index, batch.response_mask, **extra)  # (B, R)
         metrics = self.actor_group.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
+        if metrics.get("actor/skipped_updates"):
+            log.warning(f"step {self.global_step + 1}, trigger {self.local_trigger_step}: actor/ppo_kl="
+                        f"{metrics.get('actor/ppo_kl', float('nan')):.4g} > actor.max_ppo_kl={self.cfg.actor.max_ppo_kl:g}; "
+                        "the update was skipped (weights and optimizer state unchanged)")  # fmt: skip
         metrics.update(kl_metrics)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics

@@ -49,9 +49,14 @@ def set_rng_state(state: dict) -> None:
 # ---- the current sync cycle -----------------------------------------------------------------------------
 
 
+# Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips)
+COUNTED_METRICS = ("actor/skipped_updates",)
+
+
 @dataclass
 class CycleMetrics:
-    """Accumulates trigger metrics into one record: timing_s/* summed, *_max / *_min extremes, the rest averaged."""
+    """Accumulates trigger metrics into one record: timing_s/* and COUNTED_METRICS summed, *_max / *_min extremes,
+    the rest averaged."""
 
     sums: dict[str, float] = field(default_factory=dict)
     counts: dict[str, int] = field(default_factory=dict)
@@ -59,7 +64,7 @@ class CycleMetrics:
 
     def add(self, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
-            if key.startswith("timing_s/"):
+            if key.startswith("timing_s/") or key in COUNTED_METRICS:
                 self.sums[key] = self.sums.get(key, 0.0) + value
                 self.counts[key] = 1
             elif key.endswith("_max"):
@@ -90,17 +95,54 @@ class HeldBatch:
 
     groups: list[Group]
     prox_logp: torch.Tensor  # (B, R) fp32: log pi_old of collate(groups), scored with the cycle-start weights
+    # (N,) fp32: the rewards of every group drawn for it, the dropped ones too (algorithm.filter_groups); None: its
+    # groups' own
+    taken_scores: torch.Tensor | None = None
 
     @property
     def num_groups(self) -> int:
         return len(self.groups)
 
     def to_state(self) -> dict:
-        return {"groups": [group_state(g) for g in self.groups], "prox_logp": self.prox_logp}
+        return {"groups": [group_state(g) for g in self.groups], "prox_logp": self.prox_logp,
+                "taken_scores": self.taken_scores}  # fmt: skip
 
     @staticmethod
     def from_state(state: dict) -> HeldBatch:
-        return HeldBatch([group_from_state(g) for g in state["groups"]], state["prox_logp"])
+        return HeldBatch([group_from_state(g) for g in state["groups"]], state["prox_logp"], state.get("taken_scores"))
+
+
+@dataclass
+class Draw:
+    """The groups one trigger took from the rollout through algorithm.filter_groups (dppo.trainer.filter_groups):
+    every group taken, in the order taken, which of them were kept, and the counts of the takes."""
+
+    taken: list[Group] = field(default_factory=list)
+    kept: list[bool] = field(default_factory=list)  # per taken group: its metric varies (or no filter)
+    dropped: int = 0  # groups the takes dropped as too stale (replay.max_off_policy_strategy=drop)
+    discarded: int = 0  # taken groups the rollout was told the trainer does not train on (rollout.discard)
+
+    @property
+    def num_kept(self) -> int:
+        return sum(self.kept)
+
+    def taken_scores(self) -> torch.Tensor:
+        """(N,) the rewards of every response of every group taken, in the order taken."""
+        return torch.cat([g.scores for g in self.taken])
+
+    def groups(self, size: int) -> list[Group]:
+        """What the trigger trains on: the kept groups, or, if none was kept, the last size groups taken."""
+        kept = [g for g, k in zip(self.taken, self.kept) if k]
+        return kept or self.taken[-size:]
+
+    def to_state(self) -> dict:
+        return {"taken": [group_state(g) for g in self.taken], "kept": list(self.kept), "dropped": self.dropped,
+                "discarded": self.discarded}  # fmt: skip
+
+    @staticmethod
+    def from_state(state: dict) -> Draw:
+        return Draw([group_from_state(g) for g in state["taken"]], [bool(k) for k in state["kept"]],
+                    int(state["dropped"]), int(state["discarded"]))  # fmt: skip
 
 
 @dataclass
@@ -111,10 +153,13 @@ class CycleProgress:
     ended: bool = False  # end_cycle() has run (all triggers done; the weights not yet published)
     metrics: CycleMetrics = field(default_factory=CycleMetrics)
     staleness: list[torch.Tensor] = field(default_factory=list)  # (G,) long per trigger
-    scores: list[torch.Tensor] = field(default_factory=list)  # (G n,) fp32 per trigger
+    scores: list[torch.Tensor] = field(default_factory=list)  # (G n,) fp32 per trigger: of every group it took
     dropped: int = 0
     elapsed_s: float = 0.0  # time the cycle had taken before the run stopped (resumed cycles only)
     ahead: list[HeldBatch] = field(default_factory=list)  # the next triggers' mini-batches, taken and scored ahead
+    # the mini-batch after them, which score-ahead began to draw through algorithm.filter_groups but could not fill
+    # from the groups that had arrived: its trigger draws the rest (its groups are accounted as taken already)
+    pending: Draw | None = None
 
     @property
     def started(self) -> bool:
@@ -124,14 +169,17 @@ class CycleProgress:
         return {"trigger": self.trigger, "ended": self.ended, "sums": dict(self.metrics.sums),
                 "counts": dict(self.metrics.counts), "extremes": dict(self.metrics.extremes),
                 "staleness": list(self.staleness), "scores": list(self.scores), "dropped": self.dropped,
-                "elapsed_s": elapsed_s, "ahead": [held.to_state() for held in self.ahead]}  # fmt: skip
+                "elapsed_s": elapsed_s, "ahead": [held.to_state() for held in self.ahead],
+                "pending": None if self.pending is None else self.pending.to_state()}  # fmt: skip
 
     @staticmethod
     def from_state(state: dict) -> CycleProgress:
         metrics = CycleMetrics(dict(state["sums"]), dict(state["counts"]), dict(state["extremes"]))
         ahead = [HeldBatch.from_state(held) for held in state.get("ahead", [])]  # none before score-ahead existed
+        pending = None if state.get("pending") is None else Draw.from_state(state["pending"])
         return CycleProgress(int(state["trigger"]), bool(state["ended"]), metrics, list(state["staleness"]),
-                             list(state["scores"]), int(state["dropped"]), float(state["elapsed_s"]), ahead)  # fmt: skip
+                             list(state["scores"]), int(state["dropped"]), float(state["elapsed_s"]), ahead,
+                             pending)  # fmt: skip
 
 
 # ---- where the rollout picks up -------------------------------------------------------------------------

@@ -86,6 +86,10 @@ class InProcessRollout:
         (the same ones: a ticket is seeded by its grant index, and the weights stay those of the cycle start)."""
         return self.fetch(num_groups, trainer_version)
 
+    def discard(self, count: int) -> None:
+        """The trainer took count groups it does not train on (algorithm.filter_groups; ReplayBufferCore.discard)."""
+        self.buffer.discard(count)
+
     def stats(self) -> dict[str, float]:
         return {**self.buffer.stats(), "rollout/worker_restarts": 0.0}
 
@@ -178,6 +182,10 @@ class RayRollout:
             return self.fetch(num_groups, trainer_version)
         self._check_workers()  # fetch notices a dead worker while it waits; this takes without waiting
         return groups_of(self._from_buffer(self.buffer.take_ready.remote(num_groups, trainer_version)))
+
+    def discard(self, count: int) -> None:
+        """The trainer took count groups it does not train on (algorithm.filter_groups; ReplayBufferCore.discard)."""
+        self._from_buffer(self.buffer.discard.remote(count))
 
     def _check_workers(self) -> None:
         """Restart every worker whose run() loop has ended by dying (or raise what ended it), without waiting."""

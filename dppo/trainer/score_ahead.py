@@ -15,15 +15,17 @@ the cycle's groups at trigger 0 (a ticket is seeded by its grant index: the same
 passes a slot read at trigger k would run (the same shard of the mini-batch on each rank, the same micro-batches),
 so the old log-probs are bitwise those of slot 0. The held mini-batches and their old log-probs are part of the
 cycle's progress (dppo.trainer.resume.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
-as taken.
+as taken. With algorithm.filter_groups each mini-batch is drawn as its trigger would draw it (dppo.trainer.
+filter_groups) from the groups that have arrived; a draw that cannot be filled from them stays pending in the
+cycle's progress, and its trigger draws the rest (waiting, and reading slot 0).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dppo.rollout import Group
-from dppo.trainer.resume import HeldBatch
+from dppo.trainer.filter_groups import GroupFilter
+from dppo.trainer.resume import Draw, HeldBatch
 
 
 @dataclass
@@ -31,19 +33,21 @@ class Ahead:
     """What trigger 0's score-ahead took: committed with trigger 0 (BaseTrainer._hold)."""
 
     held: list[HeldBatch]  # the mini-batches of triggers 1 .. len(held), in order
+    draws: list[Draw]  # how each was drawn (the groups taken for it, algorithm.filter_groups)
+    pending: Draw | None  # the next trigger's draw, begun but not all there (filter_groups only), or None
     dropped: int  # groups the takes dropped as too stale (drop strategy)
     fraction: float  # len(held) / the cycle's later mini-batches: snapshot/scored_ahead_frac
     seconds: float  # the takes and the scoring: timing_s/score_ahead
 
 
-def take_ready(rollout, count: int, num_groups: int, version: int) -> tuple[list[list[Group]], int]:
-    """Up to count mini-batches of num_groups groups that the rollout has ready, in the order the triggers after
-    this one would fetch them (stopping at the first that is not all there); and the groups dropped meanwhile."""
-    taken, dropped = [], 0
+def take_ready(rollout, count: int, group_filter: GroupFilter, version: int) -> tuple[list[Draw], Draw | None]:
+    """Up to count mini-batches' draws from the groups the rollout has ready, in the order the triggers after this one
+    would draw them, stopping at the first that is not all there; and that one if it took some groups already (with
+    algorithm.filter_groups a draw takes several times, and the groups of its first takes are taken), else None."""
+    draws = []
     for _ in range(count):
-        got = rollout.fetch_ready(num_groups, version)
-        if got is None:
-            break
-        taken.append(got[0])
-        dropped += got[1]
-    return taken, dropped
+        draw = group_filter.fetch_ready(rollout, version)
+        if not group_filter.done(draw):
+            return draws, draw if draw.taken else None
+        draws.append(draw)
+    return draws, None

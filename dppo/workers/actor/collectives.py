@@ -15,12 +15,13 @@ import torch
 import torch.distributed as dist
 
 SUM, MAX, MIN = "sum", "max", "min"
+SAME_ON_EVERY_RANK = ("actor/grad_norm", "actor/step_skipped", "actor/skipped_updates", "actor/lr")
 
 
 def reduce_rule(key: str, default: str = SUM) -> str:
     """How a metric combines over ranks: timing_s/* and *_max take the largest, *_min the smallest, the grad
-    norm and the step-skipped flag are the same on every rank (largest), the rest `default`."""
-    if key.startswith("timing_s/") or key.endswith("_max") or key in ("actor/grad_norm", "actor/step_skipped"):
+    norm, the lr and the skipped-step flags are the same on every rank (largest), the rest `default`."""
+    if key.startswith("timing_s/") or key.endswith("_max") or key in SAME_ON_EVERY_RANK:
         return MAX
     if key.endswith("_min"):
         return MIN

@@ -27,10 +27,11 @@ from dppo.snapshot import SnapshotPool
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import (free_port, full_state_dict, init_process_group, local_tensor, node_ip, parallelize,
                                      reshard)
+from dppo.workers.actor.lr_schedule import make_lr_scheduler, set_lr_step, step_lr
 from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
 from dppo.workers.actor.prox_method import StepVersions, make_prox_method
 from dppo.workers.actor.publish_delta import delta_publisher
-from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_sharded, save_sharded
+from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
 
@@ -105,6 +106,7 @@ class ActorRank:
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay, fused=True)  # fmt: skip
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, cfg)  # actor.optim's schedule, stepped once per trigger
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
             bound_retention(2 * local_bytes)
@@ -205,6 +207,8 @@ class ActorRank:
         metrics = update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
                                 self.cfg.rollout.temperature, ref_logp, self.peers)  # fmt: skip
         update_s = time.perf_counter() - start
+        metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the lr of this step (applied or not)
+        step_lr(self.lr_scheduler)
         logp = objective.logp()  # (b, R) the training forward's, detached: log pi_theta before the step
         prox_logp = prox if isinstance(prox, torch.Tensor) else objective.prox_logp()  # (b, R) what the loss used
         self.old_log_prob.record_used(batch, prox_logp)
@@ -309,7 +313,7 @@ class ActorRank:
         not raised, so that a full disk leaves the ranks running and the driver decides (a raising rank is torn down)."""
         anchor = self.old_log_prob.anchor_weights() if with_anchor else None
         try:
-            save_sharded(path, self.model, self.optimizer, self.ref_model, anchor)
+            save_sharded(path, self.model, self.optimizer, self.ref_model, anchor, lr_step=self.lr_scheduler.last_epoch)
         except ShardedCheckpointError as err:
             return {"anchor": False, "write_error": str(err)}
         return {"anchor": anchor is not None, "write_error": None}
@@ -323,6 +327,16 @@ class ActorRank:
         self.setup_update()
         if anchor is not None:
             self.old_log_prob.load_anchor(anchor)
+        self._resume_lr_schedule(path)
+
+    def _resume_lr_schedule(self, path: str) -> None:
+        """The lr schedule at the step count the checkpoint at path holds; one written before the schedule was
+        checkpointed holds none: Adam's own step count then (the same unless an update was skipped)."""
+        step = load_lr_step(path)
+        if step is None:
+            counts = [int(state["step"]) for state in self.optimizer.state.values() if "step" in state]
+            step = counts[0] if counts else 0
+        set_lr_step(self.lr_scheduler, step)
 
     # ---- the rest ----------------------------------------------------------------------------------
 

@@ -48,6 +48,7 @@ _METADATA_GLOBALS = {
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
 }
 _METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+LR_STEP_KEY = "lr_step"  # the lr schedule's optimizer steps taken (dppo.workers.actor.lr_schedule)
 
 
 class UnsafeCheckpointError(pickle.UnpicklingError):
@@ -156,10 +157,13 @@ def _like_parameters(model, local: dict[str, torch.Tensor]) -> dict[str, torch.T
 
 
 def save_sharded(path: str | Path, model, optimizer, ref_model=None,
-                 anchor: dict[str, torch.Tensor] | None = None) -> None:  # fmt: skip
+                 anchor: dict[str, torch.Tensor] | None = None, lr_step: int | None = None) -> None:  # fmt: skip
     """Write this rank's shards into the DCP checkpoint directory path (every rank calls it at once); anchor: the
-    rank's part of other weights for model (pi_old's, mid-cycle), saved under "anchor" with the same layout."""
+    rank's part of other weights for model (pi_old's, mid-cycle), saved under "anchor" with the same layout;
+    lr_step: the lr schedule's optimizer steps taken, under LR_STEP_KEY (the same on every rank)."""
     state = _state_dict(model, optimizer, ref_model)
+    if lr_step is not None:
+        state[LR_STEP_KEY] = int(lr_step)
     if anchor is not None:
         device = next(model.parameters()).device
         state["anchor"] = _like_parameters(model, {k: v.to(device) for k, v in anchor.items()})
@@ -183,6 +187,18 @@ def load_sharded(path: str | Path, model, optimizer, ref_model=None, anchor: boo
     if ref_model is not None:
         _set_model(ref_model, state["ref_model"])
     return {name: local_tensor(t).to("cpu") for name, t in state["anchor"].items()} if anchor else None
+
+
+def load_lr_step(path: str | Path) -> int | None:
+    """The lr schedule's step count that save_sharded kept in the DCP checkpoint at path; None if it holds none
+    (written before the schedule was checkpointed). Reads that one value, no process group needed."""
+    reader_cls, planner_cls = _safe_reader_classes()
+    if LR_STEP_KEY not in reader_cls(str(path)).read_metadata().state_dict_metadata:
+        return None
+    state = {LR_STEP_KEY: 0}
+    with _single_process_is_intended(), _dcp_errors("reading the checkpoint", path):
+        dcp.load(state, storage_reader=reader_cls(str(path)), planner=planner_cls(), no_dist=True)
+    return int(state[LR_STEP_KEY])
 
 
 def load_full_weights(path: str | Path, key: str = "model") -> dict[str, torch.Tensor]:

@@ -284,10 +284,27 @@ def update_policy(
     metrics = _merge(parts, sum_scale, peers)
     max_norm = actor_cfg.grad_clip if actor_cfg.grad_clip > 0 else math.inf
     grad_norm = clip_grad_norm_(model.parameters(), max_norm)  # the global norm, over every rank's shards
-    if math.isfinite(grad_norm):
+    guarded = actor_cfg.max_ppo_kl is not None and past_kl_bound(metrics, actor_cfg.max_ppo_kl, peers)
+    if math.isfinite(grad_norm) and not guarded:
         optimizer.step()
-    else:  # a non-finite gradient would poison the weights and Adam's moments; skip this step
+    else:  # a non-finite gradient would poison the weights and Adam's moments; a guarded step is not taken
         optimizer.zero_grad(set_to_none=True)
     metrics["actor/grad_norm"] = grad_norm
     metrics["actor/step_skipped"] = float(not math.isfinite(grad_norm))
+    if actor_cfg.max_ppo_kl is not None:
+        metrics["actor/skipped_updates"] = float(guarded)
     return metrics
+
+
+def past_kl_bound(metrics: dict[str, float], bound: float, peers: RankGroup) -> bool:
+    """actor.max_ppo_kl's guard: whether the mini-batch's actor/ppo_kl exceeds bound (a NaN one counts as past it).
+    metrics holds this rank's share of it (_merge); the shares are summed over the ranks here, so every rank
+    compares the same value and decides alike (a rank without valid tokens has no share: 0).
+
+    Skipping the step, rather than rolling the weights back to pi_old, is the guard's choice: a skipped step leaves
+    the weights and Adam's state exactly as they were, on every rank, at the cost of one sum; a rollback would need
+    pi_old's weights at every trigger (a cycle scored wholly ahead keeps no snapshot of them) and Adam's state of the
+    cycle start (its moments hold the drift's direction and would push the same way again)."""
+    share = torch.tensor([metrics.get("actor/ppo_kl", 0.0)], dtype=torch.float64)
+    ppo_kl = float(peers.all_reduce_sum(share)[0])
+    return not ppo_kl <= bound

@@ -22,6 +22,10 @@ ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer
 ReplayBufferCore.take never waits (None: not all there yet); the actor's take waits and its take_ready does not
 (the trainer's score-ahead takes a cycle's later mini-batches that have already arrived).
 
+discard(count): the trainer took count groups it will not train on (algorithm.filter_groups dropped them). Under
+wait they free their place in the budget as dropped ones do: the budget counts the groups the trainer trains on, B
+per version, and a trainer that takes more than B groups a version would otherwise wait for groups never granted.
+
 The core holds whatever has a version and an index (Group in-process). The Ray actor's process never imports torch:
 that import costs a process about 290 MB and two CPU-seconds at every start. Rollout workers put StoredGroups (numpy
 arrays) and SyncCosts there, and the trainer turns what it takes back into Groups (Group.from_arrays).
@@ -106,6 +110,7 @@ class ReplayBufferCore:
         self.dropped_total = start_dropped
         self._dropped_before = start_dropped
         self._dropped_since_take = 0
+        self.discarded_total = 0  # taken groups the trainer does not train on (discard), since this buffer started
 
     # ---- trainer side ----------------------------------------------------------------------------
 
@@ -155,6 +160,12 @@ class ReplayBufferCore:
             return None
         return sorted(self.groups)[:num_groups]
 
+    def discard(self, count: int) -> None:
+        """The trainer took count groups it does not train on (algorithm.filter_groups): under wait they free budget."""
+        if count < 0:
+            raise ValueError(f"discard of {count} groups: expected a count >= 0")
+        self.discarded_total += count
+
     def close(self) -> None:
         """Stop the workers: every pending and later acquire gets a stop ticket."""
         self.closed = True
@@ -165,7 +176,7 @@ class ReplayBufferCore:
         """Groups a worker may start generating now (0: it must wait)."""
         if self.strategy == "wait":
             budget = (self.version + self.threshold + 1) * self.groups_per_version
-            counted = self.granted + self._order_offset - (self.dropped_total - self._dropped_before)
+            counted = self.granted + self._order_offset - (self.dropped_total - self._dropped_before) - self.discarded_total
             return max(0, budget - counted)
         return max(0, (self.threshold + 1) * self.groups_per_version - len(self.groups) - self.in_flight)
 
@@ -272,6 +283,10 @@ class ReplayBufferActor:
     async def close(self) -> None:
         self.core.close()
         await self._notify()
+
+    async def discard(self, count: int) -> None:
+        self.core.discard(count)
+        await self._notify()  # freed budget: a waiting worker may go on
 
     async def acquire(self, worker_version: int, num_groups: int, holder=None) -> Ticket:
         async with self._condition():

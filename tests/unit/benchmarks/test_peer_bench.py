@@ -138,3 +138,28 @@ def test_the_pss_sampler_takes_at_most_its_duty_of_a_core(bench):
     cost = 0.3  # a dozen processes of several GB
     wait = bench.sampler_wait(cost)
     assert cost / (cost + wait) <= bench.SAMPLER_DUTY and wait == pytest.approx(cost / bench.SAMPLER_DUTY)
+
+
+# ---- issue 32: every run's final greedy figures; a run that ends below 0.99 exact match fails ------------------------
+
+
+def test_a_run_that_ends_below_0_99_exact_match_fails_the_target_line_and_is_named(bench):
+    """Seed 1 peaked and collapsed at its last step (exact match 0.574): fast to 0.9 and still a failure."""
+    verdict = bench.final_exact_verdict([(0, 1.0), (1, 0.574), (2, 0.995)])
+    assert not verdict["pass"] and verdict["failing"] == [(1, 0.574)]
+    assert bench.format_final_verdict(verdict) == ("FAIL final exact match: every dppo run ends at greedy exact match "
+                                                   ">= 0.99; 1 of 3 did not: seed 1 at 0.574")  # fmt: skip
+    passing = bench.final_exact_verdict([(0, 1.0), (1, 0.99)])  # at the limit: PASS
+    assert passing["pass"] and bench.format_final_verdict(passing).startswith("PASS final exact match")
+    missing = bench.final_exact_verdict([(0, 1.0), (3, None)])  # no evaluation (a failed run): FAIL
+    assert not missing["pass"] and "seed 3 at n/a" in bench.format_final_verdict(missing)
+    assert not bench.final_exact_verdict([])["pass"]
+
+
+def test_the_final_table_has_a_row_per_run_with_its_greedy_figures(bench):
+    runs = [bench.Run("trl", 0, evaluation={"eval/reward": 1.0, "eval/accuracy": 1.0}, steps=[(k, 0.95, 3.0 + k) for k in range(1, 6)]),
+            bench.Run("dppo", 1, evaluation={"eval/reward": 0.9041, "eval/accuracy": 0.574}),
+            bench.Run("dppo", 0, evaluation={"eval/reward": 1.0, "eval/accuracy": 1.0})]  # fmt: skip
+    rows = bench.final_table(runs).splitlines()[2:]
+    assert rows == ["| dppo | 0 | 1.000 | 1.000 | n/a |", "| dppo | 1 | 0.574 | 0.904 | n/a |",
+                    "| trl | 0 | 1.000 | 1.000 | 8.0 |"]  # fmt: skip

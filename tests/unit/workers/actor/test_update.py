@@ -133,3 +133,62 @@ def test_non_finite_gradient_skips_the_step(setup):
     for n, p in model.named_parameters():
         assert torch.equal(p, before[n]), n
     assert not optimizer.state  # Adam moments were never touched
+
+
+# ---- actor.max_ppo_kl: the guard -----------------------------------------------------------------------------------
+
+
+def adam_state(optimizer) -> dict:
+    return {i: {k: v.clone() for k, v in s.items()} for i, s in optimizer.state_dict()["state"].items()}
+
+
+def test_a_mini_batch_past_the_kl_bound_takes_no_step_and_leaves_adam_as_it_was(setup):
+    """prox shifted 1 above the setup's: the mini-batch's ppo_kl (mean of prox - logp) is well above 0.01 and below
+    10. Above the bound nothing moves, Adam's moments and step count included (after one real step, so there is
+    state to keep); below it the step is taken."""
+    model, batch, prox, adv, _ = setup
+    prox = prox + 1.0
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.01)
+    rc = RolloutCorrectionConfig(rollout_is="token")
+    loose, tight = ActorConfig(micro_batch_size=4, max_ppo_kl=10.0), ActorConfig(micro_batch_size=4, max_ppo_kl=0.01)
+    stepped = update_policy(model, optimizer, batch, decoupled_objective(loose, rc)(batch, prox, adv), loose, 1.0)
+    assert stepped["actor/skipped_updates"] == 0.0 and 0.01 < stepped["actor/ppo_kl"] < 10.0
+    before, state = {n: p.detach().clone() for n, p in model.named_parameters()}, adam_state(optimizer)
+    assert all(int(s["step"]) == 1 for s in state.values())
+    skipped = update_policy(model, optimizer, batch, decoupled_objective(tight, rc)(batch, prox, adv), tight, 1.0)
+    assert skipped["actor/skipped_updates"] == 1.0 and skipped["actor/ppo_kl"] > 0.01
+    assert skipped["actor/step_skipped"] == 0.0  # the gradient was fine: the guard, not the non-finite check
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert p.grad is None, n  # zeroed: nothing left for a later step to apply
+    after = adam_state(optimizer)
+    assert after.keys() == state.keys()
+    for i, tensors in state.items():
+        for key, value in tensors.items():
+            assert torch.equal(after[i][key], value), (i, key)
+    assert "actor/skipped_updates" not in update_policy(model, optimizer, batch,  # the guard off: no such metric
+                                                        decoupled_objective(ActorConfig(micro_batch_size=4), rc)(batch, prox, adv),
+                                                        ActorConfig(micro_batch_size=4), 1.0)  # fmt: skip
+
+
+class TwoRanks:
+    """A RankGroup stand-in for rank 0 of two: the other rank's value is added in every sum."""
+
+    world_size = 2
+
+    def __init__(self, other: float) -> None:
+        self.other = other
+
+    def all_reduce_sum(self, tensor):
+        return tensor + self.other
+
+
+def test_the_guard_compares_the_kl_summed_over_the_ranks_shares():
+    from dppo.workers.actor.update import past_kl_bound
+
+    # this rank's share 0.3 alone is within 0.5; with the other rank's 0.4 the mini-batch's ppo_kl is 0.7
+    assert past_kl_bound({"actor/ppo_kl": 0.3}, 0.5, TwoRanks(0.4))
+    assert not past_kl_bound({"actor/ppo_kl": 0.3}, 0.5, TwoRanks(0.1))
+    assert past_kl_bound({}, 0.5, TwoRanks(0.6))  # a rank without valid tokens has no share, and decides alike
+    assert past_kl_bound({"actor/ppo_kl": float("nan")}, 0.5, TwoRanks(0.0))  # NaN: something broke; no step
+    assert not past_kl_bound({"actor/ppo_kl": 0.5}, 0.5, TwoRanks(0.0))  # at the bound: within it
