@@ -165,8 +165,11 @@ def full_optimizer_state(rank) -> dict:
 
 def reconfigure(trainer: PPOTrainer, **extra) -> None:
     """Other algorithm settings for the driver and every rank, over the same weights and optimizer."""
+    from dppo.trainer.filter_groups import GroupFilter
+
     cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor_group.world_size, **extra)
     trainer.cfg = cfg
+    trainer.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # a trigger's draw size
     trainer.actor_group.reconfigure(cfg)
 
 
