@@ -173,12 +173,13 @@ class Sampler:
         self.peak_shmem_bytes = max(self.peak_shmem_bytes, shmem - self.shmem_start_bytes)
 
 
-def run_and_sample(cmd: list[str], env: dict, log_path: Path, cwd: Path) -> tuple[Sampler, int, float]:
+def run_and_sample(cmd: list[str], env: dict, log_path: Path, cwd: Path,
+                   sampler_cls: type[Sampler] = Sampler) -> tuple[Sampler, int, float]:  # fmt: skip
     shmem_start = read_kib("/proc/meminfo", ("Shmem",)).get("Shmem", 0) * 1024
     start = time.perf_counter()
     with open(log_path, "w") as log:
         proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)  # cwd: `-m` puts it first on sys.path
-    sampler = Sampler(proc.pid, shmem_start_bytes=shmem_start)
+    sampler = sampler_cls(proc.pid, shmem_start_bytes=shmem_start)
     done = threading.Event()
 
     def loop():

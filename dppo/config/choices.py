@@ -10,6 +10,7 @@ OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")
 DTYPES = ("float32", "bfloat16", "float16")
 FSDP_MODES = ("auto", "always")
+MIXED_PRECISIONS = ("bfloat16",)  # actor.mixed_precision (dppo.workers.actor.precision)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logger (dppo.trainer.trackers)
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
 ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)

@@ -34,6 +34,10 @@ def validate_combinations(cfg) -> None:
             check_reader_for_sharding(cfg.snapshot.strategy)
         except InexactUnderShardingError as err:
             raise ConfigError(f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})") from None
+    if cfg.actor.mixed_precision is not None and cfg.model.dtype != "float32":
+        raise ConfigError(f"actor.mixed_precision={cfg.actor.mixed_precision} computes in it over fp32 master weights, "
+                          f"but model.dtype={cfg.model.dtype}: use model.dtype=float32, or actor.mixed_precision=null "
+                          "to train in model.dtype throughout")  # fmt: skip
     if t.verify_old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
         raise ConfigError(
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "

@@ -37,6 +37,7 @@ from dppo.config.choices import (
     DEVICES,
     DTYPES,
     FSDP_MODES,
+    MIXED_PRECISIONS,
     LOGGERS,
     LR_SCHEDULER_TYPES,
     OFF_POLICY_STRATEGIES,
@@ -318,6 +319,14 @@ class ActorConfig:
     """Sharding of the actor: auto (FSDP2 when the world size is above 1, the plain module at world size 1) or
     always (FSDP2 at every world size, one rank included)."""
 
+    mixed_precision: Optional[str] = None
+    """null: the actor computes in model.dtype. bfloat16: bf16 compute over fp32 master weights (verl's and TRL's
+    default): weights, gradients and AdamW's moments stay fp32; the plain module runs its forward passes under
+    torch.autocast, FSDP2 gathers bf16 weights and reduces gradients in fp32. Every pass that gives the loss its log-probs
+    (the training forward, the old-log-prob passes, score-ahead, the KL reference) computes the same way, so the old
+    log-probs stay exact. Needs model.dtype=float32. The rollout keeps rollout.dtype (default model.dtype): its
+    behavior log-probs then differ from the trainer's by the precision gap, which the rollout correction weighs."""
+
     checkpoint: ActorCheckpointSection = field(default_factory=ActorCheckpointSection)
 
     policy_loss: PolicyLossSection = field(default_factory=PolicyLossSection)
@@ -368,6 +377,8 @@ class ActorConfig:
         nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
         one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
         one_of("actor.fsdp", self.fsdp, FSDP_MODES)
+        if self.mixed_precision is not None:
+            one_of("actor.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
         if self.loss_scale_factor is not None:
             positive("actor.loss_scale_factor", self.loss_scale_factor)
         positive("actor.tau_pos", self.tau_pos)

@@ -6,17 +6,21 @@ Every process of a CPU run and what it holds at its peak (W: the model's bytes i
                        snapshot slot (W/ws; the cycle_start strategies only), the KL reference (W/ws, with
                        actor.kl_loss_coef > 0 or algorithm.use_kl_in_reward); under FSDP2 (ws > 1) the largest unit
                        gathered whole (the embeddings and a layer) and, on rank 0, the full weights gathered to publish them (W); one micro-batch's
-                       activations (logits over the vocab and the layers' saved outputs); the process itself
-    rollout worker     its copy of the weights (in rollout.dtype), loaded in place, and its batch's KV cache and
-                       logits; the process itself
+                       activations (its logits over the vocab, R + 1 positions, and the layers' saved outputs, in the
+                       compute dtype: bf16 under actor.mixed_precision, with autocast's bf16 casts of the weights); the
+                       process itself
+    rollout worker     its copy of the weights (in rollout.dtype), loaded in place, and the larger of its batch's KV
+                       cache (while it generates; a batch is the largest ticket the replay buffer grants) and its
+                       scoring pass's logits (after); the process itself (forked from the driver without Ray)
     replay buffer      the process itself (the groups are small)
     driver             the process itself (the policy it evaluates and saves at the end is built once the ranks and
                        the workers have gone; in-process, W beside the rank's)
     object store       the published weights: one version, two while a new one is put before the old is let go
     ray runtime        GCS, raylet, dashboard and Ray's other helpers
 
-Calibrated on benchmarks/memory_bench.py's measurements of this machine (summed PSS of every process; see
-benchmarks/RESULTS.md); tests/unit/trainer/test_memory_estimate.py checks the per-role accounting against what a
+Calibrated on benchmarks/memory_bench.py's measurements of this machine (summed PSS of every process) and, by process,
+on benchmarks/real_run_bench.py's of issue 35's run (SmolLM2-135M: within 12% for the driver and 3% for the rollout
+worker, fp32 and bf16; see benchmarks/RESULTS.md); tests/unit/trainer/test_memory_estimate.py checks the per-role accounting against what a
 process really holds on a small model.
 """
 
@@ -25,6 +29,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from dppo.algo.logprob import DEFAULT_CHUNK_BYTES
 from dppo.config import DppoConfig
 from dppo.config.choices import select_strategy_name
 from dppo.workers.rollout.engines import vllm_rows
@@ -37,11 +42,18 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 # counted by PSS, so shared among the processes), Ray's core worker. Measured by memory_bench on this machine.
 PROCESS_BYTES = 400 * 2**20
 RAY_RUNTIME_BYTES = 384 * 2**20
+# A local rollout worker (a run without Ray) is forked from the driver: the pages of torch and transformers it
+# imported stay shared, and its PSS counts half of those it touches. Measured by benchmarks/real_run_bench.py.
+LOCAL_WORKER_PROCESS_BYTES = 192 * 2**20
 BUFFER_PROCESS_BYTES = 128 * 2**20  # the replay buffer's process, which imports no torch  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
 # vLLM imported and started in a rollout worker, beyond what an hf worker holds: a forked local worker of the tiny
 # demo model held 531 MB PSS with vllm (32 MiB of it KV cache) against 171 MB with hf (2026-12-02).
 VLLM_IMPORT_BYTES = 330 * 2**20
-LOGIT_COPIES = 4  # a micro-batch's logits (B, R+1, V) as the loss holds them: fp32 logits, log-softmax, their grads
+# A training micro-batch's logits (b, R+1, V) in the compute dtype, as its backward holds them: the LM head's output
+# (saved by the log-prob's autograd function), the log-probs' gradient of its (b, R, V) view, and that gradient laid
+# into the whole (b, R+1, V) for the LM head's backward. The log-softmax itself is never held: dppo.algo.logprob walks
+# the rows in chunks of at most DEFAULT_CHUNK_BYTES of fp32 work.
+LOGIT_COPIES = 3
 
 
 @dataclass(frozen=True)
@@ -120,19 +132,53 @@ def actor_rank(cfg: DppoConfig, shape: Shape, on_gpu: bool) -> dict[str, int]:
     if cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward:  # the KL loss's or the reward's reference
         parts["kl reference"] = w // ws
     b = DTYPE_BYTES[cfg.model.dtype]
+    sharded = _sharded(cfg, ws)
     if ws > 1:
         layer = (shape.params - shape.embedding_params) // max(1, shape.layers)
-        parts["fsdp gather"] = (shape.embedding_params + layer) * b
+        parts["fsdp gather"] = (shape.embedding_params + layer) * compute_bytes(cfg)  # gathered in the compute dtype
         parts["publish gather"] = w
     rows = cfg.groups_per_trigger * cfg.rollout.n // ws  # the rank's share of a trigger's sequences
     micro = max(1, min(cfg.actor.micro_batch_size, rows))
     length = shape.prompt_length + shape.response_length
-    logits = micro * (shape.response_length + 1) * shape.vocab_size * 4 * LOGIT_COPIES
-    saved = micro * length * shape.layers * (10 * shape.hidden + 4 * shape.intermediate) * b
+    c = compute_bytes(cfg)
+    logits = micro * (shape.response_length + 1) * shape.vocab_size * c * LOGIT_COPIES
+    logits += log_prob_work(micro * shape.response_length, shape.vocab_size)
+    saved = micro * length * shape.layers * saved_bytes_per_token_layer(cfg, shape, ws)
     # the backward of a tied embedding: the lm_head's gradient and the input embedding's, summed into one
     tied = 2 * shape.embedding_params * b if shape.embedding_params and _tied(shape) else 0
     parts["activations"] = logits + saved + tied
+    if cfg.actor.mixed_precision is not None and not sharded:
+        parts["bf16 weight copies"] = shape.params * c  # autocast's casts of the weights, saved for the backward
     return parts
+
+
+def compute_bytes(cfg: DppoConfig) -> int:
+    """Bytes of an element the actor's matmuls give: its mixed precision's (bf16), else model.dtype's."""
+    return 2 if cfg.actor.mixed_precision is not None else DTYPE_BYTES[cfg.model.dtype]
+
+
+def saved_bytes_per_token_layer(cfg: DppoConfig, shape: Shape, ws: int) -> int:
+    """What a decoder layer saves for the backward per token (H: hidden, I: the MLP's width): about 10 H-wide tensors
+    (the norms' inputs and outputs, q, k, v after the rotary embedding, the attention's output, the residual) and 4
+    I-wide ones (the MLP's gate, up, activation and product), each in the compute dtype; under autocast the H-wide
+    ones of the residual stream and the norms (4 of them) stay fp32. Checked against torch's saved tensors of a Llama
+    layer (2026-12-03): within 7% at H=576, I=1536 (SmolLM2-135M), H=576, I=4608 and H=288, I=1152, fp32, autocast and
+    bf16 weights alike."""
+    h, i = shape.hidden, shape.intermediate
+    if cfg.actor.mixed_precision is not None and not _sharded(cfg, ws):  # autocast over fp32 weights
+        return 4 * h * 4 + (6 * h + 4 * i) * compute_bytes(cfg)
+    return (10 * h + 4 * i) * compute_bytes(cfg)
+
+
+def _sharded(cfg: DppoConfig, ws: int) -> bool:
+    return ws > 1 or cfg.actor.fsdp == "always"
+
+
+def log_prob_work(rows: int, vocab: int) -> int:
+    """The fp32 working set of log-probs over rows positions of a vocab-wide softmax (dppo.algo.logprob): two (n, V)
+    fp32 tensors of one chunk at most (the upcast logits or the exponentials, and the softmax of the backward), with
+    n <= DEFAULT_CHUNK_BYTES / (12 V) rows a chunk."""
+    return 2 * 4 * vocab * min(rows, max(1, DEFAULT_CHUNK_BYTES // (12 * vocab)))
 
 
 def _tied(shape: Shape) -> bool:
@@ -145,7 +191,6 @@ def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
     KV cache is the one the engine sizes (every row of a ticket), and with delta sync it keeps one more copy of the
     weights in its dtype (the last publish, to compare with)."""
     b = DTYPE_BYTES[cfg.rollout.dtype or cfg.model.dtype]
-    seqs = cfg.rollout.groups_per_batch * cfg.rollout.n
     length = shape.prompt_length + shape.response_length
     if cfg.rollout.name == "vllm":
         rows = vllm_rows(cfg)
@@ -155,10 +200,28 @@ def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
         if cfg.rollout.weight_sync == "delta":
             parts["delta copy"] = shape.params * b
         return parts
-    kv = 2 * shape.layers * length * shape.kv_width * b * seqs
-    micro = max(1, min(cfg.actor.micro_batch_size, seqs))  # the behavior log-probs' scoring pass, every position
-    logits = max(seqs * shape.vocab_size * 4 * 2, micro * length * shape.vocab_size * 4 * LOGIT_COPIES)
-    return {"process": PROCESS_BYTES, "weights": shape.params * b, "kv cache and logits": kv + logits}
+    rows = generation_rows(cfg)
+    p, r, v = shape.prompt_length, shape.response_length, shape.vocab_size
+    # generating: the KV cache of every row at full length, with the larger of the prefill's transients (one layer's
+    # MLP over the prompts: gate, up and their product) and a decode step's fp32 logits and probabilities
+    kv = 2 * shape.layers * length * shape.kv_width * b * rows
+    generating = kv + max(rows * p * 3 * shape.intermediate * b, rows * v * 4 * 2)
+    # then scoring the behavior log-probs (the cache is gone): a micro-batch's logits, whose LM head runs on the R + 1
+    # last positions only, in the engine's dtype, their log-prob work, and one layer's MLP transients
+    micro = max(1, min(cfg.actor.micro_batch_size, rows))
+    scoring = micro * (r + 1) * v * b + log_prob_work(micro * r, v) + micro * length * 3 * shape.intermediate * b
+    process = PROCESS_BYTES if cfg.use_ray else LOCAL_WORKER_PROCESS_BYTES
+    return {"process": process, "weights": shape.params * b, "kv cache and logits": max(generating, scoring)}
+
+
+def generation_rows(cfg: DppoConfig) -> int:
+    """Sequences one generate call of an hf rollout worker holds: a ticket's groups x rollout.n. separate_async: at most
+    rollout.groups_per_batch groups, and at most what the replay buffer grants ahead of the trainer
+    ((replay.max_off_policy_threshold + 1) x trainer.train_batch_size groups); sync: a trigger's groups."""
+    if cfg.trainer.mode == "sync":
+        return cfg.groups_per_trigger * cfg.rollout.n
+    ahead = (cfg.replay.max_off_policy_threshold + 1) * cfg.trainer.train_batch_size
+    return min(cfg.rollout.groups_per_batch, ahead) * cfg.rollout.n
 
 
 def estimate(cfg: DppoConfig, shape: Shape, on_gpu: bool = False) -> MemoryEstimate:

@@ -1,8 +1,9 @@
 """torch.distributed for the actor's ranks: the process group, FSDP2 sharding, and the few collectives of an update.
 
 `parallelize` is the one place that decides how the policy is sharded (torchtitan's layout): fully_shard on
-every decoder layer, then on the root (embeddings, final norm, lm_head); parameters stay in the model's
-dtype and gradients are reduced in fp32; each layer frees its gathered weights after its forward pass
+every decoder layer, then on the root (embeddings, final norm, lm_head); parameters are gathered in the
+model's dtype, or in bf16 under actor.mixed_precision=bfloat16 (their shards stay fp32), and gradients are reduced
+in fp32; each layer frees its gathered weights after its forward pass
 (reshard_after_forward=True, ZeRO-3); gradients are SUMMED across ranks (divide factor 1), because every
 rank's loss already is its share of the whole mini-batch's loss (dppo.workers.actor.update).
 
@@ -70,10 +71,12 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return best
 
 
-def parallelize(model: torch.nn.Module, device_type: str, world_size: int) -> torch.nn.Module:
-    """Shard model over a 1-D mesh of world_size ranks with FSDP2, in place; returns it."""
+def parallelize(model: torch.nn.Module, device_type: str, world_size: int,
+                param_dtype: torch.dtype | None = None) -> torch.nn.Module:  # fmt: skip
+    """Shard model over a 1-D mesh of world_size ranks with FSDP2, in place; returns it. param_dtype: the dtype the
+    shards are gathered and computed in (actor.mixed_precision, dppo.workers.actor.precision); None: their own."""
     mesh = init_device_mesh(device_type, (world_size,))
-    mp_policy = MixedPrecisionPolicy(param_dtype=None, reduce_dtype=torch.float32)
+    mp_policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
     for layer in decoder_layers(model):
         fully_shard(layer, mesh=mesh, mp_policy=mp_policy, reshard_after_forward=True)
     # The root keeps its gathered weights from the forward pass to the backward pass (FSDP2's default).

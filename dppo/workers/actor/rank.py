@@ -9,6 +9,9 @@ and the metrics of a step (dppo.workers.actor.collectives).
 
 Sharding: world size 1 runs the plain module (actor.fsdp=auto) or FSDP2 over one rank (actor.fsdp=always);
 any larger world size runs FSDP2 (dppo.workers.actor.fsdp.parallelize).
+
+Precision (actor.mixed_precision): one dppo.workers.actor.precision.Precision, set in init_model, under which the
+update's forward and every pass of score run, so that the old log-probs are those of the training forward's compute.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from dppo.workers.actor.fsdp import (free_port, full_state_dict, init_process_gr
                                      reshard)
 from dppo.workers.actor.lr_schedule import make_lr_scheduler, set_lr_step, step_lr
 from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
+from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.prox_method import StepVersions, make_prox_method
 from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
@@ -90,6 +94,7 @@ class ActorRank:
         torch.set_num_threads(cfg.trainer.num_threads)
         self.device = rank_device(cfg.trainer.device)
         self.peers.device = self.device
+        self.precision = Precision.of(cfg.actor.mixed_precision, self.sharded, self.device.type)
         if self.sharded:
             init_process_group(self.rank, self.world_size, master_addr, master_port, self.device.type,
                                cfg.trainer.collective_timeout_s)  # fmt: skip
@@ -99,9 +104,9 @@ class ActorRank:
         needs_ref = cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward  # the KL loss's or the reward's
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if needs_ref else None
         if self.sharded:
-            parallelize(self.model, self.device.type, self.world_size)
+            parallelize(self.model, self.device.type, self.world_size, self.precision.fsdp_param_dtype)
             if self.ref_model is not None:
-                parallelize(self.ref_model, self.device.type, self.world_size)
+                parallelize(self.ref_model, self.device.type, self.world_size, self.precision.fsdp_param_dtype)
         # fused: one kernel over all parameters (DTensors included); on the CPU 5x faster than the per-tensor
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
@@ -128,7 +133,11 @@ class ActorRank:
     @register(ALL)
     def reconfigure(self, cfg) -> None:
         """Run on with cfg's algorithm and snapshot settings over the same weights and optimizer (benchmarks and
-        tests compare settings on one model): the old-log-prob strategy is released and built anew."""
+        tests compare settings on one model): the old-log-prob strategy is released and built anew. The precision
+        stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
+        if cfg.actor.mixed_precision != self.cfg.actor.mixed_precision:
+            raise ValueError(f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
+                             f"{self.cfg.actor.mixed_precision} (set once, at init_model)")  # fmt: skip
         self.old_log_prob.close()
         self.cfg = cfg
         self.setup_update()
@@ -142,16 +151,18 @@ class ActorRank:
 
     @torch.no_grad()
     def score(self, module: torch.nn.Module, batch: TrainBatch, params=None) -> torch.Tensor:
-        """log pi (B, R) of module (or of module's graph on params) for the batch's responses; a sharded
-        module is resharded afterwards, so the next pass gathers what its shards hold then."""
-        logp = response_log_probs(module, batch.input_ids, batch.response_length, self.cfg.rollout.temperature,
-                                  self.cfg.actor.micro_batch_size, params, batch.attention_mask)  # fmt: skip
+        """log pi (B, R) of module (or of module's graph on params) for the batch's responses, computed in the
+        rank's precision; a sharded module is resharded afterwards, so the next pass gathers what its shards hold then."""
+        with self.precision.forward():
+            logp = response_log_probs(module, batch.input_ids, batch.response_length, self.cfg.rollout.temperature,
+                                      self.cfg.actor.micro_batch_size, params, batch.attention_mask)  # fmt: skip
         if self.sharded:
             reshard(module)
         return logp
 
     def plain_copy(self, model: torch.nn.Module) -> torch.nn.Module:
-        """An unsharded copy of model's current weights on this rank's device (collective when sharded)."""
+        """An unsharded copy of model's current weights on this rank's device (collective when sharded), which
+        computes under score's precision as model does."""
         if not self.sharded:
             return copy.deepcopy(model)
         return self.plain_model(full_state_dict(model, cpu_offload=False))  # every rank gets the whole model
@@ -160,7 +171,7 @@ class ActorRank:
         """An unsharded policy on this rank's device holding the whole weights state."""
         plain = model_from_config(self.model.config, self.cfg.model.dtype).to(self.device)
         plain.load_state_dict(state)
-        return plain
+        return self.precision.plain_copy(plain)
 
     # ---- the step ----------------------------------------------------------------------------------
 
@@ -205,7 +216,7 @@ class ActorRank:
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
         metrics = update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
-                                self.cfg.rollout.temperature, ref_logp, self.peers)  # fmt: skip
+                                self.cfg.rollout.temperature, ref_logp, self.peers, self.precision)  # fmt: skip
         update_s = time.perf_counter() - start
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the lr of this step (applied or not)
         step_lr(self.lr_scheduler)

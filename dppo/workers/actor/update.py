@@ -12,6 +12,7 @@ gradients (so dp_size stays 1), and the gradient norm is clipped on the global n
 
 from __future__ import annotations
 
+import contextlib
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,7 @@ from dppo.rollout import TrainBatch
 from dppo.workers.actor.collectives import RankGroup
 from dppo.workers.actor.fsdp import clip_grad_norm_
 from dppo.workers.actor.loss_choice import LossChoice
+from dppo.workers.actor.precision import Precision
 
 # pg_loss(logp (b, R), sl, normalizers) -> (loss, loss mask (b, R) bool, metrics) for the micro-batch batch[sl]
 PgLoss = Callable[[torch.Tensor, slice, LossNormalizers], "tuple[torch.Tensor, torch.Tensor, dict[str, float]]"]
@@ -236,6 +238,7 @@ def update_policy(
     temperature: float,
     ref_logp: torch.Tensor | None = None,
     peers: RankGroup | None = None,
+    precision: Precision | None = None,
 ) -> dict[str, float]:
     """Accumulate gradients over micro-batches of the mini-batch, clip, and take one optimizer step.
 
@@ -243,8 +246,11 @@ def update_policy(
     (dppo.algo.loss_normalizers): known before the forward passes, they are passed to every micro-batch;
     found per micro-batch (objective.loss_mask is None), the micro-batches' sums are divided by them at the end.
     peers: the actor's ranks when batch is this rank's part of the mini-batch (None: it is all of it).
+    precision: the rank's (actor.mixed_precision), under which each forward pass runs; None: the weights' dtype.
+    The loss terms are computed outside it, in fp32, from the logits it gives.
     """
     peers = peers or RankGroup()
+    forward = precision.forward if precision is not None else contextlib.nullcontext
     response_length = batch.response_length
     prompt_length = batch.input_ids.shape[1] - response_length
     mode = actor_cfg.loss_agg_mode
@@ -258,7 +264,8 @@ def update_policy(
     for start in range(0, batch.num_sequences, actor_cfg.micro_batch_size):
         sl = slice(start, start + actor_cfg.micro_batch_size)
         attention_mask = None if batch.attention_mask is None else batch.attention_mask[sl]
-        logits = forward_response_logits(model, batch.input_ids[sl], response_length, None, attention_mask)  # (b, R, V)
+        with forward():
+            logits = forward_response_logits(model, batch.input_ids[sl], response_length, None, attention_mask)  # (b, R, V)
         logp = log_probs_from_logits(logits, batch.input_ids[sl, prompt_length:], temperature)  # (b, R)
         objective.logp_parts.append(logp.detach())
         loss, loss_mask, m = objective.pg_loss(logp, sl, normalizers)

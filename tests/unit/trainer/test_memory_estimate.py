@@ -125,3 +125,60 @@ def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, 
     assert worker["kv cache and logits"] == kv + rows * shape.vocab_size * 4 * 2
     assert worker["process"] == PROCESS_BYTES + VLLM_IMPORT_BYTES and worker["weights"] == hf_worker["weights"]
     assert ("delta copy" in worker) == (sync == "delta")
+
+
+@pytest.mark.parametrize("threshold, strategy, batch, per_ticket", [
+    (1, "wait", 8, 32),  # issue 35's run: the buffer grants 16 groups ahead, fewer than rollout.groups_per_batch
+    (0, "drop", 8, 32),  # 8 ahead
+    (3, "wait", 16, 32),  # 64 ahead: rollout.groups_per_batch bounds the ticket
+])  # fmt: skip
+def test_an_hf_workers_batch_is_the_largest_ticket_the_replay_buffer_grants(small_cfg, threshold, strategy, batch,
+                                                                             per_ticket):  # fmt: skip
+    """The rows the estimate gives one generate call are those of the largest ticket a worker can get: asked for
+    rollout.groups_per_batch groups, the replay buffer grants at most what it lets the rollout run ahead."""
+    from dppo.trainer.memory_estimate import generation_rows
+    from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+
+    cfg = small_cfg(**{"trainer.mode": "separate_async", "replay.max_off_policy_threshold": threshold,
+                       "replay.max_off_policy_strategy": strategy, "trainer.train_batch_size": batch,
+                       "rollout.groups_per_batch": per_ticket, "rollout.n": 8})  # fmt: skip
+    buffer = ReplayBufferCore(threshold, strategy, batch)
+    buffer.publish("weights", 0)
+    first = buffer.acquire(-1, per_ticket)  # the first ticket is the largest: nothing is generated yet
+    assert generation_rows(cfg) == first.num_groups * 8 == min(per_ticket, (threshold + 1) * batch) * 8
+    sync = small_cfg(**{"trainer.mode": "sync", "rollout.n": 8})
+    assert generation_rows(sync) == sync.groups_per_trigger * 8  # in process: a trigger's groups at a time
+
+
+def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_cfg):
+    """The KV cache is gone once the responses are sampled, before their behavior log-probs are scored; the scoring
+    pass's logits cover the R + 1 last positions only (the LM head runs on those). Issue 35's run: SmolLM2-135M's shape
+    (30 layers, vocab 49152), prompts of 46 tokens, 12-token responses, 8 groups of 8 a step, 2 steps a cycle."""
+    from dppo.trainer.memory_estimate import Shape, generation_rows, rollout_worker
+
+    cfg = small_cfg(**{"trainer.mode": "separate_async", "trainer.train_batch_size": 8, "rollout.n": 8,
+                       "rollout.groups_per_batch": 32, "actor.micro_batch_size": 256})  # fmt: skip
+    shape = Shape(params=134515008, vocab_size=49152, prompt_length=46, response_length=12, layers=30, hidden=576,
+                  kv_width=192, intermediate=1536, embedding_params=28311552)  # fmt: skip
+    batch = rollout_worker(cfg, shape)["kv cache and logits"]
+    rows, length, v = generation_rows(cfg), 46 + 12, 49152
+    assert rows == 16 * 8  # the replay buffer grants 2 steps' groups ahead at most
+    kv = 2 * 30 * length * 192 * 4 * rows
+    logits = rows * (12 + 1) * v * 4  # the scoring pass's micro-batch is all the rows
+    assert max(kv, logits) <= batch < kv + logits, (batch, kv, logits)
+    # every position's logits (the estimate before 2026-12-03, 11.5 GiB with 4 copies) would be 4.5 times as many
+    assert batch < rows * length * v * 4
+
+def test_bf16_compute_is_counted_in_the_actor_ranks_activations(small_cfg):
+    """actor.mixed_precision=bfloat16: the weights, gradients and AdamW's moments stay fp32, the logits and the
+    matmuls' saved activations are bf16, and autocast's bf16 casts of the weights are held for the backward."""
+    from dppo.trainer.memory_estimate import actor_rank
+
+    fp32 = small_cfg(**{"ray.enabled": True, "trainer.device": "cpu"})
+    bf16 = small_cfg(**{"ray.enabled": True, "trainer.device": "cpu", "actor.mixed_precision": "bfloat16"})
+    shape = preflight.run_shape(fp32, make_prompt_source(fp32)).for_estimate()
+    a, b = actor_rank(fp32, shape, on_gpu=False), actor_rank(bf16, shape, on_gpu=False)
+    for key in ("weights", "grads", "optimizer", "snapshot slot"):
+        assert a[key] == b[key] == {"optimizer": 2}.get(key, 1) * shape.params * 4, key
+    assert b["bf16 weight copies"] == shape.params * 2 and "bf16 weight copies" not in a
+    assert b["activations"] < a["activations"]

@@ -60,13 +60,16 @@ def weights(trainer) -> dict[str, torch.Tensor]:
     return {k: v.clone() for k, v in trainer.actor_group.local_rank.model.state_dict().items()}
 
 
+@pytest.mark.parametrize("precision", [None, "bfloat16"])  # actor.mixed_precision: bf16 compute over fp32 weights
 def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_same_old_log_probs_and_weights(
-    small_cfg, monkeypatch
+    small_cfg, monkeypatch, precision
 ):
     out = small_cfg().trainer.output_dir
+    mp = {"actor.mixed_precision": precision}
     on, on_taken, on_prox = recording_run(ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True,
-                                                                         "trainer.output_dir": f"{out}-on"}), monkeypatch)  # fmt: skip
-    off, off_taken, off_prox = recording_run(ahead_cfg(small_cfg, False), monkeypatch)
+                                                                         "trainer.output_dir": f"{out}-on", **mp}),
+                                          monkeypatch)  # fmt: skip
+    off, off_taken, off_prox = recording_run(ahead_cfg(small_cfg, False, **mp), monkeypatch)
     assert off_taken == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]  # grant order, one trigger after another
     assert on_taken == off_taken
     assert len(on_prox) == len(off_prox) == 2 * PS
