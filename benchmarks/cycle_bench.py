@@ -83,7 +83,7 @@ from pathlib import Path
 import torch
 
 from dppo.hostmem import keep_freed_host_memory
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.worker_group import LocalWorkerGroup

@@ -52,11 +52,12 @@ def patch(owner, attr: str, name: str) -> None:
 
 
 def install() -> None:
-    """Wrap the driver's phases (module attributes that dppo.train and the trainer look up at call time)."""
+    """Wrap the driver's phases (module attributes that dppo.launch.run and the trainer look up at call time)."""
     import ray
 
-    import dppo.train as train
-    from dppo.trainer import base, rollout_source
+    import dppo.launch.run as train
+    from dppo.trainer import base
+    from dppo.trainer.rollout import sources as rollout_source
     from dppo.trainer.ppo import PPOTrainer
 
     for attr in ("check_output_dir", "make_prompt_source", "run_shape", "check_sequence_length",
@@ -120,7 +121,7 @@ def main(argv: list[str]) -> int:
         out_path, argv = argv[1], argv[2:]
     t0 = process_start_time()
     from dppo import cli  # noqa: F401  (the imports `dppo train` makes before it runs)
-    import dppo.train  # noqa: F401
+    import dppo.launch.run  # noqa: F401
 
     install()
     imported = time.time()

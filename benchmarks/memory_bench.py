@@ -15,7 +15,7 @@ Ray's object store in use). Per role: peak RSS and peak PSS; and the peak over t
 whole tree (shared pages, the object store's included, counted once): the figure that must fit the machine.
 
 Beside them, what the model's shape says each role must hold, counted exactly from its parameters
-(dppo.trainer.preflight.memory_estimate, the estimate `dppo train` prints), and the principled figure of
+(dppo.launch.preflight.memory_estimate, the estimate `dppo train` prints), and the principled figure of
 issue 23: weights + gradients + AdamW's two moments (4+4+8 = 16 B/param in fp32), + one snapshot slot + the
 rollout's copy. Bytes per parameter of each. A printed table and a JSON file.
 """
@@ -254,9 +254,9 @@ def print_table(result: dict) -> None:
 
 
 def estimate_for(repo: Path, args_list: list[str], env: dict) -> dict | None:
-    """The preflight's per-role estimate of the run (the tree's dppo.trainer.preflight.memory_estimate), if it has one."""
+    """The preflight's per-role estimate of the run (the tree's dppo.launch.preflight.memory_estimate), if it has one."""
     code = ("import json,sys; from dppo.config.load import load_config; from dppo.data import make_prompt_source; "
-            "from dppo.trainer import preflight as p; cfg = load_config(sys.argv[1:]); "
+            "from dppo.launch import preflight as p; cfg = load_config(sys.argv[1:]); "
             "e = p.memory_estimate(cfg, p.run_shape(cfg, make_prompt_source(cfg))); "
             "print(json.dumps({'roles': e.by_role(), 'total': e.total_bytes}))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, *args_list], env=env, capture_output=True, text=True, cwd=repo)

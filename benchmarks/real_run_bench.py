@@ -11,7 +11,7 @@ processes: the defaults) and any key=value after them, once per actor.mixed_prec
 
 Per run, per process (memory_bench's sampler: every SAMPLE_S the smaps_rollup of each process of the tree): peak
 PSS and RSS, and the kernel's own high-water mark of the RSS (VmHWM of /proc/PID/status, exact however short the
-peak), beside the preflight's estimate of its role (dppo.trainer.preflight.memory_estimate). Per step (from
+peak), beside the preflight's estimate of its role (dppo.launch.preflight.memory_estimate). Per step (from
 metrics.jsonl, the first step left out as warm-up): the medians of the step and its parts (timing_s/*) and the
 tokens/s of the update and of the old-log-prob passes: sequences x (prompt + response tokens) / seconds, with the
 prompt tokens the mean over the data of its chat-templated prompts. A printed table and a JSON file.

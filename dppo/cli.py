@@ -1,7 +1,7 @@
 """The command-line entry point (console script `dppo`): it parses, runs, and maps errors to one line and an exit code.
 
-    dppo train [--config FILE] [key=value ...]            train (dppo.train)
-    dppo export CHECKPOINT_DIR OUT_DIR                     a checkpoint as a transformers directory (dppo.trainer.export)
+    dppo train [--config FILE] [key=value ...]            train (dppo.launch.run)
+    dppo export CHECKPOINT_DIR OUT_DIR                     a checkpoint as a transformers directory (dppo.checkpoint.export)
     dppo eval MODEL_DIR_OR_CHECKPOINT [key=value ...]      evaluate as training does (dppo.trainer.evaluation)
     dppo import-gguf SRC.gguf OUT_DIR [--dtype D]          a GGUF model file as a transformers directory
                                                            (dppo.commands.import_gguf)
@@ -76,12 +76,12 @@ def _error_exit_codes() -> tuple:
     from dppo.commands.output import OutputPathError
     from dppo.config import ConfigError
     from dppo.data import DataError, MissingExtraError
-    from dppo.trainer.checkpoint import CheckpointError
+    from dppo.checkpoint.store import CheckpointError
     from dppo.trainer.placement import PlacementError
-    from dppo.trainer.checkpoint_failure import CheckpointWriteError
-    from dppo.trainer.preflight import OutputDirError
-    from dppo.trainer.ray_cluster import RayConnectError
-    from dppo.trainer.rollout_source import RolloutFailedError
+    from dppo.checkpoint.failure import CheckpointWriteError
+    from dppo.launch.preflight import OutputDirError
+    from dppo.launch.ray_cluster import RayConnectError
+    from dppo.trainer.rollout.sources import RolloutFailedError
     from dppo.trainer.worker_group import RankDiedError
 
     return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (MissingExtraError, 2),
@@ -284,14 +284,14 @@ def _train(args) -> int:
     if args.show_config:
         print(to_yaml(cfg), end="")
         return 0
-    from dppo.train import run
+    from dppo.launch.run import run
 
     run(cfg)
     return 0
 
 
 def _export(args) -> int:
-    from dppo.trainer.export import export_checkpoint
+    from dppo.checkpoint.export import export_checkpoint
 
     out = export_checkpoint(args.checkpoint, args.out_dir)
     print(f"exported {args.checkpoint} to {out}")
@@ -301,7 +301,7 @@ def _export(args) -> int:
 def _eval(args) -> int:
     from pathlib import Path
 
-    from dppo.trainer.eval_run import run_eval, write_eval
+    from dppo.commands.evaluate import run_eval, write_eval
 
     result = run_eval(args.target, args.overrides, config_file=args.config)
     out = Path(args.out) if args.out else Path(result.config["trainer"]["output_dir"]) / "eval.json"

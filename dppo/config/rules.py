@@ -189,7 +189,7 @@ def _check_reasoning_gym(cfg) -> None:
 
 def _check_local_workers_fit(cfg) -> None:
     """On a local Ray cluster, or as local processes, every rollout worker runs on this machine: their threads must
-    fit its CPUs (on a cluster of your own, dppo.train checks the cluster's CPUs once it has joined)."""
+    fit its CPUs (on a cluster of your own, dppo.launch.run checks the cluster's CPUs once it has joined)."""
     r = cfg.rollout
     if cfg.trainer.mode == "sync" and not cfg.use_ray:
         return  # the rollout runs inside the trainer's process

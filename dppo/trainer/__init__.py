@@ -1,7 +1,7 @@
 """The driver: the step loop (base.py, ppo.py), score-ahead (score_ahead.py), the actor's worker group
-(worker_group.py), rollout sources (rollout_source.py), checkpoints and resume (checkpoint.py, resume.py),
-pre-flight checks (preflight.py), the Ray connection (ray_cluster.py) and reports (report.py). It orchestrates
-and does no math: that runs on the workers (dppo.workers) and lives in dppo.algo."""
+(worker_group.py), the rollout sources (rollout/) and reports (report.py). It orchestrates and does no math: that
+runs on the workers (dppo.workers) and lives in dppo.algo. What comes before the first step is dppo.launch's;
+saving and resuming, dppo.checkpoint's."""
 
 from dppo.trainer.base import BaseTrainer, RunResult
 from dppo.trainer.ppo import PPOTrainer

@@ -22,13 +22,13 @@ evaluates, loaded from the weights last published to the rollout. Subclasses imp
 begin_cycle / end_cycle / close); they never re-implement the loop. The driver only orchestrates: the math
 lives in dppo.algo, called here on whole groups (advantages) or on the ranks.
 
-A cycle's progress is committed trigger by trigger (dppo.trainer.resume.CycleProgress). When the rollout fails
+A cycle's progress is committed trigger by trigger (dppo.checkpoint.state.CycleProgress). When the rollout fails
 beyond recovery (RolloutFailedError), the trainer's own state is intact: fit() checkpoints it, mid-cycle if
 need be (with pi_old's weights, from the ranks' slot 0), before it re-raises, and a resumed run picks up at
 that very trigger. When an actor rank dies (RankDiedError) its shards are lost: the run ends, and the last
 checkpoint is where it resumes.
 
-A checkpoint is a directory (dppo.trainer.checkpoint) holding trainer.pt (this process's state) and actor/,
+A checkpoint is a directory (dppo.checkpoint.store) holding trainer.pt (this process's state) and actor/,
 the ranks' torch.distributed.checkpoint shards (dppo.workers.actor.sharded_state), which load at any world size.
 """
 
@@ -50,30 +50,22 @@ from dppo.config import DppoConfig, to_dict
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict, model_from_config, policy_config
-from dppo.rollout import Group, TrainBatch, collate
-from dppo.trainer import checkpoint as ckpt
+from dppo.batch import Group, TrainBatch, collate
+from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_ANCHOR, PI_OLD_FILE, PI_OLD_IN_FILE, PI_OLD_LIVE, TRAINER_FILE
 from dppo.trainer.evaluation import score_policy
 from dppo.trainer.filter_groups import GroupFilter
-from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
-from dppo.trainer.checkpoint_failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
+from dppo.checkpoint.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
+from dppo.checkpoint.failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
                                              is_write_failure)
-from dppo.trainer.preflight import DTYPE_BYTES, run_shape
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
-from dppo.trainer.resume import CycleProgress, Draw, HeldBatch, RolloutStart, rng_state, set_rng_state
-from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
+from dppo.checkpoint.state import CycleProgress, Draw, HeldBatch, RolloutStart, rng_state, set_rng_state
+from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
 
-TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
-ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
-# A mid-cycle checkpoint whose ranks kept no pi_old weights (loglinear, auto between checks, current, bypass, a cycle
-# scored wholly ahead): the cycle-start weights as they were published to the rollout, whole, in the model's dtype.
-PI_OLD_FILE = "pi_old.pt"
-# Where a checkpoint's pi_old weights are (trainer.pt's pi_old.weights): the live ones (a step boundary), the ranks'
-# anchor (their shards' slot 0), or PI_OLD_FILE.
-PI_OLD_LIVE, PI_OLD_ANCHOR, PI_OLD_IN_FILE = "live", "anchor", "file"
 
 # (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
 ResumePoint = tuple[Path, dict]
@@ -165,7 +157,7 @@ class BaseTrainer:
     def __init__(self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None,
                  resume_point: ResumePoint | None = None):  # fmt: skip
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg), which reads and
-        checks any data files; dppo.train.run builds it before Ray starts). rollout: where groups come from
+        checks any data files; dppo.launch.run.run builds it before Ray starts). rollout: where groups come from
         (default: made here, before the ranks, for a fresh run on Ray; else by fit()). resume_point: what trainer.resume=true continues from, if the caller found it
         already (find_resume_point, before any Ray process started)."""
         self.cfg = cfg
@@ -556,12 +548,12 @@ class BaseTrainer:
         self.save_hf_model(model_with_weights(self.model_config, self.cfg.model.dtype, weights), out_dir)
 
     def _checkpoint_bytes(self) -> int:
-        """About the bytes of a checkpoint: the newest one's on disk, else counted from the model's parameters."""
+        """About the bytes of a checkpoint: the newest one's on disk, else counted from the ranks' parameters."""
         measured = self.checkpoints.newest_bytes()
         if measured is not None:
             return measured
-        params = run_shape(self.cfg, self.source).params
-        return checkpoint_bytes_estimate(params, DTYPE_BYTES[self.cfg.model.dtype], self.cfg.actor.kl_loss_coef > 0)
+        weight_bytes = sum(self.actor_group.parameter_bytes())  # every rank's shards: the whole model once
+        return checkpoint_bytes_estimate(weight_bytes, 1, self.cfg.actor.kl_loss_coef > 0)
 
     def _checkpoint_after_failure(self) -> str:
         """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""

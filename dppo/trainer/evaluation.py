@@ -1,5 +1,5 @@
 """Evaluation of a policy on the run's evaluation prompts, shared by the trainer's greedy evaluation and `dppo eval`
-(dppo.trainer.eval_run).
+(dppo.commands.evaluate).
 
     score_policy(policy, source, response_length, device, n=1, temperature=0.0, seed=0) -> {metric: value}
 
@@ -15,7 +15,7 @@ import torch
 
 from dppo.data.source import PromptSource, Scores
 from dppo.generation import sample_responses
-from dppo.rollout import left_pad
+from dppo.batch import left_pad
 
 EVAL_BATCH = 512  # prompts decoded at once
 

@@ -31,8 +31,8 @@ import numpy as np
 
 from dppo.config.choices import FILTER_REWARD_METRICS
 from dppo.data import DataError
-from dppo.rollout import Group
-from dppo.trainer.resume import Draw
+from dppo.batch import Group
+from dppo.checkpoint.state import Draw
 
 
 class FilterMetricError(DataError, KeyError):

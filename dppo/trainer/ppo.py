@@ -19,7 +19,7 @@ import torch
 
 from dppo.algo import apply_kl_penalty, get_advantage_estimator, get_kl_controller
 from dppo.config.choices import score_ahead_enabled
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.trainer.base import BaseTrainer
 
 log = logging.getLogger("dppo.trainer")

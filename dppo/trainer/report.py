@@ -7,7 +7,7 @@ import math
 import os
 from pathlib import Path
 
-from dppo.trainer.checkpoint import atomic_write_bytes
+from dppo.checkpoint.store import atomic_write_bytes
 
 TIME_PARTS = ("timing_s/gen_wait", "timing_s/old_log_prob", "timing_s/update_actor", "timing_s/weight_sync")
 

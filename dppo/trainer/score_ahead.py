@@ -14,7 +14,7 @@ version, which does not change within a cycle. In trainer.mode=sync nothing runs
 the cycle's groups at trigger 0 (a ticket is seeded by its grant index: the same samples). The scoring runs the
 passes a slot read at trigger k would run (the same shard of the mini-batch on each rank, the same micro-batches),
 so the old log-probs are bitwise those of slot 0. The held mini-batches and their old log-probs are part of the
-cycle's progress (dppo.trainer.resume.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
+cycle's progress (dppo.checkpoint.state.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
 as taken. With algorithm.filter_groups each mini-batch is drawn as its trigger would draw it (dppo.trainer.
 filter_groups) from the groups that have arrived; a draw that cannot be filled from them stays pending in the
 cycle's progress, and its trigger draws the rest (waiting, and reading slot 0).
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dppo.trainer.filter_groups import GroupFilter
-from dppo.trainer.resume import Draw, HeldBatch
+from dppo.checkpoint.state import Draw, HeldBatch
 
 
 @dataclass

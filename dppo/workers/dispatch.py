@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 
 ALL, RANK0, DP, DP_GATHER = "all", "rank0", "dp", "dp_gather"
 DISPATCH_MODES = (ALL, RANK0, DP, DP_GATHER)

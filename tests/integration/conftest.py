@@ -8,7 +8,7 @@ import pytest
 @pytest.fixture(scope="module")
 def ray_cluster():
     """One local Ray cluster, started as a user's own script would (plain ray.init), for the runs of one module that
-    drive dppo.train in this process: run() uses a cluster its caller started and leaves it up. Module-scoped:
+    drive dppo.launch.run in this process: run() uses a cluster its caller started and leaves it up. Module-scoped:
     starting a cluster costs more than most of the runs it serves."""
     import ray
 

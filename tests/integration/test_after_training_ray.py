@@ -103,7 +103,7 @@ def test_eval_of_hf_model_reproduces_the_final_evaluation(ws2_run, tmp_path, cap
 
 
 def test_trackers_hold_the_scalars_of_metrics_jsonl_at_its_steps(ws2_run):
-    from dppo.trainer.checkpoint import load_torch
+    from dppo.checkpoint.store import load_torch
     from dppo.trainer.trackers import scalars
 
     records = read_metrics(ws2_run / "metrics.jsonl")

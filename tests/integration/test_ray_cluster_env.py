@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import ray
 
-from dppo.trainer.ray_cluster import init_ray, shutdown_ray
+from dppo.launch.ray_cluster import init_ray, shutdown_ray
 
 pytestmark = pytest.mark.integration
 REPO = Path(__file__).resolve().parents[2]

@@ -20,11 +20,11 @@ import torch
 
 from dppo.data import make_prompt_source
 from dppo.models import as_state_dict, build_model
-from dppo.rollout import Group, collate
+from dppo.batch import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.rollout_source import RolloutFailedError
+from dppo.trainer.rollout.sources import RolloutFailedError
 from dppo.workers.rollout.worker import RolloutGenerator
 import partial_rollout
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
@@ -472,8 +472,8 @@ def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_lo
 
 
 def ckpt_state(path: Path) -> dict:
-    from dppo.trainer import checkpoint as ckpt
-    from dppo.trainer.base import TRAINER_FILE
+    from dppo.checkpoint import store as ckpt
+    from dppo.checkpoint.layout import TRAINER_FILE
 
     return ckpt.load_torch(path / TRAINER_FILE)
 

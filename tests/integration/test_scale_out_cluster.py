@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from dppo.trainer import checkpoint as ckpt
+from dppo.checkpoint import store as ckpt
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
 

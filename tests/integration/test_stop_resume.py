@@ -99,8 +99,8 @@ def stop_with_sigterm(proc: subprocess.Popen, log: Path, what: str) -> None:
 
 
 def newest_trainer_state(checkpoints: Path) -> dict:
-    from dppo.trainer import checkpoint as ckpt
-    from dppo.trainer.base import TRAINER_FILE
+    from dppo.checkpoint import store as ckpt
+    from dppo.checkpoint.layout import TRAINER_FILE
 
     return ckpt.CheckpointDir(checkpoints).newest(lambda path, manifest: ckpt.load_torch(path / TRAINER_FILE))[1]
 
@@ -185,7 +185,7 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
                              cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'step_00000002'} (global step 2)" in resumed.stdout
-    from dppo.trainer.base import ACTOR_DIR
+    from dppo.checkpoint.layout import ACTOR_DIR
     from dppo.workers.actor.sharded_state import load_full_weights
 
     final = newest_trainer_state(out / "checkpoints")

@@ -1,4 +1,4 @@
-"""dppo.train on a local Ray cluster the caller started: sync mode on Ray, a worker that raises, a task registered in
+"""dppo.launch.run on a local Ray cluster the caller started: sync mode on Ray, a worker that raises, a task registered in
 the driver, a rollout worker and the replay buffer SIGKILLed mid-run (`dppo train` as a process, stopped and resumed:
 test_stop_resume.py)."""
 
@@ -12,7 +12,7 @@ import pytest
 
 from dppo.cli import main
 from dppo.tasks import Task, digit_task, register_task
-from dppo.train import run
+from dppo.launch.run import run
 from dppo.config import load_config
 from dppo.trainer.report import read_metrics
 
@@ -80,7 +80,7 @@ def test_separate_async_scores_ahead_what_has_arrived_in_grant_order_and_drops_n
     trigger 0 takes every later mini-batch of the cycle, the groups are trained in grant order, nothing is dropped
     and no group is staler than the threshold."""
     import dppo.trainer.base as base
-    from dppo.trainer.rollout_source import RayRollout
+    from dppo.trainer.rollout.sources import RayRollout
 
     fetch, reward_extras, taken = RayRollout.fetch, base._reward_extras, []
 
@@ -147,8 +147,8 @@ def actor_pid(title: str) -> int:
 
 def saved_next_grant(out: Path) -> int:
     """The grant index the newest checkpoint of the run in out picks the rollout up at."""
-    from dppo.trainer import checkpoint as ckpt
-    from dppo.trainer.base import TRAINER_FILE
+    from dppo.checkpoint import store as ckpt
+    from dppo.checkpoint.layout import TRAINER_FILE
 
     _, state = ckpt.CheckpointDir(out / "checkpoints").newest(lambda p, m: ckpt.load_torch(p / TRAINER_FILE))
     return int(state["rollout"]["next_grant"])
@@ -206,7 +206,7 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
     Both kills happen at chosen points, in the trainer's own thread (its fetch, patched), not raced against the run:
     the worker at the first fetch, once it holds its first ticket (its reward call waits on a file), so the trainer
     can only go on through the restart; the buffer at the first fetch after a step was logged with that restart."""
-    from dppo.trainer.rollout_source import InProcessRollout, RayRollout
+    from dppo.trainer.rollout.sources import InProcessRollout, RayRollout
 
     hold, holding, out, total = tmp_path / "hold", tmp_path / "holding", tmp_path / "run", 3
     register_task("held_copy", held_task(hold, holding))

@@ -19,7 +19,7 @@ pytest.importorskip("vllm")
 
 from dppo.cli import main  # noqa: E402
 from dppo.config import load_config  # noqa: E402
-from dppo.train import run  # noqa: E402
+from dppo.launch.run import run  # noqa: E402
 from dppo.trainer.report import read_metrics  # noqa: E402
 
 from integration.test_train_ray import actor_pid, records, wait_for  # noqa: E402  (tests/ is on sys.path)

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import torch
 
-from dppo.rollout import Group
+from dppo.batch import Group
 from dppo.trainer.filter_groups import keeps
 
 pytestmark = pytest.mark.oracle

@@ -80,7 +80,7 @@ def test_checkpoints_that_do_not_fit_are_named_then_exit_code_4(run_cli, tmp_pat
 
 
 def test_a_rollout_failure_is_one_line_exit_code_1_after_a_checkpoint(run_cli, tmp_path, monkeypatch):
-    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
 
     def dead(self, num_groups, trainer_version):
         if trainer_version == 1:
@@ -106,9 +106,9 @@ def test_debug_adds_the_traceback_and_keeps_the_exit_code(run_cli, monkeypatch):
 
 
 def test_an_unexpected_error_keeps_its_traceback_and_is_exit_code_70(run_cli, monkeypatch):
-    import dppo.train
+    import dppo.launch.run
 
-    monkeypatch.setattr(dppo.train, "run", lambda cfg: 1 / 0)
+    monkeypatch.setattr(dppo.launch.run, "run", lambda cfg: 1 / 0)
     code, lines = run_cli()
     assert code == 70 and lines[0].startswith("Traceback") and lines[-1].startswith("dppo: internal error: ZeroDiv")
 
@@ -124,7 +124,8 @@ def test_the_exit_codes_are_distinct_and_documented():
 
 
 def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, monkeypatch):
-    from dppo.trainer import placement, preflight, ray_cluster
+    from dppo.launch import preflight, ray_cluster
+    from dppo.trainer import placement
     from dppo.config import ConfigError
 
     monkeypatch.setattr(ray_cluster, "cluster_cpus", lambda: 3.0)
@@ -142,7 +143,7 @@ def test_the_parameter_count_of_the_memory_check_is_the_models(sizes):
     import torch
 
     from dppo.models import tiny_model_config
-    from dppo.trainer.preflight import tiny_model_parameters
+    from dppo.launch.preflight import tiny_model_parameters
 
     vocab, hidden, layers, intermediate = sizes
     with torch.device("meta"):

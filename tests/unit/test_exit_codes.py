@@ -23,7 +23,7 @@ def finished(tmp_path, monkeypatch) -> list[str]:
 
 
 def rollout_failed(tmp_path, monkeypatch) -> list[str]:
-    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
 
     def dead(self, num_groups, trainer_version):
         raise RolloutFailedError("the replay buffer died")
@@ -58,9 +58,9 @@ def missing_data_file(tmp_path, monkeypatch) -> list[str]:
 
 
 def unexpected(tmp_path, monkeypatch) -> list[str]:
-    import dppo.train
+    import dppo.launch.run
 
-    monkeypatch.setattr(dppo.train, "run", lambda cfg, out=None: 1 / 0)
+    monkeypatch.setattr(dppo.launch.run, "run", lambda cfg, out=None: 1 / 0)
     return small_overrides(tmp_path)
 
 

@@ -1,4 +1,4 @@
-"""dppo.train.run: the main job's terminal report (in-process, no Ray) and who shuts Ray down."""
+"""dppo.launch.run.run: the main job's terminal report (in-process, no Ray) and who shuts Ray down."""
 
 import json
 from types import SimpleNamespace
@@ -8,7 +8,7 @@ import pytest
 import dppo.trainer.placement
 import dppo.trainer.ppo
 from dppo.cli import main
-from dppo.train import run
+from dppo.launch.run import run
 from dppo.trainer.base import RunResult
 
 
@@ -74,7 +74,7 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_sett
     `dppo: error: ...` naming the address and how to pass the cluster's token, exit code 5, no traceback."""
     import ray
 
-    from dppo.trainer import ray_cluster
+    from dppo.launch import ray_cluster
 
     def refuse(**kwargs):
         raise ConnectionError(f"Failed to connect to Ray cluster at {kwargs['address']}")
@@ -97,7 +97,7 @@ def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_sett
 def test_a_local_cluster_that_fails_to_start_keeps_rays_own_error(small_cfg, monkeypatch):
     import ray
 
-    from dppo.trainer.rollout_source import RayConnectError, init_ray
+    from dppo.launch.ray_cluster import RayConnectError, init_ray
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
     monkeypatch.setattr(ray, "init", lambda **kwargs: (_ for _ in ()).throw(ConnectionError("no local raylet")))
@@ -114,7 +114,7 @@ def test_no_address_always_starts_a_new_local_cluster(small_cfg, monkeypatch, ad
     one); auto and a given address are passed on (after the probe)."""
     import ray
 
-    from dppo.trainer import ray_cluster
+    from dppo.launch import ray_cluster
 
     calls, probed = [], []
     monkeypatch.setattr(ray, "is_initialized", lambda: False)
@@ -135,7 +135,7 @@ def test_the_probe_refuses_what_is_not_a_grpc_server_at_once(tmp_path):
     import threading
     import time
 
-    from dppo.trainer.ray_cluster import RayConnectError, probe
+    from dppo.launch.ray_cluster import RayConnectError, probe
 
     with socket.socket() as closed:
         closed.bind(("127.0.0.1", 0))

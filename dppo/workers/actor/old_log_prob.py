@@ -43,7 +43,7 @@ import torch
 
 from dppo.algo import UnknownNameError
 from dppo.config.choices import check_reader_for_sharding, needs_whole_mini_batch, select_strategy_name
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo import snapshot
 from dppo.workers.actor.fsdp import is_sharded, local_tensor
 from dppo.workers.actor.slot_readers import SLOT_READERS, ScoreFn, SlotReader, StreamReader, choose_reader

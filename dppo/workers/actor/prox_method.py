@@ -28,7 +28,7 @@ from dppo.algo import (
     prox_approx_metrics,
 )
 from dppo.config.choices import PROX_LOGP_METHODS
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitch
 
 # prox(logp (b, R) of the training forward, detached; sl: the micro-batch's rows of the batch) -> log pi_prox (b, R)

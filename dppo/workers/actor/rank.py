@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, tied_aliases
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.snapshot import SnapshotPool
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import (free_port, full_state_dict, init_process_group, local_tensor, node_ip, parallelize,
@@ -141,6 +141,11 @@ class ActorRank:
         self.old_log_prob.close()
         self.cfg = cfg
         self.setup_update()
+
+    @register(ALL)
+    def parameter_bytes(self) -> int:
+        """The bytes of the policy's parameters this rank holds (its shards; the whole model at world size 1)."""
+        return sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
 
     @register(RANK0)
     def model_config(self):

@@ -4,7 +4,7 @@ save_sharded: every rank writes its own shards (a __<rank>_0.distcp file each) a
 (torch.distributed.checkpoint; never a gathered torch.save of a sharded model). load_sharded: every rank
 reads the pieces its shards need, so a checkpoint written at world size N loads at any world size (DCP
 reshards), and a plain (unsharded) actor takes the same path without a process group. The directory the
-files go to and its manifest are the driver's business (dppo.trainer.checkpoint, dppo.trainer.base).
+files go to and its manifest are the driver's business (dppo.checkpoint.store, dppo.trainer.base).
 
 Loading runs no code from the files. DCP's FileSystemReader unpickles .metadata with pickle.load and
 non-tensor values with torch.load(weights_only=False); SafeReader unpickles .metadata with an allow-list of

@@ -27,7 +27,7 @@ import torch
 from dppo._errors import SnapshotMemoryError
 from dppo.config.choices import SLOT_READER_NAMES
 from dppo.models import forward_logits
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.workers.actor.streaming import NotStreamableError, StreamedWeights, StreamOrderError, trace_schedule
 
 # score(module, batch, params) -> log pi (B, R) fp32 without grad; params None means module's own weights.

@@ -34,7 +34,7 @@ from dppo.algo import (
     loss_normalizers,
 )
 from dppo.models import forward_response_logits
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.workers.actor.collectives import RankGroup
 from dppo.workers.actor.fsdp import clip_grad_norm_
 from dppo.workers.actor.loss_choice import LossChoice

@@ -39,8 +39,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-if TYPE_CHECKING:  # the module must not import torch (dppo.rollout does)
-    from dppo.rollout import Group
+if TYPE_CHECKING:  # the module must not import torch (dppo.batch does)
+    from dppo.batch import Group
 
 
 @dataclass

@@ -19,7 +19,7 @@ from dppo.algo import GREEDY_BASELINE_ESTIMATORS
 from dppo.data.source import PromptSource
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import as_state_dict
-from dppo.rollout import Group
+from dppo.batch import Group
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync, make_engine
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 

@@ -6,7 +6,7 @@ import torch
 from dppo.generation import sample_responses
 from dppo.algo import log_probs_from_logits
 from dppo.models import forward_logits, forward_response_logits, position_ids_from_mask, response_log_probs
-from dppo.rollout import Group, TrainBatch, collate, left_pad
+from dppo.batch import Group, TrainBatch, collate, left_pad
 
 VOCAB = 40
 PAD = 0

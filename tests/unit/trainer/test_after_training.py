@@ -1,4 +1,4 @@
-"""dppo.trainer.export and hf_model: a checkpoint written at world size 1 or 2 (FSDP2 over gloo) as a transformers
+"""dppo.checkpoint.export and hf_model: a checkpoint written at world size 1 or 2 (FSDP2 over gloo) as a transformers
 directory whose model gives bitwise the trained policy's log-probs on the CPU in fp32; untrusted ones refused."""
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ import torch.multiprocessing as mp
 from fsdp_ranks import token_rows, train_and_save_shards
 
 from dppo.models import build_model, response_log_probs
-from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
+from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.layout import ACTOR_DIR, TRAINER_FILE
 from dppo.config import to_dict, to_yaml
-from dppo.trainer.export import export_checkpoint, load_checkpoint_policy
-from dppo.trainer.hf_model import save_hf_model
+from dppo.checkpoint.export import export_checkpoint, load_checkpoint_policy
+from dppo.checkpoint.hf_model import save_hf_model
 from dppo.trainer.ppo import PPOTrainer
 
 
@@ -50,7 +50,7 @@ def ws1_run(tmp_path_factory):
                        "rollout.groups_per_batch=2", "task.length=3", "model.hidden_size=32",
                        "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64"])  # fmt: skip
     trainer = PPOTrainer(cfg)
-    (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))  # as dppo.train.run writes it
+    (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))  # as dppo.launch.run.run writes it
     trainer.fit()
     return trainer
 
@@ -177,7 +177,7 @@ def test_the_model_dtype_and_the_tokenizer_of_model_path_go_with_it(text_example
 
 
 def test_eval_of_the_checkpoint_and_of_its_export_reproduces_the_runs_final_evaluation(ws1_run, tmp_path):
-    from dppo.trainer.eval_run import run_eval, write_eval
+    from dppo.commands.evaluate import run_eval, write_eval
 
     final = ws1_run.metrics.records[-1]
     expected = {key: final[key] for key in ("eval/reward", "eval/accuracy", "eval/prompts")}
@@ -194,7 +194,7 @@ def test_eval_of_the_checkpoint_and_of_its_export_reproduces_the_runs_final_eval
 
 def test_eval_samples_rollout_n_per_prompt_when_asked(ws1_run):
     from dppo.config import ConfigError
-    from dppo.trainer.eval_run import run_eval
+    from dppo.commands.evaluate import run_eval
 
     last = ws1_run.output_dir / "checkpoints" / "step_00000002"
     sampled = run_eval(last, ["rollout.n=3", "rollout.temperature=1.0"])
@@ -208,7 +208,7 @@ def test_eval_samples_rollout_n_per_prompt_when_asked(ws1_run):
 
 def test_eval_refuses_what_is_neither_a_model_nor_a_checkpoint(tmp_path):
     from dppo.config import ConfigError
-    from dppo.trainer.eval_run import run_eval
+    from dppo.commands.evaluate import run_eval
 
     with pytest.raises(ConfigError, match="neither a transformers model directory"):
         run_eval(tmp_path)
@@ -220,7 +220,7 @@ def test_text_eval_of_a_checkpoint_and_its_export_reproduces_val_score(text_exam
     from transformers import AutoTokenizer
 
     from dppo.config import load_config
-    from dppo.trainer.eval_run import run_eval
+    from dppo.commands.evaluate import run_eval
 
     keys = {"data.val_files": text_example["val"], "custom_reward_function.path": text_example["reward"],
             "data.max_prompt_length": 32, "data.max_response_length": 6}  # fmt: skip
@@ -322,7 +322,7 @@ def test_hf_model_at_world_size_1_is_the_trained_policy(ws1_run):
 def test_a_mid_cycle_checkpoint_holds_the_live_weights_as_hf_model(small_cfg, monkeypatch):
     """save_contents with hf_model: a rollout failure at step 1's second trigger checkpoints mid-cycle; its
     actor/huggingface/ holds the live weights (after trigger 0's step), not the cycle start's published ones."""
-    from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
 
     fetch, calls = InProcessRollout.fetch, []
 

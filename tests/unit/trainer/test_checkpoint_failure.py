@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.checkpoint_failure import CheckpointAttempts, CheckpointWriteError, size_in_words
-from dppo.trainer.preflight import check_checkpoint_space, run_shape
+from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.failure import CheckpointAttempts, CheckpointWriteError, size_in_words
+from dppo.launch.preflight import check_checkpoint_space, run_shape
 
 from tiny_run import small_overrides  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 

@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from dppo.trainer import checkpoint as ckpt
+from dppo.checkpoint import store as ckpt
 
 
 def write_files(payload: dict[str, bytes]):

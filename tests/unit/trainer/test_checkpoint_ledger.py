@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from dppo.trainer import checkpoint as ckpt
+from dppo.checkpoint import store as ckpt
 
 # points after which the new checkpoint is in place and must be the one found; before them, the previous one
 IN_PLACE_FROM = "renamed"

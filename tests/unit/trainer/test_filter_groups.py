@@ -12,13 +12,13 @@ import torch
 import dppo.trainer.base as base
 import dppo.trainer.filter_groups as filter_groups
 from dppo.config import ConfigError
-from dppo.rollout import Group
-from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.base import TRAINER_FILE
+from dppo.batch import Group
+from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.layout import TRAINER_FILE
 from dppo.trainer.filter_groups import FilterMetricError, GroupFilter, keeps
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
-from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
+from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 

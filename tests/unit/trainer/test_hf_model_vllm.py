@@ -8,7 +8,7 @@ pytest.importorskip("vllm")
 
 from dppo.generation import sample_responses  # noqa: E402
 from dppo.models import tiny_model_config  # noqa: E402
-from dppo.trainer.hf_model import save_hf_model  # noqa: E402
+from dppo.checkpoint.hf_model import save_hf_model  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 EOS, PAD = 3, 0

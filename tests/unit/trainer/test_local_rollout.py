@@ -1,4 +1,4 @@
-"""Separate-async rollout without Ray (dppo.trainer.local_rollout): worker processes beside the trainer, the replay
+"""Separate-async rollout without Ray (dppo.trainer.rollout.local): worker processes beside the trainer, the replay
 buffer in the trainer's process. Real processes: forked and spawned workers, a SIGKILLed worker, a worker that raises,
 a SIGKILLed trainer."""
 
@@ -19,9 +19,9 @@ from dppo.config import load_config
 from dppo.config.checks import ConfigError
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config
-from dppo.trainer.local_rollout import LocalRollout
-from dppo.trainer.rollout_source import InProcessRollout, RolloutFailedError
-from dppo.trainer.resume import RolloutStart
+from dppo.trainer.rollout.local import LocalRollout
+from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+from dppo.checkpoint.state import RolloutStart
 from dppo.workers.rollout.process import SharedState
 from tests.processes import alive
 from tests.tiny_run import small_overrides
@@ -177,8 +177,8 @@ def test_the_workers_die_with_a_killed_trainer(tmp_path):
         from dppo.config import load_config
         from dppo.data import make_prompt_source
         from dppo.models import policy_config
-        from dppo.trainer.local_rollout import LocalRollout
-        from dppo.trainer.resume import RolloutStart
+        from dppo.trainer.rollout.local import LocalRollout
+        from dppo.checkpoint.state import RolloutStart
         cfg = load_config(overrides={overrides!r})
         source = make_prompt_source(cfg)
         model_config = policy_config(cfg.model, source.vocab_size)

@@ -1,4 +1,4 @@
-"""The preflight's memory estimate (dppo.trainer.memory_estimate): its accounting against what a training process
+"""The preflight's memory estimate (dppo.launch.memory_estimate): its accounting against what a training process
 really holds, its one line on every run, and a run that cannot fit refused in one line before Ray starts."""
 
 import json
@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
-import dppo.train
+import dppo.launch.run
 from dppo.cli import main
 from dppo.data import make_prompt_source
-from dppo.trainer import preflight
+from dppo.launch import preflight
 
 from tiny_run import small_overrides  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
@@ -28,8 +28,8 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 from dppo.config import load_config
 from dppo.data import make_prompt_source
-from dppo.train import run
-from dppo.trainer import preflight
+from dppo.launch.run import run
+from dppo.launch import preflight
 
 def status_kib(key):
     for line in open("/proc/self/status"):
@@ -82,8 +82,8 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_ray_starts(small_ar
     def no_ray(*args, **kwargs):
         raise AssertionError("Ray was started for a run that cannot fit")
 
-    monkeypatch.setattr(dppo.train, "init_ray", no_ray)
-    monkeypatch.setattr(dppo.train, "probe_cluster", no_ray)
+    monkeypatch.setattr(dppo.launch.run, "init_ray", no_ray)
+    monkeypatch.setattr(dppo.launch.run, "probe_cluster", no_ray)
     assert main(["train", *small_args(**{"ray.enabled": True, "rollout.num_workers": 2})]) == 2
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
     assert len(err) == 1 and err[0].startswith("dppo: error: ")
@@ -108,7 +108,7 @@ def test_the_actor_rank_shards_its_model_bytes_over_the_world_size(small_cfg, dt
 
 @pytest.mark.parametrize("sync", ["full", "delta"])
 def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, sync):
-    from dppo.trainer.memory_estimate import PROCESS_BYTES, VLLM_IMPORT_BYTES
+    from dppo.launch.memory_estimate import PROCESS_BYTES, VLLM_IMPORT_BYTES
 
     keys = {"ray.enabled": True, "trainer.device": "cpu", "model.hidden_size": 256, "model.num_hidden_layers": 4,
             "model.num_attention_heads": 4, "model.intermediate_size": 512, "rollout.n": 8,
@@ -136,7 +136,7 @@ def test_an_hf_workers_batch_is_the_largest_ticket_the_replay_buffer_grants(smal
                                                                              per_ticket):  # fmt: skip
     """The rows the estimate gives one generate call are those of the largest ticket a worker can get: asked for
     rollout.groups_per_batch groups, the replay buffer grants at most what it lets the rollout run ahead."""
-    from dppo.trainer.memory_estimate import generation_rows
+    from dppo.launch.memory_estimate import generation_rows
     from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
     cfg = small_cfg(**{"trainer.mode": "separate_async", "replay.max_off_policy_threshold": threshold,
@@ -154,7 +154,7 @@ def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_
     """The KV cache is gone once the responses are sampled, before their behavior log-probs are scored; the scoring
     pass's logits cover the R + 1 last positions only (the LM head runs on those). Issue 35's run: SmolLM2-135M's shape
     (30 layers, vocab 49152), prompts of 46 tokens, 12-token responses, 8 groups of 8 a step, 2 steps a cycle."""
-    from dppo.trainer.memory_estimate import Shape, generation_rows, rollout_worker
+    from dppo.launch.memory_estimate import Shape, generation_rows, rollout_worker
 
     cfg = small_cfg(**{"trainer.mode": "separate_async", "trainer.train_batch_size": 8, "rollout.n": 8,
                        "rollout.groups_per_batch": 32, "actor.micro_batch_size": 256})  # fmt: skip
@@ -172,7 +172,7 @@ def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_
 def test_bf16_compute_is_counted_in_the_actor_ranks_activations(small_cfg):
     """actor.mixed_precision=bfloat16: the weights, gradients and AdamW's moments stay fp32, the logits and the
     matmuls' saved activations are bf16, and autocast's bf16 casts of the weights are held for the backward."""
-    from dppo.trainer.memory_estimate import actor_rank
+    from dppo.launch.memory_estimate import actor_rank
 
     fp32 = small_cfg(**{"ray.enabled": True, "trainer.device": "cpu"})
     bf16 = small_cfg(**{"ray.enabled": True, "trainer.device": "cpu", "actor.mixed_precision": "bfloat16"})

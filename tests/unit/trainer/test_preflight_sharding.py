@@ -5,9 +5,9 @@ import pytest
 import torch
 
 from dppo.data import make_prompt_source
-from dppo.trainer import preflight
+from dppo.launch import preflight
 from dppo.config import ConfigError
-from dppo.trainer.memory_estimate import PROCESS_BYTES
+from dppo.launch.memory_estimate import PROCESS_BYTES
 
 GIB = 2**30
 

@@ -3,7 +3,7 @@ everything else the raylet or a worker sends is printed as before."""
 
 from ray._private import worker as ray_worker
 
-from dppo.trainer.ray_cluster import _quiet_ray_death_lines
+from dppo.launch.ray_cluster import _quiet_ray_death_lines
 
 DIED = ("A worker died or was killed while executing a task by an unexpected system error. To troubleshoot the "
         "problem, check the logs for the dead worker. RayTask ID: ffff Worker exit type: SYSTEM_ERROR")  # fmt: skip

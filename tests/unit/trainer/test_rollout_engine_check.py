@@ -50,7 +50,7 @@ def test_vllms_gpu_build_needs_rollout_gpus_and_says_so_in_one_line(small_args, 
                                                                    refused):  # fmt: skip
     from importlib import metadata
 
-    from dppo.trainer import preflight
+    from dppo.launch import preflight
 
     def version(name):
         if name not in installed:

@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import dppo.trainer.base as base
-from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.base import TRAINER_FILE
+from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.layout import TRAINER_FILE
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
-from dppo.trainer.rollout_source import RolloutFailedError, make_rollout
-from dppo.rollout import Group
+from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
+from dppo.batch import Group
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from partial_rollout import PartialRollout, record_slot_use  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 

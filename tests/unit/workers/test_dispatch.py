@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dppo.algo import LOSS_AGG_MODES, agg_loss, loss_normalizers
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.workers.actor.collectives import as_share, combine
 from dppo.workers.dispatch import (ALL, DP, RANK0, collect, dispatch_mode, gather_rows, register, shard_index, split_args,
                                    split_each, split_rows)

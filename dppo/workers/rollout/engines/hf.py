@@ -13,7 +13,7 @@ import torch
 
 from dppo.generation import sample_responses
 from dppo.models import model_from_config, response_log_probs
-from dppo.rollout import left_pad
+from dppo.batch import left_pad
 from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
 
 

@@ -112,7 +112,7 @@ def snapshotted(make_model, perturb):
 @pytest.fixture
 def token_batch():
     def make(rows: int = 5, prompt: int = 4, response: int = 6, seed: int = 0):
-        from dppo.rollout import TrainBatch
+        from dppo.batch import TrainBatch
 
         gen = torch.Generator().manual_seed(seed)
         mask = torch.ones(rows, response, dtype=torch.bool)

@@ -9,7 +9,7 @@ import torch
 import dppo.snapshot
 import dppo.workers.actor.update
 from dppo.algo import loglinear_prox_log_prob
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.actor.loss_choice import LossChoice
 from dppo.workers.actor.rank import ActorRank

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 import dppo.snapshot
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.actor.old_log_prob import CycleStartOldLogProb, ReferenceCycleStartOldLogProb, make_old_log_prob
 from dppo.workers.actor.slot_readers import choose_reader

@@ -4,7 +4,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
-from dppo.trainer.hf_model import model_with_weights
+from dppo.checkpoint.hf_model import model_with_weights
 from dppo.workers.actor.sharded_state import load_full_weights, load_sharded, save_sharded
 
 CONFIG = Qwen2Config(vocab_size=4000, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,

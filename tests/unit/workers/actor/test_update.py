@@ -18,7 +18,7 @@ from dppo.algo import (
     policy_loss,
 )
 from dppo.models import build_model
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.workers.actor.update import bypass_objective, decoupled_objective, update_policy
 from dppo.config import ActorConfig, ModelConfig
 

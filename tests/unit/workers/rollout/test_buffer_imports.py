@@ -10,7 +10,7 @@ import sys
 import numpy as np
 import torch
 
-from dppo.rollout import Group
+from dppo.batch import Group
 from dppo.workers.rollout.engines import WeightSync
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 
@@ -44,7 +44,7 @@ def test_the_buffer_process_runs_without_torch():
             "    return await buf.take(2, 0)\n"
             "taken = asyncio.run(main())\n"
             "assert [g.index for g in taken[0]] == [0, 1], taken\n"
-            "loaded = sorted(m for m in ('torch', 'transformers', 'dppo.rollout', 'dppo.workers.rollout.worker',\n"
+            "loaded = sorted(m for m in ('torch', 'transformers', 'dppo.batch', 'dppo.workers.rollout.worker',\n"
             "                            'dppo.workers.rollout.engines') if m in sys.modules)\n"
             "assert loaded == [], loaded\n"
             "sys.stdout.buffer.write(pickle.dumps(taken))\n")  # fmt: skip

@@ -12,7 +12,7 @@ from dppo.data import make_prompt_source
 from dppo.data.source import Prompts
 from dppo.generation import sample_responses
 from dppo.models import build_model
-from dppo.rollout import collate, left_pad
+from dppo.batch import collate, left_pad
 from dppo.workers.rollout.worker import RolloutGenerator
 
 TINY = ["task.length=3", "rollout.n=3", "model.hidden_size=32", "model.num_hidden_layers=1",

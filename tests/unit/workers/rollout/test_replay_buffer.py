@@ -5,7 +5,7 @@ import random
 import pytest
 import torch
 
-from dppo.rollout import Group
+from dppo.batch import Group
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
 

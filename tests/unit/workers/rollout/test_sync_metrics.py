@@ -2,7 +2,7 @@
 
 import torch
 
-from dppo.rollout import Group
+from dppo.batch import Group
 from dppo.workers.rollout.engines import WeightSync
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 import numpy as np
 import torch
 
-from dppo.rollout import Group
+from dppo.batch import Group
 
 # ---- RNG states ---------------------------------------------------------------------------------------
 

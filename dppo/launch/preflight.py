@@ -4,7 +4,7 @@
   (a warning line if not);
 - a prompt and a response fit the model's positions, and the run's memory fits the memory available: an
   estimate by process (each actor rank, each rollout worker, the driver, the replay buffer, the object store, Ray;
-  dppo.trainer.memory_estimate) counted from the config without allocating anything, printed in one line on every
+  dppo.launch.memory_estimate) counted from the config without allocating anything, printed in one line on every
   run; a run that cannot fit is a ConfigError giving the estimate by role and what to change;
 - once Ray is up: the actor's ranks and the rollout's GPU workers fit the cluster's nodes together
   (PlacementError, with the counts), and on a cluster of the user's own the rollout workers' threads fit its
@@ -27,9 +27,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dppo.config import ConfigError, DppoConfig
 from dppo.models import tiny_model_config
-from dppo.trainer import placement, ray_cluster
-from dppo.trainer.checkpoint_failure import checkpoint_bytes_estimate, free_bytes, size_in_words
-from dppo.trainer.memory_estimate import DTYPE_BYTES, MemoryEstimate, Shape, estimate, local_cluster, what_to_change
+from dppo.launch import ray_cluster
+from dppo.trainer import placement
+from dppo.checkpoint.failure import checkpoint_bytes_estimate, free_bytes, size_in_words
+from dppo.launch.memory_estimate import DTYPE_BYTES, MemoryEstimate, Shape, estimate, local_cluster, what_to_change
 from dppo.workers.rollout.engines import VLLM_CPU_HEAD_SIZES
 
 log = logging.getLogger("dppo.preflight")
@@ -190,7 +191,7 @@ def _ranks_here(cfg: DppoConfig) -> int:
 
 
 def memory_estimate(cfg: DppoConfig, shape: RunShape) -> MemoryEstimate:
-    """The host memory of the run on this machine, by role (dppo.trainer.memory_estimate)."""
+    """The host memory of the run on this machine, by role (dppo.launch.memory_estimate)."""
     return estimate(cfg, shape.for_estimate(), on_gpu=_trainer_on_gpu(cfg))
 
 

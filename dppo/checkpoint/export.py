@@ -1,7 +1,7 @@
 """`dppo export CHECKPOINT_DIR OUT_DIR`: a checkpoint written at any world size as a transformers model directory.
 
 No Ray, no GPU, no process group: the checkpoint is verified as a resume verifies it (the run's ledger lists it,
-its manifest hashes to what the ledger recorded, every file matches the manifest; dppo.trainer.checkpoint), its
+its manifest hashes to what the ledger recorded, every file matches the manifest; dppo.checkpoint.store), its
 trainer.pt is read with weights_only=True, and the actor's DCP shards are read whole with DCP's metadata
 unpickled through an allow-list (dppo.workers.actor.sharded_state.load_full_weights). An untrusted checkpoint is a
 CheckpointError saying why, before any weight is read.
@@ -22,9 +22,9 @@ from dppo._text import one_line
 from dppo.config.choices import prompt_source_kind
 from dppo.models import tiny_model_config
 from dppo.tasks import make_task
-from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.base import ACTOR_DIR, TRAINER_FILE
-from dppo.trainer.hf_model import (
+from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.layout import ACTOR_DIR, TRAINER_FILE
+from dppo.checkpoint.hf_model import (
     CHECKPOINT_HF_DIR,
     has_tokenizer,
     model_with_weights,

@@ -22,7 +22,7 @@ import traceback
 from collections.abc import Callable
 from pathlib import Path
 
-from dppo.trainer.checkpoint import CheckpointDir, CheckpointError
+from dppo.checkpoint.store import CheckpointDir, CheckpointError
 
 FAILURES_TO_STOP = 2  # failed checkpoints in a row that stop the run
 
@@ -154,5 +154,6 @@ def _release_frames(err: BaseException) -> None:
 
 
 def checkpoint_bytes_estimate(params: int, dtype_bytes: int, with_reference: bool) -> int:
-    """About the bytes of a checkpoint: the weights, Adam's two moments (the weights' dtype) and the KL reference."""
+    """About the bytes of a checkpoint: the weights, Adam's two moments (the weights' dtype) and the KL reference
+    (params x dtype_bytes: the weights' bytes; a caller that counted bytes passes them with dtype_bytes=1)."""
     return params * dtype_bytes * (3 + int(with_reference))

@@ -2,7 +2,7 @@
 evaluates its policy (dppo.trainer.evaluation.score_policy), printed as a table and written as JSON.
 
 The policy: a transformers directory (hf_model/, an export) or a checkpoint (verified as resume verifies it,
-dppo.trainer.export). The prompt source: a checkpoint's own resolved config, or the defaults (`--config
+dppo.checkpoint.export). The prompt source: a checkpoint's own resolved config, or the defaults (`--config
 output_dir/config.yaml` gives the run's), then the overrides. data.val_files alone is enough for text data (the
 rows of the evaluation are those files'). Greedy, or rollout.n samples per prompt when rollout.n is given.
 """
@@ -21,9 +21,9 @@ from omegaconf import OmegaConf
 from dppo.config import ConfigError, load_config, to_dict
 from dppo.data import make_prompt_source
 from dppo.models import build_model
-from dppo.trainer.checkpoint import MANIFEST, atomic_write_bytes
+from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
 from dppo.trainer.evaluation import score_policy
-from dppo.trainer.export import load_checkpoint_policy
+from dppo.checkpoint.export import load_checkpoint_policy
 
 
 @dataclass

@@ -13,7 +13,7 @@ from dppo.data import make_prompt_source
 from dppo.hostmem import keep_freed_host_memory
 from dppo.trainer.base import RunResult, find_resume_point
 from dppo.trainer import ppo
-from dppo.trainer.preflight import (
+from dppo.launch.preflight import (
     check_checkpoint_space,
     check_cluster_fits,
     check_output_dir,
@@ -22,7 +22,7 @@ from dppo.trainer.preflight import (
     check_training_memory,
     run_shape,
 )
-from dppo.trainer.ray_cluster import init_ray, probe_cluster, shutdown_ray
+from dppo.launch.ray_cluster import init_ray, probe_cluster, shutdown_ray
 from dppo.trainer.trackers import check_installed
 
 

@@ -36,13 +36,13 @@ import cloudpickle
 import torch
 
 from dppo.data.source import PromptSource
-from dppo.rollout import Group
-from dppo.trainer.resume import RolloutStart
-from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, groups_of
+from dppo.batch import Group
+from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.rollout.common import RolloutFailedError, buffer_core, groups_of
 from dppo.workers.rollout.process import SharedState, serve
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
-log = logging.getLogger("dppo.rollout")
+log = logging.getLogger("dppo.batch")
 
 POLL_S = 0.5  # how often a waiting fetch looks at the workers' processes
 # Threads a fork may leave behind: they hold no lock while they block (dppo.stopping's watcher reads a pipe).

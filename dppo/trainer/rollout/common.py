@@ -1,13 +1,13 @@
-"""What the trainer's rollout sources share (dppo.trainer.rollout_source on Ray or in-process,
-dppo.trainer.local_rollout in local processes): the rollout's one failure, the replay buffer's start, and the
+"""What the trainer's rollout sources share (dppo.trainer.rollout.sources on Ray or in-process,
+dppo.trainer.rollout.local in local processes): the rollout's one failure, the replay buffer's start, and the
 torch-free groups the buffer held turned back into Groups."""
 
 from __future__ import annotations
 
 import torch
 
-from dppo.rollout import Group
-from dppo.trainer.resume import RolloutStart
+from dppo.batch import Group
+from dppo.checkpoint.state import RolloutStart
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore, StoredGroup
 
 

@@ -1,5 +1,5 @@
 """Where the trainer's groups come from: Ray rollout workers (async or lockstep), local worker processes
-(dppo.trainer.local_rollout) or an in-process generator.
+(dppo.trainer.rollout.local) or an in-process generator.
 
 Both sources run the same worker step (ticket from the replay buffer -> load newer weights -> generate -> put)
 and the same replay-buffer logic; they differ only in who runs the step and when. fetch(num_groups, version)
@@ -27,17 +27,16 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 from dppo._text import one_line
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict
-from dppo.rollout import Group
+from dppo.batch import Group
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
-from dppo.trainer.ray_cluster import RayConnectError, init_ray  # noqa: F401  (re-exported)
-from dppo.trainer.resume import RolloutStart
-from dppo.trainer.local_rollout import LocalRollout
-from dppo.trainer.rollout_common import RolloutFailedError, buffer_core, cloned_state, groups_of
+from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.rollout.local import LocalRollout
+from dppo.trainer.rollout.common import RolloutFailedError, buffer_core, cloned_state, groups_of
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from dppo.workers.rollout.worker import RolloutGenerator, RolloutWorkerActor
 
-log = logging.getLogger("dppo.rollout")
+log = logging.getLogger("dppo.batch")
 
 BUFFER_TIMEOUT_S = 30.0  # how long a liveness check waits for the replay buffer to answer
 
@@ -116,7 +115,6 @@ class RayRollout:
     """
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
-        init_ray(cfg)
         self.cfg, self.mode = cfg, cfg.trainer.mode
         self.worker_restarts = start.worker_restarts
         # GPU workers: one bundle each in the rollout's own placement groups (a restarted worker takes its

@@ -8,7 +8,7 @@ pad tokens) and the tokenizer of tokenizer_dir when there is one. The directory 
 renamed into place, so out_dir is either the old directory or the whole new one, never half of either.
 
 The weights come from the driver: at the end of a run, the final weights the ranks gathered on rank 0 for the
-rollout (any world size); from a checkpoint, its DCP shards read whole (dppo.trainer.export).
+rollout (any world size); from a checkpoint, its DCP shards read whole (dppo.checkpoint.export).
 """
 
 from __future__ import annotations

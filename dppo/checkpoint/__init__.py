@@ -1,0 +1,3 @@
+"""Saving and resuming: checkpoints as verified directories (store.py), what they hold (layout.py, state.py), what
+to do when one cannot be written (failure.py), the policy as a transformers directory (hf_model.py) and a checkpoint
+read back as a policy (export.py)."""
