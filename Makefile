@@ -47,9 +47,10 @@ bench: install
 	$(BIN)/python benchmarks/snapshot_bench.py
 	$(BIN)/python benchmarks/cycle_bench.py
 
-# docs/config_keys.md from the config schema (a test fails while it is stale).
+# docs/config_keys.md and dppo/config/train.yaml from the config schema, its one source (a test fails while either is stale).
 docs: install
-	$(BIN)/python -c "from dppo.config.load import markdown_reference; open('docs/config_keys.md', 'w').write(markdown_reference())"
+	$(BIN)/python -c "from dppo.config.load import markdown_reference as md, yaml_reference as ym; \
+		open('docs/config_keys.md', 'w').write(md()); open('dppo/config/train.yaml', 'w').write(ym())"
 
 clean:
 	rm -rf build dist *.egg-info dppo/*.so $(VENV)

@@ -252,10 +252,11 @@ def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Cl
     trainer.begin_cycle()
     prox_logps = [None] * ps
     for k in range(ps):
-        trainer.local_trigger_step = k
+        trainer.state.progress.trigger = k  # the trigger in flight (trainer.local_trigger_step)
         if k == 0 and trainer.score_ahead_enabled:
             prox_logps[1:] = trainer.score_ahead(batches[1:ps], True)
         trainer.train_trigger(batches[k], prox_logps[k])
+    trainer.state.progress.trigger = 0
     trainer.end_cycle()
     stop = clock.start()
     if clock.cuda:

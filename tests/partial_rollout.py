@@ -23,6 +23,16 @@ class PartialRollout:
         self._ready: int | None = None  # groups fetch_ready may still take this cycle; None: not drawn yet
         self.ready_calls: list[bool] = []  # per fetch_ready call: whether it returned groups
 
+    @property
+    def worker_restarts(self) -> int:
+        return self.inner.worker_restarts
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    def published_weights(self):
+        return self.inner.published_weights()
+
     def start(self) -> None:
         self.inner.start()
 

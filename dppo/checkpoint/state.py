@@ -1,5 +1,6 @@
 """What a checkpoint holds besides the weights, as tensors and plain types (torch.load(weights_only=True) reads
-them): the RNG states, how far the current sync cycle got, and where the rollout picks up.
+them): where the run is (TrainerState: its steps and version, how far the current sync cycle got, where the rollout
+picks up); the RNG states are dppo.rng's.
 
 A run resumed from a checkpoint continues exactly where the checkpointed one was: a boundary checkpoint
 (trigger 0) at the start of the next sync cycle, a mid-cycle one (written when the rollout failed beyond
@@ -11,40 +12,11 @@ log-probs (dppo.trainer.score_ahead).
 from __future__ import annotations
 
 import math
-import random
 from dataclasses import dataclass, field, fields
 
-import numpy as np
 import torch
 
 from dppo.batch import Group
-
-# ---- RNG states ---------------------------------------------------------------------------------------
-
-
-def rng_state() -> dict:
-    """The python, numpy (legacy global) and torch RNG states as tensors and plain types."""
-    name, keys, pos, has_gauss, cached = np.random.get_state()
-    state = {
-        "python": random.getstate(),  # (version, tuple of ints, float or None)
-        "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
-                  "has_gauss": int(has_gauss), "cached_gaussian": float(cached)},  # fmt: skip
-        "torch": torch.get_rng_state(),
-    }
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state_all()
-    return state
-
-
-def set_rng_state(state: dict) -> None:
-    version, internal, gauss = state["python"]
-    random.setstate((version, tuple(internal), gauss))
-    n = state["numpy"]
-    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["cached_gaussian"]))
-    torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
 
 # ---- the current sync cycle -----------------------------------------------------------------------------
 
@@ -165,6 +137,24 @@ class CycleProgress:
     def started(self) -> bool:
         return self.trigger > 0 or self.ended
 
+    def record(self, step: int, version: int, stats: dict[str, float], step_s: float) -> dict[str, float]:
+        """The metrics record of the finished cycle: global step `step`, now at `version`; stats: the rollout's."""
+        stale = torch.cat(self.staleness).float()
+        score = torch.cat(self.scores)
+        record = {"step": step, "version": version}
+        record.update({
+            "critic/score/mean": float(score.mean()),
+            "critic/score/max": float(score.max()),
+            "critic/score/min": float(score.min()),
+            "staleness/mean": float(stale.mean()),
+            "staleness/max": float(stale.max()),
+            "replay/dropped": float(self.dropped),
+        })  # fmt: skip
+        record.update(self.metrics.result())
+        record.update(stats)
+        record["timing_s/step"] = step_s
+        return record
+
     def to_state(self, elapsed_s: float) -> dict:
         return {"trigger": self.trigger, "ended": self.ended, "sums": dict(self.metrics.sums),
                 "counts": dict(self.metrics.counts), "extremes": dict(self.metrics.extremes),
@@ -203,3 +193,21 @@ class RolloutStart:
     def to_state(self) -> dict:
         return {"next_grant": self.next_grant, "dropped_total": self.dropped_total,
                 "worker_restarts": self.worker_restarts}  # fmt: skip
+
+    def took(self, version: int, groups: list[Group], dropped: int, discarded: int = 0) -> None:
+        """The trainer at `version` took these groups (and the rollout dropped `dropped` meanwhile); discarded: how many
+        of them it told the rollout it does not train on (algorithm.filter_groups)."""
+        self.version = version
+        self.consumed += len(groups) - discarded
+        self.next_grant = max([self.next_grant, *(g.index + 1 for g in groups)])
+        self.dropped_total += dropped
+
+
+@dataclass
+class TrainerState:
+    """Where a run is: what the trainer's loop moves and a checkpoint keeps (with the RNG states, dppo.rng)."""
+
+    global_step: int = 0  # completed global steps (sync cycles)
+    version: int = 0  # policy version of the live weights' last sync to the rollout
+    progress: CycleProgress = field(default_factory=CycleProgress)  # of the current cycle
+    rollout_start: RolloutStart = field(default_factory=RolloutStart)  # where a new rollout picks up

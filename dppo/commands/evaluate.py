@@ -20,6 +20,8 @@ from omegaconf import OmegaConf
 
 from dppo.config import ConfigError, load_config, to_dict
 from dppo.data import make_prompt_source
+from dppo.devices import resolve_device
+from dppo.launch.machine import check_machine
 from dppo.models import build_model
 from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
 from dppo.trainer.evaluation import score_policy
@@ -77,12 +79,6 @@ def _config_from_dict(config: dict, overrides: list[str]):
         os.unlink(f.name)
 
 
-def _device(name: str) -> torch.device:
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name)
-
-
 def load_eval_target(target: str | os.PathLike, overrides: list[str], config_file: str | None = None):
     """(policy on the CPU, DppoConfig) of a model directory or a checkpoint, with overrides applied."""
     target = str(target)
@@ -109,11 +105,12 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     rollout.n among the overrides, rollout.n responses per prompt are sampled at rollout.temperature, else greedy."""
     overrides = list(overrides)
     policy, cfg = load_eval_target(target, overrides, config_file)
+    check_machine(cfg)  # the device, the threads, the data files an override names
     torch.set_num_threads(cfg.trainer.num_threads)
     source = make_prompt_source(cfg)
     if policy is None:  # a transformers directory: model.path is the target
         policy = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
-    device = _device(cfg.trainer.device)
+    device = resolve_device(cfg.trainer.device)
     policy = policy.to(device)
     sampled = "rollout.n" in _override_keys(overrides)
     n, temperature = (cfg.rollout.n, cfg.rollout.temperature) if sampled else (1, 0.0)

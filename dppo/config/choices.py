@@ -4,11 +4,13 @@ sharded actor. The workers and the driver both ask here, so the config needs not
 
 from __future__ import annotations
 
+from dppo.models import DTYPES as MODEL_DTYPES
+
 TRAINER_MODES = ("separate_async", "sync")
 PROX_ANCHORS = ("cycle_start", "current")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = tuple(MODEL_DTYPES)  # model.dtype, rollout.dtype (dppo.models.DTYPES maps each to its torch dtype)
 FSDP_MODES = ("auto", "always")
 MIXED_PRECISIONS = ("bfloat16",)  # actor.mixed_precision (dppo.workers.actor.precision)
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logger (dppo.trainer.trackers)

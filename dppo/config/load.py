@@ -11,6 +11,7 @@ import functools
 import inspect
 import os
 import re
+import textwrap
 import typing
 from pathlib import Path
 from typing import Any
@@ -141,13 +142,11 @@ def _underscored_scalars(config_file: str | os.PathLike) -> list[tuple[str, str]
 
 
 def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None) -> DppoConfig:
-    """Schema <- shipped YAML defaults <- config_file <- key=value overrides, validated; raises ConfigError."""
+    """Schema defaults <- config_file <- key=value overrides, validated; raises ConfigError. (The shipped train.yaml is
+    the schema's defaults written out by yaml_reference, for reading: a test keeps it current.)"""
     file_cfg = _load_config_file(config_file) if config_file is not None else None
     override_cfg = _parse_overrides(list(overrides))
-    try:
-        merged = OmegaConf.merge(OmegaConf.structured(DppoConfig), OmegaConf.load(DEFAULTS_YAML))
-    except OmegaConfBaseException as err:
-        raise _convert_omegaconf_error(err) from None
+    merged = OmegaConf.structured(DppoConfig)
     if file_cfg is not None:
         try:
             merged = OmegaConf.merge(merged, file_cfg)
@@ -194,9 +193,9 @@ def _field_docs(cls: type) -> dict[str, str]:
 
 
 def describe(cls: type = DppoConfig, prefix: str = "", defaults: Any = None) -> list[tuple[str, object, str]]:
-    """(dotted key, default, doc) for every leaf field, defaults taken from the shipped YAML."""
+    """(dotted key, default, doc) for every leaf field: the schema's defaults and docstrings."""
     if defaults is None:
-        defaults = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DppoConfig), OmegaConf.load(DEFAULTS_YAML)))
+        defaults = DppoConfig()
     docs = _field_docs(cls)
     rows = []
     for f in dataclasses.fields(cls):
@@ -246,4 +245,24 @@ def markdown_reference() -> str:
         value = "null" if default is None else str(default).lower() if isinstance(default, bool) else str(default)
         cell = doc.replace("|", "\\|")  # a | inside a doc would end the table cell
         out.append(f"| `{key}` | `{value}` | {cell} |")
+    return "\n".join(out) + "\n"
+
+
+def yaml_reference() -> str:
+    """dppo/config/train.yaml: every key with its default, each under its doc as a comment (`make docs` writes it; a
+    test keeps the file equal to this). The schema is the one source of both files."""
+    out = ["# The defaults of `dppo train` (the `make demo` run): every key, with what it does. Generated from the schema",
+           "# (dppo/config/schema.py) by `make docs`; override any key on the command line as key=value, or pass a YAML",
+           "# file of overrides with --config."]  # fmt: skip
+    opened: list[str] = []
+    for key, default, doc in describe():
+        *sections, name = key.split(".")
+        common = next((i for i, (a, b) in enumerate(zip(opened, sections)) if a != b), min(len(opened), len(sections)))
+        for depth in range(common, len(sections)):
+            out.append(f"{'  ' * depth}{sections[depth]}:")
+        opened = sections
+        indent = "  " * len(sections)
+        out.extend(f"{indent}# {line}" for line in textwrap.wrap(doc, width=116 - len(indent)))
+        value = yaml.safe_dump(default, default_flow_style=True, width=1000).strip().removesuffix("\n...").strip()
+        out.append(f"{indent}{name}: {value}")
     return "\n".join(out) + "\n"

@@ -3,11 +3,10 @@ dppo.config.schema.DppoConfig): each error names the keys and values involved.""
 
 from __future__ import annotations
 
-import os
 import numpy as np
 
 from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
-from dppo.config.checks import ConfigError, machine_cpus, shown
+from dppo.config.checks import ConfigError, shown
 from dppo.config.choices import FILTER_REWARD_METRICS, InexactUnderShardingError, check_reader_for_sharding
 from dppo.data.errors import MissingExtraError
 from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
@@ -46,7 +45,6 @@ def validate_combinations(cfg) -> None:
     _check_prox_logp_method(cfg)
     _check_policy_loss(cfg)
     _check_stability_remedies(cfg)
-    _check_local_workers_fit(cfg)
     _check_data_or_task(cfg)
 
 
@@ -185,23 +183,6 @@ def _check_reasoning_gym(cfg) -> None:
         raise ConfigError(f"data.reasoning_gym.config: {err}") from None
     except MissingExtraError as err:
         raise ConfigError(str(err)) from None
-
-
-def _check_local_workers_fit(cfg) -> None:
-    """On a local Ray cluster, or as local processes, every rollout worker runs on this machine: their threads must
-    fit its CPUs (on a cluster of your own, dppo.launch.run checks the cluster's CPUs once it has joined)."""
-    r = cfg.rollout
-    if cfg.trainer.mode == "sync" and not cfg.use_ray:
-        return  # the rollout runs inside the trainer's process
-    if cfg.use_ray and (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
-        return
-    cpus = machine_cpus()
-    if r.num_workers * r.num_threads > cpus:
-        raise ConfigError(
-            f"rollout.num_workers={shown(r.num_workers)} with rollout.num_threads={r.num_threads}: "
-            f"{r.num_workers * r.num_threads} worker threads, but this machine has {cpus} CPUs (every rollout worker "
-            "runs here); lower them, or join a larger cluster with ray.address"
-        )
 
 
 def _check_prompts_left_for_training(cfg) -> None:

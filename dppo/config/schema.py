@@ -6,11 +6,9 @@ dppo.config.rules; loading and --help in dppo.config.load."""
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
 from typing import Any, Dict, Optional
 
-import torch
 
 from dppo.algo import (
     ADVANTAGE_ESTIMATORS,
@@ -25,7 +23,6 @@ from dppo.algo import (
 )
 from dppo.config.checks import (
     ConfigError,
-    at_most_cpus,
     check_numbers,
     nonnegative,
     one_of,
@@ -52,7 +49,6 @@ from dppo.config.choices import (
     prompt_source_kind,
 )
 from dppo.config.rules import validate_combinations
-from dppo.data.errors import DataFileError
 from dppo.data.text import TRUNCATIONS
 from dppo.tasks import TASKS, task_exists
 
@@ -141,11 +137,7 @@ class TrainerConfig:
         one_of("trainer.mode", self.mode, TRAINER_MODES)
         nonnegative("trainer.eval_prompts", self.eval_prompts)
         one_of("trainer.device", self.device, DEVICES)
-        if self.device == "cuda":
-            require(torch.cuda.is_available(), "trainer.device", self.device,
-                     "cpu or auto (torch.cuda.is_available() is False on this machine)")  # fmt: skip
         positive("trainer.num_threads", self.num_threads)
-        at_most_cpus("trainer.num_threads", self.num_threads)
         positive("trainer.nnodes", self.nnodes)
         positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
         require(0 < self.collective_timeout_s < float("inf"), "trainer.collective_timeout_s", self.collective_timeout_s,
@@ -689,8 +681,7 @@ class ModelConfig:
                  f"a multiple of model.num_attention_heads={self.num_attention_heads}")  # fmt: skip
         one_of("model.dtype", self.dtype, DTYPES)
         if self.path is not None:
-            require(os.path.isfile(os.path.join(self.path, "config.json")), "model.path", self.path,
-                     "an existing local transformers model directory (one holding config.json)")  # fmt: skip
+            require(isinstance(self.path, str) and self.path, "model.path", self.path, "a local model directory")
 
 
 @dataclass
@@ -709,15 +700,12 @@ class TaskConfig:
 
 
 def _check_data_files(key: str, files: object) -> None:
-    """files: null, one path, or a non-empty list of paths, each an existing file."""
+    """files: null, one path, or a non-empty list of paths (that they exist is dppo.launch.machine's to check)."""
     if files is None:
         return
     paths = [files] if isinstance(files, str) else files
     require(isinstance(paths, (list, tuple)) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
              key, files, "a parquet file path or a non-empty list of them")  # fmt: skip
-    for path in paths:  # a missing file is a data error (exit code 6), as an unreadable one is
-        if not os.path.isfile(path):
-            raise DataFileError(f"{key}={shown(files)}: data file {path!r} does not exist")
 
 
 @dataclass
@@ -845,8 +833,6 @@ class CustomRewardFunctionConfig:
     function, the data source and the row; on a Ray worker, after a checkpoint). null: no limit."""
 
     def __post_init__(self) -> None:
-        if self.path is not None and not os.path.isfile(self.path):
-            raise DataFileError(f"custom_reward_function.path={self.path!r}: the reward function's file does not exist")
         require(self.name.isidentifier(), "custom_reward_function.name", self.name, "a Python function name")
         if self.timeout_s is not None:
             require(0 < self.timeout_s < float("inf"), "custom_reward_function.timeout_s", self.timeout_s,
@@ -920,14 +906,13 @@ class DppoConfig:
 
     @property
     def use_ray(self) -> bool:
-        """Whether the run's roles are Ray actors: ray.enabled, or where it is null (auto), whether the run needs
-        Ray (see RayConfig.enabled)."""
+        """Whether the run's roles are Ray actors: ray.enabled, or where it is null (auto), whether its keys need Ray
+        (see RayConfig.enabled; what the machine adds to the rule, RAY_ADDRESS and a GPU under trainer.device=auto,
+        dppo.launch.machine.resolve_ray decides before the run starts)."""
         if self.ray.enabled is not None:
             return self.ray.enabled
         t, r = self.trainer, self.rollout
-        on_cuda = t.device == "cuda" or (t.device == "auto" and torch.cuda.is_available())
-        return bool(self.ray.address or os.environ.get("RAY_ADDRESS") or t.nnodes * t.n_gpus_per_node > 1
-                    or r.n_gpus_per_node or on_cuda)  # fmt: skip
+        return bool(self.ray.address or t.nnodes * t.n_gpus_per_node > 1 or r.n_gpus_per_node or t.device == "cuda")
 
     @property
     def groups_per_trigger(self) -> int:

@@ -22,6 +22,7 @@ from dppo.launch.preflight import (
     check_training_memory,
     run_shape,
 )
+from dppo.launch.machine import check_machine, resolve_ray
 from dppo.launch.ray_cluster import init_ray, probe_cluster, shutdown_ray
 from dppo.trainer.trackers import check_installed
 
@@ -34,6 +35,8 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     against what is available, and the checkpoint to resume from (trainer.resume) is chosen and its trainer
     state read. The actor's ranks (Ray actors with ray.enabled) then build the model and load their shards."""
     out = sys.stdout if out is None else out
+    cfg = resolve_ray(cfg)  # ray.enabled=null decided with what only this machine knows
+    check_machine(cfg)  # the GPU, the CPUs, the model directory and the data files the config names
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_installed(cfg.trainer.logger)  # a tracker named but not installed: one line naming the extra
     check_rollout_engine(cfg)  # rollout.name=vllm without vLLM: one line naming `make vllm`

@@ -32,7 +32,7 @@ import numpy as np
 from dppo.config.choices import FILTER_REWARD_METRICS
 from dppo.data import DataError
 from dppo.batch import Group
-from dppo.checkpoint.state import Draw
+from dppo.checkpoint.state import Draw, TrainerState
 
 
 class FilterMetricError(DataError, KeyError):
@@ -94,6 +94,16 @@ class GroupFilter:
                 break
             self._add(rollout, draw, got)
         return draw
+
+    def commit(self, state: TrainerState, draw: Draw, since: Draw | None = None) -> None:
+        """A done draw of a trigger's mini-batch into the run's state: its groups taken and dropped since `since`
+        (what score-ahead had taken of it at trigger 0, committed then) and its filter_groups/* metrics."""
+        before = since or Draw()
+        dropped = draw.dropped - before.dropped
+        state.progress.dropped += dropped
+        state.progress.metrics.add(self.metrics(draw))
+        state.rollout_start.took(state.version, draw.taken[len(before.taken) :], dropped,
+                                 draw.discarded - before.discarded)  # fmt: skip
 
     def metrics(self, draw: Draw) -> dict[str, float]:
         """filter_groups/kept_frac (kept / taken) and filter_groups/extra_batches (groups taken beyond the mini-batch,

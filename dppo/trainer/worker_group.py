@@ -28,11 +28,8 @@ import ray
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
-from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, collect, dispatch_mode, gather_rows, split_args, split_each
-
-
-class RankDiedError(RuntimeError):
-    """An actor rank's process died (killed, or crashed); the message names the rank and its node."""
+from dppo.workers.dispatch import (ALL, DP, DP_GATHER, RANK0, RankDiedError, collect, dispatch_mode, gather_rows,
+                                   split_args, split_each)
 
 
 class WorkerGroup:

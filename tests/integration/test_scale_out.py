@@ -71,6 +71,8 @@ def make_cfg(output_dir: Path, world_size: int, **extra):
 class FixedRollout:
     """The same groups, in the same order, for every trainer (stamped with the version that takes them)."""
 
+    worker_restarts = 0
+
     def __init__(self, groups: list[Group]) -> None:
         self.groups, self.taken = groups, 0
         self.published: list[tuple[int, object]] = []  # (version, what was published), every publish
@@ -331,7 +333,7 @@ def test_snapshot_calls_reach_every_rank_and_each_holds_its_own_shard(ws2):
 def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_alike(ws2, groups):
     path = ws2.save_checkpoint()
     assert path.name == f"step_{ws2.global_step:08d}"
-    manifest = ws2.checkpoints.trusted(path)
+    manifest = ws2.checkpoints.store.trusted(path)
     shards = sorted(name for name in manifest["files"] if name.endswith(".distcp"))
     assert shards == ["actor/__0_0.distcp", "actor/__1_0.distcp"]  # each rank wrote its own
     saved, step = full_weights(ws2), ws2.global_step
@@ -354,7 +356,7 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
     run_cycles(ws2, 1)
     point = find_resume_point(ws2.cfg)
     assert point[0] == path
-    ws2._resume(point)
+    ws2.resume(point)
     assert ws2.global_step == step
     for name, value in full_weights(ws2).items():
         assert torch.equal(value, saved[name]), name
@@ -431,7 +433,7 @@ def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_lo
         if method == "auto":
             assert [r["prox_approx/method"] for r in clean] == [1.0, 0.0]
 
-        ws2._resume((boundary, ckpt_state(boundary)))
+        ws2.resume((boundary, ckpt_state(boundary)))
         rollout.taken = 0
         train_trigger = ws2.train_trigger
 
@@ -454,7 +456,7 @@ def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_lo
         assert state["pi_old"]["weights"] == ("anchor" if slot_read else "file") and state["anchor"] is slot_read
         run_cycles(ws2, 2)  # the ranks (and auto's switch) move on before the resume puts them back
 
-        ws2._resume((mid, state))
+        ws2.resume((mid, state))
         rollout.taken = ws2.rollout_start.consumed - version * ws2.cfg.trainer.train_batch_size
         rollout.published = []
         ws2.publish_start_weights()

@@ -23,6 +23,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from dppo.devices import resolve_device
+from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, tied_aliases
 from dppo.batch import TrainBatch
@@ -38,13 +40,6 @@ from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
-
-
-def rank_device(name: str) -> torch.device:
-    """trainer.device as this rank's torch.device: "auto" is the GPU Ray gave this process, if any."""
-    if name == "auto":
-        name = "cuda" if torch.cuda.is_available() else "cpu"
-    return torch.device(name, torch.cuda.current_device()) if name == "cuda" else torch.device(name)
 
 
 def uses_fsdp(cfg, world_size: int) -> bool:
@@ -92,13 +87,13 @@ class ActorRank:
         """Join the process group (if sharded), build the model, shard it, and build the optimizer and the update."""
         cfg = self.cfg
         torch.set_num_threads(cfg.trainer.num_threads)
-        self.device = rank_device(cfg.trainer.device)
+        self.device = resolve_device(cfg.trainer.device, current_gpu=True)
         self.peers.device = self.device
         self.precision = Precision.of(cfg.actor.mixed_precision, self.sharded, self.device.type)
         if self.sharded:
             init_process_group(self.rank, self.world_size, master_addr, master_port, self.device.type,
                                cfg.trainer.collective_timeout_s)  # fmt: skip
-        torch.manual_seed(cfg.trainer.seed)
+        seed_all(cfg.trainer.seed)  # a rank's process of its own, or the driver's: the model is built from the seed
         self.model = build_model(cfg.model, self.vocab_size, seed=cfg.trainer.seed).to(self.device)
         # the reference policy of the KL penalty: the initial weights, sharded like the policy
         needs_ref = cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward  # the KL loss's or the reward's

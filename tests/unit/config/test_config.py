@@ -53,7 +53,6 @@ def test_overrides_are_typed_and_nested():
         (["rollout.n=1"], ["rollout.n=1"]),
         (["task.name=nosuchtask"], ["task.name", "nosuchtask", "copy"]),
         (["model.hidden_size=30", "model.num_attention_heads=4"], ["model.hidden_size=30"]),
-        (["model.path=/no/such/dir"], ["model.path", "/no/such/dir"]),
         (["algorithm.rollout_correction.rollout_is=word"], ["rollout_is", "word"]),
         (["algorithm.rollout_correction.rollout_rs=token_k1"], ["rollout_rs_threshold"]),
         (["trainer.train_batch_size=10", "trainer.parameter_sync_step=4"], ["train_batch_size=10", "parameter_sync_step=4"]),
@@ -107,14 +106,17 @@ def test_bad_settings_raise_config_error_naming_key_and_value(override, fragment
         assert fragment in message, message
 
 
-def test_a_directory_without_a_model_and_cuda_without_a_gpu_fail_as_config_errors(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match=rf"model.path='{tmp_path}': expected .*config.json"):
-        load_config([f"model.path={tmp_path}"])
+def test_building_a_config_probes_nothing_of_the_machine(tmp_path, monkeypatch):
+    """A config is plain data: a model directory, data files, a GPU or the CPUs it names are dppo.launch.machine's to
+    check (tests/unit/launch/test_machine.py), not load_config's."""
     import torch
 
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"trainer.device='cuda': expected cpu or auto .*is_available\(\) is False"):
-        load_config(["trainer.device=cuda"])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("load_config asked for a GPU"))
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
+    cfg = load_config([f"model.path={tmp_path}/none", "trainer.device=cuda", "trainer.num_threads=100000",
+                       "ray.enabled=null"])  # fmt: skip
+    assert (cfg.model.path, cfg.trainer.device, cfg.trainer.num_threads) == (f"{tmp_path}/none", "cuda", 100000)
+    assert cfg.use_ray  # trainer.device=cuda asks for Ray by the config's own rule; RAY_ADDRESS is not read here
 
 
 def test_config_file_then_overrides(tmp_path):

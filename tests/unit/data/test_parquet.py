@@ -135,9 +135,13 @@ def test_config_errors_name_the_key(text_cfg, overrides, fragments):
     ({"custom_reward_function.path": "/no/reward.py"}, "custom_reward_function.path='/no/reward.py': the reward function's file does not exist"),
 ])  # fmt: skip
 def test_a_missing_data_or_reward_file_is_a_data_error(text_cfg, overrides, line):
-    """Exit code 6 (DataError), as an unreadable file is; not a config error."""
+    """Exit code 6 (DataError), as an unreadable file is; not a config error. The config names the files; the machine
+    check before a run (dppo.launch.machine) finds them missing."""
+    from dppo.launch.machine import check_machine
+
+    cfg = text_cfg(**overrides)  # plain data: building it looks at no file
     with pytest.raises(DataFileError) as err:
-        text_cfg(**overrides)
+        check_machine(cfg)
     assert str(err.value) == line
 
 

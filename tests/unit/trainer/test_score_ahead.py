@@ -175,8 +175,9 @@ def test_a_mid_cycle_checkpoint_keeps_the_mini_batches_held_ahead_and_the_resume
     resumed = PPOTrainer(ahead_cfg(small_cfg, True, **{**common, "trainer.output_dir": out, "trainer.resume": True}))
     assert (resumed.global_step, resumed.progress.trigger, len(resumed.progress.ahead)) == (1, 1, 2)
     assert (resumed.rollout_start.consumed, resumed.rollout_start.next_grant) == (12, 12)
-    fetch = resumed._taken
-    resumed._taken = lambda groups, dropped: fetched.append([g.index for g in groups]) or fetch(groups, dropped)
+    start = resumed.state.rollout_start
+    took = start.took
+    start.took = lambda version, groups, *rest: fetched.append([g.index for g in groups]) or took(version, groups, *rest)
     resumed.fit()
     assert fetched == []  # the held mini-batches finished the cycle, and nothing was taken again
     for name, tensor in weights(resumed).items():

@@ -29,5 +29,5 @@ def test_fsdp2_at_world_size_1_trains_as_the_plain_module_does(small_cfg):
     for a, b in zip(plain_result.records, result.records, strict=True):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "critic/score/mean"):
             assert a[key] == pytest.approx(b[key], rel=1e-6, abs=1e-9), key
-    for name, value in plain.policy.state_dict().items():  # the final weights, gathered from the shards
-        torch.testing.assert_close(sharded.policy.state_dict()[name], value, rtol=1e-6, atol=1e-7)
+    for name, value in plain.published.model().state_dict().items():  # the final weights, gathered from the shards
+        torch.testing.assert_close(sharded.published.model().state_dict()[name], value, rtol=1e-6, atol=1e-7)
