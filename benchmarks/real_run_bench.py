@@ -14,7 +14,9 @@ PSS and RSS, and the kernel's own high-water mark of the RSS (VmHWM of /proc/PID
 peak), beside the preflight's estimate of its role (dppo.launch.preflight.memory_estimate). Per step (from
 metrics.jsonl, the first step left out as warm-up): the medians of the step and its parts (timing_s/*) and the
 tokens/s of the update and of the old-log-prob passes: sequences x (prompt + response tokens) / seconds, with the
-prompt tokens the mean over the data of its chat-templated prompts. A printed table and a JSON file.
+prompt tokens the mean over the data of its chat-templated prompts; the passes score the cycle's later mini-batches
+once each (ahead at trigger 0, or from slot 0 at their trigger): (parameter_sync_step - 1) / parameter_sync_step of
+a step's sequences, in timing_s/score_ahead + timing_s/old_log_prob. A printed table and a JSON file.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_bench import GIB, REPO, Sampler, estimate_for, read_kib, run_and_sample  # noqa: E402
 
-ISSUE_35 = ["trainer.train_batch_size=8", "rollout.n=8", "trainer.parameter_sync_step=2", "actor.lr=1e-5",
+PS = 2  # trainer.parameter_sync_step of issue 35's run
+ISSUE_35 = ["trainer.train_batch_size=8", "rollout.n=8", f"trainer.parameter_sync_step={PS}", "actor.lr=1e-5",
             "data.max_response_length=12", "trainer.checkpoint_every=0", "trainer.progress_bar=false"]  # fmt: skip
 TIMES = ("step", "gen_wait", "old_log_prob", "score_ahead", "snapshot", "update_actor", "weight_sync")
 
@@ -73,9 +76,10 @@ def step_figures(run_dir: Path, sequences_per_step: int, prompt_tokens: float) -
     out = {f"{k}_s": statistics.median(r.get(f"timing_s/{k}", 0.0) for r in steady) for k in TIMES}
     response = statistics.mean(r.get("response_length/mean", 0.0) for r in steady)
     tokens = sequences_per_step * (prompt_tokens + response)
+    passes_s = out["old_log_prob_s"] + out["score_ahead_s"]
     out.update(steps=len(records), response_tokens_mean=response, tokens_per_step=tokens,
                update_tokens_per_s=tokens / out["update_actor_s"] if out["update_actor_s"] else None,
-               old_log_prob_tokens_per_s=tokens / out["old_log_prob_s"] if out["old_log_prob_s"] > 0.05 else None,
+               old_log_prob_tokens_per_s=tokens * (PS - 1) / PS / passes_s if passes_s > 0.05 else None,
                step_s_all=[r.get("timing_s/step") for r in records],
                score_mean=[r.get("critic/score/mean") for r in records])  # fmt: skip
     return out

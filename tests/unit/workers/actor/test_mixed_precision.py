@@ -12,6 +12,7 @@ from dppo.cli import main
 from dppo.config import ActorConfig
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.actor.fsdp import local_tensor
+import dppo.workers.actor.update as update_module
 from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.update import decoupled_objective, update_policy
 
@@ -84,8 +85,12 @@ PATHS = {
 
 
 @pytest.mark.parametrize("path", list(PATHS))
-def test_the_old_log_probs_of_every_path_are_bitwise_those_of_the_bf16_training_forward(small_cfg, path):
+def test_the_old_log_probs_of_every_path_are_bitwise_those_of_the_bf16_training_forward(small_cfg, monkeypatch, path):
     keys = {**RUN, **PATHS[path]}
+    kl_inputs = []  # (logp, ref_logp) of every micro-batch's KL term
+    kl_loss = update_module.kl_loss
+    monkeypatch.setattr(update_module, "kl_loss", lambda logp, ref, *a: kl_inputs.append((logp.detach(), ref))
+                        or kl_loss(logp, ref, *a))  # fmt: skip
     trainer = PPOTrainer(small_cfg(**keys, **{"actor.mixed_precision": "bfloat16"}))
     rank = trainer.actor_group.local_rank
     try:
@@ -93,8 +98,14 @@ def test_the_old_log_probs_of_every_path_are_bitwise_those_of_the_bf16_training_
     finally:
         trainer.close()
     assert [r["debug/old_log_prob_max_abs_diff"] for r in result.records] == [0.0, 0.0]
-    # the KL reference is scored in bf16 too: at the first trigger (weights = the reference) its KL is exactly 0
-    assert result.records[0]["actor/kl_loss"] != 0.0  # (the step's mean over 3 triggers; the later ones moved)
+    if path == "stream":  # streamed under autocast, not fallen back to swap
+        strategy = rank.old_log_prob.inner
+        assert strategy.reader_name == "stream" and strategy.stream.passes > 0, strategy.stream_error
+    # the KL reference is scored as the training forward computes: at the first trigger the live weights are the
+    # reference's, so its log-probs are the training forward's, bitwise (micro-batch by micro-batch)
+    first = kl_inputs[:2]  # trigger 0: 8 sequences in micro-batches of 5 and 3
+    assert sum(len(logp) for logp, _ in first) == 8 and all(torch.equal(logp, ref) for logp, ref in first)
+    assert not torch.equal(*kl_inputs[-1])  # (the live weights moved since)
     for name, p in rank.model.named_parameters():  # fp32 master weights (a DTensor's local shard under FSDP2)
         assert local_tensor(p).dtype == torch.float32, (name, p.dtype)
     for state in rank.optimizer.state.values():
