@@ -32,7 +32,7 @@ import torch
 from dppo.algo import RolloutCorrectionConfig, log_probs_from_logits
 from dppo.config import ActorConfig
 from dppo.models import build_model, forward_response_logits, response_log_probs
-from dppo.rollout import TrainBatch
+from dppo.batch import TrainBatch
 from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.update import decoupled_objective, update_policy
 
