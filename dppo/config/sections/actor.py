@@ -1,0 +1,253 @@
+"""The config schema's actor.*: the policy update (optimizer and its lr schedule, clip ratios, loss aggregation and the
+policy loss, mixed precision, sharding, checkpoint contents). One dataclass per section, a docstring per field, each
+section's own rules in its __post_init__ (dppo.config.schema assembles the whole config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from dppo.algo import (
+    KL_PENALTIES,
+    LOSS_AGG_MODES,
+    LOSS_MODES,
+    clip_range,
+)
+from dppo.config.checks import (
+    check_numbers,
+    nonnegative,
+    one_of,
+    positive,
+    require,
+)
+from dppo.config.choices import (
+    FSDP_MODES,
+    MIXED_PRECISIONS,
+    LR_SCHEDULER_TYPES,
+    SAVE_CONTENTS,
+)
+
+
+
+@dataclass
+class ActorCheckpointSection:
+    save_contents: Any = field(default_factory=lambda: ["model", "optimizer", "extra"])
+    """What each checkpoint holds (verl's key): model, optimizer and extra (the trainer's state and RNG) always, so
+    it resumes exactly; add hf_model for a transformers directory of the policy in actor/huggingface/ too."""
+
+    def __post_init__(self) -> None:
+        require(isinstance(self.save_contents, (list, tuple)), "actor.checkpoint.save_contents", self.save_contents,
+                f"a list, some of {', '.join(SAVE_CONTENTS)}")  # fmt: skip
+        for name in self.save_contents:
+            one_of("actor.checkpoint.save_contents", name, SAVE_CONTENTS)
+        missing = [name for name in SAVE_CONTENTS[:3] if name not in self.save_contents]
+        require(not missing, "actor.checkpoint.save_contents", self.save_contents,
+                f"a list holding model, optimizer and extra (dppo's checkpoints always resume exactly; missing: "
+                f"{', '.join(missing)}), plus hf_model if wanted")  # fmt: skip
+        self.save_contents = list(self.save_contents)
+
+
+@dataclass
+class PolicyLossSection:
+    loss_mode: str = "vanilla"
+    """The policy loss, by verl's name: vanilla (PPO's clip with dual clip: Decoupled PPO's loss), gspo, sapo, gpg,
+    clip_cov, kl_cov, geo_mean, dro, cispo, dppo_tv, dppo_kl (one line each in docs/algorithms.md). In bypass mode
+    algorithm.rollout_correction.loss_type picks the loss instead, and loss_mode must stay vanilla."""
+
+    clip_cov_ratio: float = 0.0002
+    """loss_mode=clip_cov: the fraction of valid tokens whose gradient is cut."""
+
+    clip_cov_lb: float = 1.0
+    """loss_mode=clip_cov: the lower bound of the covariance of a token that may be cut."""
+
+    clip_cov_ub: float = 5.0
+    """loss_mode=clip_cov: the upper bound of the covariance of a token that may be cut."""
+
+    kl_cov_ratio: float = 0.0002
+    """loss_mode=kl_cov: the fraction of valid tokens (largest covariance) that get the |log r| penalty."""
+
+    ppo_kl_coef: float = 0.1
+    """loss_mode=kl_cov: the weight of that penalty."""
+
+    dro_beta: Optional[float] = None
+    """loss_mode=dro: the weight of the quadratic log-ratio penalty (required there, > 0; verl has no default)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor.policy_loss")
+        one_of("actor.policy_loss.loss_mode", self.loss_mode, tuple(LOSS_MODES))
+        positive("actor.policy_loss.clip_cov_ratio", self.clip_cov_ratio)
+        require(self.clip_cov_lb < self.clip_cov_ub, "actor.policy_loss.clip_cov_lb", self.clip_cov_lb,
+                f"a value below actor.policy_loss.clip_cov_ub={self.clip_cov_ub}")  # fmt: skip
+        positive("actor.policy_loss.kl_cov_ratio", self.kl_cov_ratio)
+        nonnegative("actor.policy_loss.ppo_kl_coef", self.ppo_kl_coef)
+        if self.loss_mode == "dro":
+            require(self.dro_beta is not None and self.dro_beta > 0, "actor.policy_loss.dro_beta", self.dro_beta,
+                    "a number > 0 with loss_mode=dro")  # fmt: skip
+
+
+@dataclass
+class ActorOptimSection:
+    """actor.optim: the learning-rate schedule, with verl's keys of actor_rollout_ref.actor.optim and verl's
+    schedules (verl.utils.torch_functional's get_constant_schedule_with_warmup and get_cosine_schedule_with_warmup).
+    dppo counts the schedule in optimizer steps, one per trigger: a run has trainer.total_steps x
+    trainer.parameter_sync_step of them (verl steps its scheduler once per trainer step, whose update takes several
+    optimizer steps). The step count is part of every checkpoint: a resumed run follows the same curve."""
+
+    lr: Optional[float] = None
+    """verl's name of actor.lr; null: actor.lr. Set, it is the lr (and actor.lr, if also set, must be equal)."""
+
+    lr_warmup_steps: int = -1
+    """Optimizer steps of the linear warmup from 0 to the lr; 0 or less: lr_warmup_steps_ratio decides (verl's
+    rule)."""
+
+    lr_warmup_steps_ratio: float = 0.0
+    """Where lr_warmup_steps <= 0: the warmup's length as a fraction of the run's optimizer steps, int(ratio x
+    total) (verl's rounding); 0: no warmup."""
+
+    lr_scheduler_type: str = "constant"
+    """After the warmup: constant (the lr) or cosine (a cosine from the lr down to min_lr_ratio x lr, reached at
+    the run's last optimizer step with num_cycles=0.5)."""
+
+    warmup_style: Optional[str] = None
+    """verl's older (deprecated) name of lr_scheduler_type: set, it is used as lr_scheduler_type."""
+
+    min_lr_ratio: float = 0.0
+    """cosine: the floor of the lr, as a fraction of the lr."""
+
+    num_cycles: float = 0.5
+    """cosine: waves of the cosine over the steps after the warmup (0.5: one half-wave, from the lr down to the
+    floor)."""
+
+    zero_indexed_step: bool = True
+    """cosine (verl's key): true counts the first optimizer step as step 0, so with a warmup its lr is 0; false
+    counts it as step 1 (torchtitan's convention). verl's constant schedule always counts from 0."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor.optim")
+        if self.lr is not None:
+            positive("actor.optim.lr", self.lr)
+        require(0 <= self.lr_warmup_steps_ratio <= 1, "actor.optim.lr_warmup_steps_ratio", self.lr_warmup_steps_ratio,
+                "a fraction in [0, 1]")  # fmt: skip
+        one_of("actor.optim.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
+        if self.warmup_style is not None:
+            one_of("actor.optim.warmup_style", self.warmup_style, LR_SCHEDULER_TYPES)
+            require(self.lr_scheduler_type in ("constant", self.warmup_style), "actor.optim.warmup_style",
+                    self.warmup_style, f"the same as actor.optim.lr_scheduler_type={self.lr_scheduler_type!r} (it is "
+                    "that key's old name; set one of them)")  # fmt: skip
+            self.lr_scheduler_type = self.warmup_style
+        require(0 <= self.min_lr_ratio <= 1, "actor.optim.min_lr_ratio", self.min_lr_ratio, "a fraction in [0, 1]")
+        positive("actor.optim.num_cycles", self.num_cycles)
+
+    def warmup_steps(self, total_steps: int) -> int:
+        """The warmup's optimizer steps in a run of total_steps optimizer steps (verl's rule)."""
+        return self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * total_steps)
+
+
+@dataclass
+class ActorConfig:
+    lr: float = 1e-3
+    """AdamW learning rate."""
+
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+
+    micro_batch_size: int = 256
+    """Sequences per forward/backward pass; gradients accumulate over the trigger's mini-batch."""
+
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0: no clipping)."""
+
+    clip_ratio: float = 0.2
+    """PPO clip (verl's key): the clip ratio where clip_ratio_low or clip_ratio_high is null."""
+
+    clip_ratio_low: Optional[float] = 0.2
+    """PPO clip: ratio lower bound is 1 - clip_ratio_low (null: clip_ratio)."""
+
+    clip_ratio_high: Optional[float] = 0.2
+    """PPO clip: ratio upper bound is 1 + clip_ratio_high (null: clip_ratio)."""
+
+    clip_ratio_c: float = 3.0
+    """Dual-clip constant: for negative advantages the loss is capped at -clip_ratio_c * A."""
+
+    loss_agg_mode: str = "token-mean"
+    """token-mean, token-sum, seq-mean-token-sum, seq-mean-token-mean or seq-mean-token-sum-norm (verl's modes;
+    the denominators count the whole mini-batch's loss mask)."""
+
+    entropy_coeff: float = 0.0
+    """Weight of the entropy bonus (0: off)."""
+
+    kl_loss_coef: float = 0.0
+    """Weight of the KL penalty to the initial (reference) policy (0: off, no reference model kept)."""
+
+    kl_loss_type: str = "low_var_kl"
+    """KL estimator of the penalty (verl's names): k1/kl, abs, k2/mse, k3/low_var_kl, and each with "+" (k3+,
+    low_var_kl+, k1+, abs+, ...): that value with k2's gradient (straight-through)."""
+
+    fsdp: str = "auto"
+    """Sharding of the actor: auto (FSDP2 when the world size is above 1, the plain module at world size 1) or
+    always (FSDP2 at every world size, one rank included)."""
+
+    mixed_precision: Optional[str] = None
+    """null: the actor computes in model.dtype. bfloat16: bf16 compute over fp32 master weights (verl's and TRL's
+    default): weights, gradients and AdamW's moments stay fp32; the plain module runs its forward passes under
+    torch.autocast, FSDP2 gathers bf16 weights and reduces gradients in fp32. Every pass that gives the loss its log-probs
+    (the training forward, the old-log-prob passes, score-ahead, the KL reference) computes the same way, so the old
+    log-probs stay exact. Needs model.dtype=float32. The rollout keeps rollout.dtype (default model.dtype): its
+    behavior log-probs then differ from the trainer's by the precision gap, which the rollout correction weighs."""
+
+    checkpoint: ActorCheckpointSection = field(default_factory=ActorCheckpointSection)
+
+    policy_loss: PolicyLossSection = field(default_factory=PolicyLossSection)
+
+    loss_scale_factor: Optional[float] = None
+    """loss_agg_mode=seq-mean-token-sum-norm divides by this constant (Dr. GRPO); null: the padded response
+    length (verl's default)."""
+
+    tau_pos: float = 1.0
+    """loss_mode=sapo: the gate's temperature where the advantage is > 0."""
+
+    tau_neg: float = 1.05
+    """loss_mode=sapo: the gate's temperature where the advantage is <= 0."""
+
+    optim: ActorOptimSection = field(default_factory=ActorOptimSection)
+
+    max_ppo_kl: Optional[float] = None
+    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl (the mean over its
+    valid tokens of log pi_old - log pi_theta, pi_theta the live weights before its step; merged over the ranks, so
+    every rank decides alike) exceeds this bound takes no optimizer step: its gradients are zeroed, and the weights
+    and Adam's moments and step count stay as they were (the lr schedule still counts the step). Counted in
+    actor/skipped_updates (triggers skipped in the global step) and logged in one line. ppo_kl is measured before the
+    step, so the guard stops a cycle's drift from pi_old once it passes the bound (and the cycle's later triggers
+    while it stays past it); it does not undo the steps that got there (see docs/training.md, "When a run
+    collapses"). Refused where ppo_kl is 0 by construction (prox_anchor=current, parameter_sync_step=1, outside
+    bypass mode)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "actor")
+        positive("actor.lr", self.lr)
+        if self.optim.lr is not None:  # verl's name of the same key
+            default = ActorConfig.__dataclass_fields__["lr"].default
+            require(self.lr in (default, self.optim.lr), "actor.optim.lr", self.optim.lr,
+                    f"the same value as actor.lr={self.lr} (the two name one lr; set one of them)")  # fmt: skip
+            self.lr = self.optim.lr
+        if self.max_ppo_kl is not None:
+            positive("actor.max_ppo_kl", self.max_ppo_kl)
+        nonnegative("actor.weight_decay", self.weight_decay)
+        positive("actor.micro_batch_size", self.micro_batch_size)
+        nonnegative("actor.grad_clip", self.grad_clip)
+        low, high = clip_range(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high)
+        fallback = " (the lower clip: actor.clip_ratio_low is null)" if self.clip_ratio_low is None else ""
+        require(0 <= low < 1, "actor.clip_ratio" + ("_low" if not fallback else ""), low, "a value in [0, 1)" + fallback)
+        nonnegative("actor.clip_ratio_high" if self.clip_ratio_high is not None else "actor.clip_ratio", high)
+        require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "a value > 1")
+        one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_MODES))
+        nonnegative("actor.entropy_coeff", self.entropy_coeff)
+        nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
+        one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
+        one_of("actor.fsdp", self.fsdp, FSDP_MODES)
+        if self.mixed_precision is not None:
+            one_of("actor.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+        if self.loss_scale_factor is not None:
+            positive("actor.loss_scale_factor", self.loss_scale_factor)
+        positive("actor.tau_pos", self.tau_pos)
+        positive("actor.tau_neg", self.tau_neg)

@@ -1,0 +1,125 @@
+"""The config schema's rollout.* and replay.*: the rollout workers, their engine and weight sync, and the replay buffer
+between them and the trainer. One dataclass per section, a docstring per field, each section's own rules in its
+__post_init__ (dppo.config.schema assembles the whole config)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+
+from dppo.config.checks import (
+    ConfigError,
+    check_numbers,
+    nonnegative,
+    one_of,
+    positive,
+    require,
+    shown,
+)
+from dppo.config.choices import (
+    DTYPES,
+    OFF_POLICY_STRATEGIES,
+    ROLLOUT_ENGINES,
+    WEIGHT_SYNC_MODES,
+)
+
+
+
+@dataclass
+class RolloutConfig:
+    num_workers: int = 1
+    """Rollout worker actors, each with its own copy of the model: CPU processes, or one per GPU of the rollout's
+    pool (rollout.n_gpus_per_node)."""
+
+    n: int = 8
+    """Responses sampled per prompt (the group size of GRPO/RLOO)."""
+
+    temperature: float = 1.0
+    """Sampling temperature (the log-probs of the loss use the same temperature)."""
+
+    max_new_tokens: Optional[int] = None
+    """Response length limit; null: data.max_response_length for text data, the task's answer length for a task."""
+
+    groups_per_batch: int = 32
+    """Prompt groups a worker generates per batch; weights are reloaded between batches."""
+
+    num_threads: int = 1
+    """torch intra-op threads of each rollout worker."""
+
+    max_restarts: int = 3
+    """Times each rollout worker is restarted after its process dies (its outstanding groups are generated anew);
+    one more death ends the run, after a checkpoint of the trainer's state."""
+
+    nnodes: int = 1
+    """Nodes of the rollout's own GPU pool (verl's key); above 1 it needs rollout.n_gpus_per_node > 0 (CPU workers
+    are spread over the nodes by Ray)."""
+
+    n_gpus_per_node: int = 0
+    """GPUs per node of the rollout's own pool, apart from the actor's (verl's key): one GPU per rollout worker, in
+    a placement-group bundle of its own, so rollout.num_workers must be rollout.nnodes x rollout.n_gpus_per_node.
+    0: no GPUs; rollout.num_workers CPU processes with rollout.num_threads threads each."""
+
+    name: str = "hf"
+    """Rollout engine (verl's key): hf (dppo's sampler over the transformers model) or vllm (vllm.LLM in each
+    rollout worker, its weights synced in place each cycle; needs `make vllm` and a run from .venv-vllm)."""
+
+    weight_sync: str = "full"
+    """How new weights reach a vllm engine each cycle: full (every tensor) or delta (only the elements whose value
+    in the engine's dtype changed since the last sync; bitwise the same engine weights)."""
+
+    dtype: Optional[str] = None
+    """The rollout engine's dtype (float32, bfloat16, float16); null: model.dtype. A bfloat16 engine with an fp32
+    trainer gives behavior log-probs that differ from the trainer's (algorithm.rollout_correction is for that)."""
+
+    enforce_eager: Optional[bool] = None
+    """vllm engine (verl's key): true runs the model eagerly; false lets vLLM compile it (torch.compile, and CUDA
+    graphs on a GPU). null: eager on the CPU, where compiling saved 15-20% of the work per token at 42M on 128
+    rows and nothing on 512, and adds 40-65 s to every engine's start, a restarted worker's included; compiled on a
+    GPU, vLLM's own default there."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "rollout")
+        positive("rollout.num_workers", self.num_workers)
+        require(self.n >= 2, "rollout.n", self.n, "at least 2 (group advantages need two responses)")
+        positive("rollout.temperature", self.temperature)
+        if self.max_new_tokens is not None:
+            positive("rollout.max_new_tokens", self.max_new_tokens)
+        positive("rollout.groups_per_batch", self.groups_per_batch)
+        positive("rollout.num_threads", self.num_threads)
+        nonnegative("rollout.max_restarts", self.max_restarts)
+        positive("rollout.nnodes", self.nnodes)
+        nonnegative("rollout.n_gpus_per_node", self.n_gpus_per_node)
+        one_of("rollout.name", self.name, ROLLOUT_ENGINES)
+        one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
+        if self.dtype is not None:
+            one_of("rollout.dtype", self.dtype, DTYPES)
+        self._check_pool()
+
+    def _check_pool(self) -> None:
+        """One rollout worker per GPU of the pool; a pool of several nodes only with GPUs."""
+        pool = f"rollout.nnodes={self.nnodes} x rollout.n_gpus_per_node={self.n_gpus_per_node}"
+        if self.n_gpus_per_node == 0:
+            require(self.nnodes == 1, "rollout.nnodes", self.nnodes, "1 while rollout.n_gpus_per_node=0 (the rollout "
+                    "then has no GPU pool to spread over nodes: Ray spreads its CPU workers)")  # fmt: skip
+        elif self.num_workers != self.nnodes * self.n_gpus_per_node:
+            raise ConfigError(f"rollout.num_workers={shown(self.num_workers)}, but the rollout's pool {pool} holds "
+                              f"{self.nnodes * self.n_gpus_per_node} GPUs, one per rollout worker; set "
+                              f"rollout.num_workers={self.nnodes * self.n_gpus_per_node}")  # fmt: skip
+
+
+@dataclass
+class ReplayConfig:
+    max_off_policy_threshold: int = 1
+    """Largest staleness (trainer version - sample version) a consumed group may have."""
+
+    max_off_policy_strategy: str = "wait"
+    """wait: pause rollout so no group gets older than the threshold; nothing is dropped, with any number of
+    workers (the trainer takes groups in the order they were granted, waiting for a slow worker's older ones);
+    drop: workers run ahead freely, the trainer takes the oldest groups that have arrived and discards the
+    ones older than the threshold (counted in replay/dropped)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "replay")
+        nonnegative("replay.max_off_policy_threshold", self.max_off_policy_threshold)
+        one_of("replay.max_off_policy_strategy", self.max_off_policy_strategy, OFF_POLICY_STRATEGIES)
