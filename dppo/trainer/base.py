@@ -60,7 +60,7 @@ from dppo.checkpoint.failure import (CheckpointAttempts, cause_in_words, checkpo
                                              is_write_failure)
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
 from dppo.checkpoint.state import CycleProgress, Draw, HeldBatch, RolloutStart, rng_state, set_rng_state
-from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
+from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group

@@ -24,7 +24,7 @@ from dppo.batch import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.rollout.sources import RolloutFailedError
+from dppo.trainer.rollout import RolloutFailedError
 from dppo.workers.rollout.worker import RolloutGenerator
 import partial_rollout
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)

@@ -1,6 +1,6 @@
-"""Separate-async rollout without Ray (dppo.trainer.rollout.local): worker processes beside the trainer, the replay
-buffer in the trainer's process. Real processes: forked and spawned workers, a SIGKILLed worker, a worker that raises,
-a SIGKILLed trainer."""
+"""Separate-async rollout without Ray (dppo.trainer.rollout.local_source): worker processes beside the trainer, the
+replay buffer in the trainer's process. Real processes: forked and spawned workers, a SIGKILLed worker, a worker that
+raises, a SIGKILLed trainer."""
 
 from __future__ import annotations
 
@@ -19,8 +19,7 @@ from dppo.config import load_config
 from dppo.config.checks import ConfigError
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config
-from dppo.trainer.rollout.local import LocalRollout
-from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+from dppo.trainer.rollout import InProcessRollout, LocalRollout, RolloutFailedError
 from dppo.checkpoint.state import RolloutStart
 from dppo.workers.rollout.process import SharedState
 from tests.processes import alive
@@ -177,7 +176,7 @@ def test_the_workers_die_with_a_killed_trainer(tmp_path):
         from dppo.config import load_config
         from dppo.data import make_prompt_source
         from dppo.models import policy_config
-        from dppo.trainer.rollout.local import LocalRollout
+        from dppo.trainer.rollout import LocalRollout
         from dppo.checkpoint.state import RolloutStart
         cfg = load_config(overrides={overrides!r})
         source = make_prompt_source(cfg)
