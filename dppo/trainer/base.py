@@ -501,7 +501,7 @@ class BaseTrainer:
         weights from the ranks' slot 0). Every rank writes its shards into actor/ (DCP), this process trainer.pt."""
         progress = self.progress
         if self.rollout is not None:
-            self.rollout_start.worker_restarts = getattr(self.rollout, "worker_restarts", 0)
+            self.rollout_start.worker_restarts = self.rollout.worker_restarts
         state = {
             "global_step": self.global_step,
             "version": self.version,
