@@ -57,7 +57,7 @@ def install() -> None:
 
     import dppo.launch.run as train
     from dppo.trainer import base
-    from dppo.trainer.rollout import sources as rollout_source
+    from dppo.trainer import rollout as rollout_source
     from dppo.trainer.ppo import PPOTrainer
 
     for attr in ("check_output_dir", "make_prompt_source", "run_shape", "check_sequence_length",

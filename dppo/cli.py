@@ -81,7 +81,7 @@ def _error_exit_codes() -> tuple:
     from dppo.checkpoint.failure import CheckpointWriteError
     from dppo.launch.preflight import OutputDirError
     from dppo.launch.ray_cluster import RayConnectError
-    from dppo.trainer.rollout.sources import RolloutFailedError
+    from dppo.trainer.rollout import RolloutFailedError
     from dppo.trainer.worker_group import RankDiedError
 
     return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (MissingExtraError, 2),

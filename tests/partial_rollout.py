@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
+from dppo.trainer.rollout import RolloutSource
 
-class PartialRollout:
-    """Wraps a rollout source (InProcessRollout, or any object with its methods). fetch passes through; fetch_ready
+
+class PartialRollout(RolloutSource):
+    """Wraps a rollout source (InProcessRollout, or any RolloutSource). fetch passes through; fetch_ready
     (the trainer's score-ahead at a cycle's trigger 0, dppo.trainer.score_ahead.take_ready) finds only the number
     of groups that ready_per_cycle gives for that cycle "arrived": once they are used up it returns None, as a
     rollout still generating the next mini-batch would, and the trainer fetches the rest at their own triggers.
@@ -39,6 +41,9 @@ class PartialRollout:
     def publish(self, weights, version: int) -> None:
         self.inner.publish(weights, version)
 
+    def published_weights(self):
+        return self.inner.published_weights()
+
     def fetch(self, num_groups: int, trainer_version: int):
         self._ready = None  # trigger 0 fetches before it looks ahead: the next fetch_ready starts a new cycle's count
         return self.inner.fetch(num_groups, trainer_version)
@@ -58,6 +63,13 @@ class PartialRollout:
 
     def stats(self) -> dict[str, float]:
         return self.inner.stats()
+
+    def describe(self) -> str:
+        return self.inner.describe()
+
+    @property
+    def worker_restarts(self) -> int:
+        return self.inner.worker_restarts
 
     def close(self) -> None:
         self.inner.close()

@@ -42,16 +42,15 @@ def validate_combinations(cfg) -> None:
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
-    _check_prox_logp_method(cfg)
-    _check_policy_loss(cfg)
-    _check_stability_remedies(cfg)
-    _check_data_or_task(cfg)
+    _check_prox_logp_method(cfg.algorithm, cfg.snapshot, t)
+    _check_policy_loss(cfg.algorithm, cfg.actor)
+    _check_stability_remedies(t, cfg.actor, cfg.algorithm, _prompt_source_in_words(cfg))
+    _check_data_or_task(cfg.data, cfg.model, cfg.task, cfg.custom_reward_function, t)
 
 
-def _check_prox_logp_method(cfg) -> None:
+def _check_prox_logp_method(a, snapshot, trainer) -> None:
     """algorithm.prox_logp_method=loglinear|metrics only where there is a cycle-start pi_prox to approximate, and
     loglinear only where pi_prox may come micro-batch by micro-batch and nobody expects it exact."""
-    a = cfg.algorithm
     method, rc = a.prox_logp_method, a.rollout_correction
     if method == "recompute":
         return
@@ -63,7 +62,7 @@ def _check_prox_logp_method(cfg) -> None:
         raise ConfigError(f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
                           "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
                           "for free; use prox_logp_method=recompute or prox_anchor=cycle_start")  # fmt: skip
-    if method == "auto" and cfg.snapshot.strategy == "reference":
+    if method == "auto" and snapshot.strategy == "reference":
         raise ConfigError(f"{key} reads slot 0 on its check cycles through a slot reader, but snapshot.strategy="
                           "'reference' is verl v1's save-and-restore scheme, kept for comparison only; use "
                           "snapshot.strategy=auto (or view, swap, stream), or prox_logp_method=recompute with it")  # fmt: skip
@@ -73,16 +72,15 @@ def _check_prox_logp_method(cfg) -> None:
         raise ConfigError(f"{key} derives pi_prox from each micro-batch's training forward pass, but "
                           "algorithm.rollout_correction.rollout_is_batch_normalize=true needs the whole mini-batch's "
                           "IS weights before the first one; use prox_logp_method=recompute or drop the normalization")  # fmt: skip
-    if cfg.trainer.verify_old_log_prob:
+    if trainer.verify_old_log_prob:
         raise ConfigError(f"trainer.verify_old_log_prob=true checks exact old log-probs, but {key} approximates "
                           "them; use prox_logp_method=metrics to measure the approximation's error")  # fmt: skip
 
 
-def _check_policy_loss(cfg) -> None:
+def _check_policy_loss(a, actor) -> None:
     """Bypass mode picks its loss by rollout_correction.loss_type (verl's rule); the losses with an aggregation of
     their own (sapo, geo_mean) must divide by the same count as the entropy / KL terms where rejection sampling
     finds the loss mask per micro-batch (the update then divides all the accumulated gradients by one count)."""
-    a, actor = cfg.algorithm, cfg.actor
     loss_mode = actor.policy_loss.loss_mode
     if a.rollout_correction.bypass_mode and loss_mode != "vanilla":
         raise ConfigError(
@@ -101,75 +99,79 @@ def _check_policy_loss(cfg) -> None:
         )
 
 
-def _check_stability_remedies(cfg) -> None:
+def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
     """The lr warmup must end within the run; the ppo_kl guard needs a ppo_kl that can be non-zero; a task's reward
     has no extra outputs for algorithm.filter_groups.metric to name."""
-    t, optim = cfg.trainer, cfg.actor.optim
+    optim = actor.optim
     total = t.total_steps * t.parameter_sync_step
     if optim.warmup_steps(total) > total:
         raise ConfigError(f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
                           f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
                           f"{t.parameter_sync_step}); the lr would never reach actor.lr")  # fmt: skip
-    a = cfg.algorithm
-    if cfg.actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
+    if actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
         why = ("algorithm.prox_anchor=current" if a.prox_anchor == "current" else
                "trainer.parameter_sync_step=1" if t.parameter_sync_step == 1 else None)  # fmt: skip
         if why is not None:
-            raise ConfigError(f"actor.max_ppo_kl={cfg.actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
+            raise ConfigError(f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
                               "at every trigger (pi_old is the live weights); the guard would never act: drop it")  # fmt: skip
     fg = a.filter_groups
-    if fg.enable and fg.metric not in FILTER_REWARD_METRICS and cfg.data.kind != "parquet":
-        where = f"task.name={cfg.task.name!r}" if cfg.data.kind == "task" else "data.source=reasoning_gym"
+    kind, where = source
+    if fg.enable and fg.metric not in FILTER_REWARD_METRICS and kind != "parquet":
         raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on {where}, whose reward has no "
                           f"extra outputs (only a custom_reward_function does); use {' or '.join(FILTER_REWARD_METRICS)}")  # fmt: skip
 
 
-def _check_data_or_task(cfg) -> None:
+def _prompt_source_in_words(cfg) -> tuple[str, str]:
+    """(data.kind, the run's prompts in words) for the messages of the other checks."""
+    kind = cfg.data.kind
+    return kind, f"task.name={cfg.task.name!r}" if kind == "task" else f"data.source={kind}"
+
+
+def _check_data_or_task(data, model, task, reward, trainer) -> None:
     """Each prompt source's own keys, and only its: text data (parquet) needs a model directory (its tokenizer);
     reasoning-gym problems a model directory and a dataset that exists with a config it takes; a task must leave
     prompts to train on. The keys of the other sources must stay unset."""
-    data, kind = cfg.data, cfg.data.kind
+    kind = data.kind
     if kind != "reasoning_gym" and data.reasoning_gym.dataset is not None:
         raise ConfigError(f"data.reasoning_gym.dataset={data.reasoning_gym.dataset!r} is for data.source=reasoning_gym, "
                           f"but the run's prompts come from data.source={kind}; set data.source=reasoning_gym or drop it")  # fmt: skip
     if kind == "parquet":
         if data.train_files is None:
             raise ConfigError("data.source=parquet needs data.train_files: verl-format parquet file(s) of prompts")
-        _require_model_path(cfg, f"data.train_files={data.train_files!r}")
+        _require_model_path(model, f"data.train_files={data.train_files!r}")
         return
     if data.train_files is not None:
         raise ConfigError(f"data.train_files={data.train_files!r} is for data.source=parquet, but data.source={kind}; "
                           "drop one of them")  # fmt: skip
-    for key, value in (("data.val_files", data.val_files), ("custom_reward_function.path", cfg.custom_reward_function.path)):
+    for key, value in (("data.val_files", data.val_files), ("custom_reward_function.path", reward.path)):
         if value is None:
             continue
         if kind == "task":
             raise ConfigError(f"{key}={value!r} is for text data, but data.train_files is null (the run trains on "
-                              f"task.name={cfg.task.name!r}); set data.train_files or drop {key}")  # fmt: skip
+                              f"task.name={task.name!r}); set data.train_files or drop {key}")  # fmt: skip
         raise ConfigError(f"{key}={value!r} is for text data, but the run trains on data.source=reasoning_gym, whose "
                           "held-out problems come from data.reasoning_gym.val_seed and whose reward is the dataset's "
                           f"own verifier; drop {key}")  # fmt: skip
     if kind == "reasoning_gym":
-        _check_reasoning_gym(cfg)
+        _check_reasoning_gym(data.reasoning_gym, model, trainer.seed)
         return
-    _check_prompts_left_for_training(cfg)
+    _check_prompts_left_for_training(task, trainer)
 
 
-def _require_model_path(cfg, what: str) -> None:
-    if cfg.model.path is None:
+def _require_model_path(model, what: str) -> None:
+    if model.path is None:
         raise ConfigError(f"{what} needs model.path: a local model directory holding the tokenizer (and its chat "
                           "template) that turns the prompts into tokens")  # fmt: skip
 
 
-def _check_reasoning_gym(cfg) -> None:
+def _check_reasoning_gym(rg, model, trainer_seed: int) -> None:
     """A dataset reasoning-gym has, a config it takes, a model directory, and held-out problems whose seeds are not
     the training ones' (reasoning-gym draws item i from seed + i). Imports reasoning-gym (about a second)."""
-    rg = cfg.data.reasoning_gym
     if rg.dataset is None:
         raise ConfigError("data.source=reasoning_gym needs data.reasoning_gym.dataset: a reasoning-gym dataset name, "
                           "e.g. basic_arithmetic, chain_sum, gsm_symbolic, countdown")  # fmt: skip
-    _require_model_path(cfg, f"data.source=reasoning_gym (dataset {rg.dataset!r})")
-    seed, val_seed = rg.resolved_seeds(cfg.trainer.seed)
+    _require_model_path(model, f"data.source=reasoning_gym (dataset {rg.dataset!r})")
+    seed, val_seed = rg.resolved_seeds(trainer_seed)
     if rg.val_size and val_seed < seed + rg.size and seed < val_seed + rg.val_size:
         raise ConfigError(f"data.reasoning_gym.val_seed={val_seed}: the held-out problems' seeds {val_seed}.."
                           f"{val_seed + rg.val_size - 1} overlap the training problems' {seed}..{seed + rg.size - 1} "
@@ -185,11 +187,10 @@ def _check_reasoning_gym(cfg) -> None:
         raise ConfigError(str(err)) from None
 
 
-def _check_prompts_left_for_training(cfg) -> None:
+def _check_prompts_left_for_training(task_cfg, t) -> None:
     """The held-out eval prompts must leave the task prompts to train on (else every worker fails after Ray starts).
 
     Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
-    t, task_cfg = cfg.trainer, cfg.task
     try:
         task = make_task(task_cfg.name, task_cfg.length)
         task.sample_prompts(np.random.default_rng(0), 1)  # a prompt of this length can be made at all

@@ -57,9 +57,8 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
             check_cluster_fits(cfg)
         trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point)
         print(trainer.actor_group.describe(), file=out, flush=True)
-        rollout = getattr(trainer, "rollout", None)
-        if hasattr(rollout, "describe"):  # local rollout processes (on Ray, the actors' nodes tell where)
-            print(rollout.describe(), file=out, flush=True)
+        if trainer.rollout is not None:  # started before the ranks (a fresh run's); else fit() makes it
+            print(trainer.rollout.describe(), file=out, flush=True)
         try:
             (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))
         except BaseException:

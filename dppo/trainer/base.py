@@ -47,7 +47,7 @@ from dppo.rng import seed_all
 from dppo.trainer.filter_groups import GroupFilter
 from dppo.trainer.outputs import PublishedPolicy, RunResult, write_results
 from dppo.trainer.report import MetricsLog
-from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
+from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group

@@ -60,7 +60,7 @@ def test_a_gpu_generator_loads_host_weights_and_returns_its_groups_on_the_host(t
 def test_a_worker_of_the_rollout_pool_generates_on_its_gpu(tmp_path):
     ray = pytest.importorskip("ray")
     from dppo.checkpoint.state import RolloutStart
-    from dppo.trainer.rollout.sources import RayRollout
+    from dppo.trainer.rollout import RayRollout
 
     overrides = small_overrides(tmp_path, **{"ray.enabled": True, "trainer.device": "cpu", "rollout.num_workers": 1,
                                              "rollout.n_gpus_per_node": 1})  # fmt: skip

@@ -11,7 +11,7 @@ import ray
 from dppo.config import load_config
 from dppo.trainer import base
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.rollout.sources import RayRollout
+from dppo.trainer.rollout import RayRollout
 
 from tiny_run import tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 

@@ -163,7 +163,7 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
     from dppo.models import tiny_model_config
     from dppo.trainer.placement import plan, pools
     from dppo.checkpoint.state import RolloutStart
-    from dppo.trainer.rollout.sources import RayRollout
+    from dppo.trainer.rollout import RayRollout
 
     cfg = load_config(run_overrides(tmp_path, cluster, "trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2",
                                     "rollout.num_workers=2", "rollout.max_restarts=0"))  # fmt: skip

@@ -24,7 +24,7 @@ from dppo.batch import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.rollout.sources import RolloutFailedError
+from dppo.trainer.rollout import RolloutFailedError, RolloutSource
 from dppo.workers.rollout.worker import RolloutGenerator
 import partial_rollout
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
@@ -68,7 +68,7 @@ def make_cfg(output_dir: Path, world_size: int, **extra):
     return load_config([f"{k}={v}" for k, v in overrides(output_dir, world_size, **extra).items()])
 
 
-class FixedRollout:
+class FixedRollout(RolloutSource):
     """The same groups, in the same order, for every trainer (stamped with the version that takes them)."""
 
     worker_restarts = 0
@@ -95,8 +95,14 @@ class FixedRollout:
     def fetch_ready(self, num_groups: int, trainer_version: int):
         return self.fetch(num_groups, trainer_version)  # every group is there already
 
+    def discard(self, count: int) -> None:
+        pass  # no budget to free: every group is there already
+
     def stats(self) -> dict[str, float]:
         return {}
+
+    def describe(self) -> str:
+        return "rollout: fixed groups (a test's)"
 
     def close(self) -> None:
         pass

@@ -1,6 +1,6 @@
 """`dppo train`'s default on one CPU machine: no Ray; the actor's rank in the trainer's process and the rollout
-workers as local processes beside it (dppo.trainer.rollout.local). The run as a user starts it, a rollout worker
-SIGKILLed mid-run (restarted, as a fresh interpreter, with a task registered in the trainer only), and a run
+workers as local processes beside it (dppo.trainer.rollout.local_source). The run as a user starts it, a rollout
+worker SIGKILLed mid-run (restarted, as a fresh interpreter, with a task registered in the trainer only), and a run
 resumed from its checkpoint (its workers spawned, not forked)."""
 
 import os

@@ -80,7 +80,7 @@ def test_separate_async_scores_ahead_what_has_arrived_in_grant_order_and_drops_n
     trigger 0 takes every later mini-batch of the cycle, the groups are trained in grant order, nothing is dropped
     and no group is staler than the threshold."""
     import dppo.trainer.base as base
-    from dppo.trainer.rollout.sources import RayRollout
+    from dppo.trainer.rollout import RayRollout
 
     fetch, reward_extras, taken = RayRollout.fetch, base._reward_extras, []
 
@@ -206,7 +206,7 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
     Both kills happen at chosen points, in the trainer's own thread (its fetch, patched), not raced against the run:
     the worker at the first fetch, once it holds its first ticket (its reward call waits on a file), so the trainer
     can only go on through the restart; the buffer at the first fetch after a step was logged with that restart."""
-    from dppo.trainer.rollout.sources import InProcessRollout, RayRollout
+    from dppo.trainer.rollout import InProcessRollout, RayRollout
 
     hold, holding, out, total = tmp_path / "hold", tmp_path / "holding", tmp_path / "run", 3
     register_task("held_copy", held_task(hold, holding))

@@ -80,7 +80,7 @@ def test_checkpoints_that_do_not_fit_are_named_then_exit_code_4(run_cli, tmp_pat
 
 
 def test_a_rollout_failure_is_one_line_exit_code_1_after_a_checkpoint(run_cli, tmp_path, monkeypatch):
-    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 
     def dead(self, num_groups, trainer_version):
         if trainer_version == 1:

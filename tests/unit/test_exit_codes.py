@@ -23,7 +23,7 @@ def finished(tmp_path, monkeypatch) -> list[str]:
 
 
 def rollout_failed(tmp_path, monkeypatch) -> list[str]:
-    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 
     def dead(self, num_groups, trainer_version):
         raise RolloutFailedError("the replay buffer died")

@@ -1,13 +1,16 @@
-"""What the trainer's rollout sources share (dppo.trainer.rollout.sources on Ray or in-process,
-dppo.trainer.rollout.local in local processes): the rollout's one failure, the replay buffer's start, and the
-torch-free groups the buffer held turned back into Groups."""
+"""What the trainer's rollout sources share (ray_source, local_source, in_process): the rollout's one failure, the
+config the sources decide with, the replay buffer's start, the torch-free groups the buffer held turned back into
+Groups, and a copy of published weights that later steps do not reach."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from dppo.batch import Group
 from dppo.checkpoint.state import RolloutStart
+from dppo.config import DppoConfig, ReplayConfig, RolloutConfig
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore, StoredGroup
 
 
@@ -25,10 +28,26 @@ def groups_of(taken: tuple[list[StoredGroup], int] | None) -> tuple[list[Group],
     return [Group.from_arrays({**s.arrays, "index": s.index}) for s in stored], dropped
 
 
-def buffer_core(cfg, start: RolloutStart, cls=ReplayBufferCore):
-    """The replay buffer of cfg (cls: ReplayBufferCore, or a Ray actor's .remote taking its arguments), picking up
-    where start says."""
-    return cls(cfg.replay.max_off_policy_threshold, cfg.replay.max_off_policy_strategy, cfg.trainer.train_batch_size,
+@dataclass(frozen=True)
+class RolloutSettings:
+    """What a rollout source decides with: its own config sections and the two trainer values it needs. (The root
+    config still travels to the rollout workers, whose engines read model.*, algorithm.* and trainer.seed.)"""
+
+    rollout: RolloutConfig
+    replay: ReplayConfig
+    mode: str  # trainer.mode: separate_async (the workers run on their own) or sync (they generate when asked)
+    train_batch_size: int  # trainer.train_batch_size: groups consumed per version, the replay buffer's budget unit
+
+    @classmethod
+    def of(cls, cfg: DppoConfig) -> RolloutSettings:
+        return cls(cfg.rollout, cfg.replay, cfg.trainer.mode, cfg.trainer.train_batch_size)
+
+
+def buffer_core(settings: RolloutSettings, start: RolloutStart, cls=ReplayBufferCore):
+    """The replay buffer of settings (cls: ReplayBufferCore, or a Ray actor's .remote taking its arguments), picking
+    up where start says."""
+    replay = settings.replay
+    return cls(replay.max_off_policy_threshold, replay.max_off_policy_strategy, settings.train_batch_size,
                start.version, start_consumed=start.consumed, start_grant=start.next_grant,
                start_dropped=start.dropped_total)  # fmt: skip
 

@@ -1,8 +1,8 @@
 """A rollout worker as a plain local process (ray.enabled=false with trainer.mode=separate_async): the same
 RolloutGenerator as the Ray actor's, its replay buffer in the trainer's process at the other end of a pipe.
 
-The trainer starts it with `multiprocessing` (dppo.trainer.rollout.local): forked from the trainer before it
-builds its rank (no second import of torch and transformers: the worker generates within about a second of
+The trainer starts it with `multiprocessing` (dppo.trainer.rollout.local_source): forked from the trainer before
+it builds its rank (no second import of torch and transformers: the worker generates within about a second of
 the fork), or spawned afresh when it replaces a worker that died. The protocol over its end of the pipe, all
 messages tuples:
 

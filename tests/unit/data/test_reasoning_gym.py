@@ -159,7 +159,7 @@ def test_without_reasoning_gym_installed_it_is_one_line_naming_the_extra(rg_args
 
 def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_the_held_out_score(
         rg_args, tiny_smollm, tmp_path, capsys, monkeypatch):  # fmt: skip
-    from dppo.trainer.rollout.sources import InProcessRollout
+    from dppo.trainer.rollout import InProcessRollout
 
     groups, fetch = [], InProcessRollout.fetch
 

@@ -9,7 +9,7 @@ from dppo.trainer.ppo import PPOTrainer
 
 
 def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_cfg, monkeypatch):
-    from dppo.trainer.rollout.sources import InProcessRollout
+    from dppo.trainer.rollout import InProcessRollout
 
     trainer = PPOTrainer(text_cfg(**{"trainer.total_steps": 3, "trainer.test_freq": 2}))
     eos = trainer.source.tokenizer.convert_tokens_to_ids("<|im_end|>")

@@ -322,7 +322,7 @@ def test_hf_model_at_world_size_1_is_the_trained_policy(ws1_run):
 def test_a_mid_cycle_checkpoint_holds_the_live_weights_as_hf_model(small_cfg, monkeypatch):
     """save_contents with hf_model: a rollout failure at step 1's second trigger checkpoints mid-cycle; its
     actor/huggingface/ holds the live weights (after trigger 0's step), not the cycle start's published ones."""
-    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 
     fetch, calls = InProcessRollout.fetch, []
 

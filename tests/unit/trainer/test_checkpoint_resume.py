@@ -120,7 +120,7 @@ PI_OLD_METHODS = {
 
 def recording_publishes(monkeypatch) -> list[tuple[int, dict]]:
     """From now on every publish to an in-process rollout appends (version, a copy of the weights) to the list."""
-    from dppo.trainer.rollout.sources import InProcessRollout
+    from dppo.trainer.rollout import InProcessRollout
 
     published, publish = [], InProcessRollout.publish
 
@@ -164,7 +164,7 @@ def test_a_rollout_failure_mid_cycle_checkpoints_pi_old_and_the_resumed_run_is_b
             raise RolloutFailedError("the replay buffer died")
         return train_trigger(self, batch, prox_logp)
 
-    from dppo.trainer.rollout.sources import RolloutFailedError
+    from dppo.trainer.rollout import RolloutFailedError
 
     monkeypatch.setattr(PPOTrainer, "train_trigger", failing)
     with pytest.raises(RolloutFailedError, match=r"^the replay buffer died; the trainer's state at step 1, trigger 1 "
@@ -261,7 +261,7 @@ def test_a_mid_cycle_checkpoint_of_an_older_dppo_without_pi_old_resumes_and_says
     """A checkpoint written before the pi_old record existed (loglinear: no anchor, no pi_old.pt) still resumes; one
     warning line says the rest of its cycle samples with the live weights under the cycle's version."""
     from dppo.checkpoint.layout import PI_OLD_FILE
-    from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+    from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 
     common = {"trainer.total_steps": 3, "trainer.checkpoint_every": 10, "snapshot.score_ahead": False,
               "algorithm.prox_logp_method": "loglinear"}  # fmt: skip

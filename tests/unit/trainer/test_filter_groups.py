@@ -18,7 +18,7 @@ from dppo.checkpoint.layout import TRAINER_FILE
 from dppo.trainer.filter_groups import FilterMetricError, GroupFilter, keeps
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
-from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
+from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 

@@ -1,6 +1,6 @@
-"""Separate-async rollout without Ray (dppo.trainer.rollout.local): worker processes beside the trainer, the replay
-buffer in the trainer's process. Real processes: forked and spawned workers, a SIGKILLed worker, a worker that raises,
-a SIGKILLed trainer."""
+"""Separate-async rollout without Ray (dppo.trainer.rollout.local_source): worker processes beside the trainer, the
+replay buffer in the trainer's process. Real processes: forked and spawned workers, a SIGKILLed worker, a worker that
+raises, a SIGKILLed trainer."""
 
 from __future__ import annotations
 
@@ -13,14 +13,15 @@ import threading
 import time
 
 import pytest
+
+from dppo.launch.machine import resolve_ray
 import torch
 
 from dppo.config import load_config
 from dppo.config.checks import ConfigError
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config
-from dppo.trainer.rollout.local import LocalRollout
-from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+from dppo.trainer.rollout import InProcessRollout, LocalRollout, RolloutFailedError
 from dppo.checkpoint.state import RolloutStart
 from dppo.workers.rollout.process import SharedState
 from tests.processes import alive
@@ -177,7 +178,7 @@ def test_the_workers_die_with_a_killed_trainer(tmp_path):
         from dppo.config import load_config
         from dppo.data import make_prompt_source
         from dppo.models import policy_config
-        from dppo.trainer.rollout.local import LocalRollout
+        from dppo.trainer.rollout import LocalRollout
         from dppo.checkpoint.state import RolloutStart
         cfg = load_config(overrides={overrides!r})
         source = make_prompt_source(cfg)
@@ -208,9 +209,9 @@ def test_auto_runs_one_cpu_machine_without_ray_and_the_rest_on_ray(tmp_path, mon
     assert not _cfg(tmp_path, **auto, **{"rollout.name": "vllm"}).use_ray  # vLLM engines in local processes too
     for needs_ray in ({"ray.address": "10.0.0.1:6379"}, {"trainer.n_gpus_per_node": 2}, {"rollout.n_gpus_per_node": 1}):
         assert _cfg(tmp_path, **auto, **needs_ray).use_ray, needs_ray
-    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    assert _cfg(tmp_path, **auto).use_ray
-    assert not _cfg(tmp_path, **{**auto, "ray.enabled": False}).use_ray  # explicit false wins
+    monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")  # the machine's part of the rule, decided before the run
+    assert resolve_ray(_cfg(tmp_path, **auto)).use_ray
+    assert not resolve_ray(_cfg(tmp_path, **{**auto, "ray.enabled": False})).use_ray  # explicit false wins
 
 
 def test_local_processes_refuse_what_needs_ray(tmp_path):

@@ -10,7 +10,7 @@ import torch
 from dppo.config import ConfigError
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
-from dppo.trainer.rollout.sources import InProcessRollout, RolloutFailedError
+from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 from dppo.workers.actor.lr_schedule import lr_factor
 
 PS, STEPS, LR = 2, 4, 0.01

@@ -12,7 +12,7 @@ from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.layout import TRAINER_FILE
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
-from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
+from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.batch import Group
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from partial_rollout import PartialRollout, record_slot_use  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)

@@ -8,26 +8,25 @@ per role, each importing torch and transformers: about 8-10 s before the first s
 - Workers (dppo.workers.rollout.process): the first incarnations are forked from this process before the actor's
   rank is built, while it runs no other thread that could hold a lock and has no CUDA context, so they start with
   torch, transformers and dppo imported; a worker that replaces a dead one, and the workers of a resumed run, are
-  spawned (a fresh interpreter: forking a process whose other threads may hold locks is not safe). Each worker talks to the buffer through its own pipe, served here
-  by one thread per worker.
+  spawned (a fresh interpreter: forking a process whose other threads may hold locks is not safe). Each worker
+  talks to the buffer through its own pipe, served here by one thread per worker.
 - Weights: publish() copies the rank's state dict into one anonymous shared-memory file (a tied weight once); a
   worker's ticket carries where each tensor lies in it and the file's descriptor follows on the worker's pipe; the
   worker maps it and copies the weights into its model. The kernel frees a version once the trainer has replaced
   it and every worker has unmapped it.
-- Faults: a worker whose process dies is restarted up to rollout.max_restarts times, its outstanding tickets
-  granted again (rollout/worker_restarts); a worker that raises ends the run with RolloutFailedError naming the
-  error. The workers die with this process (PR_SET_PDEATHSIG), however it ends.
+- Faults (dppo.trainer.rollout.supervised): a worker whose process dies is restarted up to rollout.max_restarts
+  times, its outstanding tickets granted again (rollout/worker_restarts); a worker that raises ends the run with
+  RolloutFailedError naming the error. The workers die with this process (PR_SET_PDEATHSIG), however it ends.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import itertools
-import logging
 import multiprocessing
 import os
 import signal
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing import reduction
 from typing import Any
@@ -35,14 +34,12 @@ from typing import Any
 import cloudpickle
 import torch
 
-from dppo.data.source import PromptSource
-from dppo.batch import Group
 from dppo.checkpoint.state import RolloutStart
-from dppo.trainer.rollout.common import RolloutFailedError, buffer_core, groups_of
+from dppo.data.source import PromptSource
+from dppo.trainer.rollout.common import RolloutSettings, buffer_core
+from dppo.trainer.rollout.supervised import SupervisedRollout, Taken, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.process import SharedState, serve
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
-
-log = logging.getLogger("dppo.batch")
 
 POLL_S = 0.5  # how often a waiting fetch looks at the workers' processes
 # Threads a fork may leave behind: they hold no lock while they block (dppo.stopping's watcher reads a pipe).
@@ -70,31 +67,29 @@ class _Buffer:
 
 
 @dataclass
-class _Worker:
-    """One incarnation of rollout worker `index`."""
+class LocalWorker(WorkerRecord):
+    """One incarnation of a rollout worker as a local process, and the thread here that serves its pipe."""
 
-    index: int
-    holder: int  # its id at the replay buffer (a restarted worker gets a new one)
-    process: Any
-    conn: Any
-    restarts: int = 0
+    process: Any = None
+    conn: Any = None
     error: str | None = None  # what it reported before exiting with an error
     server: threading.Thread | None = field(default=None, repr=False)
 
 
-class LocalRollout:
-    """Rollout workers as local processes (see the module docstring); the interface of RayRollout."""
+class LocalRollout(SupervisedRollout[LocalWorker]):
+    """Rollout workers as local processes (see the module docstring)."""
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart, fork: bool = False) -> None:
-        """fork: the first workers may be forked (made before the actor's rank, whose threads a fork would copy
-        half of); they still are not where this process runs other Python threads or holds a CUDA context."""
-        self.cfg = cfg
-        self.worker_restarts = start.worker_restarts
-        self.buffer = _Buffer(buffer_core(cfg, start))
+        """cfg: the root config, which the workers receive whole (their engines read model.*, algorithm.*); the rest
+        reads RolloutSettings.of(cfg). fork: the first workers may be forked (made before the actor's rank, whose
+        threads a fork would copy half of); they still are not where this process runs other Python threads or
+        holds a CUDA context."""
+        super().__init__(RolloutSettings.of(cfg), start)
+        self.buffer = _Buffer(buffer_core(self.settings, start))
         self._payload = cloudpickle.dumps((cfg, source, model_config))
-        self._holders = itertools.count()
         ctx = self._context(fork)
-        self.workers = [self._start(i, 0, ctx) for i in range(cfg.rollout.num_workers)]  # all forked before any thread
+        self.workers = [self._start(i, self.new_holder(), 0, ctx)  # all forked before any thread
+                        for i in range(self.settings.rollout.num_workers)]  # fmt: skip
         for worker in self.workers:
             self._listen(worker)
 
@@ -107,20 +102,26 @@ class LocalRollout:
             return multiprocessing.get_context("fork")
         return multiprocessing.get_context("spawn")
 
-    def _start(self, index: int, restarts: int, ctx) -> _Worker:
+    def _start(self, index: int, holder: int, restarts: int, ctx) -> LocalWorker:
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(target=serve, args=(theirs, self._payload, index, os.getpid()),
                               name=f"dppo-rollout-{index}", daemon=True)  # fmt: skip
         process.start()
         theirs.close()  # the worker's end lives in the worker now: EOF here once it exits
-        return _Worker(index, next(self._holders), process, ours, restarts)
+        return LocalWorker(index, holder, restarts, process, ours)
 
-    def _listen(self, worker: _Worker) -> None:
+    def _spawn(self, index: int, holder: int, restarts: int) -> LocalWorker:
+        """A fresh interpreter (a fork now would copy this process's threads), served at once."""
+        worker = self._start(index, holder, restarts, self._context(fork=False))
+        self._listen(worker)
+        return worker
+
+    def _listen(self, worker: LocalWorker) -> None:
         worker.server = threading.Thread(target=self._serve, args=(worker,), name=f"dppo-rollout-pipe-{worker.index}",
                                          daemon=True)  # fmt: skip
         worker.server.start()
 
-    def _serve(self, worker: _Worker) -> None:
+    def _serve(self, worker: LocalWorker) -> None:
         """Answer worker's requests until its pipe closes (it exited, or close() closed it)."""
         conn = worker.conn
         try:
@@ -154,53 +155,42 @@ class LocalRollout:
         """The weights of the last publish, exactly as published: views of the shared-memory copy the workers load."""
         return self._published.state_dict()
 
-    def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
-        while True:
+    def _taking(self, num_groups: int, trainer_version: int) -> Callable[[], Taken | None]:
+        def wait() -> Taken | None:
+            """Until the groups are there, a worker's pipe closed, or POLL_S passed (a worker's process may be
+            gone with its pipe still open: the check after this looks at the processes)."""
             with self.buffer.changed:
                 taken = self.buffer.core.take(num_groups, trainer_version)
                 self.buffer.changed.notify_all()  # taken or dropped groups may free budget for waiting workers
                 if taken is None:
                     self.buffer.changed.wait(POLL_S)
-            if taken is not None:
-                return groups_of(taken)
-            self._check_workers()
+            return taken
 
-    def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
-        self._check_workers()
-        return groups_of(self.buffer.call("take", num_groups, trainer_version))
+        return wait
 
-    def discard(self, count: int) -> None:
-        """The trainer took count groups it does not train on (algorithm.filter_groups; ReplayBufferCore.discard)."""
-        self.buffer.call("discard", count)
+    def _take_ready(self, num_groups: int, trainer_version: int) -> Taken | None:
+        return self.buffer.call("take", num_groups, trainer_version)  # the core's take never waits
 
-    def _check_workers(self) -> None:
-        """Restart each worker whose process has died (or raise what a worker reported before it exited)."""
-        for worker in list(self.workers):
-            if worker.process.is_alive():
-                continue
-            worker.process.join()
-            # its pipe is closed: the thread reads what the worker sent last, unless it waits for a ticket for the
-            # dead worker (it then sends the stop ticket that _restart's release makes, into a closed pipe)
-            worker.server.join(timeout=1.0)
-            if worker.error is not None:
-                raise RolloutFailedError(f"rollout worker {worker.index} raised {worker.error}")
-            self._restart(worker, _exit_in_words(worker.process.exitcode))
+    def _buffer_call(self, name: str, *args) -> Any:
+        return self.buffer.call(name, *args)
 
-    def _restart(self, worker: _Worker, how: str) -> None:
-        limit = self.cfg.rollout.max_restarts
-        if worker.restarts >= limit:
-            raise RolloutFailedError(f"rollout worker {worker.index} {how} and its restarts are used up "
-                                     f"({worker.restarts} of rollout.max_restarts={limit})")  # fmt: skip
+    def _check_buffer(self) -> None:
+        pass  # the buffer lives in this process: it cannot die apart from it
+
+    def _ended(self, worker: LocalWorker) -> WorkerEnd | None:
+        """A worker's process ends only by failing: it raised (and said what over its pipe), or it died."""
+        if worker.process.is_alive():
+            return None
+        worker.process.join()
+        # its pipe is closed: the thread reads what the worker sent last, unless it waits for a ticket for the
+        # dead worker (it then sends the stop ticket that _restart's release makes, into a closed pipe)
+        worker.server.join(timeout=1.0)
+        if worker.error is not None:
+            return WorkerEnd("raised", worker.error)
+        return WorkerEnd("died", _exit_in_words(worker.process.exitcode))
+
+    def _retire(self, worker: LocalWorker) -> None:
         worker.conn.close()
-        regranted = self.buffer.call("release", worker.holder)
-        self.workers[worker.index] = new = self._start(worker.index, worker.restarts + 1, self._context(fork=False))
-        self._listen(new)
-        self.worker_restarts += 1
-        log.warning(f"rollout worker {worker.index} {how}; restarted it ({worker.restarts + 1} of "
-                    f"rollout.max_restarts={limit}); its {regranted} outstanding groups are generated anew")  # fmt: skip
-
-    def stats(self) -> dict[str, float]:
-        return {**self.buffer.call("stats"), "rollout/worker_restarts": float(self.worker_restarts)}
 
     def describe(self) -> str:
         pids = ", ".join(str(w.process.pid) for w in self.workers)

@@ -1,0 +1,73 @@
+"""trainer.mode=sync without Ray: each trigger's groups generated in the trainer's own process, then taken, with the
+replay buffer's logic (ReplayBufferCore) as the other sources run it: the same tickets, seeded by their grant index."""
+
+from __future__ import annotations
+
+import torch
+
+from dppo.batch import Group
+from dppo.checkpoint.state import RolloutStart
+from dppo.data.source import PromptSource
+from dppo.trainer.rollout.common import RolloutSettings, buffer_core, cloned_state
+from dppo.trainer.rollout.source import RolloutSource
+from dppo.workers.rollout.worker import RolloutGenerator
+
+
+class InProcessRollout(RolloutSource):
+    """trainer.mode=sync without Ray: generate each trigger's groups in this process, then take them."""
+
+    def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
+        """cfg: the root config, which the generator takes whole (its engine reads model.*, algorithm.*); the buffer
+        reads RolloutSettings.of(cfg)."""
+        self.buffer = buffer_core(RolloutSettings.of(cfg), start)
+        self.worker = RolloutGenerator(cfg, source, model_config, 0)
+
+    @property
+    def worker_restarts(self) -> int:
+        return 0  # no worker process that could die apart from the trainer
+
+    def start(self) -> None:
+        pass  # generates only when asked
+
+    def publish(self, state_dict, version: int) -> None:
+        """A copy of state_dict (the rank's CPU state dict: the live tensors, which the cycle's steps move) is what the
+        worker loads at its next ticket and what published_weights() gives back."""
+        self._published = cloned_state(state_dict)
+        self.buffer.publish(self._published, version)
+
+    def published_weights(self) -> dict[str, torch.Tensor]:
+        """The weights of the last publish, exactly as published (the model's dtype)."""
+        return self._published
+
+    def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
+        made = 0
+        while made < num_groups:
+            ticket = self.buffer.acquire(self.worker.version, num_groups - made)
+            if ticket is None:
+                raise RuntimeError(f"replay buffer refused to grant groups in sync mode ({self.buffer.stats()})")
+            sync = None
+            if ticket.weights is not None:
+                sync = self.worker.load_weights(ticket.weights, ticket.version)
+            self.worker.seed_ticket(ticket.first)
+            self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first, None, sync)
+            made += ticket.num_groups
+        result = self.buffer.take(num_groups, trainer_version)
+        assert result is not None, "groups generated for this trigger must be takeable"
+        return result
+
+    def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
+        """Sync mode has no rollout running ahead: it generates the groups now (the same ones: a ticket is seeded by
+        its grant index, and the weights stay those of the cycle start)."""
+        return self.fetch(num_groups, trainer_version)
+
+    def discard(self, count: int) -> None:
+        self.buffer.discard(count)
+
+    def stats(self) -> dict[str, float]:
+        return {**self.buffer.stats(), "rollout/worker_restarts": 0.0}
+
+    def describe(self) -> str:
+        return "rollout: generated in this process between the trainer's steps (trainer.mode=sync, no Ray)"
+
+    def close(self) -> None:
+        self.buffer.close()
