@@ -53,12 +53,12 @@ class PartialRollout:
         self.inner.close()
 
 
-def record_slot_use(strategy) -> list:
-    """From now on, the cycle_start old-log-prob strategy (dppo.workers.actor.old_log_prob.CycleStartOldLogProb) appends to the
-    returned list "save" for each snapshot it takes into slot 0, and the trigger k of each old log-prob it computes
-    at a trigger k >= 1, which is a read of slot 0 (its only way to score one there). A mini-batch scored ahead
-    leaves no entry: its trigger never asks the strategy."""
-    events, save, compute = [], strategy.pool.save, strategy.compute
+def record_slot_use(source) -> list:
+    """From now on, the slot pi_old source (dppo.workers.actor.pi_old_sources.SlotSource) appends to the returned list
+    "save" for each snapshot it takes into slot 0, and the trigger k of each old log-prob it computes at a trigger
+    k >= 1, which is a read of slot 0 (its only way to score one there). A mini-batch scored ahead leaves no entry:
+    its trigger never asks the source."""
+    events, save, compute = [], source.pool.save, source.compute
 
     def saving(slot):
         events.append("save")
@@ -70,5 +70,5 @@ def record_slot_use(strategy) -> list:
             events.append(trigger)
         return logp
 
-    strategy.pool.save, strategy.compute = saving, computing
+    source.pool.save, source.compute = saving, computing
     return events

@@ -47,6 +47,7 @@ from tqdm.auto import tqdm
 
 from dppo._text import one_line
 from dppo.config import DppoConfig, to_dict
+from dppo.config.pi_old import PiOldPlan, plan_pi_old
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict, model_from_config, policy_config
@@ -341,6 +342,11 @@ class BaseTrainer:
             self.trackers.summary(evaluation, self.global_step)
         hf_model_path = self.save_hf_model(self._current_policy(), self.output_dir / HF_MODEL_DIR)
         return self._finish(evaluation, time.perf_counter() - start, hf_model_path)
+
+    @property
+    def pi_old_plan(self) -> PiOldPlan:
+        """Which pi_old the run uses (dppo.config.pi_old): the loop asks it whether trigger 0 scores ahead."""
+        return plan_pi_old(self.cfg)
 
     def _eval_due(self) -> bool:
         """trainer.test_freq says so (the last step's evaluation is the final one, after the loop)."""

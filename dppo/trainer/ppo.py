@@ -1,11 +1,11 @@
 """Decoupled PPO (and its bypass mode) on the base trainer's loop.
 
 Per trigger the driver computes the advantages on whole groups (dppo.algo, before the batch is split over
-the ranks) and calls the actor's update once: every rank computes old log-probs with the strategy
-of dppo.workers.actor.old_log_prob on its shard, the rollout correction, the policy loss (normalized over the whole
-mini-batch) and one optimizer step (dppo.workers.actor.rank). Which policy plays pi_old is the strategy's
+the ranks) and calls the actor's update once: every rank takes log pi_old from its pi_old provider
+(dppo.workers.actor.pi_old) on its shard, then the rollout correction, the policy loss (normalized over the whole
+mini-batch) and one optimizer step (dppo.workers.actor.rank). Which policy plays pi_old is the provider's
 business; which loss is used is chosen once per rank; the trigger itself has no algorithm branches. Where the
-strategy would read slot 0 (snapshot.score_ahead), trigger 0 scores the cycle's later mini-batches that have
+ranks would read slot 0 (the plan's score_ahead), trigger 0 scores the cycle's later mini-batches that have
 arrived with the live weights instead (dppo.trainer.score_ahead).
 """
 
@@ -18,7 +18,6 @@ from collections.abc import Callable
 import torch
 
 from dppo.algo import apply_kl_penalty, get_advantage_estimator, get_kl_controller
-from dppo.config.choices import score_ahead_enabled
 from dppo.batch import TrainBatch
 from dppo.trainer.base import BaseTrainer
 
@@ -47,7 +46,7 @@ class PPOTrainer(BaseTrainer):
 
     @property
     def score_ahead_enabled(self) -> bool:
-        return score_ahead_enabled(self.cfg)
+        return self.pi_old_plan.score_ahead
 
     def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
         if not batches:

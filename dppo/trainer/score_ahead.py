@@ -5,7 +5,7 @@ scored with the live weights, which are pi_old until trigger 0's optimizer step.
                 groups_k <- rollout.fetch_ready(G, v), k = 1, 2 ..   no wait; stops at the first not all there
                 prox_logp_k <- actor.score_ahead([collate(groups_k) for each k], whole_cycle)
                               one call to the ranks, no grad, the live weights (= pi_old); whole_cycle (every
-                              later one taken): the strategy takes no snapshot this cycle (skip_snapshot)
+                              later one taken): the ranks' pi_old takes no snapshot this cycle (skip_snapshot)
     trigger k:  held: update_actor(..., prox_logp_k), no slot read;  else fetch and read slot 0 as before
 
 The groups are the very ones, in the same order, that triggers 1.. would have fetched: the replay buffer takes in
