@@ -6,7 +6,7 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
     for k in 0 .. parameter_sync_step - 1:        self.local_trigger_step = k
         groups <- the mini-batch held since trigger 0, or drawn from the rollout: train_batch_size / parameter_sync_step
                   groups (rollout.fetch), more where algorithm.filter_groups drops some (dppo.trainer.filter_groups)
-        k == 0 (score_ahead_enabled): hold the later mini-batches that have arrived, scored now (score_ahead)
+        k == 0 (pi_old_plan.score_ahead): hold the later mini-batches that have arrived, scored now (take_ahead)
         metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
@@ -60,9 +60,9 @@ from dppo.checkpoint.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokeni
 from dppo.checkpoint.failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
                                              is_write_failure)
 from dppo.trainer.report import MetricsLog, format_table, plot_run, summarize
-from dppo.checkpoint.state import CycleProgress, Draw, HeldBatch, RolloutStart, rng_state, set_rng_state
+from dppo.checkpoint.state import CycleProgress, Draw, RolloutStart, rng_state, set_rng_state
 from dppo.trainer.rollout.sources import RolloutFailedError, make_rollout
-from dppo.trainer.score_ahead import Ahead, take_ready
+from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
@@ -250,15 +250,6 @@ class BaseTrainer:
         prox_logp: batch's old log-probs (B, R), scored ahead at trigger 0 (score_ahead), or None."""
         raise NotImplementedError
 
-    # Whether trigger 0 takes the cycle's later mini-batches that have arrived and scores them (score_ahead).
-    score_ahead_enabled = False
-
-    def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
-        """At trigger 0, before its optimizer step: old log-probs (B, R) of each of the cycle's later mini-batches
-        in batches; whole_cycle: they are all of them (no later trigger needs anything else). Only called where
-        score_ahead_enabled is true."""
-        raise NotImplementedError
-
     def end_cycle(self) -> dict[str, float]:
         """Called after the last trigger of a cycle, before the weights go to the rollout; extra metrics."""
         return {}
@@ -367,7 +358,8 @@ class BaseTrainer:
             draw = None if held else self.group_filter.fetch(self.rollout, self.version, progress.pending)
             groups = held.groups if held else draw.groups(self.cfg.groups_per_trigger)
             wait_s = time.perf_counter() - wait_start
-            ahead = self._take_ahead() if progress.trigger == 0 else None
+            ahead = take_ahead(self.pi_old_plan, self.rollout, self.group_filter, self.version, self.source.pad_token,
+                               self.actor_group.score_ahead) if progress.trigger == 0 else None  # fmt: skip
             batch = collate(groups, self.source.pad_token)
             # the ranks move their part of the batch to their device
             metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
@@ -385,7 +377,7 @@ class BaseTrainer:
                 self._drawn(draw, since=progress.pending)
                 progress.pending = None
             if ahead is not None:
-                self._hold(ahead)
+                ahead.hold(progress, self._drawn, self._taken)
         if not progress.ended:
             progress.metrics.add(self.end_cycle())
             progress.ended = True
@@ -397,36 +389,6 @@ class BaseTrainer:
         self.global_step += 1
         self.progress = CycleProgress()
         return self._record(progress, stats, time.perf_counter() - cycle_start)
-
-    def _take_ahead(self) -> Ahead | None:
-        """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
-        would take them and scored with the live weights, which are pi_old (dppo.trainer.score_ahead); None where
-        the trainer does not score ahead."""
-        if not self.score_ahead_enabled:
-            return None
-        later = self.cfg.trainer.parameter_sync_step - 1
-        start = time.perf_counter()
-        draws, pending = take_ready(self.rollout, later, self.group_filter, self.version)
-        size = self.cfg.groups_per_trigger
-        batches = [collate(draw.groups(size), self.source.pad_token) for draw in draws]
-        prox_logps = self.score_ahead(batches, whole_cycle=len(draws) == later)
-        held = [HeldBatch(draw.groups(size), logp, draw.taken_scores() if self.group_filter.enabled else None)
-                for draw, logp in zip(draws, prox_logps, strict=True)]  # fmt: skip
-        dropped = sum(d.dropped for d in draws) + (pending.dropped if pending else 0)
-        return Ahead(held, draws, pending, dropped, len(held) / later, time.perf_counter() - start)
-
-    def _hold(self, ahead: Ahead) -> None:
-        """Commit trigger 0's score-ahead: the held mini-batches wait in the cycle's progress for their triggers, and
-        a draw it began and could not fill waits for its trigger to draw the rest."""
-        progress = self.progress
-        progress.ahead = ahead.held
-        progress.pending = ahead.pending
-        progress.metrics.add({"snapshot/scored_ahead_frac": ahead.fraction, "timing_s/score_ahead": ahead.seconds})
-        for draw in ahead.draws:
-            self._drawn(draw)
-        if ahead.pending is not None:
-            progress.dropped += ahead.pending.dropped
-            self._taken(ahead.pending.taken, ahead.pending.dropped, ahead.pending.discarded)
 
     def _drawn(self, draw: Draw, since: Draw | None = None) -> None:
         """Commit a done draw of a trigger's mini-batch: its groups taken and dropped since `since` (what score-ahead
