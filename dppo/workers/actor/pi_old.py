@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -128,7 +129,7 @@ class PiOldProvider:
         self.source.load_anchor(weights)
         self.verifier.load_anchor(weights)
 
-    def load_published(self, weights: dict[str, torch.Tensor], build) -> None:
+    def load_published(self, weights: dict[str, torch.Tensor], build: Callable[[dict], torch.nn.Module]) -> None:
         """pi_old's whole weights as published (a mid-cycle checkpoint that kept none on the ranks); build(state)
         makes a plain module holding them. Only the verifier needs them."""
         self.verifier.load_published(weights, build)

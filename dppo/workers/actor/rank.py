@@ -131,8 +131,8 @@ class ActorRank:
     @register(ALL)
     def reconfigure(self, cfg) -> None:
         """Run on with cfg's algorithm and snapshot settings over the same weights and optimizer (benchmarks and
-        tests compare settings on one model): the pi_old provider is released and built anew from cfg's plan. The precision
-        stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
+        tests compare settings on one model): the pi_old provider is released and built anew from cfg's plan. The
+        precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
         if cfg.actor.mixed_precision != self.cfg.actor.mixed_precision:
             raise ValueError(f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
                              f"{self.cfg.actor.mixed_precision} (set once, at init_model)")  # fmt: skip
@@ -207,7 +207,7 @@ class ActorRank:
         old log-probs (B, R) scored ahead (score_ahead), or None: the pi_old provider computes them."""
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
         scored = None if prox_logp is None else prox_logp.to(self.device)
-        prox = self.pi_old.prox(trigger, batch, version, scored)  # log pi_prox (b, R), or a ProxFn of the training forward
+        prox = self.pi_old.prox(trigger, batch, version, scored)  # log pi_prox (b, R), or a ProxFn of the training pass
         objective = self.objective(batch, prox.value, advantages, prox.steps.v_theta)  # the rollout correction too
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
@@ -217,7 +217,7 @@ class ActorRank:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the lr of this step (applied or not)
         step_lr(self.lr_scheduler)
         logp = objective.logp()  # (b, R) the training forward's, detached: log pi_theta before the step
-        prox_logp = prox.value if isinstance(prox.value, torch.Tensor) else objective.prox_logp()  # (b, R) what the loss used
+        prox_logp = prox.value if isinstance(prox.value, torch.Tensor) else objective.prox_logp()  # (b, R) the loss's
         self.pi_old.record_used(batch, prox_logp)
         own = {**objective.finish_metrics(), **self.pi_old.metrics(logp, prox_logp, batch, prox.steps)}
         valid = batch.response_mask.sum()
