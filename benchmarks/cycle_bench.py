@@ -8,7 +8,7 @@ rollout wait or weight publish) on synthetic batches with fixed seeds, for param
     bypass               algorithm.rollout_correction.bypass_mode=true: no old-log-prob forward, no snapshot
     recompute-only       the yardstick: one separate old-log-prob forward pass per trigger over the live weights
                          (algorithm.prox_anchor=current with its old log-probs from a no-grad pass of their own,
-                         as before issue 12: the strategy's fuse_live off), and no snapshot work at all
+                         as before issue 12: the plan's fuse_live off), and no snapshot work at all
     decoupled-auto       snapshot.strategy=auto (the default): trigger 0's save overlaps the training forward,
                          whose log-probs are pi_old's (no pass of its own); k >= 1 reads slot 0 in place (CPU,
                          device tier) or streams it layer by layer (GPU)
@@ -31,7 +31,7 @@ Figures per (size, parameter_sync_step, mode), medians over --repeats rounds aft
 one cycle of every mode back to back (in a rotating order) over the same model and optimizer, so load from
 other processes falls on all modes alike, and differences are taken within a round:
     cycle_s               one sync cycle
-    old_log_prob_s        the old-log-prob computations of the cycle (strategy.compute)
+    old_log_prob_s        the old-log-prob computations of the cycle (the pi_old source's compute, score-ahead)
     overhead_vs_bypass_s  cycle(mode) - cycle(bypass): the snapshot AND the extra old-log-prob forward passes
     exposed_snapshot_s    cycle(mode) - cycle(recompute-only): what the snapshot work adds that the same
                           forward passes without any snapshot do not (the decoupled modes now run one pass a
@@ -70,6 +70,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import json
 import os
 import platform
@@ -85,6 +86,7 @@ import torch
 from dppo.hostmem import keep_freed_host_memory
 from dppo.batch import TrainBatch
 from dppo.config import load_config
+from dppo.config.pi_old import plan_pi_old
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.worker_group import LocalWorkerGroup
 
@@ -164,7 +166,7 @@ def trainer_config(size: str, ps: int, mode_overrides: dict, device: str, out_di
 
 
 def rank_of(trainer: PPOTrainer):
-    """The trainer's one actor rank, in this process (ray.enabled=false): model, optimizer, old_log_prob, score."""
+    """The trainer's one actor rank, in this process (ray.enabled=false): model, optimizer, pi_old, score."""
     return trainer.actor_group.local_rank
 
 
@@ -177,9 +179,8 @@ def mode_trainer(base: PPOTrainer, cfg, separate_pass: bool = False) -> PPOTrain
     trainer.setup()
     rank = copy.copy(rank_of(base))
     rank.cfg = cfg
-    rank.setup_update()
-    if separate_pass:
-        rank.old_log_prob.fuse_live = False
+    plan = plan_pi_old(cfg)
+    rank.setup_update(dataclasses.replace(plan, fuse_live=False) if separate_pass else plan)
     trainer.actor_group = LocalWorkerGroup(rank)
     return trainer
 
@@ -221,12 +222,13 @@ class Clock:
 
 
 class OldLogProbTimer:
-    """Wraps the rank's old_log_prob.compute (and the trainer's score_ahead) and sums their time over a cycle."""
+    """Wraps the rank's pi_old source's compute (and the actor's score_ahead) and sums their time over a cycle."""
 
     def __init__(self, trainer: PPOTrainer, clock: Clock) -> None:
         self.clock, self.spans = clock, []
-        rank_of(trainer).old_log_prob.compute = self.timed(rank_of(trainer).old_log_prob.compute)
-        trainer.score_ahead = self.timed(trainer.score_ahead)
+        source = rank_of(trainer).pi_old.source
+        source.compute = self.timed(source.compute)
+        trainer.actor_group.score_ahead = self.timed(trainer.actor_group.score_ahead)
 
     def timed(self, fn):
         def call(*args):
@@ -245,7 +247,7 @@ class OldLogProbTimer:
 
 def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Clock) -> float:
     """One sync cycle of the trainer's own hooks (as BaseTrainer.run_cycle, minus rollout fetch and publish); with
-    trainer.score_ahead_enabled, every later mini-batch is there at trigger 0 and scored then."""
+    trainer.pi_old_plan.score_ahead, every later mini-batch is there at trigger 0 and scored then."""
     if clock.cuda:
         torch.cuda.synchronize()
     start = clock.start()
@@ -253,8 +255,8 @@ def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Cl
     prox_logps = [None] * ps
     for k in range(ps):
         trainer.state.progress.trigger = k  # the trigger in flight (trainer.local_trigger_step)
-        if k == 0 and trainer.score_ahead_enabled:
-            prox_logps[1:] = trainer.score_ahead(batches[1:ps], True)
+        if k == 0 and trainer.pi_old_plan.score_ahead:
+            prox_logps[1:] = trainer.actor_group.score_ahead(batches[1:ps], True)
         trainer.train_trigger(batches[k], prox_logps[k])
     trainer.state.progress.trigger = 0
     trainer.end_cycle()
@@ -266,7 +268,8 @@ def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Cl
 
 def check_period(trainer: PPOTrainer) -> int:
     """Cycles one round times: auto's check period (algorithm.prox_check_every), 1 for every other mode."""
-    return trainer.cfg.algorithm.prox_check_every if trainer.cfg.algorithm.prox_logp_method == "auto" else 1
+    plan = trainer.pi_old_plan
+    return plan.check_every if plan.method == "auto" else 1
 
 
 def run_check_period(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Clock, checked: list) -> float:
@@ -274,7 +277,7 @@ def run_check_period(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], cl
     behavior log-probs first (the live weights', untimed, as sync-mode samples have); appends to checked the
     number of the period's cycles that checked."""
     rank = rank_of(trainer)
-    switch, period = rank.prox_method.switch, check_period(trainer)
+    switch, period = rank.pi_old.method.switch, check_period(trainer)
     seconds, checks = 0.0, 0
     for _ in range(period):
         fresh = [copy.copy(b) for b in batches[:ps]]
@@ -306,20 +309,20 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
         if cuda and mode == "decoupled-stream":
             memory = stream_memory(trainer, batches)
         got = []
-        strategy = rank_of(trainer).old_log_prob
-        inner = strategy.record_used
+        pi_old = rank_of(trainer).pi_old
+        inner = pi_old.record_used
 
         def capture(batch, prox_logp, inner=inner, got=got):  # what the loss used: slot 0's, or the training forward's
             got.append(prox_logp.clone())
             inner(batch, prox_logp)
 
-        strategy.record_used = capture
+        pi_old.record_used = capture
         run_cycle(trainer, 3, batches, Clock(False))
         if cuda and mode == "decoupled-stream":  # stream is None if the model fell back to swap (it warned)
-            stream = strategy.stream
+            stream = pi_old.source.stream
             memory["staging_bytes"] = stream.streamer.staging_bytes if stream is not None else 0
         live_moved &= not torch.equal(score(model, batches[2]), expected[2])  # else the check proves nothing
-        rank_of(trainer).old_log_prob.close()
+        pi_old.close()
         for logp, want in zip(got, expected, strict=True):
             equal &= torch.equal(logp, want)
             worst = max(worst, float((logp - want).abs().max()))
@@ -332,12 +335,12 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
 
 def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
     """Peak device memory of one streamed old-log-prob pass minus that of the same pass on the live weights."""
-    strategy = rank_of(trainer).old_log_prob
-    strategy.compute(0, batches[0])  # fills slot 0
-    strategy.compute(1, batches[1])  # traces the schedule and allocates the staging buffers
-    if strategy.stream is None:  # the model could not be streamed: the reader fell back to swap (it warned)
+    source = rank_of(trainer).pi_old.source
+    source.compute(0, batches[0])  # fills slot 0
+    source.compute(1, batches[1])  # traces the schedule and allocates the staging buffers
+    if source.stream is None:  # the model could not be streamed: the reader fell back to swap (it warned)
         return {"extra_peak_bytes": 0, "two_steps_bytes": 0, "limit_bytes": 0, "ok": False,
-                "error": strategy.stream_error}  # fmt: skip
+                "error": source.stream_error}  # fmt: skip
 
     def peak(fn) -> int:
         torch.cuda.synchronize()
@@ -347,11 +350,11 @@ def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
 
-    strategy.pool.release()  # the staging buffers count as extra: let the streamed pass allocate them again
-    streamed = peak(lambda: strategy.compute(1, batches[1]))
-    strategy.pool.clear(0)
+    source.pool.release()  # the staging buffers count as extra: let the streamed pass allocate them again
+    streamed = peak(lambda: source.compute(1, batches[1]))
+    source.pool.clear(0)
     live = peak(lambda: rank_of(trainer).score(rank_of(trainer).model, batches[1]))
-    steps = strategy.stream.schedule.steps
+    steps = source.stream.schedule.steps
     sizes = dict(rank_of(trainer).model.named_parameters(remove_duplicate=False))
     largest = max(sum(sizes[n].nbytes for n in step) for step in steps)
     limit = 2 * largest + 2 * ALIGN_BYTES * (1 + max(len(s) for s in steps))
@@ -403,16 +406,16 @@ def run_size(size: str, args, device: torch.device) -> dict:
             for rep in range(args.repeats):
                 order = list(MODES)[rep % len(MODES):] + list(MODES)[: rep % len(MODES)]  # rotate who goes first
                 for mode in order:
-                    before = rank_of(trainers[mode]).old_log_prob.moved_bytes
+                    before = rank_of(trainers[mode]).pi_old.source.moved_bytes
                     if mode == "auto":
                         cycles[mode].append(run_check_period(trainers[mode], ps, batches, clock, checks[mode]))
                     else:
                         cycles[mode].append(run_cycle(trainers[mode], ps, batches, clock))
                     logp_s[mode].append(timers[mode].take_s() / periods[mode])
-                    moved[mode] = (rank_of(trainers[mode]).old_log_prob.moved_bytes - before) / periods[mode]
+                    moved[mode] = (rank_of(trainers[mode]).pi_old.source.moved_bytes - before) / periods[mode]
             readers = {mode: reader_of(t) for mode, t in trainers.items()}
             for trainer in trainers.values():
-                rank_of(trainer).old_log_prob.close()
+                rank_of(trainer).pi_old.close()
             del trainers, timers
             rows.extend(size_rows(size, params, ps, cycles, logp_s, moved, readers, checks, periods))
             print(f"  ps={ps}: " + ", ".join(f"{m} {statistics.median(c):.3f}s" for m, c in cycles.items()), flush=True)
@@ -423,13 +426,14 @@ def run_size(size: str, args, device: torch.device) -> dict:
 
 
 def reader_of(trainer: PPOTrainer) -> str:
-    """What computed the old log-probs at triggers k >= 1: a slot reader, the strategy itself, or score-ahead."""
-    strategy = rank_of(trainer).old_log_prob
-    if trainer.score_ahead_enabled:
+    """What computed the old log-probs at triggers k >= 1: a slot reader, score-ahead ("ahead"), or where no slot is
+    read the pi_old source (bypass, current, reference, loglinear: the labels of the JSON)."""
+    plan = trainer.pi_old_plan
+    if plan.score_ahead:
         return "ahead"
-    if strategy.name == "cycle_start_reference":
-        return "reference"
-    return getattr(strategy, "reader_name", strategy.name)
+    if plan.source == "slot":
+        return rank_of(trainer).pi_old.source.reader_name
+    return {"behav": "bypass", "live": "current", "copies": "reference", "none": "loglinear"}[plan.source]
 
 
 class _NoRollout:

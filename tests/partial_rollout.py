@@ -25,13 +25,6 @@ class PartialRollout(RolloutSource):
         self._ready: int | None = None  # groups fetch_ready may still take this cycle; None: not drawn yet
         self.ready_calls: list[bool] = []  # per fetch_ready call: whether it returned groups
 
-    @property
-    def worker_restarts(self) -> int:
-        return self.inner.worker_restarts
-
-    def describe(self) -> str:
-        return self.inner.describe()
-
     def published_weights(self):
         return self.inner.published_weights()
 
@@ -40,9 +33,6 @@ class PartialRollout(RolloutSource):
 
     def publish(self, weights, version: int) -> None:
         self.inner.publish(weights, version)
-
-    def published_weights(self):
-        return self.inner.published_weights()
 
     def fetch(self, num_groups: int, trainer_version: int):
         self._ready = None  # trigger 0 fetches before it looks ahead: the next fetch_ready starts a new cycle's count
@@ -75,12 +65,12 @@ class PartialRollout(RolloutSource):
         self.inner.close()
 
 
-def record_slot_use(strategy) -> list:
-    """From now on, the cycle_start old-log-prob strategy (dppo.workers.actor.old_log_prob.CycleStartOldLogProb) appends to the
-    returned list "save" for each snapshot it takes into slot 0, and the trigger k of each old log-prob it computes
-    at a trigger k >= 1, which is a read of slot 0 (its only way to score one there). A mini-batch scored ahead
-    leaves no entry: its trigger never asks the strategy."""
-    events, save, compute = [], strategy.pool.save, strategy.compute
+def record_slot_use(source) -> list:
+    """From now on, the slot pi_old source (dppo.workers.actor.pi_old_sources.SlotSource) appends to the returned list
+    "save" for each snapshot it takes into slot 0, and the trigger k of each old log-prob it computes at a trigger
+    k >= 1, which is a read of slot 0 (its only way to score one there). A mini-batch scored ahead leaves no entry:
+    its trigger never asks the source."""
+    events, save, compute = [], source.pool.save, source.compute
 
     def saving(slot):
         events.append("save")
@@ -92,5 +82,5 @@ def record_slot_use(strategy) -> list:
             events.append(trigger)
         return logp
 
-    strategy.pool.save, strategy.compute = saving, computing
+    source.pool.save, source.compute = saving, computing
     return events

@@ -1,6 +1,6 @@
 """The names each config key accepts, and the decisions made from the config alone (before any model exists):
-which old-log-prob strategy a run uses, whether the driver scores ahead, which slot readers are exact on a
-sharded actor. The workers and the driver both ask here, so the config needs nothing from either."""
+which slot readers are exact on a sharded actor, where a run's prompts come from. Which pi_old a run uses is
+dppo.config.pi_old's plan. The workers and the driver both ask here, so the config needs nothing from either."""
 
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ LR_SCHEDULER_TYPES = ("constant", "cosine")  # actor.optim.lr_scheduler_type (dp
 # verl's older DAPO names of the same); any other name is a key of the reward function's extra outputs
 FILTER_REWARD_METRICS = ("reward", "score", "seq_reward")
 
-# algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each)
+# algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each; dppo.config.pi_old plans with them)
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")
 
 # How trigger k >= 1 reads slot 0 (dppo.workers.actor.slot_readers implements each).
@@ -50,33 +50,6 @@ def check_reader_for_sharding(name: str) -> None:
             f"the parameters it registered, so the {name} reader would compute with the live weights instead of "
             f"slot 0; use one of {', '.join(SHARDED_READERS)}"
         )
-
-
-def needs_whole_mini_batch(cfg) -> bool:
-    """Whether cfg's rollout correction needs every old log-prob of the mini-batch before the first micro-batch's
-    loss (IS batch normalization divides by the mini-batch's mean weight): then the old log-probs of the live
-    weights cannot come from the training forward pass, micro-batch by micro-batch."""
-    rc = cfg.algorithm.rollout_correction
-    return rc.rollout_is is not None and rc.rollout_is_batch_normalize
-
-
-def select_strategy_name(cfg) -> str:
-    """The old-log-prob strategy cfg asks for (dppo.workers.actor.old_log_prob describes each)."""
-    if cfg.algorithm.rollout_correction.bypass_mode:
-        return "bypass"
-    if cfg.algorithm.prox_logp_method == "loglinear":
-        return "loglinear"
-    if cfg.algorithm.prox_anchor == "current" or cfg.trainer.parameter_sync_step == 1:
-        return "current"
-    if cfg.algorithm.prox_logp_method == "auto":
-        return "auto"  # cycle_start's on check cycles, loglinear's (nothing) between
-    return "cycle_start_reference" if cfg.snapshot.strategy == "reference" else "cycle_start"
-
-
-def score_ahead_enabled(cfg) -> bool:
-    """Whether the driver scores a cycle's later mini-batches ahead at trigger 0 (snapshot.score_ahead): only
-    where they would read slot 0 otherwise (the cycle_start strategy)."""
-    return cfg.snapshot.score_ahead and select_strategy_name(cfg) == "cycle_start"
 
 
 def prompt_source_kind(source: str | None, train_files: object) -> str:

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 
 from dppo.algo.logprob import DEFAULT_CHUNK_BYTES
 from dppo.config import DppoConfig
-from dppo.config.choices import select_strategy_name
+from dppo.config.pi_old import plan_pi_old
 from dppo.workers.rollout.engines import vllm_rows
 from dppo.workers.rollout.engines.vllm import kv_bytes_of
 
@@ -122,9 +122,8 @@ def actor_rank(cfg: DppoConfig, shape: Shape, on_gpu: bool) -> dict[str, int]:
     """What one actor rank holds in this machine's host memory (rank 0's: it also gathers what it publishes)."""
     ws = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     w = shape.params * DTYPE_BYTES[cfg.model.dtype]
-    strategy = select_strategy_name(cfg)
     parts = {"process": PROCESS_BYTES}
-    if strategy.startswith("cycle_start") or strategy == "auto":
+    if plan_pi_old(cfg).takes_snapshots:
         parts["snapshot slot"] = w // ws  # host arenas even when the model trains on a GPU
     if on_gpu:
         return parts

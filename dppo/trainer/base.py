@@ -7,7 +7,7 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
     for k in 0 .. parameter_sync_step - 1:        state.progress.trigger = k
         groups <- the mini-batch held since trigger 0, or drawn from the rollout: train_batch_size / parameter_sync_step
                   groups (rollout.fetch), more where algorithm.filter_groups drops some (dppo.trainer.filter_groups)
-        k == 0 (score_ahead_enabled): hold the later mini-batches that have arrived, scored now (score_ahead)
+        k == 0 (pi_old_plan.score_ahead): hold the later mini-batches that have arrived, scored now (take_ahead)
         metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
@@ -28,6 +28,7 @@ lost: the run ends, and the last checkpoint is where it resumes.
 from __future__ import annotations
 
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -37,8 +38,9 @@ from dppo.batch import Group, TrainBatch, collate
 from dppo.checkpoint.hf_model import HF_MODEL_DIR
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
-from dppo.checkpoint.state import CycleProgress, HeldBatch, TrainerState
+from dppo.checkpoint.state import CycleProgress, TrainerState
 from dppo.config import DppoConfig, to_dict
+from dppo.config.pi_old import PiOldPlan, plan_pi_old
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
 from dppo.devices import resolve_device
@@ -48,7 +50,7 @@ from dppo.trainer.filter_groups import GroupFilter
 from dppo.trainer.outputs import PublishedPolicy, RunResult, write_results
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
-from dppo.trainer.score_ahead import Ahead, take_ready
+from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 
@@ -75,7 +77,6 @@ class BaseTrainer:
     progress, rollout_start = _state_field("progress"), _state_field("rollout_start")
     local_trigger_step = property(lambda self: self.state.progress.trigger)  # the trigger in flight
     resumed_algorithm_state: dict = {}  # noqa: RUF012  the subclass's algorithm_state() a resumed run starts from
-    score_ahead_enabled = False  # whether trigger 0 takes the cycle's later mini-batches that have arrived and scores them
 
     def __init__(self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None,
                  resume_point: ResumePoint | None = None):  # fmt: skip
@@ -157,14 +158,14 @@ class BaseTrainer:
         batch's old log-probs (B, R), scored ahead at trigger 0 (score_ahead), or None."""
         raise NotImplementedError
 
-    def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
-        """At trigger 0, before its step: old log-probs (B, R) of the cycle's later mini-batches in batches;
-        whole_cycle: they are all of them. Only called where score_ahead_enabled is true."""
-        raise NotImplementedError
-
     def end_cycle(self) -> dict[str, float]:
         """Called after the last trigger of a cycle, before the weights go to the rollout; extra metrics."""
         return {}
+
+    @property
+    def pi_old_plan(self) -> PiOldPlan:
+        """Which pi_old the run uses (dppo.config.pi_old): the loop asks it whether trigger 0 scores ahead."""
+        return plan_pi_old(self.cfg)
 
     def close(self) -> None:
         """Release the actor's ranks, and the rollout the constructor started if fit() never ran."""
@@ -266,7 +267,8 @@ class BaseTrainer:
         draw = None if held else self.group_filter.fetch(self.rollout, version, progress.pending)
         groups = held.groups if held else draw.groups(self.cfg.groups_per_trigger)
         wait_s = time.perf_counter() - wait_start
-        ahead = self._take_ahead() if progress.trigger == 0 else None
+        ahead = take_ahead(self.pi_old_plan, self.rollout, self.group_filter, version, self.source.pad_token,
+                           self.actor_group.score_ahead) if progress.trigger == 0 else None  # fmt: skip
         batch = collate(groups, self.source.pad_token)  # the ranks move their part of the batch to their device
         metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
         progress.metrics.add({"timing_s/gen_wait": wait_s})
@@ -282,36 +284,7 @@ class BaseTrainer:
             self.group_filter.commit(self.state, draw, since=progress.pending)
             progress.pending = None
         if ahead is not None:
-            self._hold(ahead)
-
-    def _take_ahead(self) -> Ahead | None:
-        """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
-        would take them and scored with the live weights, which are pi_old (dppo.trainer.score_ahead); None where
-        the trainer does not score ahead."""
-        if not self.score_ahead_enabled:
-            return None
-        later, size = self.cfg.trainer.parameter_sync_step - 1, self.cfg.groups_per_trigger
-        start = time.perf_counter()
-        draws, pending = take_ready(self.rollout, later, self.group_filter, self.state.version)
-        batches = [collate(draw.groups(size), self.source.pad_token) for draw in draws]
-        prox_logps = self.score_ahead(batches, whole_cycle=len(draws) == later)
-        held = [HeldBatch(draw.groups(size), logp, draw.taken_scores() if self.group_filter.enabled else None)
-                for draw, logp in zip(draws, prox_logps, strict=True)]  # fmt: skip
-        dropped = sum(d.dropped for d in draws) + (pending.dropped if pending else 0)
-        return Ahead(held, draws, pending, dropped, len(held) / later, time.perf_counter() - start)
-
-    def _hold(self, ahead: Ahead) -> None:
-        """Commit trigger 0's score-ahead: the held mini-batches wait in the cycle's progress for their triggers, and
-        a draw it began and could not fill waits for its trigger to draw the rest."""
-        progress = self.state.progress
-        progress.ahead, progress.pending = ahead.held, ahead.pending
-        progress.metrics.add({"snapshot/scored_ahead_frac": ahead.fraction, "timing_s/score_ahead": ahead.seconds})
-        for draw in ahead.draws:
-            self.group_filter.commit(self.state, draw)
-        if ahead.pending is not None:
-            progress.dropped += ahead.pending.dropped
-            self.state.rollout_start.took(self.state.version, ahead.pending.taken, ahead.pending.dropped,
-                                          ahead.pending.discarded)  # fmt: skip
+            ahead.hold(progress, partial(self.group_filter.commit, self.state), partial(self.state.rollout_start.took, version))
 
     # ---- weights out --------------------------------------------------------------------------------
 

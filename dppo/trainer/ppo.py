@@ -1,12 +1,11 @@
 """Decoupled PPO (and its bypass mode) on the base trainer's loop.
 
 Per trigger the driver computes the advantages on whole groups (dppo.algo, before the batch is split over
-the ranks) and calls the actor's update once: every rank computes old log-probs with the strategy
-of dppo.workers.actor.old_log_prob on its shard, the rollout correction, the policy loss (normalized over the whole
-mini-batch) and one optimizer step (dppo.workers.actor.rank). Which policy plays pi_old is the strategy's
-business; which loss is used is chosen once per rank; the trigger itself has no algorithm branches. Where the
-strategy would read slot 0 (snapshot.score_ahead), trigger 0 scores the cycle's later mini-batches that have
-arrived with the live weights instead (dppo.trainer.score_ahead).
+the ranks) and calls the actor's update once: every rank takes log pi_old from its pi_old provider
+(dppo.workers.actor.pi_old) on its shard, then the rollout correction, the policy loss (normalized over the whole
+mini-batch) and one optimizer step (dppo.workers.actor.rank). Which policy plays pi_old is the provider's
+business; which loss is used is chosen once per rank; the trigger itself has no algorithm branches. Score-ahead is
+the base loop's (dppo.trainer.score_ahead): a held mini-batch comes to train_trigger with its old log-probs.
 """
 
 from __future__ import annotations
@@ -18,7 +17,6 @@ from collections.abc import Callable
 import torch
 
 from dppo.algo import apply_kl_penalty, get_advantage_estimator, get_kl_controller
-from dppo.config.choices import score_ahead_enabled
 from dppo.batch import TrainBatch
 from dppo.trainer.base import BaseTrainer
 
@@ -44,15 +42,6 @@ class PPOTrainer(BaseTrainer):
 
     def algorithm_state(self) -> dict:
         return {} if self.kl_ctrl is None else {"kl_ctrl_value": self.kl_ctrl.value}
-
-    @property
-    def score_ahead_enabled(self) -> bool:
-        return score_ahead_enabled(self.cfg)
-
-    def score_ahead(self, batches: list[TrainBatch], whole_cycle: bool) -> list[torch.Tensor]:
-        if not batches:
-            return []
-        return self.actor_group.score_ahead(batches, whole_cycle)  # one call: every batch, and no snapshot if whole_cycle
 
     def train_trigger(self, batch: TrainBatch, prox_logp: torch.Tensor | None = None) -> dict[str, float]:
         extra = {} if batch.reward_baselines is None else {"reward_baselines": batch.reward_baselines}  # ReMax's

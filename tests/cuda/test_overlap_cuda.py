@@ -127,8 +127,8 @@ def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, stra
     }  # fmt: skip
     trainer = PPOTrainer(load_config([f"{k}={v}" for k, v in overrides.items()]))
     result = trainer.fit()
-    strategy = trainer.actor_group.local_rank.old_log_prob.inner
-    assert strategy.reader_name == reader
-    stats = strategy.pool.stats()
+    source = trainer.actor_group.local_rank.pi_old.source
+    assert source.reader_name == reader
+    stats = source.pool.stats()
     assert stats[reader]["count" if reader == "view" else "bytes"] > 0
     assert all(r["debug/old_log_prob_max_abs_diff"] <= 1e-6 for r in result.records)

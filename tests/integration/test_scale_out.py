@@ -216,12 +216,13 @@ def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strat
     triggers, records = run_cycles(ws2, 2)
     assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
-    used = ws2.actor_group.execute(lambda rank: getattr(rank.old_log_prob.inner, "reader_name", rank.old_log_prob.name))
-    assert used == [{"auto": "swap", "swap": "swap", "reference": "cycle_start_reference"}[strategy]] * 2
+    used = ws2.actor_group.execute(lambda rank: rank.pi_old.source.reader_name if rank.pi_old.plan.source == "slot"
+                                   else rank.pi_old.source.name)  # fmt: skip
+    assert used == [{"auto": "swap", "swap": "swap", "reference": "copies"}[strategy]] * 2
 
 
 def set_fuse_live(rank, fuse: bool) -> None:
-    getattr(rank.old_log_prob, "inner", rank.old_log_prob).fuse_live = fuse
+    rank.pi_old.source.fuse_live = fuse
 
 
 def local_grads(rank) -> dict[str, torch.Tensor]:
@@ -264,7 +265,7 @@ def test_score_ahead_at_world_size_2_gives_exact_old_log_probs_and_takes_no_snap
     and split again): the old log-probs equal the cycle-start copy's, as the slot reads' do above, and no rank
     copies any weight into a slot."""
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 12})
-    moved = lambda: ws2.actor_group.execute(lambda rank: rank.old_log_prob.inner.moved_bytes)  # noqa: E731
+    moved = lambda: ws2.actor_group.execute(lambda rank: rank.pi_old.source.moved_bytes)  # noqa: E731
     before = moved()
     triggers, records = run_cycles(ws2, 1)
     assert records[0]["debug/old_log_prob_max_abs_diff"] == 0.0 and records[0]["snapshot/scored_ahead_frac"] == 1.0
@@ -277,7 +278,7 @@ def test_a_partial_score_ahead_at_world_size_2_reads_slot_0_where_it_did_not_sco
     by count): every rank takes its snapshot in both cycles, the triggers not scored ahead read slot 0 on every
     rank, and the old log-probs equal the cycle-start copy's."""
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 12})
-    ws2.actor_group.execute(lambda rank: setattr(rank, "slot_use", partial_rollout.record_slot_use(rank.old_log_prob.inner)))
+    ws2.actor_group.execute(lambda rank: setattr(rank, "slot_use", partial_rollout.record_slot_use(rank.pi_old.source)))
     # the module's groups from the first again (ws2's own FixedRollout has few left); 3 groups a mini-batch
     fixed, ws2.rollout = ws2.rollout, PartialRollout(FixedRollout(groups), [3, 6])
     try:
@@ -306,9 +307,9 @@ def test_a_reader_that_computes_with_the_live_weights_is_caught(ws2, reader):
             def read(self, batch):
                 return SlotRead(self.source.score(self.source.model, batch), 0.0, 0)
 
-        strategy = rank.old_log_prob.inner
+        source = rank.pi_old.source
         cls = ViewReader if reader == "view" else LiveWeights
-        strategy._auto, strategy._reader = False, cls(strategy)
+        source._auto, source._reader = False, cls(source)
 
     reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8, "snapshot.score_ahead": False})
     ws2.actor_group.execute(force_reader, reader)

@@ -14,7 +14,7 @@ The old log-probs are exact only if they come from the computation the training 
 in fp32 beside a bf16 training forward would put a precision gap into every ratio pi_theta / pi_old (about 1e-2 in
 log-prob at bf16's 8-bit mantissa), which the clip would read as policy movement. So the rank holds ONE Precision,
 and every pass runs under it: the update's forward (update_policy), and every no-grad pass of ActorRank.score, which
-all of them use (the old-log-prob strategies and their slot readers, score-ahead, the KL reference, the reward's KL,
+all of them use (the pi_old sources and their slot readers, score-ahead, the KL reference, the reward's KL,
 trainer.verify_old_log_prob's reference copy). Equal weights then give bitwise-equal log-probs, as in fp32.
 """
 

@@ -12,8 +12,9 @@ loglinear runs; every recompute cycle is a check too (the exact log-probs are th
 error (the worst over the cycle's triggers) exceeds prox_max_is_err switches to recompute from the next cycle
 on; a check within the bound switches back to loglinear.
 
-This class only decides; the rank asks it which method each cycle uses and feeds it the cycle's merged
-metrics, which are the same on every rank, so every rank decides the same.
+This class only decides; the auto method (dppo.workers.actor.prox_method.Auto, made with it by the pi_old provider)
+asks it which method each cycle uses, tells the provider whether the cycle needs the exact pi_old, and feeds it the
+trigger's merged metrics, which are the same on every rank, so every rank decides the same.
 """
 
 from __future__ import annotations

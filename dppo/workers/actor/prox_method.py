@@ -1,13 +1,15 @@
-"""algorithm.prox_logp_method: where the loss's log pi_prox comes from, given what the old-log-prob strategy gave.
+"""algorithm.prox_logp_method: where the loss's log pi_prox comes from, given what the pi_old source gave
+(dppo.workers.actor.pi_old_sources).
 
-    recompute  exact: the strategy's old log-probs (a pass over slot 0), or, where it returned None (pi_old is the
+    recompute  exact: the source's old log-probs (a pass over slot 0), or, where it returned None (pi_old is the
                live weights), the training forward pass's own log-probs, detached.
     loglinear  AReaL's approximation (dppo.algo.loglinear_prox_log_prob) from the training forward's detached
                log-probs and the behavior log-probs: no snapshot and no forward pass of its own.
     metrics    recompute, plus the error loglinear would have made against those exact log-probs
                (prox_approx/abs_err_mean|max, prox_approx/is_weight_abs_err_mean|max over valid tokens).
     auto       metrics on check cycles, loglinear between: dppo.workers.actor.prox_auto's switch decides from the
-               checks' measured IS-weight error (prox_approx/method: 0 loglinear, 1 recompute).
+               checks' measured IS-weight error (prox_approx/method: 0 loglinear, 1 recompute); between the checks
+               exact_this_cycle() is False and the source computes nothing.
 
 A method's prox() is either a tensor (B, R) known before the update, or a ProxFn that the update calls on each
 micro-batch's detached log-probs (dppo.workers.actor.update.decoupled_objective). Versions are counted in optimizer
@@ -16,18 +18,15 @@ steps (StepVersions). The math lives in dppo.algo; this module only picks the in
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from dppo.algo import (
-    UnknownNameError,
-    loglinear_alpha,
-    loglinear_prox_log_prob,
-    prox_approx_metrics,
-)
+from dppo.algo import loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
 from dppo.config.choices import PROX_LOGP_METHODS
+from dppo.config.pi_old import PiOldPlan
 from dppo.batch import TrainBatch
 from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitch
 
@@ -65,11 +64,20 @@ def loglinear_prox(batch: TrainBatch, steps: StepVersions) -> ProxFn:
     return prox
 
 
-class Recompute:
-    name = "recompute"
+class ProxMethod(ABC):
+    """How the loss gets log pi_prox from what the pi_old source gave (one class per algorithm.prox_logp_method)."""
 
+    name = ""
+
+    def exact_this_cycle(self) -> bool:
+        """Whether this cycle's loss uses the source's exact old log-probs (else nothing is computed for it: no
+        snapshot, no pass). Asked after begin_trigger."""
+        return True
+
+    @abstractmethod
     def prox(self, old_logp: torch.Tensor | None, batch: TrainBatch, steps: StepVersions) -> torch.Tensor | ProxFn:
-        return live_prox if old_logp is None else old_logp
+        """log pi_prox (B, R) of batch, or a ProxFn of the training forward; old_logp: the source's (None: the
+        training forward's own, or nothing computed)."""
 
     def metrics(self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch,
                 steps: StepVersions) -> dict[str, float]:  # fmt: skip
@@ -91,8 +99,18 @@ class Recompute:
         """Continue from state() of a checkpointed run ({} : a fresh run, or a checkpoint without it)."""
 
 
-class Loglinear(Recompute):
+class Recompute(ProxMethod):
+    name = "recompute"
+
+    def prox(self, old_logp: torch.Tensor | None, batch: TrainBatch, steps: StepVersions) -> torch.Tensor | ProxFn:
+        return live_prox if old_logp is None else old_logp
+
+
+class Loglinear(ProxMethod):
     name = "loglinear"
+
+    def exact_this_cycle(self) -> bool:
+        return False
 
     def prox(self, old_logp: torch.Tensor | None, batch: TrainBatch, steps: StepVersions) -> ProxFn:
         return loglinear_prox(batch, steps)
@@ -116,18 +134,21 @@ def interpolated_share(batch: TrainBatch, steps: StepVersions) -> float:
     return float((batch.response_mask & interpolated[:, None]).sum() / valid) if valid else 0.0
 
 
-class Auto(Recompute):
+class Auto(ProxMethod):
     """Metrics on the switch's check cycles (the exact pi_prox, and loglinear's error against it), Loglinear
-    between; the old-log-prob strategy (AutoOldLogProb) computes nothing on the loglinear cycles."""
+    between, where the source computes nothing (exact_this_cycle is False)."""
 
     name = "auto"
 
-    def __init__(self, check_every: int = 10, max_is_err: float = 0.01, stale_samples: bool = True) -> None:
-        self.switch = AutoProxSwitch(check_every, max_is_err, stale_samples)
+    def __init__(self, switch: AutoProxSwitch) -> None:
+        self.switch = switch
         self._started = False
 
-    def _current(self) -> Recompute:
+    def _current(self) -> ProxMethod:
         return Metrics() if self.switch.is_check_cycle() else Loglinear()
+
+    def exact_this_cycle(self) -> bool:
+        return self.switch.is_check_cycle()
 
     def prox(self, old_logp, batch, steps):
         return self._current().prox(old_logp, batch, steps)
@@ -167,12 +188,9 @@ _METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
 assert tuple(_METHODS) == PROX_LOGP_METHODS
 
 
-def make_prox_method(name: str, algorithm_cfg=None, stale_samples: bool = True) -> Recompute:
-    """The method named name (one of PROX_LOGP_METHODS; the config has checked it); auto reads
-    algorithm_cfg.prox_check_every and prox_max_is_err; stale_samples: whether samples older than the cycle start
-    can come (trainer.mode=separate_async with replay.max_off_policy_threshold > 0; auto's checks must see them)."""
-    if name not in _METHODS:
-        raise UnknownNameError(f"unknown algorithm.prox_logp_method {name!r}; valid names: {', '.join(_METHODS)}")
-    if name == "auto" and algorithm_cfg is not None:
-        return Auto(algorithm_cfg.prox_check_every, algorithm_cfg.prox_max_is_err, stale_samples)
-    return _METHODS[name]()
+def make_prox_method(plan: PiOldPlan) -> ProxMethod:
+    """The method plan.method names (one of PROX_LOGP_METHODS; the plan has checked it); auto's switch is made from
+    the plan's check cadence and bound, and whether stale samples can come (auto's checks must see them)."""
+    if plan.method == "auto":
+        return Auto(AutoProxSwitch(plan.check_every, plan.max_is_err, plan.stale_samples))
+    return _METHODS[plan.method]()

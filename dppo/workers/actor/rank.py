@@ -12,6 +12,10 @@ any larger world size runs FSDP2 (dppo.workers.actor.fsdp.parallelize).
 
 Precision (actor.mixed_precision): one dppo.workers.actor.precision.Precision, set in init_model, under which the
 update's forward and every pass of score run, so that the old log-probs are those of the training forward's compute.
+
+pi_old: one provider (self.pi_old, dppo.workers.actor.pi_old), built from the run's PiOldPlan (dppo.config.pi_old),
+answers everything about it: the old log-probs and the prox of each trigger, score-ahead's skipped snapshot, the
+verifier, auto's switch, the checkpoint pieces and the pool of verl's snapshot calls.
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, tied_aliases
 from dppo.batch import TrainBatch
-from dppo.snapshot import SnapshotPool
+from dppo.config.pi_old import PiOldPlan, plan_pi_old
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import (free_port, full_state_dict, init_process_group, local_tensor, node_ip, parallelize,
                                      reshard)
 from dppo.workers.actor.lr_schedule import make_lr_scheduler, set_lr_step, step_lr
-from dppo.workers.actor.old_log_prob import make_old_log_prob, with_weights
+from dppo.workers.actor.pi_old import VERIFIER_STATE, make_pi_old
+from dppo.workers.actor.pi_old_sources import with_weights
 from dppo.workers.actor.precision import Precision
-from dppo.workers.actor.prox_method import StepVersions, make_prox_method
 from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
@@ -110,32 +114,26 @@ class ActorRank:
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
             bound_retention(2 * local_bytes)
-        self.setup_update()
+        self.setup_update(plan_pi_old(cfg))
 
-    def setup_update(self) -> None:
-        """The objective (the loss and the rollout correction), the old-log-prob strategy and the prox_logp_method of
-        self.cfg, over the model and the optimizer built."""
-        cfg = self.cfg
-        self.rollout_correction = cfg.algorithm.rollout_correction.to_algo()
-        self.objective = select_objective(cfg)
-        self.old_log_prob = make_old_log_prob(self.model, self.optimizer, self.score, cfg, copy_model=self.plain_copy)
-        stale_samples = cfg.trainer.mode != "sync" and cfg.replay.max_off_policy_threshold > 0
-        self.prox_method = make_prox_method(cfg.algorithm.prox_logp_method, cfg.algorithm, stale_samples)
-        if hasattr(self.old_log_prob, "switch"):  # auto: the strategy computes pi_old on the method's check cycles
-            self.old_log_prob.switch = self.prox_method.switch
-        self._pool = None  # a pool for the snapshot calls when the old-log-prob strategy keeps none
+    def setup_update(self, plan: PiOldPlan) -> None:
+        """The objective (the loss and the rollout correction) of self.cfg and the pi_old provider of plan, over the
+        model and the optimizer built."""
+        self.rollout_correction = self.cfg.algorithm.rollout_correction.to_algo()
+        self.objective = select_objective(self.cfg)
+        self.pi_old = make_pi_old(plan, self.model, self.optimizer, self.score, copy_model=self.plain_copy)
 
     @register(ALL)
     def reconfigure(self, cfg) -> None:
         """Run on with cfg's algorithm and snapshot settings over the same weights and optimizer (benchmarks and
-        tests compare settings on one model): the old-log-prob strategy is released and built anew. The precision
-        stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
+        tests compare settings on one model): the pi_old provider is released and built anew from cfg's plan. The
+        precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
         if cfg.actor.mixed_precision != self.cfg.actor.mixed_precision:
             raise ValueError(f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
                              f"{self.cfg.actor.mixed_precision} (set once, at init_model)")  # fmt: skip
-        self.old_log_prob.close()
+        self.pi_old.close()
         self.cfg = cfg
-        self.setup_update()
+        self.setup_update(plan_pi_old(cfg))
 
     @register(ALL)
     def parameter_bytes(self) -> int:
@@ -182,7 +180,7 @@ class ActorRank:
         slot read at its trigger would run, so the values are bitwise those (dppo.trainer.score_ahead).
         whole_cycle: they are all of the cycle's later mini-batches, so trigger 0 takes no snapshot."""
         if whole_cycle:
-            self.old_log_prob.skip_snapshot()
+            self.pi_old.skip_snapshot()
         return [self.score(self.model, batch.to(self.device)).cpu() for batch in batches]
 
     @register(DP_GATHER)
@@ -201,18 +199,11 @@ class ActorRank:
         """Old log-probs, rollout correction and one optimizer step on this rank's shard of the mini-batch;
         the metrics of the whole mini-batch (the same on every rank). version: the trainer's policy version at
         the cycle start (algorithm.prox_logp_method=loglinear counts steps from it). prox_logp: the mini-batch's
-        old log-probs (B, R) scored ahead (score_ahead), or None: the old-log-prob strategy computes them."""
+        old log-probs (B, R) scored ahead (score_ahead), or None: the pi_old provider computes them."""
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
-        self.prox_method.begin_trigger(trigger)
-        start = time.perf_counter()
-        if prox_logp is None:
-            old_logp = self.old_log_prob.compute(trigger, batch)  # (b, R), or None: from the training forward
-        else:  # scored ahead at trigger 0: no slot read
-            old_logp = self.old_log_prob.scored_ahead(trigger, batch, prox_logp.to(self.device))
-        old_log_prob_s = time.perf_counter() - start
-        steps = StepVersions.of(batch, version, trigger, self.cfg.trainer.parameter_sync_step)
-        prox = self.prox_method.prox(old_logp, batch, steps)  # (b, R), or a ProxFn of the training forward
-        objective = self.objective(batch, prox, advantages, steps.v_theta)  # the rollout correction, in Decoupled PPO
+        scored = None if prox_logp is None else prox_logp.to(self.device)
+        prox = self.pi_old.prox(trigger, batch, version, scored)  # log pi_prox (b, R), or a ProxFn of the training pass
+        objective = self.objective(batch, prox.value, advantages, prox.steps.v_theta)  # the rollout correction too
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
         metrics = update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
@@ -221,53 +212,49 @@ class ActorRank:
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the lr of this step (applied or not)
         step_lr(self.lr_scheduler)
         logp = objective.logp()  # (b, R) the training forward's, detached: log pi_theta before the step
-        prox_logp = prox if isinstance(prox, torch.Tensor) else objective.prox_logp()  # (b, R) what the loss used
-        self.old_log_prob.record_used(batch, prox_logp)
-        own = {**objective.finish_metrics(), **self.prox_method.metrics(logp, prox_logp, batch, steps)}
+        prox_logp = prox.value if isinstance(prox.value, torch.Tensor) else objective.prox_logp()  # (b, R) the loss's
+        self.pi_old.record_used(batch, prox_logp)
+        own = {**objective.finish_metrics(), **self.pi_old.metrics(logp, prox_logp, batch, prox.steps)}
         valid = batch.response_mask.sum()
         metrics.update(as_share(own, float(valid) / max(1.0, float(self.peers.all_reduce_sum(valid)))))
         metrics["timing_s/update_actor"] = update_s
-        metrics["timing_s/old_log_prob"] = old_log_prob_s
-        metrics["timing_s/snapshot"] = self.old_log_prob.take_snapshot_s()
+        metrics["timing_s/old_log_prob"] = prox.old_log_prob_s
+        metrics["timing_s/snapshot"] = self.pi_old.take_snapshot_s()
         merged = self.peers.reduce_metrics(metrics)
-        return {**merged, **self.prox_method.record(merged)}
+        return {**merged, **self.pi_old.record(merged)}
 
     @register(RANK0)
     def end_cycle(self) -> dict[str, float]:
-        """The old-log-prob strategy's metrics of the cycle, the worst over the ranks."""
-        return self.peers.reduce_metrics(self.old_log_prob.end_cycle(), default=MAX)
+        """The pi_old provider's metrics of the cycle (the verifier's), the worst over the ranks."""
+        return self.peers.reduce_metrics(self.pi_old.end_cycle(), default=MAX)
 
     @register(RANK0)
     def pi_old_state(self) -> dict:
-        """What a checkpoint keeps of pi_old on the ranks besides its weights: the prox method's state across cycles
-        (auto's switch: the same on every rank) and the strategy's state within the cycle (its numbers the largest
-        over the ranks: every rank takes part)."""
-        strategy = {key: float(value) for key, value in self.old_log_prob.state().items()}
-        return {"method": self.prox_method.state(),
-                "strategy": self.peers.reduce_metrics(strategy, default=MAX) if strategy else {}}  # fmt: skip
+        """What a checkpoint keeps of pi_old on the ranks besides its weights (PiOldProvider.state): the prox method's
+        state across cycles (auto's switch: the same on every rank) and the verifier's within the cycle (its numbers
+        the largest over the ranks: every rank takes part)."""
+        state = self.pi_old.state()
+        verifier = {key: float(value) for key, value in state[VERIFIER_STATE].items()}
+        state[VERIFIER_STATE] = self.peers.reduce_metrics(verifier, default=MAX) if verifier else {}
+        return state
 
     @register(ALL)
     def load_pi_old_state(self, state: dict) -> None:
         """Continue from pi_old_state() of a checkpointed run."""
-        self.prox_method.load_state(state.get("method") or {})
-        self.old_log_prob.load_state(state.get("strategy") or {})
+        self.pi_old.load_state(state)
 
     @register(ALL)
     def load_published_pi_old(self, weights: dict[str, torch.Tensor]) -> None:
         """pi_old's whole weights as a mid-cycle checkpoint kept them where the ranks kept none (trainer.pt's
         pi_old.pt): the old-log-prob verifier's reference for the rest of the cycle."""
-        self.old_log_prob.load_published(weights, self.plain_model)
+        self.pi_old.load_published(weights, self.plain_model)
 
     # ---- snapshots (verl's worker-group names) -------------------------------------------------------
 
     @property
     def pool(self):
-        """This rank's SnapshotPool over its local shards: the old-log-prob strategy's, or one of its own."""
-        if self.old_log_prob.pool is not None:
-            return self.old_log_prob.pool
-        if self._pool is None:
-            self._pool = SnapshotPool(self.model, device_budget_bytes=self.cfg.snapshot.device_budget_bytes)
-        return self._pool
+        """This rank's SnapshotPool over its local shards: the pi_old source's, or one of the provider's own."""
+        return self.pi_old.pool
 
     @register(ALL)
     def save_model_to_cpu(self, slot: int) -> None:
@@ -296,8 +283,8 @@ class ActorRank:
     def rollout_weights(self, to_object_store: bool, anchor: bool = False):
         """The whole model's weights for the rollout, gathered on rank 0 (every rank takes part): [ObjectRef]
         of ONE ray.put (to_object_store), else the CPU state dict itself. anchor: pi_old's weights (slot 0, a
-        cycle resumed mid-way) where the old-log-prob strategy keeps any, else the live ones."""
-        weights = self.old_log_prob.anchor_weights() if anchor else None
+        cycle resumed mid-way) where the pi_old source keeps any, else the live ones."""
+        weights = self.pi_old.anchor_weights() if anchor else None
         if weights is None:
             state = full_state_dict(self.model, cpu_offload=True)
         else:
@@ -319,10 +306,10 @@ class ActorRank:
     @register(RANK0)
     def save_checkpoint(self, path: str, with_anchor: bool = False) -> dict:
         """This rank's shards of the model, optimizer (and KL reference) into the DCP checkpoint at path; with_anchor
-        (mid-cycle), also pi_old's weights where the old-log-prob strategy keeps any. {"anchor": whether it saved
+        (mid-cycle), also pi_old's weights where the pi_old source keeps any. {"anchor": whether it saved
         them, "write_error": None, or why the files could not be written (DCP fails on every rank alike)}: returned,
         not raised, so that a full disk leaves the ranks running and the driver decides (a raising rank is torn down)."""
-        anchor = self.old_log_prob.anchor_weights() if with_anchor else None
+        anchor = self.pi_old.anchor_weights() if with_anchor else None
         try:
             save_sharded(path, self.model, self.optimizer, self.ref_model, anchor, lr_step=self.lr_scheduler.last_epoch)
         except ShardedCheckpointError as err:
@@ -334,10 +321,10 @@ class ActorRank:
         """Load the DCP checkpoint at path, resharded to this world size (the caller verified its files); with
         with_anchor, make the pi_old weights it holds slot 0 of the cycle it was written in."""
         anchor = load_sharded(path, self.model, self.optimizer, self.ref_model, with_anchor)
-        self.old_log_prob.close()  # the pi_old pieces start as a new process's would (nothing of a later cycle kept)
-        self.setup_update()
+        self.pi_old.close()  # the pi_old pieces start as a new process's would (nothing of a later cycle kept)
+        self.setup_update(self.pi_old.plan)
         if anchor is not None:
-            self.old_log_prob.load_anchor(anchor)
+            self.pi_old.load_anchor(anchor)
         self._resume_lr_schedule(path)
 
     def _resume_lr_schedule(self, path: str) -> None:
@@ -362,7 +349,7 @@ class ActorRank:
         if self.model is None or self._closed:
             return
         self._closed = True
-        self.old_log_prob.close()
+        self.pi_old.close()
         if self.sharded:
             if dist.is_initialized():
                 dist.destroy_process_group()

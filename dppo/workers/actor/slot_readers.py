@@ -10,7 +10,8 @@
 
 choose_reader() is what snapshot.strategy=auto picks: the fastest reader that fits where the slot is.
 A reader reads what it needs (the model, the pool, the score function, where the weights are) through the narrow
-SlotSource protocol, which the old-log-prob strategy satisfies, and changes none of it: read(batch) returns a
+SlotOwner protocol, which the slot pi_old source (dppo.workers.actor.pi_old_sources.SlotSource) satisfies, and changes
+none of it: read(batch) returns a
 SlotRead, log pi_old (B, R) with the host seconds of its snapshot calls and the bytes it copied.
 """
 
@@ -39,7 +40,7 @@ def choose_reader(device_type: str, slot_tier: str, streamable: Callable[[], boo
 
     device_type: where the live weights are ("cpu", "cuda"); slot_tier: pool.tier(0) ("host" or "device");
     streamable(): whether the model's forward pass splits into blocks (only asked when it matters);
-    sharded: an FSDP2 model, which all-gathers from its own storage: only swap is exact there (dppo.workers.actor.old_log_prob).
+    sharded: an FSDP2 model, which all-gathers from its own storage: only swap is exact there (dppo.workers.actor.pi_old_sources).
     """
     if sharded:
         return "swap"
@@ -55,8 +56,8 @@ class SlotRead:
     moved_bytes: int  # bytes the read copied
 
 
-class SlotSource(Protocol):
-    """What a reader reads, at each read (dppo.workers.actor.old_log_prob.CycleStartOldLogProb provides it)."""
+class SlotOwner(Protocol):
+    """What a reader reads, at each read (dppo.workers.actor.pi_old_sources.SlotSource provides it)."""
 
     model: torch.nn.Module
     score: ScoreFn
@@ -74,7 +75,7 @@ class SlotReader:
 
     name = ""
 
-    def __init__(self, source: SlotSource) -> None:
+    def __init__(self, source: SlotOwner) -> None:
         self.source = source
 
     def read(self, batch: TrainBatch) -> SlotRead:
@@ -123,7 +124,7 @@ class StreamReader(SlotReader):
 
     name = "stream"
 
-    def __init__(self, source: SlotSource) -> None:
+    def __init__(self, source: SlotOwner) -> None:
         super().__init__(source)
         self.stream: StreamedWeights | None = None  # traced on the first batch
         self.stream_error: str | None = None  # why the model cannot be streamed, once a trace or a pass has failed

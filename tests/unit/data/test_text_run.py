@@ -60,10 +60,10 @@ def test_every_slot_reader_gives_the_cycle_start_old_log_probs_on_padded_batches
                                      "trainer.total_steps": 1, "actor.lr": 0.05, "snapshot.strategy": reader,
                                      "trainer.verify_old_log_prob": True, "snapshot.score_ahead": False}))  # fmt: skip
     result = trainer.fit()
-    strategy = trainer.actor_group.local_rank.old_log_prob.inner  # ray.enabled=false: the one actor rank, here
-    assert strategy.reader_name == reader
+    source = trainer.actor_group.local_rank.pi_old.source  # ray.enabled=false: the one actor rank, here
+    assert source.reader_name == reader
     if reader == "stream":
-        assert strategy.stream is not None and strategy.stream.passes == 3 * 2  # triggers 1..3, 2 micro-batches each
+        assert source.stream is not None and source.stream.passes == 3 * 2  # triggers 1..3, 2 micro-batches each
     assert result.records[0]["debug/old_log_prob_max_abs_diff"] == 0.0
     assert result.records[0]["actor/ppo_kl"] != 0.0  # the live weights did move between triggers
 

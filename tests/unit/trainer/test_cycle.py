@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dppo.trainer.ppo import PPOTrainer
-from dppo.workers.actor.old_log_prob import CycleStartOldLogProb
+from dppo.workers.actor.pi_old_sources import SlotSource
 
 
 def params_of(model):
@@ -40,8 +40,8 @@ class ProbeTrainer(PPOTrainer):
         super().setup()
         self.checks = []
         rank = self.actor_group.local_rank  # ray.enabled=false: the one actor rank, in this process
-        strategy = rank.old_log_prob
-        inner, inner_used = strategy.compute, strategy.record_used
+        source = rank.pi_old.source
+        inner, inner_used = source.compute, rank.pi_old.record_used
 
         def compute(trigger, batch):
             if trigger == 0:
@@ -66,7 +66,7 @@ class ProbeTrainer(PPOTrainer):
             check["live_differs"] = not torch.equal(check.pop("live"), prox_logp)
             self.checks.append(check)
 
-        strategy.compute, strategy.record_used = compute, record_used
+        source.compute, rank.pi_old.record_used = compute, record_used
 
 
 def cycle_cfg(small_cfg, ps, bypass, **extra):
@@ -104,25 +104,25 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
     trainer.fit()
     assert len(trainer.checks) == 8
     assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
-    old_log_prob = trainer.actor_group.local_rank.old_log_prob
+    source = trainer.actor_group.local_rank.pi_old.source
     if strategy == "reference":
-        assert old_log_prob.name == "cycle_start_reference" and old_log_prob.pool is None
+        assert source.name == "copies" and source.pool is None
     else:  # the reader really went through the pool
         reader = {"auto": "view"}.get(strategy, strategy)  # auto on the CPU: the slot in place
-        assert old_log_prob.reader_name == reader
+        assert source.reader_name == reader
         if reader == "stream":  # the pool counts each pass, even though on the CPU it copies nothing
-            assert old_log_prob.stream.passes == 12  # 2 cycles x 3 triggers x 2 micro-batches of <= 5
-            assert old_log_prob.pool.stats()["stream"]["count"] == 12
+            assert source.stream.passes == 12  # 2 cycles x 3 triggers x 2 micro-batches of <= 5
+            assert source.pool.stats()["stream"]["count"] == 12
         else:
-            assert old_log_prob.pool.stats()[reader]["count"] > 0
+            assert source.pool.stats()[reader]["count"] > 0
 
 
 @pytest.mark.parametrize("ps", [2, 4])
 def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
     trainer = ProbeTrainer(cycle_cfg(small_cfg, ps, False))
-    old_log_prob = trainer.actor_group.local_rank.old_log_prob
-    pool = old_log_prob.pool
-    assert old_log_prob.name == "cycle_start" and pool is not None
+    source = trainer.actor_group.local_rank.pi_old.source
+    pool = source.pool
+    assert source.name == "slot" and pool is not None
     trainer.fit()
     assert pool.stats()["save"]["count"] == 2
 
@@ -131,9 +131,9 @@ def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
 def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 1 if anchor == "cycle_start" and not bypass else 2, bypass,
                                    **{"algorithm.prox_anchor": anchor}))  # fmt: skip
-    old_log_prob = trainer.actor_group.local_rank.old_log_prob
-    assert old_log_prob.pool is None
-    assert not isinstance(old_log_prob, CycleStartOldLogProb)
+    source = trainer.actor_group.local_rank.pi_old.source
+    assert source.pool is None
+    assert not isinstance(source, SlotSource)
 
 
 @pytest.mark.parametrize("strategy", ["view", "swap", "stream", "reference"])
@@ -142,7 +142,7 @@ def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg
     trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.total_steps": 1, "snapshot.strategy": strategy}))
     rank = trainer.actor_group.local_rank
     state = {}
-    inner = rank.old_log_prob.compute
+    inner = rank.pi_old.source.compute
 
     def boom(module, args, kwargs):
         raise RuntimeError("injected failure in the pi_old forward pass")
@@ -153,13 +153,13 @@ def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg
             rank.model.register_forward_pre_hook(boom, with_kwargs=True)
         return inner(trigger, batch)
 
-    rank.old_log_prob.compute = compute
+    rank.pi_old.source.compute = compute
     with pytest.raises(RuntimeError, match="injected failure"):
         trainer.fit()
     assert_params_equal(state["params"], params_of(rank.model))
     assert_optimizer_state_equal(state["optimizer"], optimizer_state_of(rank.optimizer))
     if fail_at > 0 and strategy != "reference":
-        assert rank.old_log_prob.reader_name == strategy
+        assert rank.pi_old.source.reader_name == strategy
 
 
 @pytest.mark.parametrize("anchor", ["cycle_start", "current"])
@@ -175,7 +175,7 @@ def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg, anchor):
 
 def test_verify_old_log_prob_reports_old_log_probs_that_are_off_and_resets_each_cycle(small_cfg):
     trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True}))
-    inner = trainer.actor_group.local_rank.old_log_prob.inner
+    inner = trainer.actor_group.local_rank.pi_old.source
     compute = inner.compute
 
     def off_in_the_first_cycle(trigger, batch):
@@ -200,11 +200,12 @@ def test_metrics_of_a_cycle(small_cfg):
     assert record["timing_s/step"] >= record["timing_s/update_actor"] + record["timing_s/old_log_prob"]
 
 
-def test_unknown_reader_and_strategy_names_list_the_valid_ones(small_cfg):
-    from dppo.workers.actor.old_log_prob import UnknownStrategyError, make_old_log_prob
+def test_unknown_reader_and_source_names_list_the_valid_ones(small_cfg):
+    from dppo.config.pi_old import PiOldPlan
+    from dppo.workers.actor.pi_old_sources import UnknownReaderError
 
     rank = PPOTrainer(cycle_cfg(small_cfg, 2, False)).actor_group.local_rank
-    with pytest.raises(UnknownStrategyError, match="'fast'.*view, swap, stream"):
-        rank.old_log_prob.use_reader("fast")
-    with pytest.raises(KeyError, match="bypass, current, cycle_start, cycle_start_reference"):
-        make_old_log_prob(rank.model, rank.optimizer, rank.score, rank.cfg, name="nope")
+    with pytest.raises(UnknownReaderError, match="'fast'.*view, swap, stream"):
+        rank.pi_old.source.use_reader("fast")
+    with pytest.raises(KeyError, match="'nope'.*behav, live, slot, copies, none"):
+        PiOldPlan(source="nope")

@@ -39,8 +39,7 @@ def recording_run(cfg, monkeypatch, rollout=None):
     trainer.rollout = rollout(trainer) if rollout else None
     rank = trainer.actor_group.local_rank
     taken, prox = [], []
-    strategy = rank.old_log_prob
-    record_used = strategy.record_used
+    record_used = rank.pi_old.record_used
 
     def record_groups(groups):
         taken.append([g.index for g in groups])
@@ -51,7 +50,7 @@ def recording_run(cfg, monkeypatch, rollout=None):
         record_used(batch, prox_logp)
 
     monkeypatch.setattr(base, "_reward_extras", record_groups)
-    strategy.record_used = record_prox
+    rank.pi_old.record_used = record_prox
     trainer.fit()
     return trainer, taken, prox
 
@@ -81,9 +80,9 @@ def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_s
     assert [r["snapshot/scored_ahead_frac"] for r in on_records] == [1.0, 1.0]
     assert [r["debug/old_log_prob_max_abs_diff"] for r in on_records] == [0.0, 0.0]
     # every later mini-batch was scored ahead: no snapshot was taken (slot 0 is never filled); off takes one a cycle
-    on_strategy, off_strategy = on.actor_group.local_rank.old_log_prob.inner, off.actor_group.local_rank.old_log_prob
-    assert on_strategy.moved_bytes == 0 and 0 not in on_strategy.pool
-    assert off_strategy.moved_bytes == 2 * off_strategy.pool.nbytes
+    on_source, off_source = on.actor_group.local_rank.pi_old.source, off.actor_group.local_rank.pi_old.source
+    assert on_source.moved_bytes == 0 and 0 not in on_source.pool
+    assert off_source.moved_bytes == 2 * off_source.pool.nbytes
     assert "snapshot/scored_ahead_frac" not in read_metrics(off.metrics.path)[0]
 
 
@@ -98,7 +97,7 @@ def test_a_partial_score_ahead_reads_slot_0_where_it_did_not_score_and_matches_a
     made = {}
 
     def staggered(trainer):  # groups ready beyond trigger 0's own: 2 (one mini-batch) in step 1, 4 in step 2
-        made["events"] = record_slot_use(trainer.actor_group.local_rank.old_log_prob.inner)
+        made["events"] = record_slot_use(trainer.actor_group.local_rank.pi_old.source)
         made["rollout"] = PartialRollout(make_rollout(trainer.cfg, trainer.source, trainer.model_config), [2, 4])
         return made["rollout"]
 
@@ -122,15 +121,17 @@ def test_a_partial_score_ahead_reads_slot_0_where_it_did_not_score_and_matches_a
 
 def test_verify_old_log_prob_checks_scored_ahead_old_log_probs(small_cfg, monkeypatch):
     """Old log-probs that are off by 0.25 when scored ahead are reported, and only in the cycle where they were."""
-    score_ahead, calls = PPOTrainer.score_ahead, []
+    trainer, calls = PPOTrainer(ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True})), []
+    rank = trainer.actor_group.local_rank
+    score_ahead = rank.score_ahead
 
-    def off_in_step_2(self, batches, whole_cycle):
+    def off_in_step_2(batches, whole_cycle):
         calls.append(whole_cycle)
-        logps = score_ahead(self, batches, whole_cycle)
+        logps = score_ahead(batches, whole_cycle)
         return [logp + 0.25 for logp in logps] if len(calls) == 2 else logps
 
-    monkeypatch.setattr(PPOTrainer, "score_ahead", off_in_step_2)
-    result = PPOTrainer(ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True})).fit()
+    monkeypatch.setattr(rank, "score_ahead", off_in_step_2)
+    result = trainer.fit()
     assert calls == [True, True]
     diffs = [r["debug/old_log_prob_max_abs_diff"] for r in result.records]
     assert diffs[0] == 0.0 and diffs[1] == pytest.approx(0.25, abs=1e-6)
@@ -184,6 +185,45 @@ def test_a_mid_cycle_checkpoint_keeps_the_mini_batches_held_ahead_and_the_resume
         assert torch.equal(tensor, expected_weights[name]), name
     got, want = without_timing(read_metrics(f"{out}/metrics.jsonl")), without_timing(expected_records)
     assert got == want
+
+
+def test_a_mid_cycle_checkpoint_keeps_the_cycles_verification_and_the_resumed_cycle_reports_all_of_it(
+    small_cfg, monkeypatch
+):
+    """trainer.verify_old_log_prob over step 2, whose trigger 1 uses old log-probs off by 0.25 (scored ahead, off on
+    purpose) and which fails at trigger 2: the checkpoint's pi_old record keeps the verifier's 0.25 (the ranks'
+    pi_old_state), and the resumed run checks trigger 2 against the weights the cycle was published as (the ranks
+    kept none: all of it was scored ahead; load_published_pi_old) and reports the whole cycle's 0.25."""
+    out = small_cfg().trainer.output_dir
+    common = {"trainer.checkpoint_every": 10, "trainer.verify_old_log_prob": True, "trainer.output_dir": out}
+    trainer = PPOTrainer(ahead_cfg(small_cfg, True, **common))
+    rank = trainer.actor_group.local_rank
+    score_ahead = rank.score_ahead
+
+    def off_at_trigger_1_of_step_2(batches, whole_cycle):
+        logps = score_ahead(batches, whole_cycle)
+        return [logps[0] + 0.25, *logps[1:]] if trainer.global_step == 1 else logps
+
+    train_trigger = PPOTrainer.train_trigger
+
+    def failing(self, batch, prox_logp=None):
+        if (self.global_step, self.local_trigger_step) == (1, 2):
+            raise RolloutFailedError("the replay buffer died")
+        return train_trigger(self, batch, prox_logp)
+
+    monkeypatch.setattr(rank, "score_ahead", off_at_trigger_1_of_step_2)
+    monkeypatch.setattr(PPOTrainer, "train_trigger", failing)
+    with pytest.raises(RolloutFailedError, match=r"the trainer's state at step 1, trigger 2 is checkpointed"):
+        trainer.fit()
+    monkeypatch.setattr(PPOTrainer, "train_trigger", train_trigger)
+    path, state = ckpt.CheckpointDir(f"{out}/checkpoints").newest(lambda p, m: ckpt.load_torch(p / TRAINER_FILE))
+    assert path.name == "step_00000001_trigger_2" and state["pi_old"]["weights"] == "file"
+    assert state["pi_old"]["strategy"]["max_abs_diff"] == pytest.approx(0.25, abs=1e-6)
+
+    PPOTrainer(ahead_cfg(small_cfg, True, **{**common, "trainer.resume": True})).fit()
+    diffs = [r["debug/old_log_prob_max_abs_diff"] for r in read_metrics(f"{out}/metrics.jsonl")]
+    assert diffs[0] == 0.0 and diffs[1] == pytest.approx(0.25, abs=1e-6)
+    assert "debug/old_log_prob_unverified" not in read_metrics(f"{out}/metrics.jsonl")[1]  # trigger 2 was checked
 
 
 def group(version: int) -> Group:

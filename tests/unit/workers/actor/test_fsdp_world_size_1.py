@@ -24,7 +24,7 @@ def test_fsdp2_at_world_size_1_trains_as_the_plain_module_does(small_cfg):
     finally:
         sharded.close()  # leaves the process group even if fit() failed
     assert not dist.is_initialized()
-    assert rank.old_log_prob.inner.reader_name == "swap"  # auto's choice under FSDP2 (view on the plain module)
+    assert rank.pi_old.source.reader_name == "swap"  # auto's choice under FSDP2 (view on the plain module)
     assert [r["debug/old_log_prob_max_abs_diff"] for r in result.records] == [0.0, 0.0]
     for a, b in zip(plain_result.records, result.records, strict=True):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "critic/score/mean"):

@@ -99,7 +99,7 @@ def test_the_old_log_probs_of_every_path_are_bitwise_those_of_the_bf16_training_
         trainer.close()
     assert [r["debug/old_log_prob_max_abs_diff"] for r in result.records] == [0.0, 0.0]
     if path == "stream":  # streamed under autocast, not fallen back to swap
-        strategy = rank.old_log_prob.inner
+        strategy = rank.pi_old.source
         assert strategy.reader_name == "stream" and strategy.stream.passes > 0, strategy.stream_error
     # the KL reference is scored as the training forward computes: at the first trigger the live weights are the
     # reference's, so its log-probs are the training forward's, bitwise (micro-batch by micro-batch)

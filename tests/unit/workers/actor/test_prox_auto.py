@@ -95,7 +95,7 @@ def run_auto(small_cfg, lr, cycles, fresh_from=None):
     rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "auto", "algorithm.prox_check_every": 2,
                                    "trainer.parameter_sync_step": 2, "trainer.train_batch_size": 8,
                                    "actor.lr": lr})  # fmt: skip
-    assert rank.old_log_prob.name == "auto" and rank.old_log_prob.switch is rank.prox_method.switch
+    assert rank.pi_old.source.name == "slot" and rank.pi_old.method.name == "auto"
     batch, adv = make_batch(rank.model)
     batch.behav_logp = rank.score(rank.model, batch)
     per_cycle = []

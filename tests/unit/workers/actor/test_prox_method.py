@@ -73,7 +73,7 @@ def test_live_pi_old_from_the_training_forward_updates_as_a_separate_pass(small_
     results = {}
     for fuse in (True, False):
         rank = make_rank(small_cfg, **{"actor.loss_agg_mode": mode, "algorithm.prox_anchor": anchor, **REJECTION})
-        rank.old_log_prob.fuse_live = fuse  # False: the no-grad pass of before (IS batch normalization's fallback)
+        rank.pi_old.source.fuse_live = fuse  # False: the no-grad pass of before (IS batch normalization's fallback)
         batch, adv = make_batch(rank.model)
         forwards = count_forwards(rank.model)
         metrics = [rank.update_actor(k, batch, adv, 0) for k in range(2 if anchor == "current" else 1)]
@@ -101,8 +101,8 @@ def test_live_pi_old_from_the_training_forward_updates_as_a_separate_pass(small_
 def test_is_batch_normalization_keeps_the_separate_pass(small_cfg):
     rank = make_rank(small_cfg, **{"algorithm.rollout_correction.rollout_is_batch_normalize": True})
     batch, adv = make_batch(rank.model)
-    assert rank.old_log_prob.fuse_live is False
-    assert rank.old_log_prob.compute(0, batch) is not None
+    assert rank.pi_old.source.fuse_live is False
+    assert rank.pi_old.source.compute(0, batch) is not None
     metrics = rank.update_actor(0, batch, adv, 0)
     assert metrics["rollout_corr/weight_mean"] == pytest.approx(1.0, rel=1e-5)  # normalized over the mini-batch
     rank.close()
@@ -112,7 +112,7 @@ def test_loglinear_prox_in_the_loss_is_loglinear_prox_log_prob(small_cfg, monkey
     monkeypatch.setattr(dppo.snapshot, "SnapshotPool", None)  # loglinear must make no pool at all
     rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "loglinear", "trainer.parameter_sync_step": 4,
                                    "trainer.train_batch_size": 8})  # fmt: skip
-    assert rank.old_log_prob.pool is None and rank.old_log_prob.name == "loglinear"
+    assert rank.pi_old.source.pool is None and rank.pi_old.source.name == "none"
     batch, adv = make_batch(rank.model, versions=(1, 2, 3, 3))  # optimizer steps 4, 8, 12, 12
     theta = rank.score(copy.deepcopy(rank.model), batch)  # (B, R) log pi_theta before the step, independently
     seen = capture_prox_of_loss(monkeypatch)

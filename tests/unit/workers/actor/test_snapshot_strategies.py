@@ -12,7 +12,7 @@ import torch
 import dppo.snapshot
 from dppo.batch import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
-from dppo.workers.actor.old_log_prob import CycleStartOldLogProb, ReferenceCycleStartOldLogProb, make_old_log_prob
+from dppo.workers.actor.pi_old_sources import CopiesSource, SlotSource
 from dppo.workers.actor.slot_readers import choose_reader
 
 
@@ -69,39 +69,39 @@ class _FakeTierPool:
 @pytest.mark.parametrize("tier, model_streamable, expected", [
     ("device", True, "view"), ("host", True, "stream"), ("host", False, "swap")])  # fmt: skip
 def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeypatch, tier, model_streamable, expected):
-    monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
+    monkeypatch.setattr(SlotSource, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg))
-    strategy = trainer.actor_group.local_rank.old_log_prob
-    strategy._pool = _FakeTierPool(strategy.pool, tier)
+    source = trainer.actor_group.local_rank.pi_old.source
+    source._pool = _FakeTierPool(source.pool, tier)
     if not model_streamable:  # a parent reads a block's weight directly: no block order exists
         read_embedding_outside_its_block(trainer.actor_group.local_rank.model)
     trainer.fit()
-    assert strategy.reader_name == expected
-    streamed = strategy.stream is not None and strategy.stream.passes == 6  # 3 triggers x 2 micro-batches
+    assert source.reader_name == expected
+    streamed = source.stream is not None and source.stream.passes == 6  # 3 triggers x 2 micro-batches
     assert streamed == (expected == "stream")
     if expected == "swap":
-        assert "outside every block" in strategy.stream_error
+        assert "outside every block" in source.stream_error
 
 
 def test_auto_chooses_again_when_slot_0_lands_in_another_tier(small_cfg, monkeypatch):
     """A device-tier slot is read in place; when a later cycle's save lands on the host, auto must not keep
     the view reader (it would raise on CUDA weights) but stream it."""
-    monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
+    monkeypatch.setattr(SlotSource, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"trainer.total_steps": 2}))
-    strategy = trainer.actor_group.local_rank.old_log_prob
-    fake = _FakeTierPool(strategy.pool, "device")
-    strategy._pool = fake
+    source = trainer.actor_group.local_rank.pi_old.source
+    fake = _FakeTierPool(source.pool, "device")
+    source._pool = fake
     chosen = []
-    inner = strategy.compute
+    inner = source.compute
 
     def compute(trigger, batch):
         if trigger == 0 and chosen:  # the second cycle's save goes to the host
             fake._tier = "host"
         logp = inner(trigger, batch)
-        chosen.append(strategy.reader_name)
+        chosen.append(source.reader_name)
         return logp
 
-    strategy.compute = compute
+    source.compute = compute
     trainer.fit()
     assert chosen[1:4] == ["view"] * 3 and chosen[5:8] == ["stream"] * 3, chosen
 
@@ -111,19 +111,19 @@ def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs
     from dppo.workers.actor.streaming import StreamedWeights
 
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream", "trainer.verify_old_log_prob": True}))
-    strategy = trainer.actor_group.local_rank.old_log_prob.inner
-    score = strategy.score
+    source = trainer.actor_group.local_rank.pi_old.source
+    score = source.score
 
     def score_without_staging_memory(module, batch, params):
         if isinstance(params, StreamedWeights):
             raise SnapshotMemoryError("staging buffers: out of device memory (injected)")
         return score(module, batch, params)
 
-    strategy.score = score_without_staging_memory
+    source.score = score_without_staging_memory
     with pytest.warns(RuntimeWarning, match="out of device memory .*using 'swap'"):
         result = trainer.fit()
-    assert strategy.reader_name == "swap"
-    assert strategy.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
+    assert source.reader_name == "swap"
+    assert source.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
     assert result.records[-1]["debug/old_log_prob_max_abs_diff"] == 0.0
 
 
@@ -133,12 +133,12 @@ def test_explicit_stream_on_a_model_that_cannot_stream_warns_and_swaps(small_cfg
     read_embedding_outside_its_block(rank.model)
     with pytest.warns(RuntimeWarning, match="cannot be streamed .*using 'swap'"):
         trainer.fit()
-    assert rank.old_log_prob.reader_name == "swap"
-    assert rank.old_log_prob.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
+    assert rank.pi_old.source.reader_name == "swap"
+    assert rank.pi_old.source.pool.stats()["swap"]["count"] == 2 * 3  # in and out, at triggers 1..3
 
 
 def test_view_with_a_host_slot_and_cuda_weights_is_a_clear_error(small_cfg, monkeypatch):
-    monkeypatch.setattr(CycleStartOldLogProb, "device_type", property(lambda self: "cuda"))
+    monkeypatch.setattr(SlotSource, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "view"}))
     with pytest.raises(ValueError, match=r"snapshot.strategy=view needs slot 0 where the model computes.*'cuda'"):
         trainer.fit()
@@ -156,8 +156,8 @@ def test_weight_bytes_each_strategy_moves_in_a_cycle(small_cfg, strategy, copies
     rank = trainer.actor_group.local_rank
     nbytes = sum(p.nbytes for p in rank.model.parameters())
     trainer.fit()
-    assert rank.old_log_prob.moved_bytes == copies_per_cycle * nbytes
-    pool = rank.old_log_prob.pool
+    assert rank.pi_old.source.moved_bytes == copies_per_cycle * nbytes
+    pool = rank.pi_old.source.pool
     if pool is not None:  # the engine's own byte counts agree with the trainer's
         pool.synchronize()
         stats = pool.stats()
@@ -171,18 +171,18 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
     monkeypatch.setattr(dppo.snapshot, "SnapshotPool", slow_pool)
     trainer = PPOTrainer(strategy_cfg(small_cfg))
     rank = trainer.actor_group.local_rank
-    strategy = rank.old_log_prob
+    source = rank.pi_old.source
     before = {name: p.detach().clone() for name, p in rank.model.named_parameters()}
     ids = torch.randint(0, trainer.source.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
     batch = TrainBatch(ids, torch.ones(8, 4, dtype=torch.bool), torch.zeros(8, 4), torch.zeros(8),
                        torch.arange(8), torch.zeros(8, dtype=torch.long))  # fmt: skip
     start = time.perf_counter()
-    assert strategy.compute(0, batch) is None  # save(0); pi_old's log-probs will be the training forward's own
+    assert source.compute(0, batch) is None  # save(0); pi_old's log-probs will be the training forward's own
     assert time.perf_counter() - start < delay_s, "the save must not block the training forward pass"
-    strategy.compute = lambda trigger, batch: None  # the update below: trigger 0 again, without a second save
+    source.compute = lambda trigger, batch: None  # the update below: trigger 0 again, without a second save
     advantages = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
     rank.update_actor(0, batch, advantages, 0)  # pool.guard: the step waits for the pending save before it writes
-    slot = strategy.pool.view(0)
+    slot = source.pool.view(0)
     for name, value in before.items():
         assert torch.equal(slot[name], value), name
         assert not torch.equal(dict(rank.model.named_parameters())[name], value), name
@@ -191,11 +191,11 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
 
 def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(small_cfg):
     rank = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"})).actor_group.local_rank
-    assert isinstance(rank.old_log_prob, ReferenceCycleStartOldLogProb)
+    assert isinstance(rank.pi_old.source, CopiesSource)
     rank = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"})).actor_group.local_rank
-    assert rank.old_log_prob.name == "current"
+    assert rank.pi_old.source.name == "live"
     rank = PPOTrainer(strategy_cfg(small_cfg)).actor_group.local_rank
-    assert isinstance(rank.old_log_prob, CycleStartOldLogProb) and rank.old_log_prob.reader_name == "auto"
-    strategy = make_old_log_prob(rank.model, rank.optimizer, rank.score, rank.cfg, name="cycle_start_reference")
+    assert isinstance(rank.pi_old.source, SlotSource) and rank.pi_old.source.reader_name == "auto"
+    source = CopiesSource(rank.model, rank.optimizer, rank.score, rank.pi_old.plan)
     with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):
-        strategy.compute(2, None)
+        source.compute(2, None)
