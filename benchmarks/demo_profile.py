@@ -60,7 +60,7 @@ def install() -> None:
     from dppo.trainer import rollout as rollout_source
     from dppo.trainer.ppo import PPOTrainer
 
-    for attr in ("check_output_dir", "make_prompt_source", "run_shape", "check_sequence_length",
+    for attr in ("check_output_dir", "make_prompt_source", "plan_run", "check_sequence_length",
                  "check_training_memory", "probe_cluster", "check_cluster_fits"):  # fmt: skip
         patch(train, attr, f"preflight:{attr}")
     patch(train, "init_ray", "ray_init")

@@ -257,7 +257,7 @@ def estimate_for(repo: Path, args_list: list[str], env: dict) -> dict | None:
     """The preflight's per-role estimate of the run (the tree's dppo.launch.preflight.memory_estimate), if it has one."""
     code = ("import json,sys; from dppo.config.load import load_config; from dppo.data import make_prompt_source; "
             "from dppo.launch import preflight as p; cfg = load_config(sys.argv[1:]); "
-            "e = p.memory_estimate(cfg, p.run_shape(cfg, make_prompt_source(cfg))); "
+            "from dppo.launch.plan import plan_run; e = p.memory_estimate(plan_run(cfg, make_prompt_source(cfg))); "
             "print(json.dumps({'roles': e.by_role(), 'total': e.total_bytes}))")  # fmt: skip
     out = subprocess.run([sys.executable, "-c", code, *args_list], env=env, capture_output=True, text=True, cwd=repo)
     if out.returncode != 0:

@@ -48,16 +48,18 @@ class Checkpointed(Protocol):
     def save_policy(self, out_dir: Path, mid_cycle: bool) -> None: ...
 
 
-def find_resume_point(cfg: DppoConfig, checkpoints: ckpt.CheckpointDir | None = None) -> ResumePoint | None:
-    """The newest trusted checkpoint of cfg's run whose trainer state fits cfg (None: there is none), passing over
-    the others with a warning line each; CheckpointError if there are some but none fits. Reads no shard and
-    needs no Ray: the actor's shards are loaded once the ranks run (RunCheckpoints.resume)."""
-    checkpoints = checkpoints or ckpt.CheckpointDir(Path(cfg.trainer.output_dir) / "checkpoints")
-    return checkpoints.newest(lambda path, manifest: read_trainer_state(cfg, path, manifest))
+def find_resume_point(trainer, checkpoints: ckpt.CheckpointDir | None = None) -> ResumePoint | None:
+    """The newest trusted checkpoint of the run in trainer.output_dir (trainer: the config's trainer section) whose
+    trainer state fits this run (None: there is none), passing over the others with a warning line each;
+    CheckpointError if there are some but none fits. Reads no shard and needs no Ray: the actor's shards are loaded
+    once the ranks run (RunCheckpoints.resume)."""
+    checkpoints = checkpoints or ckpt.CheckpointDir(Path(trainer.output_dir) / "checkpoints")
+    return checkpoints.newest(lambda path, manifest: read_trainer_state(trainer, path, manifest))
 
 
-def read_trainer_state(cfg: DppoConfig, path: Path, manifest: dict) -> dict:
-    """TRAINER_FILE of the trusted checkpoint path, checked against its manifest and cfg; CheckpointError if not."""
+def read_trainer_state(trainer, path: Path, manifest: dict) -> dict:
+    """TRAINER_FILE of the trusted checkpoint path, checked against its manifest and this run's trainer section;
+    CheckpointError if not."""
     state = ckpt.load_torch(path / TRAINER_FILE)
     try:
         inside = (int(state["global_step"]), int(state["trigger"]), int(state["version"]))
@@ -69,7 +71,7 @@ def read_trainer_state(cfg: DppoConfig, path: Path, manifest: dict) -> dict:
         if f"{ACTOR_DIR}/.metadata" not in manifest["files"]:
             raise ckpt.CheckpointError(f"it holds no actor shards ({ACTOR_DIR}/): written by an older dppo")
         _check_pi_old(state, manifest)
-        _check_cycle_fits(cfg, state)
+        _check_cycle_fits(trainer, state)
     except (ValueError, KeyError, TypeError) as err:
         raise ckpt.CheckpointError(f"{TRAINER_FILE} does not fit this run: {type(err).__name__}: {err}") from None
     return state
@@ -92,13 +94,13 @@ def _check_pi_old(state: dict, manifest: dict) -> None:
         raise ckpt.CheckpointError("its pi_old weights are said to be the ranks' anchor, which it does not hold")
 
 
-def _check_cycle_fits(cfg: DppoConfig, state: dict) -> None:
+def _check_cycle_fits(trainer, state: dict) -> None:
     """A mid-cycle checkpoint continues its cycle: the cycle must be shaped the same in this run."""
     if int(state["trigger"]) == 0 and "cycle" not in state:
         return
     keys = ("parameter_sync_step", "train_batch_size")
     then = {k: state["config"]["trainer"][k] for k in keys}
-    now = {k: getattr(cfg.trainer, k) for k in keys}
+    now = {k: getattr(trainer, k) for k in keys}
     if then != now:
         raise ckpt.CheckpointError(
             f"it was written mid-cycle with trainer.{keys[0]}={then[keys[0]]}, trainer.{keys[1]}={then[keys[1]]}; "
@@ -218,7 +220,8 @@ class RunCheckpoints:
         skipped = []
         for path in [point[0], *older]:
             try:
-                state = point[1] if path == point[0] else read_trainer_state(self.cfg, path, self.store.trusted(path))
+                trusted = self.store.trusted(path)
+                state = point[1] if path == point[0] else read_trainer_state(self.cfg.trainer, path, trusted)
                 self._load_actor(trainer, path, state)
             except ckpt.CheckpointError as err:
                 reason = one_line(err)

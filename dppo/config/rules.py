@@ -44,7 +44,7 @@ def validate_combinations(cfg) -> None:
         )
     _check_prox_logp_method(cfg.algorithm, cfg.snapshot, t)
     _check_policy_loss(cfg.algorithm, cfg.actor)
-    _check_stability_remedies(t, cfg.actor, cfg.algorithm, _prompt_source_in_words(cfg))
+    _check_stability_remedies(t, cfg.actor, cfg.algorithm, _prompt_source_in_words(cfg.data, cfg.task))
     _check_data_or_task(cfg.data, cfg.model, cfg.task, cfg.custom_reward_function, t)
 
 
@@ -121,10 +121,10 @@ def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
                           f"extra outputs (only a custom_reward_function does); use {' or '.join(FILTER_REWARD_METRICS)}")  # fmt: skip
 
 
-def _prompt_source_in_words(cfg) -> tuple[str, str]:
+def _prompt_source_in_words(data, task) -> tuple[str, str]:
     """(data.kind, the run's prompts in words) for the messages of the other checks."""
-    kind = cfg.data.kind
-    return kind, f"task.name={cfg.task.name!r}" if kind == "task" else f"data.source={kind}"
+    kind = data.kind
+    return kind, f"task.name={task.name!r}" if kind == "task" else f"data.source={kind}"
 
 
 def _check_data_or_task(data, model, task, reward, trainer) -> None:

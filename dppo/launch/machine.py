@@ -41,7 +41,9 @@ def check_machine(cfg: DppoConfig) -> None:
         raise ConfigError("trainer.device='cuda': expected cpu or auto (torch.cuda.is_available() is False on this "
                           "machine)")  # fmt: skip
     at_most_cpus("trainer.num_threads", t.num_threads)
-    _check_local_workers_fit(cfg)
+    if cfg.use_ray or t.mode != "sync":  # else the rollout runs inside the trainer's process
+        joined = cfg.use_ray and bool(cfg.ray.address or ray_address_in_environment())
+        _check_local_workers_fit(cfg.rollout, joined)
     path = cfg.model.path
     if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError(f"model.path={path!r}: expected an existing local transformers model directory (one holding "
@@ -55,13 +57,11 @@ def check_machine(cfg: DppoConfig) -> None:
         raise DataFileError(f"custom_reward_function.path={reward!r}: the reward function's file does not exist")
 
 
-def _check_local_workers_fit(cfg: DppoConfig) -> None:
-    """On a local Ray cluster, or as local processes, every rollout worker runs on this machine: their threads must
-    fit its CPUs (on a cluster of your own, dppo.launch.run checks the cluster's CPUs once it has joined)."""
-    r = cfg.rollout
-    if cfg.trainer.mode == "sync" and not cfg.use_ray:
-        return  # the rollout runs inside the trainer's process
-    if cfg.use_ray and (cfg.ray.address or ray_address_in_environment()):
+def _check_local_workers_fit(r, joined: bool) -> None:
+    """On a local Ray cluster, or as local processes, every rollout worker runs on this machine: their threads (r: the
+    config's rollout section) must fit its CPUs; on a cluster of your own (joined), dppo.launch.run checks the
+    cluster's CPUs once it has joined."""
+    if joined:
         return
     cpus = machine_cpus()
     if r.num_workers * r.num_threads > cpus:

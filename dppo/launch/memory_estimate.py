@@ -26,17 +26,13 @@ process really holds on a small model.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 from dppo.algo.logprob import DEFAULT_CHUNK_BYTES
-from dppo.config import DppoConfig
-from dppo.config.pi_old import plan_pi_old
-from dppo.workers.rollout.engines import vllm_rows
+from dppo.launch.plan import DTYPE_BYTES, RunPlan, RunShape
 from dppo.workers.rollout.engines.vllm import kv_bytes_of
 
 GIB = 2**30
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
 # What a process holds before any model: the interpreter with torch and transformers imported (shared libraries
 # counted by PSS, so shared among the processes), Ray's core worker. Measured by memory_bench on this machine.
@@ -98,79 +94,48 @@ def _gib(n: int) -> str:
     return f"{n / GIB:.1f}"
 
 
-@dataclass(frozen=True)
-class Shape:
-    """What the estimate needs of the model: its parameters (a tied tensor once) and widths."""
-
-    params: int
-    vocab_size: int
-    prompt_length: int
-    response_length: int
-    layers: int
-    hidden: int
-    kv_width: int
-    intermediate: int
-    embedding_params: int  # the input embeddings and an untied lm_head (the root unit FSDP2 gathers whole)
-
-
-def local_cluster(cfg: DppoConfig) -> bool:
-    """Whether every Ray process runs on this machine (a cluster this run starts)."""
-    return not (cfg.ray.address or os.environ.get("RAY_ADDRESS"))
-
-
-def actor_rank(cfg: DppoConfig, shape: Shape, on_gpu: bool) -> dict[str, int]:
+def actor_rank(plan: RunPlan) -> dict[str, int]:
     """What one actor rank holds in this machine's host memory (rank 0's: it also gathers what it publishes)."""
-    ws = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    w = shape.params * DTYPE_BYTES[cfg.model.dtype]
+    shape, ws, w = plan.shape, plan.world_size, plan.weight_bytes
     parts = {"process": PROCESS_BYTES}
-    if plan_pi_old(cfg).takes_snapshots:
+    if plan.takes_snapshots:
         parts["snapshot slot"] = w // ws  # host arenas even when the model trains on a GPU
-    if on_gpu:
+    if plan.trainer_on_gpu:
         return parts
     parts.update({"weights": w // ws, "grads": w // ws, "optimizer": 2 * w // ws})
-    if cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward:  # the KL loss's or the reward's reference
+    if plan.kl_reference:  # the KL loss's or the reward's reference
         parts["kl reference"] = w // ws
-    b = DTYPE_BYTES[cfg.model.dtype]
-    sharded = _sharded(cfg, ws)
+    c = plan.compute_bytes
     if ws > 1:
         layer = (shape.params - shape.embedding_params) // max(1, shape.layers)
-        parts["fsdp gather"] = (shape.embedding_params + layer) * compute_bytes(cfg)  # gathered in the compute dtype
+        parts["fsdp gather"] = (shape.embedding_params + layer) * c  # gathered in the compute dtype
         parts["publish gather"] = w
-    rows = cfg.groups_per_trigger * cfg.rollout.n // ws  # the rank's share of a trigger's sequences
-    micro = max(1, min(cfg.actor.micro_batch_size, rows))
+    rows = plan.groups_per_trigger * plan.rollout_n // ws  # the rank's share of a trigger's sequences
+    micro = max(1, min(plan.micro_batch_size, rows))
     length = shape.prompt_length + shape.response_length
-    c = compute_bytes(cfg)
     logits = micro * (shape.response_length + 1) * shape.vocab_size * c * LOGIT_COPIES
     logits += log_prob_work(micro * shape.response_length, shape.vocab_size)
-    saved = micro * length * shape.layers * saved_bytes_per_token_layer(cfg, shape, ws)
+    saved = micro * length * shape.layers * saved_bytes_per_token_layer(plan)
     # the backward of a tied embedding: the lm_head's gradient and the input embedding's, summed into one
+    b = DTYPE_BYTES[plan.model_dtype]
     tied = 2 * shape.embedding_params * b if shape.embedding_params and _tied(shape) else 0
     parts["activations"] = logits + saved + tied
-    if cfg.actor.mixed_precision is not None and not sharded:
+    if plan.mixed_precision and not plan.sharded:
         parts["bf16 weight copies"] = shape.params * c  # autocast's casts of the weights, saved for the backward
     return parts
 
 
-def compute_bytes(cfg: DppoConfig) -> int:
-    """Bytes of an element the actor's matmuls give: its mixed precision's (bf16), else model.dtype's."""
-    return 2 if cfg.actor.mixed_precision is not None else DTYPE_BYTES[cfg.model.dtype]
-
-
-def saved_bytes_per_token_layer(cfg: DppoConfig, shape: Shape, ws: int) -> int:
+def saved_bytes_per_token_layer(plan: RunPlan) -> int:
     """What a decoder layer saves for the backward per token (H: hidden, I: the MLP's width): about 10 H-wide tensors
     (the norms' inputs and outputs, q, k, v after the rotary embedding, the attention's output, the residual) and 4
     I-wide ones (the MLP's gate, up, activation and product), each in the compute dtype; under autocast the H-wide
     ones of the residual stream and the norms (4 of them) stay fp32. Checked against torch's saved tensors of a Llama
     layer (2026-12-03): within 7% at H=576, I=1536 (SmolLM2-135M), H=576, I=4608 and H=288, I=1152, fp32, autocast and
     bf16 weights alike."""
-    h, i = shape.hidden, shape.intermediate
-    if cfg.actor.mixed_precision is not None and not _sharded(cfg, ws):  # autocast over fp32 weights
-        return 4 * h * 4 + (6 * h + 4 * i) * compute_bytes(cfg)
-    return (10 * h + 4 * i) * compute_bytes(cfg)
-
-
-def _sharded(cfg: DppoConfig, ws: int) -> bool:
-    return ws > 1 or cfg.actor.fsdp == "always"
+    h, i, c = plan.shape.hidden, plan.shape.intermediate, plan.compute_bytes
+    if plan.mixed_precision and not plan.sharded:  # autocast over fp32 weights
+        return 4 * h * 4 + (6 * h + 4 * i) * c
+    return (10 * h + 4 * i) * c
 
 
 def log_prob_work(rows: int, vocab: int) -> int:
@@ -180,26 +145,26 @@ def log_prob_work(rows: int, vocab: int) -> int:
     return 2 * 4 * vocab * min(rows, max(1, DEFAULT_CHUNK_BYTES // (12 * vocab)))
 
 
-def _tied(shape: Shape) -> bool:
+def _tied(shape: RunShape) -> bool:
     """Whether the embeddings are one tensor with the lm_head (counted once in embedding_params)."""
     return shape.embedding_params == shape.vocab_size * shape.hidden
 
 
-def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
+def rollout_worker(plan: RunPlan) -> dict[str, int]:
     """What one rollout worker (on the CPU) holds: its weights, its batch's KV cache and logits; a vllm engine's
     KV cache is the one the engine sizes (every row of a ticket), and with delta sync it keeps one more copy of the
     weights in its dtype (the last publish, to compare with)."""
-    b = DTYPE_BYTES[cfg.rollout.dtype or cfg.model.dtype]
+    shape, b = plan.shape, DTYPE_BYTES[plan.engine_dtype]
     length = shape.prompt_length + shape.response_length
-    if cfg.rollout.name == "vllm":
-        rows = vllm_rows(cfg)
+    if plan.engine == "vllm":
+        rows = plan.vllm_rows
         parts = {"process": PROCESS_BYTES + VLLM_IMPORT_BYTES, "weights": shape.params * b,
                  "kv cache and logits": kv_bytes_of(shape.layers, shape.kv_width, b, rows, length)
                  + rows * shape.vocab_size * 4 * 2}  # fmt: skip
-        if cfg.rollout.weight_sync == "delta":
+        if plan.weight_sync == "delta":
             parts["delta copy"] = shape.params * b
         return parts
-    rows = generation_rows(cfg)
+    rows = generation_rows(plan)
     p, r, v = shape.prompt_length, shape.response_length, shape.vocab_size
     # generating: the KV cache of every row at full length, with the larger of the prefill's transients (one layer's
     # MLP over the prompts: gate, up and their product) and a decode step's fp32 logits and probabilities
@@ -207,61 +172,58 @@ def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
     generating = kv + max(rows * p * 3 * shape.intermediate * b, rows * v * 4 * 2)
     # then scoring the behavior log-probs (the cache is gone): a micro-batch's logits, whose LM head runs on the R + 1
     # last positions only, in the engine's dtype, their log-prob work, and one layer's MLP transients
-    micro = max(1, min(cfg.actor.micro_batch_size, rows))
+    micro = max(1, min(plan.micro_batch_size, rows))
     scoring = micro * (r + 1) * v * b + log_prob_work(micro * r, v) + micro * length * 3 * shape.intermediate * b
-    process = PROCESS_BYTES if cfg.use_ray else LOCAL_WORKER_PROCESS_BYTES
+    process = PROCESS_BYTES if plan.use_ray else LOCAL_WORKER_PROCESS_BYTES
     return {"process": process, "weights": shape.params * b, "kv cache and logits": max(generating, scoring)}
 
 
-def generation_rows(cfg: DppoConfig) -> int:
+def generation_rows(plan: RunPlan) -> int:
     """Sequences one generate call of an hf rollout worker holds: a ticket's groups x rollout.n. separate_async: at most
     rollout.groups_per_batch groups, and at most what the replay buffer grants ahead of the trainer
     ((replay.max_off_policy_threshold + 1) x trainer.train_batch_size groups); sync: a trigger's groups."""
-    if cfg.trainer.mode == "sync":
-        return cfg.groups_per_trigger * cfg.rollout.n
-    ahead = (cfg.replay.max_off_policy_threshold + 1) * cfg.trainer.train_batch_size
-    return min(cfg.rollout.groups_per_batch, ahead) * cfg.rollout.n
+    if plan.mode == "sync":
+        return plan.groups_per_trigger * plan.rollout_n
+    ahead = (plan.off_policy_threshold + 1) * plan.train_batch_size
+    return min(plan.groups_per_batch, ahead) * plan.rollout_n
 
 
-def estimate(cfg: DppoConfig, shape: Shape, on_gpu: bool = False) -> MemoryEstimate:
-    """The host memory of cfg's run on this machine, by role (only the processes that run here)."""
-    w = shape.params * DTYPE_BYTES[cfg.model.dtype]
-    ws = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    if not cfg.use_ray:  # the trainer's process: the rank and the policy it evaluates and saves at the end
-        in_process = cfg.trainer.mode == "sync"  # and the generator; else local worker processes beside it
+def estimate(plan: RunPlan) -> MemoryEstimate:
+    """The host memory of the run on this machine, by role (only the processes that run here)."""
+    w, params = plan.weight_bytes, plan.shape.params
+    if not plan.use_ray:  # the trainer's process: the rank and the policy it evaluates and saves at the end
+        in_process = plan.mode == "sync"  # and the generator; else local worker processes beside it
         merged = {"process": PROCESS_BYTES, "policy": w}
-        parts = [*actor_rank(cfg, shape, on_gpu).items(), *(rollout_worker(cfg, shape).items() if in_process else ())]
-        for key, value in parts:
+        for key, value in [*actor_rank(plan).items(), *(rollout_worker(plan).items() if in_process else ())]:
             if key != "process":
                 merged[key] = merged.get(key, 0) + value
         roles = [Role("driver", 1, merged)]
         if not in_process:  # shared memory: a new version is copied in before the old one is let go
-            roles += [Role("rollout worker", cfg.rollout.num_workers, rollout_worker(cfg, shape)),
+            roles += [Role("rollout worker", plan.num_workers, rollout_worker(plan)),
                       Role("shared weights", 1, {"published weights": 2 * w})]  # fmt: skip
-        return MemoryEstimate(tuple(roles), shape.params, cfg.model.dtype)
-    local = local_cluster(cfg)
-    ranks = ws if local else 0
-    workers = cfg.rollout.num_workers if local and not cfg.rollout.n_gpus_per_node else 0
+        return MemoryEstimate(tuple(roles), params, plan.model_dtype)
+    local = plan.local_cluster
+    workers = plan.num_workers if local and not plan.rollout_gpus_per_node else 0
     store = 2 * w if local else 0  # a new version is put before the old one is let go
     roles = (
         Role("driver", 1, {"process": PROCESS_BYTES}),  # its final policy is built once the ranks have gone
-        Role("actor rank", ranks, actor_rank(cfg, shape, on_gpu)),
-        Role("rollout worker", workers, rollout_worker(cfg, shape)),
+        Role("actor rank", plan.world_size if local else 0, actor_rank(plan)),
+        Role("rollout worker", workers, rollout_worker(plan)),
         Role("replay buffer", 1 if local else 0, {"process": BUFFER_PROCESS_BYTES}),  # imports no torch
         Role("object store", 1 if store else 0, {"published weights": store}),
         Role("ray runtime", 1 if local else 0, {"process": RAY_RUNTIME_BYTES}),
     )
-    return MemoryEstimate(roles, shape.params, cfg.model.dtype)
+    return MemoryEstimate(roles, params, plan.model_dtype)
 
 
-def what_to_change(cfg: DppoConfig) -> str:
+def what_to_change(plan: RunPlan) -> str:
     """The settings that make a run smaller, as the one line of a refusal names them."""
     hints = []
-    if cfg.model.dtype == "float32":
+    if plan.model_dtype == "float32":
         hints.append("model.dtype=bfloat16 (half the bytes)")
-    if cfg.rollout.num_workers > 1:
-        hints.append(f"rollout.num_workers=1 (each worker holds a copy; now {cfg.rollout.num_workers})")
-    ws = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
+    if plan.num_workers > 1:
+        hints.append(f"rollout.num_workers=1 (each worker holds a copy; now {plan.num_workers})")
+    ws = plan.world_size
     hints.append(f"a world size over more machines (trainer.nnodes; now world size {ws}: each rank holds 1/{ws})")
     hints.append("smaller batches (rollout.groups_per_batch, actor.micro_batch_size)")
     return "; ".join(hints)

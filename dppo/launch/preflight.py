@@ -18,19 +18,18 @@ import logging
 import os
 import sys
 import tempfile
-from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
-from dppo.config import ConfigError, DppoConfig
-from dppo.models import tiny_model_config
+from dppo.config import ConfigError
 from dppo.launch import ray_cluster
 from dppo.trainer import placement
 from dppo.checkpoint.failure import checkpoint_bytes_estimate, free_bytes, size_in_words
-from dppo.launch.memory_estimate import DTYPE_BYTES, MemoryEstimate, Shape, estimate, local_cluster, what_to_change
+from dppo.launch.memory_estimate import MemoryEstimate, estimate, what_to_change
+from dppo.launch.plan import DTYPE_BYTES, RunPlan
 from dppo.workers.rollout.engines import VLLM_CPU_HEAD_SIZES
 
 log = logging.getLogger("dppo.preflight")
@@ -59,103 +58,44 @@ def check_output_dir(path: str | os.PathLike) -> None:
         raise OutputDirError(f"trainer.output_dir={str(path)!r} cannot be written: {reason}") from None
 
 
-# ---- the model and the batches, from the config -------------------------------------------------------
+# ---- the model and the batches, from the run's plan -----------------------------------------------------
 
 
-@dataclass(frozen=True)
-class RunShape:
-    """What the config implies for memory, known without allocating anything."""
-
-    params: int  # model parameters
-    vocab_size: int
-    prompt_length: int  # P
-    response_length: int  # R
-    max_positions: int | None  # the model's max_position_embeddings, if it has one
-    layers: int = 0  # transformer layers, hidden size, key/value width (0 where the config does not say)
-    hidden: int = 0
-    kv_width: int = 0
-    intermediate: int = 0  # the MLP's width
-    embedding_params: int = 0  # the input embeddings, and the lm_head where it is not tied to them
-
-    def for_estimate(self) -> Shape:
-        return Shape(self.params, self.vocab_size, self.prompt_length, self.response_length, self.layers, self.hidden,
-                     self.kv_width, self.intermediate, self.embedding_params)  # fmt: skip
-
-
-def tiny_model_parameters(vocab_size: int, hidden: int, layers: int, intermediate: int) -> int:
-    """Parameters of dppo.models' tiny Qwen2 (untied embeddings, q/k/v biases, as many key/value heads as heads)."""
-    per_layer = 4 * hidden * hidden + 3 * hidden + 3 * hidden * intermediate + 2 * hidden  # attention, MLP, 2 norms
-    return 2 * vocab_size * hidden + layers * per_layer + hidden  # embeddings, lm_head, layers, final norm
-
-
-def run_shape(cfg: DppoConfig, task) -> RunShape:
-    """The RunShape of cfg with task (its dppo.data PromptSource): model.path's model is built on the meta device,
-    the tiny one counted."""
-    prompt_length = task.prompt_length
-    response_length = cfg.rollout.max_new_tokens or task.response_length
-    m = cfg.model
-    if m.path is None:
-        config = tiny_model_config(task.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
-        params = tiny_model_parameters(task.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
-        vocab_size = task.vocab_size
-        layers, hidden, kv_width, intermediate = m.num_hidden_layers, m.hidden_size, m.hidden_size, m.intermediate_size
-        embedding_params = 2 * vocab_size * hidden  # untied
-    else:
-        config = AutoConfig.from_pretrained(m.path, local_files_only=True)
-        with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(config)
-        params = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-        vocab_size = config.vocab_size
-        layers, hidden, kv_width = _widths(config)
-        intermediate = getattr(config, "intermediate_size", 0) or 0
-        embedding_params = sum(p.numel() for p in {id(p): p for p in (model.get_input_embeddings().weight,
-                                                                      model.get_output_embeddings().weight)}.values())  # fmt: skip
-    return RunShape(params, vocab_size, prompt_length, response_length, getattr(config, "max_position_embeddings", None),
-                    layers, hidden, kv_width, intermediate, embedding_params)  # fmt: skip
-
-
-def _widths(config) -> tuple[int, int, int]:
-    """(layers, hidden size, key/value width) of a transformers config; 0 for what it does not name."""
-    layers, hidden = getattr(config, "num_hidden_layers", 0) or 0, getattr(config, "hidden_size", 0) or 0
-    heads = getattr(config, "num_attention_heads", 0) or 0
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or (hidden // heads if heads else 0)
-    return layers, hidden, kv_heads * head_dim
-
-
-def check_sequence_length(cfg: DppoConfig, shape: RunShape) -> None:
+def check_sequence_length(plan: RunPlan) -> None:
     """ConfigError if prompt + response is longer than the model has positions for."""
+    shape = plan.shape
     length = shape.prompt_length + shape.response_length
     if shape.max_positions is not None and length > shape.max_positions:
-        raise ConfigError(f"a prompt of {shape.prompt_length} tokens (task.length={cfg.task.length}) and a response "
-                          f"of {shape.response_length} (rollout.max_new_tokens, else the task's answer length) are "
+        raise ConfigError(f"a prompt of {shape.prompt_length} tokens ({plan.prompt_keys}) and a response of "
+                          f"{shape.response_length} (rollout.max_new_tokens, else the task's answer length) are "
                           f"{length} positions, but the model has {shape.max_positions} (max_position_embeddings)")  # fmt: skip
 
 
-def check_checkpoint_space(cfg: DppoConfig, shape: RunShape) -> str | None:
+def check_checkpoint_space(plan: RunPlan) -> str | None:
     """One warning line (logged, and returned) if trainer.output_dir has less free space than about two
     checkpoints (the new one is written before retention deletes the oldest); None if it has room."""
-    if cfg.trainer.checkpoint_every == 0:
+    if plan.checkpoint_every == 0:
         return None
-    with_reference = cfg.actor.kl_loss_coef > 0
-    needed = 2 * checkpoint_bytes_estimate(shape.params, DTYPE_BYTES[cfg.model.dtype], with_reference)
-    free = free_bytes(Path(cfg.trainer.output_dir))
+    needed = 2 * checkpoint_bytes_estimate(plan.shape.params, DTYPE_BYTES[plan.model_dtype],
+                                           plan.reference_in_checkpoints)  # fmt: skip
+    free = free_bytes(Path(plan.output_dir))
     if free >= needed:
         return None
-    line = (f"trainer.output_dir={cfg.trainer.output_dir!r} has {size_in_words(free)} free, less than two checkpoints "
+    line = (f"trainer.output_dir={plan.output_dir!r} has {size_in_words(free)} free, less than two checkpoints "
             f"(about {size_in_words(needed)}): a checkpoint that cannot be written is a warning, two in a row stop "
             "the run (exit code 3)")  # fmt: skip
     log.warning(line)
     return line
 
 
-def batch_bytes(cfg: DppoConfig, shape: RunShape) -> tuple[int, int]:
+def batch_bytes(plan: RunPlan) -> tuple[int, int]:
     """Lower bounds of the memory of generating a batch (token ids, one step's logits, the KV cache) and of
     updating on a trigger's mini-batch (token ids, one micro-batch's logits and its saved layer outputs)."""
-    b, n, length = DTYPE_BYTES[cfg.model.dtype], cfg.rollout.n, shape.prompt_length + shape.response_length
-    generated = cfg.rollout.groups_per_batch * n  # sequences a worker generates at once
-    trigger = cfg.groups_per_trigger * n  # sequences of one optimizer step
-    micro = min(cfg.actor.micro_batch_size, trigger)
+    shape, b, n = plan.shape, DTYPE_BYTES[plan.model_dtype], plan.rollout_n
+    length = shape.prompt_length + shape.response_length
+    generated = plan.groups_per_batch * n  # sequences a worker generates at once
+    trigger = plan.groups_per_trigger * n  # sequences of one optimizer step
+    micro = min(plan.micro_batch_size, trigger)
     generate = 8 * length * generated + b * generated * (shape.vocab_size + 2 * shape.layers * length * shape.kv_width)
     update = 8 * length * trigger + b * micro * ((shape.response_length + 1) * shape.vocab_size +
                                                  shape.layers * length * shape.hidden)  # fmt: skip
@@ -182,54 +122,37 @@ def available_host_bytes() -> int:
     return available
 
 
-def _ranks_here(cfg: DppoConfig) -> int:
+def _ranks_here(plan: RunPlan) -> int:
     """The actor's ranks on this machine: all of them in-process or on a local cluster, none (as far as this machine
     can tell) on a cluster of the user's own."""
-    if not cfg.use_ray:
+    if not plan.use_ray:
         return 1
-    return cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node if local_cluster(cfg) else 0
+    return plan.world_size if plan.local_cluster else 0
 
 
-def memory_estimate(cfg: DppoConfig, shape: RunShape) -> MemoryEstimate:
+def memory_estimate(plan: RunPlan) -> MemoryEstimate:
     """The host memory of the run on this machine, by role (dppo.launch.memory_estimate)."""
-    return estimate(cfg, shape.for_estimate(), on_gpu=_trainer_on_gpu(cfg))
+    return estimate(plan)
 
 
-def check_training_memory(cfg: DppoConfig, shape: RunShape) -> MemoryEstimate:
+def check_training_memory(plan: RunPlan) -> MemoryEstimate:
     """The run's host memory estimate by role (its line() is printed on every run); ConfigError, in one line with
     the estimate by role and what to change, if it exceeds the memory available. With the actor on GPUs, also a
     lower bound of each GPU's share: a 1/world-size shard of the weights, gradients and Adam moments and an
     update's batch."""
-    world_size = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
-    copy_bytes = shape.params * DTYPE_BYTES[cfg.model.dtype]
-    trainer_copies = 4 + (1 if cfg.actor.kl_loss_coef > 0 else 0)  # weights, grads, 2 Adam moments (+ KL reference)
-    what = f"{shape.params:,} parameters in {cfg.model.dtype}, {_model_keys(cfg)}"
-    if _trainer_on_gpu(cfg) and _ranks_here(cfg):
-        _, update = batch_bytes(cfg, shape)
+    trainer_copies = 4 + (1 if plan.reference_in_checkpoints else 0)  # weights, grads, 2 Adam moments (+ reference)
+    what = f"{plan.shape.params:,} parameters in {plan.model_dtype}, {plan.model_keys}"
+    if plan.trainer_on_gpu and _ranks_here(plan):
+        _, update = batch_bytes(plan)
         free, _ = torch.cuda.mem_get_info()
-        _require_fits(trainer_copies * copy_bytes // world_size + update, free, what, "GPU",
-                      f"a 1/{world_size} shard of the weights, gradients and Adam's two moments, an update's batch",
+        _require_fits(trainer_copies * plan.weight_bytes // plan.world_size + update, free, what, "GPU",
+                      f"a 1/{plan.world_size} shard of the weights, gradients and Adam's two moments, an update's batch",
                       "use a smaller model or smaller batches")  # fmt: skip
-    memory = memory_estimate(cfg, shape)
+    memory = memory_estimate(plan)
     by_role = ", ".join(f"{name} {b / GIB:.1f}" for name, b in memory.by_role().items() if b)
     _require_fits(memory.total_bytes, available_host_bytes(), what, "host", by_role,
-                  f"to make it fit: {what_to_change(cfg)}; or use a smaller model")  # fmt: skip
+                  f"to make it fit: {what_to_change(plan)}; or use a smaller model")  # fmt: skip
     return memory
-
-
-def _trainer_on_gpu(cfg: DppoConfig) -> bool:
-    if cfg.trainer.device == "cpu":
-        return False
-
-    return torch.cuda.is_available()
-
-
-def _model_keys(cfg: DppoConfig) -> str:
-    m = cfg.model
-    if m.path is not None:
-        return f"model.path={m.path!r}"
-    return (f"model.hidden_size={m.hidden_size}, model.num_hidden_layers={m.num_hidden_layers}, "
-            f"model.intermediate_size={m.intermediate_size}")  # fmt: skip
 
 
 def _require_fits(need: int, available: int, what: str, where: str, parts: str, change: str) -> None:
@@ -242,15 +165,15 @@ def _require_fits(need: int, available: int, what: str, where: str, parts: str, 
 # ---- a cluster of the user's own ----------------------------------------------------------------------
 
 
-def check_cluster_fits(cfg: DppoConfig) -> None:
-    """Once connected to Ray, before any rank or worker starts: the actor's and the rollout's pools fit the cluster's
-    nodes together (PlacementError naming both pools and the counts); on a joined cluster (ray.address or
-    RAY_ADDRESS) also the rollout workers' threads within its CPUs."""
-    placement.plan(cfg)
-    if not (cfg.ray.address or os.environ.get("RAY_ADDRESS")):
+def check_cluster_fits(trainer, rollout, ray_cfg) -> None:
+    """Once connected to Ray, before any rank or worker starts (the config's trainer, rollout and ray sections): the
+    actor's and the rollout's pools fit the cluster's nodes together (PlacementError naming both pools and the
+    counts); on a joined cluster (ray.address or RAY_ADDRESS) also the rollout workers' threads within its CPUs."""
+    placement.plan(trainer, rollout)
+    if not (ray_cfg.address or os.environ.get("RAY_ADDRESS")):
         return  # a local cluster: checked against this machine with the config
 
-    r, cpus = cfg.rollout, ray_cluster.cluster_cpus()
+    r, cpus = rollout, ray_cluster.cluster_cpus()
     if r.num_workers * r.num_threads > cpus:
         raise ConfigError(f"rollout.num_workers={r.num_workers} with rollout.num_threads={r.num_threads}: "
                           f"{r.num_workers * r.num_threads} worker threads, but the Ray cluster has {cpus:g} CPUs")  # fmt: skip
@@ -266,24 +189,24 @@ def vllm_build() -> str:
     return "vllm (no package metadata)"
 
 
-def check_rollout_engine(cfg: DppoConfig) -> None:
-    """ConfigError, before anything starts, if rollout.name=vllm cannot run here: vLLM not installed in this Python,
-    its GPU build with rollout workers that get no GPU, or (without CUDA) a model whose attention head size vLLM's
-    CPU kernels lack."""
-    if cfg.rollout.name != "vllm":
+def check_rollout_engine(rollout, model) -> None:
+    """ConfigError, before anything starts, if rollout.name=vllm cannot run here (the config's rollout and model
+    sections): vLLM not installed in this Python, its GPU build with rollout workers that get no GPU, or (without
+    CUDA) a model whose attention head size vLLM's CPU kernels lack."""
+    if rollout.name != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
         raise ConfigError(f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
                           "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)")  # fmt: skip
     build = vllm_build()
-    if not build.startswith("vllm-cpu==") and not cfg.rollout.n_gpus_per_node:
+    if not build.startswith("vllm-cpu==") and not rollout.n_gpus_per_node:
         raise ConfigError(f"rollout.name=vllm with vLLM's GPU build ({build}) and rollout.n_gpus_per_node=0: that "
                           "build cannot generate on the CPU; give the rollout workers GPUs (rollout.nnodes x "
                           "rollout.n_gpus_per_node, docs/rollout_placement.md), or install the CPU build "
                           "(vllm-cpu: `make vllm` on a machine without nvidia-smi)")  # fmt: skip
     if torch.cuda.is_available():
         return
-    m = cfg.model
+    m = model
     if m.path is None:
         head, keys = m.hidden_size // m.num_attention_heads, "model.hidden_size / model.num_attention_heads"
     else:

@@ -47,9 +47,10 @@ class RayConnectError(ConnectionError):
     """The Ray cluster named by ray.address or RAY_ADDRESS could not be reached or refused this process."""
 
 
-def cluster_address(cfg) -> str:
-    """What ray.init is given: ray.address, else RAY_ADDRESS, else "local" (a new local cluster)."""
-    return cfg.ray.address or os.environ.get("RAY_ADDRESS") or "local"
+def cluster_address(ray_cfg) -> str:
+    """What ray.init is given (ray_cfg: the config's ray section): ray.address, else RAY_ADDRESS, else "local" (a new
+    local cluster)."""
+    return ray_cfg.address or os.environ.get("RAY_ADDRESS") or "local"
 
 
 def _resolve(address: str) -> tuple[str, int] | None:
@@ -122,10 +123,10 @@ def _cluster_environment(env_vars: dict[str, str]):
                 os.environ[key] = value
 
 
-def probe_cluster(cfg) -> None:
-    """probe() the cluster cfg names, unless this process is connected to one already."""
+def probe_cluster(ray_cfg) -> None:
+    """probe() the cluster the ray section names, unless this process is connected to one already."""
     if not ray.is_initialized():
-        probe(cluster_address(cfg))
+        probe(cluster_address(ray_cfg))
 
 
 @contextlib.contextmanager
@@ -158,24 +159,25 @@ def _in_main_thread() -> bool:
     return threading.current_thread() is threading.main_thread()
 
 
-def init_ray(cfg) -> bool:
-    """Connect as the module docstring says (quietly); nothing if this process is already connected. True if
-    this call connected (then the caller owns the connection and shuts it down). RayConnectError, naming the
-    address, if a given cluster cannot be joined."""
+def init_ray(ray_cfg, worker_threads: int = 1) -> bool:
+    """Connect as the module docstring says (quietly) to the cluster of ray_cfg (the config's ray section), its
+    workers' OMP_NUM_THREADS worker_threads (rollout.num_threads); nothing if this process is already connected.
+    True if this call connected (then the caller owns the connection and shuts it down). RayConnectError, naming
+    the address, if a given cluster cannot be joined."""
     _quiet_ray_death_lines()
     if ray.is_initialized():
         return False
-    address = cluster_address(cfg)
+    address = cluster_address(ray_cfg)
     probe(address)
     kwargs = dict(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING",
                   configure_logging=True)  # fmt: skip
-    if address == "local" and cfg.ray.num_cpus is not None:
-        kwargs["num_cpus"] = cfg.ray.num_cpus
+    if address == "local" and ray_cfg.num_cpus is not None:
+        kwargs["num_cpus"] = ray_cfg.num_cpus
     # Workers must import dppo from the same tree as the driver, also when it is not installed.
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
     env_vars = {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "OMP_NUM_THREADS": str(cfg.rollout.num_threads)}  # fmt: skip
+                "OMP_NUM_THREADS": str(worker_threads)}  # fmt: skip
     if address != "local":
         kwargs["runtime_env"] = {"env_vars": env_vars}
     try:

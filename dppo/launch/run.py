@@ -13,6 +13,7 @@ from dppo.data import make_prompt_source
 from dppo.hostmem import keep_freed_host_memory
 from dppo.trainer.base import RunResult, find_resume_point
 from dppo.trainer import ppo
+from dppo.launch.plan import plan_run
 from dppo.launch.preflight import (
     check_checkpoint_space,
     check_cluster_fits,
@@ -20,7 +21,6 @@ from dppo.launch.preflight import (
     check_rollout_engine,
     check_sequence_length,
     check_training_memory,
-    run_shape,
 )
 from dppo.launch.machine import check_machine, resolve_ray
 from dppo.launch.ray_cluster import init_ray, probe_cluster, shutdown_ray
@@ -39,22 +39,22 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     check_machine(cfg)  # the GPU, the CPUs, the model directory and the data files the config names
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_installed(cfg.trainer.logger)  # a tracker named but not installed: one line naming the extra
-    check_rollout_engine(cfg)  # rollout.name=vllm without vLLM: one line naming `make vllm`
+    check_rollout_engine(cfg.rollout, cfg.model)  # rollout.name=vllm without vLLM: one line naming `make vllm`
     check_output_dir(cfg.trainer.output_dir)
     source = make_prompt_source(cfg)  # reads and checks any data files (one line naming what is wrong)
-    shape = run_shape(cfg, source)
-    check_sequence_length(cfg, shape)
-    memory = check_training_memory(cfg, shape)  # refused in one line if the run cannot fit
+    plan = plan_run(cfg, source)  # the run resolved once: what the checks below read
+    check_sequence_length(plan)
+    memory = check_training_memory(plan)  # refused in one line if the run cannot fit
     print(memory.line(), file=out, flush=True)
-    check_checkpoint_space(cfg, shape)  # a warning line only: the run may still free space or write fewer
-    resume_point = find_resume_point(cfg) if cfg.trainer.resume else None
+    check_checkpoint_space(plan)  # a warning line only: the run may still free space or write fewer
+    resume_point = find_resume_point(cfg.trainer) if cfg.trainer.resume else None
     if cfg.use_ray:
-        probe_cluster(cfg)  # an address that cannot be joined fails now, not after the ranks are placed
+        probe_cluster(cfg.ray)  # an address that cannot be joined fails now, not after the ranks are placed
     ours = cfg.use_ray and not ray.is_initialized()  # a cluster we start (also half-way) we shut down
     try:
         if cfg.use_ray:
-            init_ray(cfg)
-            check_cluster_fits(cfg)
+            init_ray(cfg.ray, cfg.rollout.num_threads)
+            check_cluster_fits(cfg.trainer, cfg.rollout, cfg.ray)
         trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point)
         print(trainer.actor_group.describe(), file=out, flush=True)
         if trainer.rollout is not None:  # started before the ranks (a fresh run's); else fit() makes it

@@ -95,7 +95,7 @@ class BaseTrainer:
         self.resumed_from: Path | None = None
         self.trackers, self._resumed_pi_old = Trackers([]), (PI_OLD_LIVE, None)
         if cfg.trainer.resume and resume_point is None:
-            resume_point = find_resume_point(cfg, self.checkpoints.store)
+            resume_point = find_resume_point(cfg.trainer, self.checkpoints.store)
         elif not cfg.trainer.resume:  # a fresh run owns output_dir: an earlier run's checkpoints must not be resumed
             self.checkpoints.store.discard_run()
         self.rollout, predicted = rollout, None

@@ -153,23 +153,25 @@ def _shown(resources: dict[str, float]) -> str:
 # ---- on the Ray cluster ------------------------------------------------------------------------------
 
 
-def use_gpus(cfg) -> bool:
-    """Whether the actor's ranks go on GPUs: trainer.device=cuda, or auto on a cluster that has GPUs."""
-    device = cfg.trainer.device
+def use_gpus(trainer) -> bool:
+    """Whether the actor's ranks go on GPUs (trainer: the config's trainer section): trainer.device=cuda, or auto on a
+    cluster that has GPUs."""
+    device = trainer.device
     return device == "cuda" or (device == "auto" and ray.cluster_resources().get("GPU", 0) > 0)
 
 
-def pools(cfg) -> tuple[Pool, Pool | None]:
-    """The actor's pool and the rollout's (None: CPU rollout workers) on the cluster this process is connected to."""
-    t, r = cfg.trainer, cfg.rollout
-    return actor_pool(t.nnodes, t.n_gpus_per_node, use_gpus(cfg)), rollout_pool(r.nnodes, r.n_gpus_per_node)
+def pools(trainer, rollout) -> tuple[Pool, Pool | None]:
+    """The actor's pool and the rollout's (None: CPU rollout workers) on the cluster this process is connected to, from
+    the config's trainer and rollout sections."""
+    t, r = trainer, rollout
+    return actor_pool(t.nnodes, t.n_gpus_per_node, use_gpus(t)), rollout_pool(r.nnodes, r.n_gpus_per_node)
 
 
-def plan(cfg) -> Plan:
+def plan(trainer, rollout) -> Plan:
     """plan_nodes for cfg's pools on the cluster this process is connected to (PlacementError if they do not fit).
     The same nodes every time while the cluster's nodes stay the same: the actor's worker group and the rollout
     each compute it when they place their pool, and the preflight check before either."""
-    return plan_nodes(*pools(cfg), ray.nodes(), ray.get_runtime_context().get_node_id())
+    return plan_nodes(*pools(trainer, rollout), ray.nodes(), ray.get_runtime_context().get_node_id())
 
 
 def place_pool(pool: Pool, node_ids: list[str]) -> list:

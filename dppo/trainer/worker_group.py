@@ -80,12 +80,6 @@ class LocalWorkerGroup(WorkerGroup):
         self.sharded = rank.sharded
         self.nodes = [rank.node_info()]
 
-    @classmethod
-    def create(cls, cfg, vocab_size: int) -> LocalWorkerGroup:
-        rank = ActorRank(cfg, 0, 1, vocab_size)
-        rank.init_model(*rank.master_address())
-        return cls(rank)
-
     def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
         return [getattr(self.local_rank, name)(*per_rank[0])]
 
@@ -100,10 +94,10 @@ class RayWorkerGroup(WorkerGroup):
     """The ranks as Ray actors (see the module docstring)."""
 
     def __init__(self, cfg, vocab_size: int) -> None:
-        pool = pools(cfg)[0]
+        pool = pools(cfg.trainer, cfg.rollout)[0]
         self.world_size = pool.size
-        self.sharded = uses_fsdp(cfg, self.world_size)
-        self._groups = place_pool(pool, plan(cfg).actor_nodes)
+        self.sharded = uses_fsdp(cfg.actor.fsdp, self.world_size)
+        self._groups = place_pool(pool, plan(cfg.trainer, cfg.rollout).actor_nodes)
         self._dead = False
         rank_cls = ray.remote(ActorRank)
         # no runtime_env of their own: the ranks can start in the job's idle worker processes (torch's threads
@@ -168,4 +162,8 @@ class RayWorkerGroup(WorkerGroup):
 
 def make_worker_group(cfg, vocab_size: int) -> WorkerGroup:
     """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process."""
-    return RayWorkerGroup(cfg, vocab_size) if cfg.use_ray else LocalWorkerGroup.create(cfg, vocab_size)
+    if cfg.use_ray:
+        return RayWorkerGroup(cfg, vocab_size)
+    rank = ActorRank(cfg, 0, 1, vocab_size)
+    rank.init_model(*rank.master_address())
+    return LocalWorkerGroup(rank)

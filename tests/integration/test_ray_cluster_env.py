@@ -32,7 +32,7 @@ def test_a_new_local_cluster_inherits_the_workers_environment(monkeypatch):
     monkeypatch.delenv("TOKENIZERS_PARALLELISM", raising=False)
     cfg = SimpleNamespace(ray=SimpleNamespace(address=None, num_cpus=2), rollout=SimpleNamespace(num_threads=1))
     before = {k: os.environ.get(k) for k in KEYS}
-    assert init_ray(cfg)
+    assert init_ray(cfg.ray, cfg.rollout.num_threads)
     try:
         assert {k: os.environ.get(k) for k in KEYS} == before  # the driver's environment is put back
         assert not ray.get_runtime_context().runtime_env  # no job runtime_env: prestarted workers fit the actors

@@ -167,9 +167,9 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
 
     cfg = load_config(run_overrides(tmp_path, cluster, "trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2",
                                     "rollout.num_workers=2", "rollout.max_restarts=0"))  # fmt: skip
-    actor = pools(cfg)[0]
+    actor = pools(cfg.trainer, cfg.rollout)[0]
     assert actor.bundle == {"GPU": 1.0, "CPU": 1.0}  # trainer.device=auto on a cluster with GPUs
-    actor_groups = place_pool(actor, plan(cfg).actor_nodes)  # what RayWorkerGroup places
+    actor_groups = place_pool(actor, plan(cfg.trainer, cfg.rollout).actor_nodes)  # what RayWorkerGroup places
     rollout = None
     try:
         probes = [ray.remote(probe_class()).options(**bundle_options(actor, actor_groups, i)).remote() for i in range(2)]

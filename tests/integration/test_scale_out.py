@@ -361,7 +361,7 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
 
     # 2: the world-size-2 ranks, moved on, resume it again
     run_cycles(ws2, 1)
-    point = find_resume_point(ws2.cfg)
+    point = find_resume_point(ws2.cfg.trainer)
     assert point[0] == path
     ws2.resume(point)
     assert ws2.global_step == step

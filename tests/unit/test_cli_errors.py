@@ -129,12 +129,13 @@ def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, mon
     from dppo.config import ConfigError
 
     monkeypatch.setattr(ray_cluster, "cluster_cpus", lambda: 3.0)
-    monkeypatch.setattr(placement, "plan", lambda cfg: None)  # the pools fit (tests/integration/test_rollout_placement.py)
+    monkeypatch.setattr(placement, "plan", lambda trainer, rollout: None)  # the pools fit (tests/integration/test_rollout_placement.py)
     cfg = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 2, "rollout.num_threads": 2})
     with pytest.raises(ConfigError, match="rollout.num_workers=2 with rollout.num_threads=2: 4 worker threads, but "
                                           "the Ray cluster has 3 CPUs"):  # fmt: skip
-        preflight.check_cluster_fits(cfg)
-    preflight.check_cluster_fits(small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 3}))
+        preflight.check_cluster_fits(cfg.trainer, cfg.rollout, cfg.ray)
+    fits = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 3})
+    preflight.check_cluster_fits(fits.trainer, fits.rollout, fits.ray)
 
 
 @pytest.mark.parametrize("sizes", [(12, 64, 2, 128), (12, 32, 1, 64), (1000, 96, 3, 200)])
@@ -143,7 +144,7 @@ def test_the_parameter_count_of_the_memory_check_is_the_models(sizes):
     import torch
 
     from dppo.models import tiny_model_config
-    from dppo.launch.preflight import tiny_model_parameters
+    from dppo.launch.plan import tiny_model_parameters
 
     vocab, hidden, layers, intermediate = sizes
     with torch.device("meta"):

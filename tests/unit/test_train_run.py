@@ -56,7 +56,7 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
                              [("global steps", "0")], 0.0)  # fmt: skip
 
     monkeypatch.setattr(dppo.trainer.ppo, "PPOTrainer", StandInTrainer)
-    monkeypatch.setattr(dppo.trainer.placement, "plan", lambda cfg: None)  # the pools fit (no real cluster here)
+    monkeypatch.setattr(dppo.trainer.placement, "plan", lambda trainer, rollout: None)  # the pools fit (no real cluster here)
     cfg = small_cfg(**{"ray.enabled": True})
     if fit_fails:
         with pytest.raises(_FitFailed):
@@ -103,7 +103,7 @@ def test_a_local_cluster_that_fails_to_start_keeps_rays_own_error(small_cfg, mon
     monkeypatch.setattr(ray, "init", lambda **kwargs: (_ for _ in ()).throw(ConnectionError("no local raylet")))
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     with pytest.raises(ConnectionError, match="no local raylet") as err:
-        init_ray(small_cfg(**{"ray.enabled": True}))
+        init_ray(small_cfg(**{"ray.enabled": True}).ray)
     assert not isinstance(err.value, RayConnectError)
 
 
@@ -124,7 +124,7 @@ def test_no_address_always_starts_a_new_local_cluster(small_cfg, monkeypatch, ad
         monkeypatch.delenv("RAY_ADDRESS", raising=False)
     else:
         monkeypatch.setenv("RAY_ADDRESS", env)
-    assert ray_cluster.init_ray(small_cfg(**{"ray.enabled": True, "ray.address": address}))
+    assert ray_cluster.init_ray(small_cfg(**{"ray.enabled": True, "ray.address": address}).ray)
     assert [c["address"] for c in calls] == [expected] and probed == [expected]
 
 

@@ -52,8 +52,8 @@ class RayRollout(SupervisedRollout[RayWorker]):
         self.mode = self.settings.mode
         # GPU workers: one bundle each in the rollout's own placement groups (a restarted worker takes its
         # predecessor's); CPU workers (no pool): spread over the nodes, reserving nothing.
-        self._pool = pools(cfg)[1]
-        self._groups = place_pool(self._pool, plan(cfg).rollout_nodes) if self._pool is not None else []
+        self._pool = pools(cfg.trainer, cfg.rollout)[1]
+        self._groups = place_pool(self._pool, plan(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
         self.buffer = buffer_core(self.settings, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker

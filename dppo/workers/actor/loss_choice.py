@@ -36,11 +36,6 @@ class LossChoice:
     seed: int
 
     @classmethod
-    def of(cls, cfg) -> LossChoice:
-        """From a whole DppoConfig: its actor section and trainer.seed."""
-        return cls.of_actor(cfg.actor, cfg.trainer.seed)
-
-    @classmethod
     def of_actor(cls, actor, seed: int) -> LossChoice:
         """From the actor section and the seed."""
         settings = {key: getattr(actor, key) for key in _ACTOR_KEYS}

@@ -48,11 +48,10 @@ def lr_factor(optim_cfg, total_steps: int) -> Callable[[int], float]:
     return cosine
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, cfg) -> LambdaLR:
-    """The schedule of cfg.actor.optim over optimizer (its lr is actor.lr), for the run's trainer.total_steps x
-    trainer.parameter_sync_step optimizer steps; the optimizer's lr is set to step 0's."""
-    total = cfg.trainer.total_steps * cfg.trainer.parameter_sync_step
-    return LambdaLR(optimizer, lr_factor(cfg.actor.optim, total))
+def make_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int) -> LambdaLR:
+    """The schedule of optim_cfg (actor.optim) over optimizer (its lr is actor.lr), for the run's total_steps optimizer
+    steps (trainer.total_steps x trainer.parameter_sync_step); the optimizer's lr is set to step 0's."""
+    return LambdaLR(optimizer, lr_factor(optim_cfg, total_steps))
 
 
 def step_lr(scheduler: LambdaLR) -> None:

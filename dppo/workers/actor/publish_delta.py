@@ -43,8 +43,9 @@ class DeltaPublisher:
         return published
 
 
-def delta_publisher(cfg) -> DeltaPublisher | None:
-    """The publisher of cfg's rollout where it syncs deltas (rollout.weight_sync=delta with a vllm engine), else None."""
-    if cfg.rollout.weight_sync != "delta" or cfg.rollout.name != "vllm":
+def delta_publisher(rollout, model_dtype: str) -> DeltaPublisher | None:
+    """The publisher of the rollout (the config's rollout section) where it syncs deltas (rollout.weight_sync=delta with
+    a vllm engine), else None; model_dtype: model.dtype (the engine's where rollout.dtype is null)."""
+    if rollout.weight_sync != "delta" or rollout.name != "vllm":
         return None
-    return DeltaPublisher(DTYPES[cfg.rollout.dtype or cfg.model.dtype])
+    return DeltaPublisher(DTYPES[rollout.dtype or model_dtype])

@@ -46,9 +46,10 @@ from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
 
 
-def uses_fsdp(cfg, world_size: int) -> bool:
-    """Whether the actor is sharded with FSDP2: always above world size 1, at 1 only with actor.fsdp=always."""
-    return world_size > 1 or cfg.actor.fsdp == "always"
+def uses_fsdp(fsdp: str, world_size: int) -> bool:
+    """Whether the actor is sharded with FSDP2 (fsdp: actor.fsdp): always above world size 1, at 1 only with
+    actor.fsdp=always."""
+    return world_size > 1 or fsdp == "always"
 
 
 class ActorRank:
@@ -61,10 +62,10 @@ class ActorRank:
         self.own_process = own_process
         self.cfg, self.rank, self.world_size, self.vocab_size = cfg, rank, world_size, vocab_size
         self.peers = RankGroup(rank, world_size)
-        self.sharded = uses_fsdp(cfg, world_size)
+        self.sharded = uses_fsdp(cfg.actor.fsdp, world_size)
         self.model: torch.nn.Module | None = None
         self._closed = False
-        self._delta_publisher = delta_publisher(cfg) if rank == 0 else None
+        self._delta_publisher = delta_publisher(cfg.rollout, cfg.model.dtype) if rank == 0 else None
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -110,7 +111,8 @@ class ActorRank:
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
         self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
                                            weight_decay=cfg.actor.weight_decay, fused=True)  # fmt: skip
-        self.lr_scheduler = make_lr_scheduler(self.optimizer, cfg)  # actor.optim's schedule, stepped once per trigger
+        total_steps = cfg.trainer.total_steps * cfg.trainer.parameter_sync_step
+        self.lr_scheduler = make_lr_scheduler(self.optimizer, cfg.actor.optim, total_steps)  # actor.optim's schedule, stepped once per trigger
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
             bound_retention(2 * local_bytes)
@@ -120,7 +122,7 @@ class ActorRank:
         """The objective (the loss and the rollout correction) of self.cfg and the pi_old provider of plan, over the
         model and the optimizer built."""
         self.rollout_correction = self.cfg.algorithm.rollout_correction.to_algo()
-        self.objective = select_objective(self.cfg)
+        self.objective = select_objective(self.cfg.actor, self.cfg.algorithm.rollout_correction, self.cfg.trainer.seed)
         self.pi_old = make_pi_old(plan, self.model, self.optimizer, self.score, copy_model=self.plain_copy)
 
     @register(ALL)

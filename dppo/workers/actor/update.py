@@ -173,13 +173,14 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
     return objective
 
 
-def select_objective(cfg) -> Callable[..., Objective]:
-    """objective(batch, prox, advantages, step) -> Objective for cfg: Decoupled PPO's with the actor.policy_loss
-    loss_mode, or bypass mode's (prox: log pi_prox (B, R), or a ProxFn; see decoupled_objective)."""
-    rc = cfg.algorithm.rollout_correction
+def select_objective(actor, rollout_correction, seed: int) -> Callable[..., Objective]:
+    """objective(batch, prox, advantages, step) -> Objective: Decoupled PPO's with the actor.policy_loss loss_mode, or
+    bypass mode's (actor: the config's actor section; rollout_correction: algorithm.rollout_correction's; seed:
+    trainer.seed; prox: log pi_prox (B, R), or a ProxFn; see decoupled_objective)."""
+    rc = rollout_correction
     if rc.bypass_mode:
-        return bypass_objective(cfg.actor, rc.to_algo())
-    return decoupled_objective(cfg.actor, rc.to_algo(), cfg.trainer.seed)
+        return bypass_objective(actor, rc.to_algo())
+    return decoupled_objective(actor, rc.to_algo(), seed)
 
 
 def global_normalizers(mask: torch.Tensor, peers: RankGroup) -> LossNormalizers:

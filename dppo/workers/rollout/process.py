@@ -131,7 +131,7 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
         keep_freed_host_memory()
         torch.set_num_threads(cfg.rollout.num_threads)
         core = RolloutGenerator(cfg, source, model_config, worker_index, "cpu")
-        bound_retention(generation_step_bytes(cfg, model_config.vocab_size))
+        bound_retention(generation_step_bytes(cfg.rollout, cfg.actor.micro_batch_size, model_config.vocab_size))
         while True:
             conn.send(("acquire", core.version, cfg.rollout.groups_per_batch))
             ticket = conn.recv()

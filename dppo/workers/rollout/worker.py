@@ -125,11 +125,12 @@ class RolloutGenerator:
         return self.source.score(prompts, responses.numpy(), mask.numpy()).scores.astype(float).tolist()
 
 
-def generation_step_bytes(cfg, vocab_size: int) -> int:
+def generation_step_bytes(rollout, micro_batch_size: int, vocab_size: int) -> int:
     """About what one generate() call allocates and frees again, its largest part: fp32 logits over the vocab (and
-    their log-softmax) of a decode step's sequences or of a scoring micro-batch's positions."""
-    seqs = cfg.rollout.groups_per_batch * cfg.rollout.n
-    scored_rows = min(cfg.actor.micro_batch_size, seqs) * ((cfg.rollout.max_new_tokens or 64) + 1)
+    their log-softmax) of a decode step's sequences or of a scoring micro-batch's positions (rollout: the config's
+    rollout section; micro_batch_size: actor.micro_batch_size, the scoring pass's)."""
+    seqs = rollout.groups_per_batch * rollout.n
+    scored_rows = min(micro_batch_size, seqs) * ((rollout.max_new_tokens or 64) + 1)
     return 2 * 4 * vocab_size * max(seqs, scored_rows)
 
 
@@ -142,7 +143,7 @@ class RolloutWorkerActor:
         torch.set_num_threads(cfg.rollout.num_threads)
         device = worker_device(worker_index, ray.get_gpu_ids(), torch.cuda.is_available())
         self.core = RolloutGenerator(cfg, source, model_config, worker_index, device)
-        bound_retention(generation_step_bytes(cfg, model_config.vocab_size))  # not the model's build transients
+        bound_retention(generation_step_bytes(cfg.rollout, cfg.actor.micro_batch_size, model_config.vocab_size))
         self.buffer = buffer
         self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch

@@ -13,7 +13,8 @@ import torch
 
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.failure import CheckpointAttempts, CheckpointWriteError, size_in_words
-from dppo.launch.preflight import check_checkpoint_space, run_shape
+from dppo.launch.plan import plan_run
+from dppo.launch.preflight import check_checkpoint_space
 
 from tiny_run import small_overrides  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
@@ -109,14 +110,14 @@ def test_a_bug_in_what_is_saved_is_not_taken_for_a_full_disk(tmp_path):
 
 def test_preflight_warns_when_the_output_dir_has_less_room_than_two_checkpoints(small_disk, small_cfg, caplog):
     cfg = small_cfg(**{"trainer.output_dir": small_disk / "run", "trainer.checkpoint_every": 1})
-    shape = run_shape(cfg, __import__("dppo.data", fromlist=["make_prompt_source"]).make_prompt_source(cfg))
-    assert check_checkpoint_space(cfg, shape) is None  # a tiny model's two checkpoints fit in 1 MB
+    source = __import__("dppo.data", fromlist=["make_prompt_source"]).make_prompt_source(cfg)
+    assert check_checkpoint_space(plan_run(cfg, source)) is None  # a tiny model's two checkpoints fit in 1 MB
     fill(small_disk, leave_bytes=100 * KB)
     with caplog.at_level(logging.WARNING, logger="dppo"):
-        line = check_checkpoint_space(cfg, shape)
+        line = check_checkpoint_space(plan_run(cfg, source))
     assert line is not None and warnings_of(caplog) == [line]
     assert line.startswith(f"trainer.output_dir='{small_disk / 'run'}' has ") and "less than two checkpoints" in line
-    assert check_checkpoint_space(small_cfg(**{"trainer.output_dir": small_disk / "run"}), shape) is None  # none due
+    assert check_checkpoint_space(plan_run(small_cfg(**{"trainer.output_dir": small_disk / "run"}), source)) is None  # none due
 
 
 def test_a_run_whose_checkpoints_exceed_a_file_size_limit_trains_on_then_stops_with_exit_code_3(tmp_path):

@@ -1,6 +1,7 @@
 """The preflight's memory estimate (dppo.launch.memory_estimate): its accounting against what a training process
 really holds, its one line on every run, and a run that cannot fit refused in one line before Ray starts."""
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -13,6 +14,7 @@ import dppo.launch.run
 from dppo.cli import main
 from dppo.data import make_prompt_source
 from dppo.launch import preflight
+from dppo.launch.plan import plan_run
 
 from tiny_run import small_overrides  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
@@ -30,6 +32,7 @@ from dppo.config import load_config
 from dppo.data import make_prompt_source
 from dppo.launch.run import run
 from dppo.launch import preflight
+from dppo.launch.plan import plan_run
 
 def status_kib(key):
     for line in open("/proc/self/status"):
@@ -41,7 +44,7 @@ config = Qwen2Config(vocab_size=151936, hidden_size=256, intermediate_size=512, 
                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
 Qwen2ForCausalLM(config).save_pretrained(model_dir)
 cfg = load_config([f"model.path={model_dir}", *overrides])
-memory = preflight.memory_estimate(cfg, preflight.run_shape(cfg, make_prompt_source(cfg)))
+memory = preflight.memory_estimate(plan_run(cfg, make_prompt_source(cfg)))
 base_kib = status_kib("VmRSS")
 run(cfg, out=open("/dev/null", "w"))
 print(json.dumps({"peak": status_kib("VmHWM") * 1024, "base": base_kib * 1024, "params": memory.params,
@@ -98,7 +101,7 @@ def test_the_actor_rank_shards_its_model_bytes_over_the_world_size(small_cfg, dt
     for ws in (1, 2):
         cfg = small_cfg(**{"ray.enabled": True, "trainer.n_gpus_per_node": ws, "model.dtype": dtype,
                            "trainer.device": "cpu"})  # fmt: skip
-        memory = preflight.memory_estimate(cfg, preflight.run_shape(cfg, make_prompt_source(cfg)))
+        memory = preflight.memory_estimate(plan_run(cfg, make_prompt_source(cfg)))
         rank = next(r for r in memory.roles if r.name == "actor rank")
         assert rank.count == ws
         w = memory.params * per_param
@@ -115,9 +118,10 @@ def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, 
             "rollout.groups_per_batch": 64, "rollout.weight_sync": sync}  # fmt: skip
     hf = small_cfg(**keys)
     cfg = small_cfg(**keys, **{"rollout.name": "vllm"})
-    shape = preflight.run_shape(cfg, make_prompt_source(cfg))
-    worker = next(r for r in preflight.memory_estimate(cfg, shape).roles if r.name == "rollout worker").parts
-    hf_worker = next(r for r in preflight.memory_estimate(hf, shape).roles if r.name == "rollout worker").parts
+    source = make_prompt_source(cfg)
+    shape = plan_run(cfg, source).shape
+    worker = next(r for r in preflight.memory_estimate(plan_run(cfg, source)).roles if r.name == "rollout worker").parts
+    hf_worker = next(r for r in preflight.memory_estimate(plan_run(hf, source)).roles if r.name == "rollout worker").parts
     rows = 64 * 8  # rollout.groups_per_batch x n, which is more than a trigger's groups here
     tokens = rows * -(-(shape.prompt_length + shape.response_length + 1) // 32) * 32  # whole blocks of 32
     kv = tokens * 2 * 4 * 256 * 4  # K and V, 4 layers, 256 wide, fp32
@@ -145,23 +149,25 @@ def test_an_hf_workers_batch_is_the_largest_ticket_the_replay_buffer_grants(smal
     buffer = ReplayBufferCore(threshold, strategy, batch)
     buffer.publish("weights", 0)
     first = buffer.acquire(-1, per_ticket)  # the first ticket is the largest: nothing is generated yet
-    assert generation_rows(cfg) == first.num_groups * 8 == min(per_ticket, (threshold + 1) * batch) * 8
+    assert generation_rows(plan_run(cfg, make_prompt_source(cfg))) == first.num_groups * 8 == min(per_ticket, (threshold + 1) * batch) * 8
     sync = small_cfg(**{"trainer.mode": "sync", "rollout.n": 8})
-    assert generation_rows(sync) == sync.groups_per_trigger * 8  # in process: a trigger's groups at a time
+    assert generation_rows(plan_run(sync, make_prompt_source(sync))) == sync.groups_per_trigger * 8  # in process: a trigger's groups at a time
 
 
 def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_cfg):
     """The KV cache is gone once the responses are sampled, before their behavior log-probs are scored; the scoring
     pass's logits cover the R + 1 last positions only (the LM head runs on those). Issue 35's run: SmolLM2-135M's shape
     (30 layers, vocab 49152), prompts of 46 tokens, 12-token responses, 8 groups of 8 a step, 2 steps a cycle."""
-    from dppo.launch.memory_estimate import Shape, generation_rows, rollout_worker
+    from dppo.launch.memory_estimate import generation_rows, rollout_worker
+    from dppo.launch.plan import RunShape
 
     cfg = small_cfg(**{"trainer.mode": "separate_async", "trainer.train_batch_size": 8, "rollout.n": 8,
                        "rollout.groups_per_batch": 32, "actor.micro_batch_size": 256})  # fmt: skip
-    shape = Shape(params=134515008, vocab_size=49152, prompt_length=46, response_length=12, layers=30, hidden=576,
-                  kv_width=192, intermediate=1536, embedding_params=28311552)  # fmt: skip
-    batch = rollout_worker(cfg, shape)["kv cache and logits"]
-    rows, length, v = generation_rows(cfg), 46 + 12, 49152
+    shape = RunShape(params=134515008, vocab_size=49152, prompt_length=46, response_length=12, max_positions=None,
+                     layers=30, hidden=576, kv_width=192, intermediate=1536, embedding_params=28311552)  # fmt: skip
+    plan = dataclasses.replace(plan_run(cfg, make_prompt_source(cfg)), shape=shape)
+    batch = rollout_worker(plan)["kv cache and logits"]
+    rows, length, v = generation_rows(plan), 46 + 12, 49152
     assert rows == 16 * 8  # the replay buffer grants 2 steps' groups ahead at most
     kv = 2 * 30 * length * 192 * 4 * rows
     logits = rows * (12 + 1) * v * 4  # the scoring pass's micro-batch is all the rows
@@ -176,8 +182,9 @@ def test_bf16_compute_is_counted_in_the_actor_ranks_activations(small_cfg):
 
     fp32 = small_cfg(**{"ray.enabled": True, "trainer.device": "cpu"})
     bf16 = small_cfg(**{"ray.enabled": True, "trainer.device": "cpu", "actor.mixed_precision": "bfloat16"})
-    shape = preflight.run_shape(fp32, make_prompt_source(fp32)).for_estimate()
-    a, b = actor_rank(fp32, shape, on_gpu=False), actor_rank(bf16, shape, on_gpu=False)
+    source = make_prompt_source(fp32)
+    shape = plan_run(fp32, source).shape
+    a, b = actor_rank(plan_run(fp32, source)), actor_rank(plan_run(bf16, source))
     for key in ("weights", "grads", "optimizer", "snapshot slot"):
         assert a[key] == b[key] == {"optimizer": 2}.get(key, 1) * shape.params * 4, key
     assert b["bf16 weight copies"] == shape.params * 2 and "bf16 weight copies" not in a

@@ -63,9 +63,9 @@ def test_vllms_gpu_build_needs_rollout_gpus_and_says_so_in_one_line(small_args, 
     cfg = preflight_cfg(small_args, gpus)
     if refused:
         with pytest.raises(ConfigError, match=r"GPU build \(vllm==0.33.0\) and rollout.n_gpus_per_node=0"):
-            preflight.check_rollout_engine(cfg)
+            preflight.check_rollout_engine(cfg.rollout, cfg.model)
     else:
-        preflight.check_rollout_engine(cfg)
+        preflight.check_rollout_engine(cfg.rollout, cfg.model)
 
 
 def preflight_cfg(small_args, gpus: int):

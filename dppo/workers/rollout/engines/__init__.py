@@ -16,18 +16,18 @@ __all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "Samples", "VLLM_CPU_HEAD_SIZES",
            "vllm_enforce_eager", "vllm_rows"]
 
 
-def vllm_enforce_eager(cfg, device: torch.device) -> bool:
-    """rollout.enforce_eager, or where it is null, eager on the CPU only (compiling there costs 40-65 s per engine
-    start and saved little work; on a GPU, CUDA graphs are vLLM's default)."""
-    if cfg.rollout.enforce_eager is not None:
-        return cfg.rollout.enforce_eager
+def vllm_enforce_eager(rollout, device: torch.device) -> bool:
+    """rollout.enforce_eager (rollout: the config's rollout section), or where it is null, eager on the CPU only
+    (compiling there costs 40-65 s per engine start and saved little work; on a GPU, CUDA graphs are vLLM's default)."""
+    if rollout.enforce_eager is not None:
+        return rollout.enforce_eager
     return device.type == "cpu"
 
 
-def vllm_rows(cfg) -> int:
+def vllm_rows(rollout, groups_per_trigger: int) -> int:
     """The rows a vllm engine runs in one batch, which size its KV cache: a ticket's, rollout.groups_per_batch groups
     (separate_async) or a trigger's (sync), rollout.n samples each."""
-    return max(cfg.rollout.groups_per_batch, cfg.groups_per_trigger) * cfg.rollout.n
+    return max(rollout.groups_per_batch, groups_per_trigger) * rollout.n
 
 
 def make_engine(cfg, source, model_config, device: torch.device = torch.device("cpu")) -> RolloutEngine:
@@ -38,8 +38,9 @@ def make_engine(cfg, source, model_config, device: torch.device = torch.device("
     max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
     if cfg.rollout.name == "vllm":
         return VLLMEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token,
-                          source.pad_token, weight_sync=cfg.rollout.weight_sync, max_num_seqs=vllm_rows(cfg),
+                          source.pad_token, weight_sync=cfg.rollout.weight_sync,
+                          max_num_seqs=vllm_rows(cfg.rollout, cfg.groups_per_trigger),
                           max_prompt_len=source.prompt_length,
-                          compile=not vllm_enforce_eager(cfg, torch.device(device)))  # fmt: skip
+                          compile=not vllm_enforce_eager(cfg.rollout, torch.device(device)))  # fmt: skip
     return HFEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token, source.pad_token,
                     cfg.actor.micro_batch_size, device)  # fmt: skip

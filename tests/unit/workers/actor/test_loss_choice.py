@@ -9,7 +9,8 @@ from dppo.workers.actor.loss_choice import LossChoice
 
 
 def choice(*overrides):
-    return LossChoice.of(load_config(list(overrides)))
+    cfg = load_config(list(overrides))
+    return LossChoice.of_actor(cfg.actor, cfg.trainer.seed)
 
 
 def test_reads_every_verl_key_from_its_place():
