@@ -54,7 +54,10 @@ def cluster_unreachable(tmp_path, monkeypatch) -> list[str]:
 
 
 def missing_data_file(tmp_path, monkeypatch) -> list[str]:
-    return small_overrides(tmp_path, **{"data.train_files": tmp_path / "no_such.parquet"})
+    model = tmp_path / "model"  # text data needs a model directory (the config's rule, exit 2): one is there
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return small_overrides(tmp_path, **{"data.train_files": tmp_path / "no_such.parquet", "model.path": model})
 
 
 def unexpected(tmp_path, monkeypatch) -> list[str]:
