@@ -11,7 +11,6 @@ import sys
 import cloudpickle
 import numpy as np
 import pytest
-import reasoning_gym
 from tiny_run import BASIC_ARITHMETIC, reasoning_gym_overrides
 from transformers import AutoTokenizer
 
@@ -67,6 +66,8 @@ def test_rewards_are_the_datasets_verifier_on_the_extracted_answer(source):
     wrong = str(int(answer) + 1)
     texts = [f"{entry['question'].removeprefix('Calculate ').rstrip('.')} = {answer}", f"The answer is {wrong}.",
              f"<answer>{answer} apples</answer>", f"<answer>{answer}</answer>"]  # fmt: skip
+    import reasoning_gym  # here, not at the top: .venv-vllm (make test-vllm) collects this module without it
+
     verifier = reasoning_gym.create_dataset("basic_arithmetic", **CONFIG)
     expected = [1.0, 0.0, len(answer) / len(f"{answer} apples"), 1.0]  # the verifier's own partial credit
     assert [verifier.score_answer(extract_answer(t, answer), entry) for t in texts] == expected
@@ -183,6 +184,8 @@ def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_t
     # every training reward is the verifier's score of that response's extracted answer, for that prompt's problem
     tokenizer = AutoTokenizer.from_pretrained(tiny_smollm["model"])
     entries = {e["question"]: e for e in generate("basic_arithmetic", CONFIG, 64, seed=0)}
+    import reasoning_gym  # here, not at the top: .venv-vllm (make test-vllm) collects this module without it
+
     verifier = reasoning_gym.create_dataset("basic_arithmetic", **CONFIG)
     assert len(groups) == 3 * 4
     for g in groups:
