@@ -5,6 +5,7 @@ sharded actor. The workers and the driver both ask here, so the config needs not
 from __future__ import annotations
 
 TRAINER_MODES = ("separate_async", "sync")
+EVAL_ENGINES = ("policy", "rollout")
 PROX_ANCHORS = ("cycle_start", "current")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")

@@ -51,7 +51,7 @@ from dppo.data.source import PromptSource
 from dppo.models import as_state_dict, model_from_config, policy_config
 from dppo.rollout import Group, TrainBatch, collate
 from dppo.trainer import checkpoint as ckpt
-from dppo.trainer.evaluation import score_policy
+from dppo.trainer.evaluation import EngineEvaluation, score_policy
 from dppo.trainer.hf_model import CHECKPOINT_HF_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
 from dppo.trainer.checkpoint_failure import (CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate,
                                              is_write_failure)
@@ -63,6 +63,7 @@ from dppo.trainer.score_ahead import Ahead, take_ready
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
+from dppo.workers.rollout.engines import make_engine
 
 TRAINER_FILE = "trainer.pt"  # the checkpoint file of the trainer's own state
 ACTOR_DIR = "actor"  # the checkpoint directory of the actor ranks' shards (torch.distributed.checkpoint)
@@ -186,6 +187,8 @@ class BaseTrainer:
         self.resumed_from: Path | None = None
         self.policy: torch.nn.Module | None = None  # what evaluate() decodes with: the weights of policy_version
         self.policy_version = -1
+        # trainer.eval_engine=rollout: an engine of the rollout's kind decodes the evaluation, built at the first one
+        self.engine_evaluation = EngineEvaluation(lambda: make_engine(cfg, self.source, self.model_config, self.device))
         # A cycle resumed mid-way publishes its pi_old (the current version's weights) rather than the live ones:
         # from the ranks' anchor (PI_OLD_ANCHOR) or the checkpoint's PI_OLD_FILE (PI_OLD_IN_FILE, with its weights).
         self._resumed_pi_old: tuple[str, dict | None] = (PI_OLD_LIVE, None)
@@ -340,7 +343,10 @@ class BaseTrainer:
                     self.rollout.close()
             finally:
                 self.close()
-        evaluation = self.evaluate()
+        try:
+            evaluation = self.evaluate()
+        finally:
+            self.engine_evaluation.close()
         if evaluation and self.metrics.records:  # the final evaluation joins the last step's line
             self.metrics.amend_last(evaluation)
             self.trackers.summary(evaluation, self.global_step)
@@ -466,13 +472,16 @@ class BaseTrainer:
         or the SharedWeights themselves once the run has pinned them), loaded again only when a newer version was
         published."""
         if self.policy is None or self.policy_version != self._published_version:
-            weights = self._published
-            weights = as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
+            weights = self._published_state_dict()
             if self.policy is None:
                 self.policy = model_from_config(self.model_config, self.cfg.model.dtype).to(self.device)
             self.policy.load_state_dict(weights)
             self.policy_version = self._published_version
         return self.policy
+
+    def _published_state_dict(self) -> dict[str, torch.Tensor]:
+        weights = self._published
+        return as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
 
     # ---- checkpoints ------------------------------------------------------------------------------
 
@@ -639,6 +648,8 @@ class BaseTrainer:
         prompts = self.source.eval_prompts()
         if len(prompts) == 0 or getattr(self, "_published", None) is None:
             return {}
+        if self.cfg.trainer.eval_engine == "rollout":
+            return self.engine_evaluation(self.source, self._published_state_dict, self._published_version)
         policy = self._current_policy()  # fit() loaded the last version before the ranks went
         return score_policy(policy, self.source, self.response_length, self.device, batch_size=batch_size)
 

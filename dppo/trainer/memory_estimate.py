@@ -11,7 +11,8 @@ Every process of a CPU run and what it holds at its peak (W: the model's bytes i
                        logits; the process itself
     replay buffer      the process itself (the groups are small)
     driver             the process itself (the policy it evaluates and saves at the end is built once the ranks and
-                       the workers have gone; in-process, W beside the rank's)
+                       the workers have gone; in-process, W beside the rank's); with trainer.eval_engine=rollout the
+                       engine that decodes its evaluations, counted as a rollout worker's (eval_engine)
     object store       the published weights: one version, two while a new one is put before the old is let go
     ray runtime        GCS, raylet, dashboard and Ray's other helpers
 
@@ -161,13 +162,25 @@ def rollout_worker(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
     return {"process": PROCESS_BYTES, "weights": shape.params * b, "kv cache and logits": kv + logits}
 
 
+def eval_engine(cfg: DppoConfig, shape: Shape) -> dict[str, int]:
+    """What trainer.eval_engine=rollout adds to the driver: an engine as a rollout worker holds one (vLLM imported,
+    the weights in rollout.dtype, its KV cache and logits), built at the first evaluation; nothing for policy."""
+    if cfg.trainer.eval_engine != "rollout":
+        return {}
+    parts = rollout_worker(cfg, shape)
+    extra = {f"eval engine {key}": value for key, value in parts.items() if key not in ("process", "delta copy")}
+    if cfg.rollout.name == "vllm":
+        extra["eval engine vllm import"] = VLLM_IMPORT_BYTES
+    return extra
+
+
 def estimate(cfg: DppoConfig, shape: Shape, on_gpu: bool = False) -> MemoryEstimate:
     """The host memory of cfg's run on this machine, by role (only the processes that run here)."""
     w = shape.params * DTYPE_BYTES[cfg.model.dtype]
     ws = cfg.trainer.nnodes * cfg.trainer.n_gpus_per_node
     if not cfg.use_ray:  # the trainer's process: the rank and the policy it evaluates and saves at the end
         in_process = cfg.trainer.mode == "sync"  # and the generator; else local worker processes beside it
-        merged = {"process": PROCESS_BYTES, "policy": w}
+        merged = {"process": PROCESS_BYTES, "policy": w, **eval_engine(cfg, shape)}
         parts = [*actor_rank(cfg, shape, on_gpu).items(), *(rollout_worker(cfg, shape).items() if in_process else ())]
         for key, value in parts:
             if key != "process":
@@ -182,7 +195,7 @@ def estimate(cfg: DppoConfig, shape: Shape, on_gpu: bool = False) -> MemoryEstim
     workers = cfg.rollout.num_workers if local and not cfg.rollout.n_gpus_per_node else 0
     store = 2 * w if local else 0  # a new version is put before the old one is let go
     roles = (
-        Role("driver", 1, {"process": PROCESS_BYTES}),  # its final policy is built once the ranks have gone
+        Role("driver", 1, {"process": PROCESS_BYTES, **eval_engine(cfg, shape)}),  # its final policy: once the ranks went
         Role("actor rank", ranks, actor_rank(cfg, shape, on_gpu)),
         Role("rollout worker", workers, rollout_worker(cfg, shape)),
         Role("replay buffer", 1 if local else 0, {"process": BUFFER_PROCESS_BYTES}),  # imports no torch

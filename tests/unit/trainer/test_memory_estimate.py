@@ -125,3 +125,25 @@ def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, 
     assert worker["kv cache and logits"] == kv + rows * shape.vocab_size * 4 * 2
     assert worker["process"] == PROCESS_BYTES + VLLM_IMPORT_BYTES and worker["weights"] == hf_worker["weights"]
     assert ("delta copy" in worker) == (sync == "delta")
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("ray", [True, False])
+def test_an_eval_engine_is_counted_in_the_driver_as_a_rollout_workers_engine(small_cfg, engine, ray):
+    """trainer.eval_engine=rollout: the driver also holds an engine like a rollout worker's (its weights, KV cache and
+    logits; vLLM's import), on Ray and without it; policy adds nothing."""
+    from dppo.trainer.memory_estimate import VLLM_IMPORT_BYTES
+
+    keys = {"ray.enabled": ray, "trainer.device": "cpu", "trainer.mode": "separate_async", "rollout.name": engine,
+            "rollout.dtype": "bfloat16", "model.num_attention_heads": 1}  # fmt: skip
+    plain = small_cfg(**keys)
+    cfg = small_cfg(**keys, **{"trainer.eval_engine": "rollout"})
+    shape = preflight.run_shape(cfg, make_prompt_source(cfg))
+
+    def roles(c):
+        return {r.name: r for r in preflight.memory_estimate(c, shape).roles}
+
+    worker, driver, plain_driver = roles(cfg)["rollout worker"].parts, roles(cfg)["driver"], roles(plain)["driver"]
+    added = driver.each_bytes - plain_driver.each_bytes
+    expected = worker["weights"] + worker["kv cache and logits"] + (VLLM_IMPORT_BYTES if engine == "vllm" else 0)
+    assert added == expected > 0
