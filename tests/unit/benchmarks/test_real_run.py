@@ -55,7 +55,7 @@ def test_the_report_gives_before_after_figures_crossings_against_the_targets_and
     assert rows["time to greedy accuracy 0.5"] == "160 s (step 4); target 300 s: met"
     assert rows["time to greedy accuracy 0.7"] == "not reached; target 1800 s: NOT met"
     assert rows["held-out greedy accuracy by step"] == "2:0.300@100s 4:0.550@160s 6:0.680@220s"
-    assert rows["model import, not counted (s)"] == "20" and rows["hf_model"] == "outputs/real/hf_model"
+    assert rows["model import, not counted (s)"] == "20" and rows["the base measurement (s)"] == "35" and rows["hf_model"] == "outputs/real/hf_model"
     lines = report.lines()
     assert len(lines) == len(rows) and all(line.startswith("  ") for line in lines)
     written = json.loads(json.dumps(report.to_json()))
