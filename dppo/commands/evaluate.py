@@ -4,7 +4,9 @@ evaluates its policy (dppo.trainer.evaluation.score_policy), printed as a table 
 The policy: a transformers directory (hf_model/, an export) or a checkpoint (verified as resume verifies it,
 dppo.checkpoint.export). The prompt source: a checkpoint's own resolved config, or the defaults (`--config
 output_dir/config.yaml` gives the run's), then the overrides. data.val_files alone is enough for text data (the
-rows of the evaluation are those files'). Greedy, or rollout.n samples per prompt when rollout.n is given.
+rows of the evaluation are those files'). Greedy, or rollout.n samples per prompt when rollout.n is given (then
+each metric also as its best of n: pass@n for a 0/1 one). trainer.eval_engine=rollout decodes with an engine as
+rollout.name and rollout.dtype build it (vLLM, in bfloat16, say) instead of the policy in model.dtype.
 """
 
 from __future__ import annotations
@@ -23,9 +25,10 @@ from dppo.data import make_prompt_source
 from dppo.devices import resolve_device
 from dppo.launch.machine import check_machine
 from dppo.models import build_model
-from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
-from dppo.trainer.evaluation import score_policy
 from dppo.checkpoint.export import load_checkpoint_policy
+from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
+from dppo.trainer.evaluation import score_engine, score_policy
+from dppo.workers.rollout.engines import make_engine, vllm_rows
 
 
 @dataclass
@@ -117,9 +120,24 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     if sampled and temperature == 0.0 and n > 1:
         raise ConfigError(f"rollout.n={n} with rollout.temperature=0: greedy decoding gives one response per prompt; "
                           "set rollout.temperature > 0 to sample, or drop rollout.n")  # fmt: skip
-    response_length = cfg.rollout.max_new_tokens or source.response_length
-    metrics = score_policy(policy, source, response_length, device, n, temperature, cfg.trainer.seed)
+    if cfg.trainer.eval_engine == "rollout":
+        metrics = _score_with_engine(cfg, source, policy, device, n)
+    else:
+        response_length = cfg.rollout.max_new_tokens or source.response_length
+        metrics = score_policy(policy, source, response_length, device, n, temperature, cfg.trainer.seed)
     return EvalResult(str(target), metrics, len(source.eval_prompts()), n, temperature, to_dict(cfg))
+
+
+def _score_with_engine(cfg, source, policy: torch.nn.Module, device: torch.device, n: int) -> dict[str, float]:
+    """trainer.eval_engine=rollout: the policy's weights in an engine as rollout.name and rollout.dtype build it,
+    decoding as many prompts at once as a rollout batch holds rows (vLLM's KV cache is sized for those)."""
+    engine = make_engine(cfg, source, policy.config, device)
+    try:
+        engine.load_weights(policy.state_dict())
+        rows = vllm_rows(cfg)
+        return score_engine(engine, source, n, cfg.trainer.seed, prompts_per_batch=max(1, rows // n))
+    finally:
+        engine.close()
 
 
 def write_eval(result: EvalResult, path: str | os.PathLike) -> Path:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from dppo.models import DTYPES as MODEL_DTYPES
 
 TRAINER_MODES = ("separate_async", "sync")
+EVAL_ENGINES = ("policy", "rollout")
 PROX_ANCHORS = ("cycle_start", "current")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")

@@ -30,7 +30,8 @@ left out), the first of these that applies:
 3. the text after the last "answer:" or "answer is" (any case) up to the end of its line, a trailing period dropped;
 4. the whole response, stripped.
 The verifier's score is the reward as it is: some give partial credit (basic_arithmetic: len(expected) / len(answer)
-where the answer contains the expected one but is longer).
+where the answer contains the expected one but is longer). Whether it is full marks comes with it as the extra "acc"
+(reward/extra/acc in training, val/acc/<dataset> in the evaluation): the exact accuracy.
 """
 
 from __future__ import annotations
@@ -155,13 +156,17 @@ class ReasoningGymScore:
     def __getstate__(self) -> dict:
         return {**self.__dict__, "_dataset": None}
 
-    def __call__(self, data_source: str, solution_str: str, ground_truth, extra_info=None) -> float:
+    def __call__(self, data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict[str, float]:
+        """{"score": the verifier's score, "acc": 1.0 where that is full marks, else 0.0}: acc is the exact accuracy
+        that partial credit hides (basic_arithmetic scores "-7" for 7 as 0.5), logged as reward/extra/acc in training
+        and val/acc/<dataset> in the evaluation (verl's name for it)."""
         if self._dataset is None:
             self._dataset = make_dataset(self.name, self.config, size=1, seed=0)
         entry = extra_info
         if isinstance(extra_info, dict) and isinstance(extra_info.get("entry"), str):
             entry = json.loads(extra_info["entry"])
-        return float(self._dataset.score_answer(extract_answer(solution_str, ground_truth), entry=entry))
+        score = float(self._dataset.score_answer(extract_answer(solution_str, ground_truth), entry=entry))
+        return {"score": score, "acc": float(score == 1.0)}
 
 
 def prompt_text(question: str, suffix: str) -> str:

@@ -221,7 +221,17 @@ class TextSource(PromptSource):
         return self.val.prompts(range(len(self.val))) if self.val is not None else Prompts([], [])
 
     def eval_metrics(self, prompts: Prompts, scores: Scores) -> dict[str, float]:
-        by_source: dict[str, list[float]] = {}
-        for row, score in zip(prompts.meta, scores.scores):
-            by_source.setdefault(row.data_source, []).append(float(score))
-        return {f"val/score/{source}": float(np.mean(values)) for source, values in sorted(by_source.items())}
+        """val/score/<data_source>: the mean score of each data source's rows; val/<key>/<data_source>: the mean of
+        each numeric extra the reward function returned (verl's val-core/<data_source>/<key>), over the rows that
+        have it (reasoning-gym verifiers's acc: the fraction answered exactly)."""
+        rows_of: dict[str, list[int]] = {}
+        for i, row in enumerate(prompts.meta):
+            rows_of.setdefault(row.data_source, []).append(i)
+        metrics = {}
+        for source, rows in sorted(rows_of.items()):
+            metrics[f"val/score/{source}"] = float(np.mean(scores.scores[rows]))
+            for key, values in sorted(scores.extra.items()):
+                present = values[rows][~np.isnan(values[rows])]
+                if len(present):
+                    metrics[f"val/{key}/{source}"] = float(present.mean())
+        return metrics

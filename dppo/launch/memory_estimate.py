@@ -14,7 +14,9 @@ Every process of a CPU run and what it holds at its peak (W: the model's bytes i
                        scoring pass's logits (after); the process itself (forked from the driver without Ray)
     replay buffer      the process itself (the groups are small)
     driver             the process itself (the policy it evaluates and saves at the end is built once the ranks and
-                       the workers have gone; in-process, W beside the rank's)
+                       the workers have gone; in-process, W beside the rank's, and the last publish's copy of the
+                       weights); with trainer.eval_engine=rollout the engine that decodes its evaluations, counted as
+                       a rollout worker's (eval_engine)
     object store       the published weights: one version, two while a new one is put before the old is let go
     ray runtime        GCS, raylet, dashboard and Ray's other helpers
 
@@ -188,12 +190,26 @@ def generation_rows(plan: RunPlan) -> int:
     return min(plan.groups_per_batch, ahead) * plan.rollout_n
 
 
+def eval_engine(plan: RunPlan) -> dict[str, int]:
+    """What trainer.eval_engine=rollout adds to the driver: an engine as a rollout worker holds one (vLLM imported,
+    the weights in rollout.dtype, its KV cache and logits), built at the first evaluation; nothing for policy."""
+    if plan.eval_engine != "rollout":
+        return {}
+    parts = rollout_worker(plan)
+    extra = {f"eval engine {key}": value for key, value in parts.items() if key not in ("process", "delta copy")}
+    if plan.engine == "vllm":
+        extra["eval engine vllm import"] = VLLM_IMPORT_BYTES
+    return extra
+
+
 def estimate(plan: RunPlan) -> MemoryEstimate:
     """The host memory of the run on this machine, by role (only the processes that run here)."""
     w, params = plan.weight_bytes, plan.shape.params
     if not plan.use_ray:  # the trainer's process: the rank and the policy it evaluates and saves at the end
         in_process = plan.mode == "sync"  # and the generator; else local worker processes beside it
-        merged = {"process": PROCESS_BYTES, "policy": w}
+        merged = {"process": PROCESS_BYTES, "policy": w, **eval_engine(plan)}
+        if in_process:  # the in-process rollout keeps the last publish (pi_old for a checkpoint without an anchor)
+            merged["published copy"] = w
         for key, value in [*actor_rank(plan).items(), *(rollout_worker(plan).items() if in_process else ())]:
             if key != "process":
                 merged[key] = merged.get(key, 0) + value
@@ -206,7 +222,7 @@ def estimate(plan: RunPlan) -> MemoryEstimate:
     workers = plan.num_workers if local and not plan.rollout_gpus_per_node else 0
     store = 2 * w if local else 0  # a new version is put before the old one is let go
     roles = (
-        Role("driver", 1, {"process": PROCESS_BYTES}),  # its final policy is built once the ranks have gone
+        Role("driver", 1, {"process": PROCESS_BYTES, **eval_engine(plan)}),  # its final policy: once the ranks went
         Role("actor rank", plan.world_size if local else 0, actor_rank(plan)),
         Role("rollout worker", workers, rollout_worker(plan)),
         Role("replay buffer", 1 if local else 0, {"process": BUFFER_PROCESS_BYTES}),  # imports no torch

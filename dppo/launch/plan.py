@@ -70,6 +70,7 @@ class RunPlan:
     engine_dtype: str  # rollout.dtype, else model.dtype
     weight_sync: str
     vllm_rows: int  # the rows a vllm engine batches (0 for hf)
+    eval_engine: str  # trainer.eval_engine: policy, or rollout (an engine like a worker's decodes in the driver)
     # checkpoints
     checkpoint_every: int
     output_dir: str
@@ -119,6 +120,7 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
         engine_dtype=r.dtype or m.dtype,
         weight_sync=r.weight_sync,
         vllm_rows=vllm_rows(r, cfg.groups_per_trigger) if r.name == "vllm" else 0,
+        eval_engine=t.eval_engine,
         checkpoint_every=t.checkpoint_every,
         output_dir=t.output_dir,
     )

@@ -53,6 +53,7 @@ from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
+from dppo.workers.rollout.engines import make_engine
 
 __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
 
@@ -124,8 +125,9 @@ class BaseTrainer:
         self.model_config = self.actor_group.model_config()
         if predicted is not None and self.model_config.to_dict() != predicted.to_dict():
             self._close_early_rollout()  # the ranks' model is not what the config said: fit() makes the rollout anew
-        self.published = PublishedPolicy(self.model_config, cfg.model.dtype, resolve_device(cfg.trainer.device),
-                                         self.source, cfg.model.path)  # fmt: skip
+        device = resolve_device(cfg.trainer.device)
+        engine = (lambda: make_engine(cfg, self.source, self.model_config, device)) if cfg.trainer.eval_engine == "rollout" else None
+        self.published = PublishedPolicy(self.model_config, cfg.model.dtype, device, self.source, cfg.model.path, engine)
         tracker_state = self.resume(resume_point) if resume_point is not None else None
         continued = self.state.global_step if self.resumed_from else None
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", resume_step=continued)
@@ -189,7 +191,10 @@ class BaseTrainer:
         start = time.perf_counter()
         try:
             self._train()
-            evaluation = self.published.evaluate(self.response_length)
+            try:
+                evaluation = self.published.evaluate(self.response_length)
+            finally:
+                self.published.close()
             if evaluation and self.metrics.records:  # the final evaluation joins the last step's line
                 self.metrics.amend_last(evaluation)
                 self.trackers.summary(evaluation, self.state.global_step)

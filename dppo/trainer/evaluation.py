@@ -2,22 +2,33 @@
 (dppo.commands.evaluate).
 
     score_policy(policy, source, response_length, device, n=1, temperature=0.0, seed=0) -> {metric: value}
+    score_engine(engine, source, n=1, seed=0, prompts_per_batch=...) -> {metric: value}
+    EngineEvaluation(make_engine)                  trainer.eval_engine=rollout: an engine built once, reloaded per version
 
-decodes source.eval_prompts() (greedy at temperature 0, else n samples per prompt at temperature, seeded) with
-dppo.generation.sample_responses, the rollout's own loop, and scores them with source.score and
-source.eval_metrics: eval/* for an integer task, val/score/<data_source> for text data, as training reports them.
+score_policy decodes source.eval_prompts() (greedy at temperature 0, else n samples per prompt at temperature,
+seeded) with dppo.generation.sample_responses, the hf engine's own loop, over a torch model; score_engine decodes them
+with a rollout engine (engine.greedy, or engine.sample at the engine's temperature), e.g. vLLM in its own dtype. Both
+score them with source.score and source.eval_metrics: eval/* for an integer task, val/score/<data_source> (and
+val/<extra>/<data_source>) for text data, as training reports them. With n > 1 each metric also comes as its best of
+n: the mean over prompts of the best of a prompt's n responses' values (key: best@n after the first part, e.g.
+val/best@8/acc/basic_arithmetic), which for a 0/1 value such as acc is pass@n.
 """
 
 from __future__ import annotations
 
+import itertools
+from typing import Callable
+
 import numpy as np
 import torch
 
-from dppo.data.source import PromptSource, Scores
+from dppo.data.source import PromptSource, Prompts, Scores
 from dppo.generation import sample_responses
 from dppo.batch import left_pad
 
 EVAL_BATCH = 512  # prompts decoded at once
+# (prompts of a batch, n) -> responses (len x n, R) and their mask, prompt-major; on the host
+Decode = Callable[[Prompts, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
@@ -25,29 +36,104 @@ def score_policy(policy: torch.nn.Module, source: PromptSource, response_length:
                  n: int = 1, temperature: float = 0.0, seed: int = 0, batch_size: int = EVAL_BATCH) -> dict[str, float]:  # fmt: skip
     """The source's evaluation metrics of policy on source.eval_prompts() ({} if there are none): greedy at
     temperature 0 (n must be 1), else n responses per prompt sampled at temperature with a generator seeded by
-    seed, every response scored and averaged as training's evaluation averages its prompts."""
+    seed, every response scored and averaged as training's evaluation averages its prompts (and best@n, above)."""
     if n < 1 or (temperature == 0.0 and n != 1):
         raise ValueError(f"n={n} at temperature={temperature}: greedy decoding takes n=1, sampling n >= 1")
-    prompts = source.eval_prompts()
-    if len(prompts) == 0:
-        return {}
-    if n > 1:
-        prompts = prompts.repeat(n)
     generator = torch.Generator(device).manual_seed(seed) if temperature > 0 else None
-    scores, extra = [], []
-    for start in range(0, len(prompts), batch_size):
-        chunk = prompts[start : start + batch_size]
-        ids, mask = left_pad(chunk.token_ids, source.pad_token)
+
+    def decode(chunk: Prompts, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ids, mask = left_pad(chunk.repeat(n).token_ids, source.pad_token)
         responses, response_mask = sample_responses(
             policy, ids.to(device), response_length, temperature, generator, source.eos_token, source.pad_token,
             None if mask is None else mask.to(device),
         )  # fmt: skip
-        scored = source.score(chunk, responses.cpu().numpy(), response_mask.cpu().numpy())
+        return responses.cpu(), response_mask.cpu()
+
+    return _score(decode, source, n, max(1, batch_size // n))
+
+
+def score_engine(engine, source: PromptSource, n: int = 1, seed: int = 0, prompts_per_batch: int = EVAL_BATCH) -> dict[str, float]:
+    """The source's evaluation metrics of what a rollout engine (dppo.workers.rollout.engines) decodes on
+    source.eval_prompts(): greedy with n=1, else n samples per prompt at the engine's temperature, each batch of
+    prompts_per_batch prompts seeded with seed + its index (the engine's KV cache holds a batch's rows at once)."""
+    if n < 1:
+        raise ValueError(f"n={n}: one response per prompt or more")
+    batches = itertools.count()
+
+    def decode(chunk: Prompts, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        prompts = [np.asarray(ids) for ids in chunk.token_ids]
+        if n == 1:
+            return engine.greedy(prompts)
+        engine.seed(seed + next(batches))
+        samples = engine.sample(prompts, n)
+        return samples.responses, samples.response_mask
+
+    return _score(decode, source, n, prompts_per_batch)
+
+
+def _score(decode: Decode, source: PromptSource, n: int, prompts_per_batch: int) -> dict[str, float]:
+    prompts = source.eval_prompts()
+    if len(prompts) == 0:
+        return {}
+    scores, extra = [], []
+    for start in range(0, len(prompts), prompts_per_batch):
+        chunk = prompts[start : start + prompts_per_batch]
+        responses, response_mask = decode(chunk, n)
+        scored = source.score(chunk.repeat(n), responses.numpy(), response_mask.numpy())
         scores.append(scored.scores)
         extra.append(scored.extra)
-    return source.eval_metrics(prompts, Scores(np.concatenate(scores), _concat_extra(extra)))
+    every = Scores(np.concatenate(scores), _concat_extra(extra))
+    metrics = source.eval_metrics(prompts.repeat(n), every)
+    if n > 1:
+        metrics.update(best_of(source, prompts, every, n))
+    return metrics
+
+
+def best_of(source: PromptSource, prompts: Prompts, scores: Scores, n: int) -> dict[str, float]:
+    """The metrics of the best of each prompt's n responses (rows prompt-major): the score's and every extra's
+    maximum over the n (NaN where none has the extra), keyed with best@n after the key's first part."""
+    best = Scores(scores.scores.reshape(-1, n).max(1),
+                  {key: _nanmax_rows(values.reshape(-1, n)) for key, values in scores.extra.items()})  # fmt: skip
+    return {_best_key(key, n): value for key, value in source.eval_metrics(prompts, best).items()}
+
+
+def _nanmax_rows(values: np.ndarray) -> np.ndarray:
+    present = ~np.isnan(values)
+    return np.where(present.any(1), np.where(present, values, -np.inf).max(1), np.nan)
+
+
+def _best_key(key: str, n: int) -> str:
+    head, _, rest = key.partition("/")
+    return f"{head}/best@{n}/{rest}"
 
 
 def _concat_extra(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
     keys = sorted({key for part in parts for key in part})
     return {key: np.concatenate([part[key] for part in parts if key in part]) for key in keys}
+
+
+class EngineEvaluation:
+    """trainer.eval_engine=rollout: the trainer's evaluation decoded by an engine of the rollout's kind and dtype
+    (rollout.name, rollout.dtype), built in this process by make() at the first evaluation (after the local rollout
+    workers were forked) and given the published weights when a newer version is evaluated."""
+
+    def __init__(self, make: Callable[[], object]):
+        self._make = make
+        self.engine = None
+        self.version: int | None = None
+
+    def __call__(self, source: PromptSource, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> dict[str, float]:
+        """Greedy metrics of the weights of version (weights() gives their state dict, asked for only when new)."""
+        if len(source.eval_prompts()) == 0:
+            return {}
+        if self.engine is None:
+            self.engine = self._make()
+        if self.version != version:
+            self.engine.load_weights(weights())
+            self.version = version
+        return score_engine(self.engine, source)
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+            self.engine = None

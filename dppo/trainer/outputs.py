@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import ray
 import torch
@@ -14,7 +15,7 @@ import torch
 from dppo.checkpoint.hf_model import has_tokenizer, model_with_weights, save_hf_model
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict, model_from_config
-from dppo.trainer.evaluation import score_policy
+from dppo.trainer.evaluation import EngineEvaluation, score_policy
 from dppo.trainer.report import format_table, plot_run, summarize
 
 
@@ -39,11 +40,14 @@ class RunResult:
 class PublishedPolicy:
     """The weights last published to the rollout (a state dict, [ObjectRef] of SharedWeights, or the SharedWeights
     themselves once pinned) and a plain model on `device` holding them, loaded again only when a newer version was
-    published: what the trainer evaluates and saves as a transformers directory."""
+    published: what the trainer evaluates and saves as a transformers directory. make_engine (trainer.eval_engine=rollout):
+    the evaluation is decoded by that engine instead (built at the first evaluation, given each evaluated version's
+    weights; close() lets it go)."""
 
     def __init__(self, model_config, dtype: str, device: torch.device, source: PromptSource,
-                 tokenizer_dir: str | None) -> None:  # fmt: skip
+                 tokenizer_dir: str | None, make_engine: Callable[[], object] | None = None) -> None:  # fmt: skip
         self.model_config, self.dtype, self.device, self.source = model_config, dtype, device, source
+        self.engine = EngineEvaluation(make_engine) if make_engine is not None else None
         self.tokenizer_dir = tokenizer_dir if has_tokenizer(tokenizer_dir) else None
         self.weights, self.version = None, -1
         self._model: torch.nn.Module | None = None
@@ -78,7 +82,14 @@ class PublishedPolicy:
         match on held-out prompts), val/score/<data_source> for text data; {} before any publish."""
         if len(self.source.eval_prompts()) == 0 or self.weights is None:
             return {}
+        if self.engine is not None:
+            return self.engine(self.source, lambda: self.state_dict_of(self.weights), self.version)
         return score_policy(self.model(), self.source, response_length, self.device, batch_size=batch_size)
+
+    def close(self) -> None:
+        """The evaluation engine's resources (vLLM's, say) let go; the weights and the plain model stay."""
+        if self.engine is not None:
+            self.engine.close()
 
     def save(self, out_dir: Path, weights: dict[str, torch.Tensor] | None = None) -> Path:
         """The published policy (or a model of other weights) as a transformers directory at out_dir, with model.path's

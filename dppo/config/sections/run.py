@@ -16,6 +16,7 @@ from dppo.config.checks import (
 )
 from dppo.config.choices import (
     DEVICES,
+    EVAL_ENGINES,
     LOGGERS,
     SNAPSHOT_STRATEGIES,
     TRAINER_MODES,
@@ -64,6 +65,12 @@ class TrainerConfig:
     """Greedy evaluation every this many global steps, its metrics in that step's line of metrics.jsonl; -1 or 0:
     only at the end (the final evaluation always runs and joins the last step's line)."""
 
+    eval_engine: str = "policy"
+    """What decodes the greedy evaluation: policy (the published weights as a model of model.dtype, through dppo's
+    sampler, in the trainer's process) or rollout (an engine as rollout.name and rollout.dtype build it, in the
+    trainer's process, given each evaluated version's weights: verl evaluates with its rollout engine; vllm in
+    bfloat16 decoded 256 prompts x 12 tokens of a 135M model 3.7x faster than policy in float32 on one core)."""
+
     device: str = "auto"
     """The actor ranks' device: cpu, cuda or auto (a GPU per rank when the Ray cluster has GPUs; without Ray, cuda
     when available). Rollout workers generate on the CPU unless rollout.n_gpus_per_node gives them GPUs of their own."""
@@ -105,6 +112,7 @@ class TrainerConfig:
         require(0 <= self.seed < 2**64, "trainer.seed", self.seed, "an integer in [0, 2**64) (numpy and torch seeds)")
         nonnegative("trainer.checkpoint_every", self.checkpoint_every)
         one_of("trainer.mode", self.mode, TRAINER_MODES)
+        one_of("trainer.eval_engine", self.eval_engine, EVAL_ENGINES)
         nonnegative("trainer.eval_prompts", self.eval_prompts)
         one_of("trainer.device", self.device, DEVICES)
         positive("trainer.num_threads", self.num_threads)

@@ -49,14 +49,19 @@ def test_the_answer_is_taken_by_the_documented_rules(response, expected, answer)
 
 
 def scored(source, rows: Prompts, texts: list[str]) -> np.ndarray:
-    """source.score of responses that decode to texts (each ended by the EOS, right-padded)."""
+    """source.score of responses that decode to texts (each ended by the EOS, right-padded): the scores."""
+    return scores_of(source, rows, texts).scores
+
+
+def scores_of(source, rows: Prompts, texts: list[str]):
+    """source.score of responses that decode to texts: the Scores (the extras too)."""
     ids = [source.tokenizer(text, add_special_tokens=False)["input_ids"] + [source.eos_token] for text in texts]
     width = max(map(len, ids))
     responses = np.full((len(ids), width), source.pad_token, dtype=np.int64)
     mask = np.zeros((len(ids), width), dtype=bool)
     for i, row in enumerate(ids):
         responses[i, : len(row)], mask[i, : len(row)] = row, True
-    return source.score(rows, responses, mask).scores
+    return source.score(rows, responses, mask)
 
 
 def test_rewards_are_the_datasets_verifier_on_the_extracted_answer(source):
@@ -72,6 +77,8 @@ def test_rewards_are_the_datasets_verifier_on_the_extracted_answer(source):
     expected = [1.0, 0.0, len(answer) / len(f"{answer} apples"), 1.0]  # the verifier's own partial credit
     assert [verifier.score_answer(extract_answer(t, answer), entry) for t in texts] == expected
     assert scored(source, rows, texts).tolist() == pytest.approx(expected, abs=0)
+    # acc: whether the verifier gave full marks (the exact accuracy the partial credit of the third hides)
+    assert scores_of(source, rows, texts).extra["acc"].tolist() == [1.0, 0.0, 0.0, 1.0]
     # what a rollout worker gets: the source pickled (the dataset is built again there)
     copy = pickle.loads(cloudpickle.dumps(source))
     assert copy.reward.builtin._dataset is None
@@ -177,6 +184,8 @@ def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_t
         assert 0.0 <= r["critic/score/mean"] <= 1.0 and np.isfinite(r["actor/pg_loss"])
     assert "val/score/basic_arithmetic" not in records[0]  # the held-out score joins the last step's line
     assert 0.0 <= records[-1]["val/score/basic_arithmetic"] <= 1.0
+    assert 0.0 <= records[-1]["val/acc/basic_arithmetic"] <= records[-1]["val/score/basic_arithmetic"]
+    assert all(0.0 <= r["reward/extra/acc"] <= r["critic/score/mean"] for r in records)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["evaluation"]["val/score/basic_arithmetic"] == records[-1]["val/score/basic_arithmetic"]
     assert "greedy val/score/basic_arithmetic" in capsys.readouterr().out

@@ -2,6 +2,7 @@
 
 import json
 
+import numpy as np
 import pytest
 
 from dppo.batch import collate
@@ -25,10 +26,13 @@ def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_
     result = trainer.fit()
     records = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
-    val_keys = {"val/score/reverse_short", "val/score/reverse_long"}
+    # the score and each extra of the reward function (exact_match, response_chars), per data source
+    val_keys = {f"val/{key}/{source}" for key in ("score", "exact_match", "response_chars")
+                for source in ("reverse_short", "reverse_long")}  # fmt: skip
     assert val_keys <= set(records[1]) and val_keys <= set(records[2])  # test_freq=2, and the end
     assert not val_keys & set(records[0])
-    assert set(result.evaluation) == val_keys and all(0.0 <= v <= 1.0 for v in result.evaluation.values())
+    assert set(result.evaluation) == val_keys
+    assert all(0.0 <= v <= 1.0 for k, v in result.evaluation.items() if "response_chars" not in k)
     assert records[2]["val/score/reverse_long"] == result.evaluation["val/score/reverse_long"]
     table = result.summary_table()
     assert "greedy val/score/reverse_short" in table and "greedy val/score/reverse_long" in table
@@ -49,6 +53,26 @@ def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_
     assert ended > 0
     batch = collate(groups_seen[:4], trainer.source.pad_token)
     assert batch.attention_mask is not None
+
+
+def test_the_evaluation_averages_the_score_and_each_extra_per_data_source(text_cfg):
+    """val/<key>/<data_source>: the mean over that source's rows, an extra over the rows that have it (NaN: absent)."""
+    from dppo.data import make_prompt_source
+    from dppo.data.source import Scores
+
+    source = make_prompt_source(text_cfg())
+    prompts = source.eval_prompts()[:6]
+    sources = [row.data_source for row in prompts.meta]
+    assert len(set(sources)) == 2
+    scores = np.array([0.0, 0.5, 1.0, 0.25, 0.75, 1.0], dtype=np.float32)
+    acc = np.array([0.0, np.nan, 1.0, 0.0, 1.0, 1.0], dtype=np.float32)
+    metrics = source.eval_metrics(prompts, Scores(scores, {"acc": acc}))
+    expected = {}
+    for name in set(sources):
+        rows = [i for i, s in enumerate(sources) if s == name]
+        expected[f"val/score/{name}"] = float(scores[rows].mean())
+        expected[f"val/acc/{name}"] = float(np.nanmean(acc[rows]))
+    assert metrics == pytest.approx(expected, abs=1e-7) and set(metrics) == set(expected)
 
 
 @pytest.mark.parametrize("reader", ["view", "swap", "stream"])

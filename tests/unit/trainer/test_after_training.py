@@ -231,8 +231,9 @@ def test_text_eval_of_a_checkpoint_and_its_export_reproduces_val_score(text_exam
                        "ray.enabled=false", "rollout.n=4", "rollout.groups_per_batch=2"])  # fmt: skip
     trainer = PPOTrainer(cfg)
     trainer.fit()
-    final = {k: v for k, v in trainer.metrics.records[-1].items() if k.startswith("val/score/")}
-    assert sorted(final) == ["val/score/reverse_long", "val/score/reverse_short"]
+    final = {k: v for k, v in trainer.metrics.records[-1].items() if k.startswith("val/")}
+    assert sorted(final) == [f"val/{key}/{source}" for key in ("exact_match", "response_chars", "score")
+                             for source in ("reverse_long", "reverse_short")]  # fmt: skip
     last = tmp_path / "run" / "checkpoints" / "step_00000001"
     assert run_eval(last).metrics == final
     exported = export_checkpoint(last, tmp_path / "exported")

@@ -175,6 +175,7 @@ def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_
     # every position's logits (the estimate before 2026-12-03, 11.5 GiB with 4 copies) would be 4.5 times as many
     assert batch < rows * length * v * 4
 
+
 def test_bf16_compute_is_counted_in_the_actor_ranks_activations(small_cfg):
     """actor.mixed_precision=bfloat16: the weights, gradients and AdamW's moments stay fp32, the logits and the
     matmuls' saved activations are bf16, and autocast's bf16 casts of the weights are held for the backward."""
@@ -189,3 +190,24 @@ def test_bf16_compute_is_counted_in_the_actor_ranks_activations(small_cfg):
         assert a[key] == b[key] == {"optimizer": 2}.get(key, 1) * shape.params * 4, key
     assert b["bf16 weight copies"] == shape.params * 2 and "bf16 weight copies" not in a
     assert b["activations"] < a["activations"]
+
+
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("ray", [True, False])
+def test_an_eval_engine_is_counted_in_the_driver_as_a_rollout_workers_engine(small_cfg, engine, ray):
+    """trainer.eval_engine=rollout: the driver also holds an engine like a rollout worker's (its weights, KV cache and
+    logits; vLLM's import), on Ray and without it; policy adds nothing."""
+    from dppo.launch.memory_estimate import VLLM_IMPORT_BYTES, estimate
+
+    keys = {"ray.enabled": ray, "trainer.device": "cpu", "trainer.mode": "separate_async", "rollout.name": engine,
+            "rollout.dtype": "bfloat16", "model.num_attention_heads": 1}  # fmt: skip
+    plain = small_cfg(**keys)
+    cfg = small_cfg(**keys, **{"trainer.eval_engine": "rollout"})
+
+    def roles(c):
+        return {r.name: r for r in estimate(plan_run(c, make_prompt_source(c))).roles}
+
+    worker, driver, plain_driver = roles(cfg)["rollout worker"].parts, roles(cfg)["driver"], roles(plain)["driver"]
+    added = driver.each_bytes - plain_driver.each_bytes
+    expected = worker["weights"] + worker["kv cache and logits"] + (VLLM_IMPORT_BYTES if engine == "vllm" else 0)
+    assert added == expected > 0

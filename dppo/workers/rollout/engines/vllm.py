@@ -45,6 +45,12 @@ from dppo.workers.weight_delta import WeightDelta
 KV_BLOCK_TOKENS = 32
 MIN_KV_CACHE_BYTES = 32 << 20
 MAX_NUM_SEQS = 256  # vLLM's default on the CPU
+# vLLM's default prefill budget per engine step on the CPU (max_num_batched_tokens). A batch whose prompts hold more
+# tokens is prefilled in chunks over several steps, and on the CPU that fails for any request with a seed: vLLM
+# rewinds a chunked request's generator (gen.set_offset), which a CPU generator refuses ("CPU Generator does not use
+# offset"). 256 held-out prompts of 45 tokens sampled 8 times in tickets of 32 (11,520 prefill tokens each) did, at
+# the 7th ticket. So the budget holds every row's prompt and response at once (max_batched_tokens).
+DEFAULT_BATCHED_TOKENS = 4096
 
 # vLLM's start-up warnings that this engine's own choices cause (no tokenizer, eager mode, the worker's thread count
 # set before the engine starts, per-request seeds) or that say Triton is missing on the CPU, which vLLM's CPU build
@@ -112,6 +118,13 @@ def kv_bytes_of(layers: int, kv_width: int, itemsize: int, num_seqs: int, seq_le
     return max(MIN_KV_CACHE_BYTES, blocks * block_tokens * per_token)
 
 
+def max_batched_tokens(max_num_seqs: int, seq_len: int) -> int:
+    """vLLM's token budget per step: every row's whole sequence at once (no chunked prefill, see DEFAULT_BATCHED_TOKENS;
+    a preempted request is recomputed with what it generated), at least vLLM's CPU default. The n samples of a prompt
+    are prefilled as n rows: within one step they share no cached block."""
+    return max(DEFAULT_BATCHED_TOKENS, max_num_seqs * seq_len)
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
                  pad_token: int, weight_sync: str = "full", max_num_seqs: int = MAX_NUM_SEQS,
@@ -140,6 +153,7 @@ class VLLMEngine(RolloutEngine):
                            kv_cache_memory_bytes=kv_bytes or kv_cache_bytes(model_config, dtype, max_num_seqs,
                                                                             max_prompt_len + max_new_tokens),
                            block_size=KV_BLOCK_TOKENS, max_num_seqs=max_num_seqs,
+                           max_num_batched_tokens=max_batched_tokens(max_num_seqs, max_prompt_len + max_new_tokens),
                            max_model_len=model_config.max_position_embeddings, distributed_executor_backend="uni",
                            enforce_eager=not compile, disable_log_stats=True)  # fmt: skip
         # Set after LLM(), whose logging set-up resets vLLM's loggers: each in-place reload warns that a layer got no
