@@ -44,9 +44,8 @@ def make_prompt_source(cfg) -> PromptSource:
     """The source data.source names (null: parquet when data.train_files is set, else task): a TextSource over the
     parquet files (reads and checks every file now), a ReasoningGymSource (generates and tokenizes its problems
     now), or the task's TaskSource."""
-    kind = cfg.data.kind
-    if kind == "parquet":
-        return TextSource.from_config(cfg)
-    if kind == "reasoning_gym":
-        return ReasoningGymSource.from_config(cfg)
-    return TaskSource.from_config(cfg)
+    kind, t = cfg.data.kind, cfg.trainer
+    if kind == "task":
+        return TaskSource.from_config(cfg.task, t.seed, t.eval_prompts)
+    source = TextSource if kind == "parquet" else ReasoningGymSource
+    return source.from_config(cfg.data, cfg.model.path, cfg.custom_reward_function, t.seed, t.train_batch_size)

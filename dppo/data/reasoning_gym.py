@@ -1,7 +1,7 @@
 """reasoning-gym's procedural datasets as a prompt source (data.source=reasoning_gym): problems generated from seeds,
 offline, each rewarded by its dataset's own verifier (score_answer).
 
-    ReasoningGymSource.from_config(cfg)           a TextSource over generated problems (sampling, decoding, eval)
+    ReasoningGymSource.from_config(...)           a TextSource over generated problems (sampling, decoding, eval)
     dataset_config_class(name, config)             the dataset's config class; UnknownDatasetError, DatasetConfigError
     generate(name, config, size, seed)             the entries (question, answer, metadata) of items 0..size-1
     extract_answer(response, expected) -> str      the answer handed to score_answer
@@ -192,13 +192,15 @@ class ReasoningGymSource(TextSource):
     (val/score/<dataset> on the held-out problems)."""
 
     @classmethod
-    def from_config(cls, cfg) -> ReasoningGymSource:
-        data, rg = cfg.data, cfg.data.reasoning_gym
-        seed, val_seed = rg.resolved_seeds(cfg.trainer.seed)
-        tokenizer = load_tokenizer(cfg.model.path, chat_template=False)
+    def from_config(cls, data, model_path: str, reward_cfg, run_seed: int, batch_size: int) -> ReasoningGymSource:
+        """As TextSource.from_config: data (its reasoning_gym section), model_path, reward_cfg (only its timeout_s),
+        trainer.seed (the problems' seeds when data.reasoning_gym.seed is null) and trainer.train_batch_size."""
+        rg = data.reasoning_gym
+        seed, val_seed = rg.resolved_seeds(run_seed)
+        tokenizer = load_tokenizer(model_path, chat_template=False)
         chat = has_chat_template(tokenizer)
         if not chat:
-            log.warning(f"the tokenizer of model.path={cfg.model.path!r} has no chat template: reasoning-gym prompts "
+            log.warning(f"the tokenizer of model.path={model_path!r} has no chat template: reasoning-gym prompts "
                         "go to the model as plain text (the question and data.reasoning_gym.prompt_suffix)")  # fmt: skip
         val_entries = generate(rg.dataset, rg.config, rg.val_size, val_seed) if rg.val_size else []
         held_out = {entry["question"] for entry in val_entries}
@@ -211,12 +213,12 @@ class ReasoningGymSource(TextSource):
             return tokenize_rows(tokenizer, _rows(rg.dataset, entries, at_seed, rg.prompt_suffix),
                                  data.max_prompt_length, data.truncation, chat_template=chat)  # fmt: skip
 
-        reward = RewardFunction(None, timeout_s=cfg.custom_reward_function.timeout_s,
+        reward = RewardFunction(None, timeout_s=reward_cfg.timeout_s,
                                 builtin=ReasoningGymScore(rg.dataset, rg.config),
                                 builtin_label=f"reasoning-gym {rg.dataset!r}'s score_answer")  # fmt: skip
         source = cls(tokenizer, tokenized(train_entries, seed), tokenized(val_entries, val_seed) if val_entries else None,
-                     reward, data.max_response_length, data.shuffle, cfg.trainer.seed if data.seed is None else data.seed,
-                     cfg.trainer.train_batch_size)  # fmt: skip
-        source.check_model_vocab(cfg.model.path)
+                     reward, data.max_response_length, data.shuffle, run_seed if data.seed is None else data.seed,
+                     batch_size)  # fmt: skip
+        source.check_model_vocab(model_path)
         return source
 

@@ -112,9 +112,10 @@ class TaskSource(PromptSource):
         self.prompt_length = task.sample_prompts(np.random.default_rng(0), 1).shape[1]
 
     @classmethod
-    def from_config(cls, cfg) -> TaskSource:
-        task = make_task(cfg.task.name, cfg.task.length)
-        return cls(task, held_out_prompts(task, cfg.trainer.seed, cfg.trainer.eval_prompts))
+    def from_config(cls, task_cfg, seed: int, eval_prompts: int) -> TaskSource:
+        """task_cfg: the config's task section; eval_prompts held-out prompts drawn with the run's seed."""
+        task = make_task(task_cfg.name, task_cfg.length)
+        return cls(task, held_out_prompts(task, seed, eval_prompts))
 
     def sampler(self, seed) -> _TaskPrompts:
         return _TaskPrompts(PromptSampler(self.task, seed, self.held_out))

@@ -167,10 +167,10 @@ class TextSource(PromptSource):
         self.shuffle, self.seed, self.groups_per_step = shuffle, seed, groups_per_step
 
     @classmethod
-    def from_config(cls, cfg) -> TextSource:
-        data = cfg.data
-        tokenizer = load_tokenizer(cfg.model.path)
-        reward_cfg = cfg.custom_reward_function
+    def from_config(cls, data, model_path: str, reward_cfg, seed: int, batch_size: int) -> TextSource:
+        """data: the config's data section; reward_cfg its custom_reward_function; seed: trainer.seed (data.seed
+        overrides it for the shuffle); batch_size: trainer.train_batch_size (groups a step draws)."""
+        tokenizer = load_tokenizer(model_path)
         reward = RewardFunction(reward_cfg.path, reward_cfg.name, reward_cfg.timeout_s)
 
         def load(files) -> TextRows:
@@ -178,9 +178,9 @@ class TextSource(PromptSource):
             return tokenize_rows(tokenizer, rows, data.max_prompt_length, data.truncation)
 
         source = cls(tokenizer, load(data.train_files), load(data.val_files) if data.val_files is not None else None,
-                     reward, data.max_response_length, data.shuffle, cfg.trainer.seed if data.seed is None else data.seed,
-                     cfg.trainer.train_batch_size)  # fmt: skip
-        source.check_model_vocab(cfg.model.path)
+                     reward, data.max_response_length, data.shuffle, seed if data.seed is None else data.seed,
+                     batch_size)  # fmt: skip
+        source.check_model_vocab(model_path)
         return source
 
     def check_model_vocab(self, model_path: str) -> None:
