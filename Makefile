@@ -12,7 +12,7 @@ BUILD_INPUTS := setup.py pyproject.toml $(wildcard csrc/*)
 # verl's own functions, the oracle of tests/oracle: installed without their heavy dependencies.
 ORACLE_REQUIREMENTS := tests/oracle/requirements.txt
 
-.PHONY: all install build test demo bench docs clean
+.PHONY: all install build test demo bench docs format clean
 
 all: install
 
@@ -38,6 +38,7 @@ build: install
 test: install $(VENV)/.oracle
 	$(BIN)/lint-imports
 	$(BIN)/ruff check --quiet --select F821,F822,F823 dppo benchmarks examples tests  # names used but never bound
+	$(BIN)/ruff format --check --quiet dppo benchmarks examples tests
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -51,6 +52,9 @@ bench: install
 docs: install
 	$(BIN)/python -c "from dppo.config.load import markdown_reference as md, yaml_reference as ym; \
 		open('docs/config_keys.md', 'w').write(md()); open('dppo/config/train.yaml', 'w').write(ym())"
+
+format: install
+	$(BIN)/ruff format dppo benchmarks examples tests
 
 clean:
 	rm -rf build dist *.egg-info dppo/*.so $(VENV)

@@ -123,10 +123,20 @@ SEPARATE_PASS_MODES = {"recompute-only"}
 EXACT_TARGET = 0.85  # score-ahead - bypass <= this x (recompute-only - bypass)
 AUTO_TARGET = 0.2  # auto - bypass <= loglinear - bypass + this x (recompute-only - bypass)
 # The old-log-prob check also covers the readers auto does not pick on this device.
-CHECKED = ["decoupled-auto", "decoupled-view", "decoupled-stream", "decoupled-swap", "decoupled-reference", "score-ahead"]
+CHECKED = [
+    "decoupled-auto",
+    "decoupled-view",
+    "decoupled-stream",
+    "decoupled-swap",
+    "decoupled-reference",
+    "score-ahead",
+]
 CHECK_OVERRIDES = {
-    "decoupled-view": {"snapshot.strategy": "view", "snapshot.device_budget_bytes": 1 << 40,  # GPU: a device-tier slot
-                       "snapshot.score_ahead": False},
+    "decoupled-view": {
+        "snapshot.strategy": "view",
+        "snapshot.device_budget_bytes": 1 << 40,  # GPU: a device-tier slot
+        "snapshot.score_ahead": False,
+    },
     "decoupled-stream": {"snapshot.strategy": "stream", "snapshot.score_ahead": False},
 }
 CHECK_LR = 1e-2  # large steps, so that the live weights visibly leave the cycle-start weights within the check
@@ -192,14 +202,16 @@ def synthetic_batches(vocab: int, batch: tuple[int, ...], count: int, device: to
     uniform_logp = -torch.log(torch.tensor(float(vocab)))  # a random-weights model's log-probs are about this
     out = []
     for _ in range(count):
-        out.append(TrainBatch(
-            input_ids=torch.randint(0, vocab, (sequences, prompt + response), generator=gen),
-            response_mask=torch.ones(sequences, response, dtype=torch.bool),
-            behav_logp=(uniform_logp + 0.1 * torch.randn(sequences, response, generator=gen)).clamp(max=0),
-            scores=torch.randint(0, 2, (sequences,), generator=gen).float(),
-            group_index=torch.arange(sequences) // group_size,
-            versions=torch.zeros(sequences // group_size, dtype=torch.long),
-        ).to(device))  # fmt: skip
+        out.append(
+            TrainBatch(
+                input_ids=torch.randint(0, vocab, (sequences, prompt + response), generator=gen),
+                response_mask=torch.ones(sequences, response, dtype=torch.bool),
+                behav_logp=(uniform_logp + 0.1 * torch.randn(sequences, response, generator=gen)).clamp(max=0),
+                scores=torch.randint(0, 2, (sequences,), generator=gen).float(),
+                group_index=torch.arange(sequences) // group_size,
+                versions=torch.zeros(sequences // group_size, dtype=torch.long),
+            ).to(device)
+        )
     return out
 
 
@@ -304,8 +316,9 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
     for mode in CHECKED:
         model.load_state_dict(start_model)
         optimizer.load_state_dict(start_optim)
-        trainer = mode_trainer(base, make_cfg(3, {**MODES.get(mode, {}), **CHECK_OVERRIDES.get(mode, {}),
-                                                  "actor.lr": CHECK_LR}))  # fmt: skip
+        trainer = mode_trainer(
+            base, make_cfg(3, {**MODES.get(mode, {}), **CHECK_OVERRIDES.get(mode, {}), "actor.lr": CHECK_LR})
+        )
         if cuda and mode == "decoupled-stream":
             memory = stream_memory(trainer, batches)
         got = []
@@ -329,8 +342,14 @@ def check_old_log_probs(base: PPOTrainer, make_cfg, batches: list[TrainBatch], c
     model.load_state_dict(start_model)
     optimizer.load_state_dict(start_optim)
     ok = (equal if not cuda else worst <= 1e-6) and live_moved
-    return {"modes": CHECKED, "bitwise_equal": equal, "max_abs_diff": worst, "live_moved": live_moved, "ok": ok,
-            "memory": memory}  # fmt: skip
+    return {
+        "modes": CHECKED,
+        "bitwise_equal": equal,
+        "max_abs_diff": worst,
+        "live_moved": live_moved,
+        "ok": ok,
+        "memory": memory,
+    }
 
 
 def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
@@ -339,8 +358,13 @@ def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
     source.compute(0, batches[0])  # fills slot 0
     source.compute(1, batches[1])  # traces the schedule and allocates the staging buffers
     if source.stream is None:  # the model could not be streamed: the reader fell back to swap (it warned)
-        return {"extra_peak_bytes": 0, "two_steps_bytes": 0, "limit_bytes": 0, "ok": False,
-                "error": source.stream_error}  # fmt: skip
+        return {
+            "extra_peak_bytes": 0,
+            "two_steps_bytes": 0,
+            "limit_bytes": 0,
+            "ok": False,
+            "error": source.stream_error,
+        }
 
     def peak(fn) -> int:
         torch.cuda.synchronize()
@@ -358,8 +382,12 @@ def stream_memory(trainer: PPOTrainer, batches: list[TrainBatch]) -> dict:
     sizes = dict(rank_of(trainer).model.named_parameters(remove_duplicate=False))
     largest = max(sum(sizes[n].nbytes for n in step) for step in steps)
     limit = 2 * largest + 2 * ALIGN_BYTES * (1 + max(len(s) for s in steps))
-    return {"extra_peak_bytes": streamed - live, "two_steps_bytes": 2 * largest, "limit_bytes": limit,
-            "ok": streamed - live <= limit}  # fmt: skip
+    return {
+        "extra_peak_bytes": streamed - live,
+        "two_steps_bytes": 2 * largest,
+        "limit_bytes": limit,
+        "ok": streamed - live <= limit,
+    }
 
 
 # ---- one size ----------------------------------------------------------------------------------------
@@ -368,6 +396,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
     batch = GPU_BATCH if cuda else CPU_BATCH
     clock = Clock(cuda)
     with tempfile.TemporaryDirectory() as out_dir:
+
         def make_cfg(ps, overrides):
             return trainer_config(size, ps, overrides, device.type, out_dir, batch)
 
@@ -375,10 +404,16 @@ def run_size(size: str, args, device: torch.device) -> dict:
         base = PPOTrainer(make_cfg(2, MODES["bypass"]), rollout=_NoRollout())
         params = sum(p.numel() for p in rank_of(base).model.parameters())
         nbytes = sum(p.nbytes for p in rank_of(base).model.parameters())
-        batches = synthetic_batches(base.source.vocab_size, batch, max(*args.ps, 3), device)  # the check runs 3 triggers
-        print(f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
-              f"built in {time.perf_counter() - built:.1f} s]", flush=True)  # fmt: skip
+        batches = synthetic_batches(
+            base.source.vocab_size, batch, max(*args.ps, 3), device
+        )  # the check runs 3 triggers
+        print(
+            f"[{size}: {params / 1e6:.1f}M parameters, {nbytes / MB:.0f} MB, "
+            f"built in {time.perf_counter() - built:.1f} s]",
+            flush=True,
+        )
         if cuda:  # the old-log-prob check is stated for fp32 on a GPU: a model of its own, same size and seed
+
             def make_fp32_cfg(ps, overrides):
                 return make_cfg(ps, {**overrides, "model.dtype": "float32"})
 
@@ -392,8 +427,10 @@ def run_size(size: str, args, device: torch.device) -> dict:
             check = check_old_log_probs(base, make_cfg, batches, cuda)
         rows = []
         for ps in args.ps:
-            trainers = {mode: mode_trainer(base, make_cfg(ps, overrides), mode in SEPARATE_PASS_MODES)
-                        for mode, overrides in MODES.items()}  # fmt: skip
+            trainers = {
+                mode: mode_trainer(base, make_cfg(ps, overrides), mode in SEPARATE_PASS_MODES)
+                for mode, overrides in MODES.items()
+            }
             timers = {mode: OldLogProbTimer(t, clock) for mode, t in trainers.items()}
             cycles = {mode: [] for mode in MODES}
             logp_s = {mode: [] for mode in MODES}
@@ -404,7 +441,7 @@ def run_size(size: str, args, device: torch.device) -> dict:
                 run_cycle(trainer, min(ps, 2), batches, clock)
                 timers[mode].take_s()
             for rep in range(args.repeats):
-                order = list(MODES)[rep % len(MODES):] + list(MODES)[: rep % len(MODES)]  # rotate who goes first
+                order = list(MODES)[rep % len(MODES) :] + list(MODES)[: rep % len(MODES)]  # rotate who goes first
                 for mode in order:
                     before = rank_of(trainers[mode]).pi_old.source.moved_bytes
                     if mode == "auto":
@@ -445,25 +482,40 @@ def size_rows(size, params, ps, cycles, logp_s, moved, readers, checks, periods)
         """Median over rounds of cycle(mode) - cycle(baseline) in the same round."""
         return statistics.median(a - b for a, b in zip(cycles[mode], cycles[baseline], strict=True))
 
-    return [{
-        "size": size, "params": params, "ps": ps, "mode": mode, "reader": readers[mode],
-        "cycle_s": statistics.median(cycles[mode]), "old_log_prob_s": statistics.median(logp_s[mode]),
-        "overhead_vs_bypass_s": minus(mode, "bypass"), "exposed_snapshot_s": minus(mode, "recompute-only"),
-        "moved_mb": moved[mode] / MB, "cycles_s": cycles[mode], "checked_per_round": checks[mode],
-        "period": periods[mode],
-    } for mode in cycles]  # fmt: skip
+    return [
+        {
+            "size": size,
+            "params": params,
+            "ps": ps,
+            "mode": mode,
+            "reader": readers[mode],
+            "cycle_s": statistics.median(cycles[mode]),
+            "old_log_prob_s": statistics.median(logp_s[mode]),
+            "overhead_vs_bypass_s": minus(mode, "bypass"),
+            "exposed_snapshot_s": minus(mode, "recompute-only"),
+            "moved_mb": moved[mode] / MB,
+            "cycles_s": cycles[mode],
+            "checked_per_round": checks[mode],
+            "period": periods[mode],
+        }
+        for mode in cycles
+    ]
 
 
 # ---- report ------------------------------------------------------------------------------------------
 def print_table(rows: list[dict]) -> None:
-    head = (f"{'size':<5} {'ps':>2} {'mode':<20} {'reader':<9} {'cycle s':>8} {'old-logp s':>10} "
-            f"{'vs bypass s':>11} {'exposed snap s':>14} {'moved MB':>9}")  # fmt: skip
+    head = (
+        f"{'size':<5} {'ps':>2} {'mode':<20} {'reader':<9} {'cycle s':>8} {'old-logp s':>10} "
+        f"{'vs bypass s':>11} {'exposed snap s':>14} {'moved MB':>9}"
+    )
     print(head)
     print("-" * len(head))
     for r in rows:
-        print(f"{r['size']:<5} {r['ps']:>2} {r['mode']:<20} {r['reader']:<9} {r['cycle_s']:>8.3f} "
-              f"{r['old_log_prob_s']:>10.3f} {r['overhead_vs_bypass_s']:>+11.3f} {r['exposed_snapshot_s']:>+14.3f} "
-              f"{r['moved_mb']:>9.0f}")  # fmt: skip
+        print(
+            f"{r['size']:<5} {r['ps']:>2} {r['mode']:<20} {r['reader']:<9} {r['cycle_s']:>8.3f} "
+            f"{r['old_log_prob_s']:>10.3f} {r['overhead_vs_bypass_s']:>+11.3f} {r['exposed_snapshot_s']:>+14.3f} "
+            f"{r['moved_mb']:>9.0f}"
+        )
 
 
 def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
@@ -482,28 +534,52 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
     if cuda:
         bypass = total("bypass", "cycle_s")
         ratio = auto / bypass
-        out.append((f"GPU target, {name}: exposed snapshot of decoupled-auto (vs recompute-only) {auto:.3f} s = "
-                    f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%)", ratio <= 0.10))  # fmt: skip
+        out.append(
+            (
+                f"GPU target, {name}: exposed snapshot of decoupled-auto (vs recompute-only) {auto:.3f} s = "
+                f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%)",
+                ratio <= 0.10,
+            )
+        )
         ratio = auto_vs_bypass / bypass
         floor = total("recompute-only", "overhead_vs_bypass_s") / bypass
-        out.append((f"GPU target as the issue words it, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = "
-                    f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%; the old-log-prob forward "
-                    f"passes alone, recompute-only - bypass, are {floor:.1%})", ratio <= 0.10))  # fmt: skip
+        out.append(
+            (
+                f"GPU target as the issue words it, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = "
+                f"{ratio:.1%} of the bypass cycles' {bypass:.3f} s (target <= 10%; the old-log-prob forward "
+                f"passes alone, recompute-only - bypass, are {floor:.1%})",
+                ratio <= 0.10,
+            )
+        )
         mem = largest["check"]["memory"]
         if mem:
-            out.append((f"streamed pass, {name}: peak extra device memory "
-                        f"{mem['extra_peak_bytes'] / MB:.1f} MB (staging {mem['staging_bytes'] / MB:.1f} MB) vs two "
-                        f"largest steps {mem['two_steps_bytes'] / MB:.1f} MB + alignment", mem["ok"]))  # fmt: skip
+            out.append(
+                (
+                    f"streamed pass, {name}: peak extra device memory "
+                    f"{mem['extra_peak_bytes'] / MB:.1f} MB (staging {mem['staging_bytes'] / MB:.1f} MB) vs two "
+                    f"largest steps {mem['two_steps_bytes'] / MB:.1f} MB + alignment",
+                    mem["ok"],
+                )
+            )
     else:
         ratio = auto_vs_bypass / reference_vs_bypass if reference_vs_bypass > 0 else float("inf")
         floor = total("recompute-only", "overhead_vs_bypass_s") / reference_vs_bypass if reference_vs_bypass > 0 else 0
-        out.append((f"CPU target, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = {ratio:.1%} of "
-                    f"decoupled-reference - bypass {reference_vs_bypass:.3f} s (target <= 25%; the old-log-prob "
-                    f"forward passes alone, recompute-only - bypass, are {floor:.1%})", ratio <= 0.25))  # fmt: skip
+        out.append(
+            (
+                f"CPU target, {name}: decoupled-auto - bypass {auto_vs_bypass:.3f} s = {ratio:.1%} of "
+                f"decoupled-reference - bypass {reference_vs_bypass:.3f} s (target <= 25%; the old-log-prob "
+                f"forward passes alone, recompute-only - bypass, are {floor:.1%})",
+                ratio <= 0.25,
+            )
+        )
         ratio = auto / reference if reference > 0 else float("inf")
-        out.append((f"CPU target, snapshot work only, {name}: exposed snapshot (vs recompute-only) of decoupled-auto "
-                    f"{auto:.3f} s = {ratio:.1%} of decoupled-reference's {reference:.3f} s (target <= 25%)",
-                    ratio <= 0.25))  # fmt: skip
+        out.append(
+            (
+                f"CPU target, snapshot work only, {name}: exposed snapshot (vs recompute-only) of decoupled-auto "
+                f"{auto:.3f} s = {ratio:.1%} of decoupled-reference's {reference:.3f} s (target <= 25%)",
+                ratio <= 0.25,
+            )
+        )
     out.append(loglinear_target(total, name))
     out.append(exact_target(total, name, sorted({r["ps"] for r in rows})))
     out.append(auto_target(total, name, [r for r in rows if r["mode"] == "auto"]))
@@ -511,8 +587,13 @@ def targets(results: list[dict], cuda: bool) -> list[tuple[str, bool]]:
         c = res["check"]
         how = "bitwise equal" if c["bitwise_equal"] else f"max |diff| {c['max_abs_diff']:.2e}"
         how += "" if c["live_moved"] else " BUT the live weights never moved, so this proves nothing"
-        out.append((f"old log-probs, {res['size']}: {', '.join(c['modes'])} vs a deep copy of the cycle-start weights: "
-                    f"{how} (required: {'<= 1e-6' if cuda else 'bitwise'})", c["ok"]))  # fmt: skip
+        out.append(
+            (
+                f"old log-probs, {res['size']}: {', '.join(c['modes'])} vs a deep copy of the cycle-start weights: "
+                f"{how} (required: {'<= 1e-6' if cuda else 'bitwise'})",
+                c["ok"],
+            )
+        )
     return out
 
 
@@ -520,8 +601,11 @@ def loglinear_target(total, name: str) -> tuple[str, bool]:
     """Issue 12: loglinear adds at most 0.1x of what one separate old-log-prob pass per trigger adds over bypass."""
     loglinear, yardstick = total("loglinear", "overhead_vs_bypass_s"), total("recompute-only", "overhead_vs_bypass_s")
     ratio = loglinear / yardstick if yardstick > 0 else float("inf")
-    return (f"loglinear target, {name}: loglinear - bypass {loglinear:.3f} s = {ratio:.2f}x of recompute-only - bypass "
-            f"{yardstick:.3f} s (one separate old-log-prob pass per trigger; target <= 0.1x)", ratio <= 0.1)
+    return (
+        f"loglinear target, {name}: loglinear - bypass {loglinear:.3f} s = {ratio:.2f}x of recompute-only - bypass "
+        f"{yardstick:.3f} s (one separate old-log-prob pass per trigger; target <= 0.1x)",
+        ratio <= 0.1,
+    )
 
 
 def exact_target(total, name: str, ps: list[int]) -> tuple[str, bool]:
@@ -530,9 +614,12 @@ def exact_target(total, name: str, ps: list[int]) -> tuple[str, bool]:
     ahead, yardstick = total("score-ahead", "overhead_vs_bypass_s"), total("recompute-only", "overhead_vs_bypass_s")
     ratio = ahead / yardstick if yardstick > 0 else float("inf")
     floor = sum(p - 1 for p in ps) / sum(ps) if ps else 0.0  # the passes left: k >= 1 of every cycle
-    return (f"exact Decoupled target, {name}: score-ahead - bypass {ahead:.3f} s = {ratio:.2f}x of recompute-only - "
-            f"bypass {yardstick:.3f} s (one separate old-log-prob pass per trigger; target <= {EXACT_TARGET}x, "
-            f"floor {floor:.2f}x)", ratio <= EXACT_TARGET)  # fmt: skip
+    return (
+        f"exact Decoupled target, {name}: score-ahead - bypass {ahead:.3f} s = {ratio:.2f}x of recompute-only - "
+        f"bypass {yardstick:.3f} s (one separate old-log-prob pass per trigger; target <= {EXACT_TARGET}x, "
+        f"floor {floor:.2f}x)",
+        ratio <= EXACT_TARGET,
+    )
 
 
 def auto_target(total, name: str, auto_rows: list[dict]) -> tuple[str, bool]:
@@ -542,10 +629,12 @@ def auto_target(total, name: str, auto_rows: list[dict]) -> tuple[str, bool]:
     yardstick = total("recompute-only", "overhead_vs_bypass_s")
     ratio = (auto - loglinear) / yardstick if yardstick > 0 else float("inf")
     checked = sorted({c for r in auto_rows for c in r["checked_per_round"]})
-    return (f"auto target, {name}: auto - bypass {auto:.3f} s = loglinear - bypass {loglinear:.3f} s + {ratio:.2f}x "
-            f"of recompute-only - bypass {yardstick:.3f} s (target <= +{AUTO_TARGET}x; a check period of "
-            f"{auto_rows[0]['period'] if auto_rows else '?'} cycles, {checked} of them checking)",
-            ratio <= AUTO_TARGET and checked == [1])  # fmt: skip
+    return (
+        f"auto target, {name}: auto - bypass {auto:.3f} s = loglinear - bypass {loglinear:.3f} s + {ratio:.2f}x "
+        f"of recompute-only - bypass {yardstick:.3f} s (target <= +{AUTO_TARGET}x; a check period of "
+        f"{auto_rows[0]['period'] if auto_rows else '?'} cycles, {checked} of them checking)",
+        ratio <= AUTO_TARGET and checked == [1],
+    )
 
 
 def _load_sibling(name: str):
@@ -562,15 +651,23 @@ def _load_sibling(name: str):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpu", action="store_true", help="run on CUDA with the GPU sizes (bf16, host slots)")
-    parser.add_argument("--sizes", nargs="+", choices=list(SIZES),
-                        help=f"default: {CPU_SIZES} (CPU), {GPU_SIZES} (GPU)")  # fmt: skip
+    parser.add_argument(
+        "--sizes", nargs="+", choices=list(SIZES), help=f"default: {CPU_SIZES} (CPU), {GPU_SIZES} (GPU)"
+    )
     parser.add_argument("--ps", nargs="+", type=int, default=[1, 2, 4, 8], help="parameter_sync_step values")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", type=Path, default=Path("bench_out/cycle_bench.json"))
-    parser.add_argument("--world-size", type=int, default=1,
-                        help="also time the actor as this many FSDP2 ranks (Ray, gloo on the CPU) against one rank")  # fmt: skip
-    parser.add_argument("--no-malloc-tuning", action="store_true",
-                        help="leave glibc's malloc thresholds at their defaults (see dppo.hostmem)")  # fmt: skip
+    parser.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="also time the actor as this many FSDP2 ranks (Ray, gloo on the CPU) against one rank",
+    )
+    parser.add_argument(
+        "--no-malloc-tuning",
+        action="store_true",
+        help="leave glibc's malloc thresholds at their defaults (see dppo.hostmem)",
+    )
     args = parser.parse_args(argv)
     if args.gpu and not torch.cuda.is_available():
         parser.error("--gpu: torch.cuda.is_available() is False")
@@ -608,11 +705,13 @@ def main(argv: list[str] | None = None) -> int:
     meta["wall_s"] = time.perf_counter() - started
     rows = [r for res in results for r in res["rows"]]
     sequences, group_size, prompt, response = meta["batch"]
-    print(f"\ncycle_bench on {meta['device']} ({meta['cpus']} CPUs, torch {meta['torch']}): median of {args.repeats} "
-          f"cycles after a warm-up; per trigger {sequences // group_size} groups of {group_size} sequences of "
-          f"{prompt}+{response} tokens; load avg "
-          f"{meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}; {meta['wall_s']:.0f} s; malloc tuning "
-          f"{'on' if malloc else 'off'}")  # fmt: skip
+    print(
+        f"\ncycle_bench on {meta['device']} ({meta['cpus']} CPUs, torch {meta['torch']}): median of {args.repeats} "
+        f"cycles after a warm-up; per trigger {sequences // group_size} groups of {group_size} sequences of "
+        f"{prompt}+{response} tokens; load avg "
+        f"{meta['loadavg_before'][0]:.2f} -> {meta['loadavg_after'][0]:.2f}; {meta['wall_s']:.0f} s; malloc tuning "
+        f"{'on' if malloc else 'off'}"
+    )
     print("vs bypass = cycle(mode) - cycle(bypass): snapshot work AND the old-log-prob forward passes bypass skips")
     print("exposed snap = cycle(mode) - cycle(recompute-only): only what the snapshot work adds")
     print_table(rows)
@@ -622,8 +721,17 @@ def main(argv: list[str] | None = None) -> int:
     print()
     for line, ok in goals:
         print(f"{'PASS' if ok else 'FAIL'}  {line}")
-    args.out.write_text(json.dumps({"meta": meta, "results": results, "world_sizes": world_sizes, "targets": [
-        {"line": line, "pass": ok} for line, ok in goals]}, indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "results": results,
+                "world_sizes": world_sizes,
+                "targets": [{"line": line, "pass": ok} for line, ok in goals],
+            },
+            indent=1,
+        )
+    )
     print(f"wrote {args.out}")
     return 0 if all(ok for _, ok in goals) else 1
 

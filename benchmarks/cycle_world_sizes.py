@@ -32,16 +32,27 @@ def rank_memory(rank) -> dict:
     pool.synchronize()
     with open("/proc/self/status") as f:
         rss_kb = next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    return {"rank": rank.rank, "snapshot_bytes": pool.nbytes, "pool_host_bytes": pool.host_bytes,
-            "model_bytes": sum(local_tensor(p).nbytes for p in rank.model.parameters()), "rss_bytes": rss_kb * 1024}  # fmt: skip
+    return {
+        "rank": rank.rank,
+        "snapshot_bytes": pool.nbytes,
+        "pool_host_bytes": pool.host_bytes,
+        "model_bytes": sum(local_tensor(p).nbytes for p in rank.model.parameters()),
+        "rss_bytes": rss_kb * 1024,
+    }
 
 
 def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str) -> dict:
     """Median cycle and per-rank memory of the actor at world_size ranks (Ray actors)."""
     from dppo.trainer.ppo import PPOTrainer
 
-    cfg = bench.trainer_config(size, WS_PS, {**bench.MODES["decoupled-auto"], "ray.enabled": True,
-                                             "trainer.n_gpus_per_node": world_size}, "cpu", out_dir, WS_BATCH)  # fmt: skip
+    cfg = bench.trainer_config(
+        size,
+        WS_PS,
+        {**bench.MODES["decoupled-auto"], "ray.enabled": True, "trainer.n_gpus_per_node": world_size},
+        "cpu",
+        out_dir,
+        WS_BATCH,
+    )
     trainer = PPOTrainer(cfg, rollout=bench._NoRollout())
     try:
         batches = bench.synthetic_batches(trainer.source.vocab_size, WS_BATCH, WS_PS, torch.device("cpu"))
@@ -49,16 +60,32 @@ def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str
         bench.run_cycle(trainer, WS_PS, batches, clock)  # warm-up: arenas, the swap scratch
         cycles = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]
         memory = trainer.actor_group.execute(rank_memory)
-        reconfigure(trainer, bench.trainer_config(size, WS_PS, {**bench.MODES["score-ahead"], "ray.enabled": True,
-                                                               "trainer.n_gpus_per_node": world_size}, "cpu", out_dir, WS_BATCH))  # fmt: skip
+        reconfigure(
+            trainer,
+            bench.trainer_config(
+                size,
+                WS_PS,
+                {**bench.MODES["score-ahead"], "ray.enabled": True, "trainer.n_gpus_per_node": world_size},
+                "cpu",
+                out_dir,
+                WS_BATCH,
+            ),
+        )
         bench.run_cycle(trainer, WS_PS, batches, clock)
         ahead = [bench.run_cycle(trainer, WS_PS, batches, clock) for _ in range(repeats)]
         model_bytes = sum(t.nbytes for t in ray.get(trainer.actor_group.rollout_weights()[0]).values())
     finally:
         trainer.close()
-    return {"world_size": world_size, "size": size, "cycle_s": statistics.median(cycles), "cycles_s": cycles,
-            "ahead_cycle_s": statistics.median(ahead), "ahead_cycles_s": ahead, "ranks": memory,
-            "model_bytes": model_bytes}  # fmt: skip
+    return {
+        "world_size": world_size,
+        "size": size,
+        "cycle_s": statistics.median(cycles),
+        "cycles_s": cycles,
+        "ahead_cycle_s": statistics.median(ahead),
+        "ahead_cycles_s": ahead,
+        "ranks": memory,
+        "model_bytes": model_bytes,
+    }
 
 
 def reconfigure(trainer, cfg) -> None:
@@ -82,20 +109,31 @@ def run(bench, size: str, world_size: int, repeats: int) -> dict:
 def report(result: dict) -> list[tuple[str, bool]]:
     """Prints the table; (line, passed) per target."""
     one, many = result["rows"]
-    print(f"\nworld sizes ({many['size']}, decoupled-auto; ahead s: score-ahead, ps={result['ps']}, per trigger {result['batch'][0]} sequences "
-          f"of {result['batch'][2]}+{result['batch'][3]} tokens; FSDP2 over gloo at world size > 1):")  # fmt: skip
-    head = (f"{'world size':>10} {'cycle s':>8} {'vs 1':>6} {'ahead s':>8} {'rank':>4} {'snapshot MB':>11} "
-            f"{'pool host MB':>12} {'RSS MB':>7}")  # fmt: skip
+    print(
+        f"\nworld sizes ({many['size']}, decoupled-auto; ahead s: score-ahead, ps={result['ps']}, per trigger {result['batch'][0]} sequences "
+        f"of {result['batch'][2]}+{result['batch'][3]} tokens; FSDP2 over gloo at world size > 1):"
+    )
+    head = (
+        f"{'world size':>10} {'cycle s':>8} {'vs 1':>6} {'ahead s':>8} {'rank':>4} {'snapshot MB':>11} "
+        f"{'pool host MB':>12} {'RSS MB':>7}"
+    )
     print(head)
     print("-" * len(head))
     for row in (one, many):
         for rank in row["ranks"]:
-            print(f"{row['world_size']:>10} {row['cycle_s']:>8.3f} {row['cycle_s'] / one['cycle_s']:>6.2f} "
-                  f"{row['ahead_cycle_s']:>8.3f} {rank['rank']:>4} {rank['snapshot_bytes'] / MB:>11.1f} {rank['pool_host_bytes'] / MB:>12.1f} "
-                  f"{rank['rss_bytes'] / MB:>7.0f}")  # fmt: skip
+            print(
+                f"{row['world_size']:>10} {row['cycle_s']:>8.3f} {row['cycle_s'] / one['cycle_s']:>6.2f} "
+                f"{row['ahead_cycle_s']:>8.3f} {rank['rank']:>4} {rank['snapshot_bytes'] / MB:>11.1f} {rank['pool_host_bytes'] / MB:>12.1f} "
+                f"{rank['rss_bytes'] / MB:>7.0f}"
+            )
     n, model = many["world_size"], many["model_bytes"]
     shards = [r["snapshot_bytes"] for r in many["ranks"]]
     even = sum(shards) == model and max(shards) - min(shards) <= 0.01 * model
-    return [(f"snapshot bytes per rank at world size {n}: {', '.join(f'{s / MB:.1f}' for s in shards)} MB, together "
-             f"{sum(shards) / MB:.1f} MB = the model's {model / MB:.1f} MB, each {max(shards) / model:.3f} of it "
-             f"(target 1/{n})", even)]  # fmt: skip
+    return [
+        (
+            f"snapshot bytes per rank at world size {n}: {', '.join(f'{s / MB:.1f}' for s in shards)} MB, together "
+            f"{sum(shards) / MB:.1f} MB = the model's {model / MB:.1f} MB, each {max(shards) / model:.3f} of it "
+            f"(target 1/{n})",
+            even,
+        )
+    ]

@@ -60,8 +60,15 @@ def install() -> None:
     from dppo.trainer import rollout as rollout_source
     from dppo.trainer.ppo import PPOTrainer
 
-    for attr in ("check_output_dir", "make_prompt_source", "plan_run", "check_sequence_length",
-                 "check_training_memory", "probe_cluster", "check_cluster_fits"):  # fmt: skip
+    for attr in (
+        "check_output_dir",
+        "make_prompt_source",
+        "plan_run",
+        "check_sequence_length",
+        "check_training_memory",
+        "probe_cluster",
+        "check_cluster_fits",
+    ):
         patch(train, attr, f"preflight:{attr}")
     patch(train, "init_ray", "ray_init")
     patch(ray, "shutdown", "ray_shutdown")
@@ -86,8 +93,11 @@ def phases(events: list[tuple[str, float, float]], t0: float) -> list[dict]:
         calls.setdefault(name, []).append((start, end))
     rows = []
     for name, spans in calls.items():
-        label = {"step": "first step", "fetch": "first fetch (the wait for the rollout's first batch)",
-                 "publish_weights": "first publish (waits for the replay buffer's process)"}.get(name, name)  # fmt: skip
+        label = {
+            "step": "first step",
+            "fetch": "first fetch (the wait for the rollout's first batch)",
+            "publish_weights": "first publish (waits for the replay buffer's process)",
+        }.get(name, name)
         start, end = spans[0]
         rows.append({"phase": label, "start_s": start - t0, "end_s": end - t0, "seconds": end - start})
         later = spans[1:]
@@ -95,16 +105,25 @@ def phases(events: list[tuple[str, float, float]], t0: float) -> list[dict]:
             start, end = later.pop()
             rows.append({"phase": "last step", "start_s": start - t0, "end_s": end - t0, "seconds": end - start})
         if later:
-            rows.append({"phase": f"{name}: {len(later)} more, summed", "start_s": None, "end_s": None,
-                         "seconds": sum(e - s for s, e in later)})  # fmt: skip
+            rows.append(
+                {
+                    "phase": f"{name}: {len(later)} more, summed",
+                    "start_s": None,
+                    "end_s": None,
+                    "seconds": sum(e - s for s, e in later),
+                }
+            )
     rows.sort(key=lambda r: (r["start_s"] is None, r["start_s"] or 0.0))
     return rows
 
 
 def report(t0: float, imported: float, out_path: str | None) -> None:
     end = time.time()
-    rows = [{"phase": "python start-up and imports", "start_s": 0.0, "end_s": imported - t0, "seconds": imported - t0},
-            *phases(EVENTS, t0), {"phase": "exit", "start_s": end - t0, "end_s": end - t0, "seconds": 0.0}]  # fmt: skip
+    rows = [
+        {"phase": "python start-up and imports", "start_s": 0.0, "end_s": imported - t0, "seconds": imported - t0},
+        *phases(EVENTS, t0),
+        {"phase": "exit", "start_s": end - t0, "end_s": end - t0, "seconds": 0.0},
+    ]
     print("\nphase                                              start s    end s  seconds", file=sys.stderr)
     for r in rows:
         start = "" if r["start_s"] is None else f"{r['start_s']:8.2f}"

@@ -49,13 +49,21 @@ def run(name: str, args, **extra) -> dict:
         trainer = PPOTrainer(load_config(overrides(out_dir, args.device, args.steps, **extra)))
         built_s = time.perf_counter() - started
         records = trainer.fit().records
-    row = {"run": name, "world_size": trainer.actor_group.world_size, "sharded": trainer.actor_group.sharded,
-           "built_s": built_s, "cycle_s": statistics.median(r["timing_s/step"] for r in records),
-           "first_grad_norm": records[0]["actor/grad_norm"],
-           "old_log_prob_max_abs_diff": max(r["debug/old_log_prob_max_abs_diff"] for r in records)}  # fmt: skip
-    print(f"{name:>8}: world size {row['world_size']}, {'FSDP2' if row['sharded'] else 'plain'}, cycle "
-          f"{row['cycle_s']:.3f} s with the verification (built in {built_s:.1f} s), first grad norm {row['first_grad_norm']:.6g}, "
-          f"old-log-prob max |diff| {row['old_log_prob_max_abs_diff']:.2e}", flush=True)  # fmt: skip
+    row = {
+        "run": name,
+        "world_size": trainer.actor_group.world_size,
+        "sharded": trainer.actor_group.sharded,
+        "built_s": built_s,
+        "cycle_s": statistics.median(r["timing_s/step"] for r in records),
+        "first_grad_norm": records[0]["actor/grad_norm"],
+        "old_log_prob_max_abs_diff": max(r["debug/old_log_prob_max_abs_diff"] for r in records),
+    }
+    print(
+        f"{name:>8}: world size {row['world_size']}, {'FSDP2' if row['sharded'] else 'plain'}, cycle "
+        f"{row['cycle_s']:.3f} s with the verification (built in {built_s:.1f} s), first grad norm {row['first_grad_norm']:.6g}, "
+        f"old-log-prob max |diff| {row['old_log_prob_max_abs_diff']:.2e}",
+        flush=True,
+    )
     return row
 
 
@@ -67,8 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench_out/fsdp_cycle.json"))
     args = parser.parse_args(argv)
     world_size = args.world_size or (torch.cuda.device_count() if args.device == "cuda" else 2)
-    rows = [run("plain", args, **{"ray.enabled": False}),
-            run("fsdp-1", args, **{"ray.enabled": False, "actor.fsdp": "always"})]  # fmt: skip
+    rows = [
+        run("plain", args, **{"ray.enabled": False}),
+        run("fsdp-1", args, **{"ray.enabled": False, "actor.fsdp": "always"}),
+    ]
     if world_size > 1:
         import ray
 
@@ -79,18 +89,36 @@ def main(argv: list[str] | None = None) -> int:
             ray.shutdown()
     plain = rows[0]
     limit = 0.0 if args.device == "cpu" else 1e-6
-    goals = [(f"{r['run']}: old-log-prob max |diff| {r['old_log_prob_max_abs_diff']:.2e} (required <= {limit:g})",
-              r["old_log_prob_max_abs_diff"] <= limit) for r in rows]  # fmt: skip
+    goals = [
+        (
+            f"{r['run']}: old-log-prob max |diff| {r['old_log_prob_max_abs_diff']:.2e} (required <= {limit:g})",
+            r["old_log_prob_max_abs_diff"] <= limit,
+        )
+        for r in rows
+    ]
     for r in rows[1:]:
         rel = abs(r["first_grad_norm"] - plain["first_grad_norm"]) / plain["first_grad_norm"]
-        goals.append((f"{r['run']}: first cycle's grad norm {rel:.1e} relative off the plain module's (required "
-                      f"<= 1e-4); cycle {r['cycle_s'] / plain['cycle_s']:.2f}x the plain module's", rel <= 1e-4))  # fmt: skip
+        goals.append(
+            (
+                f"{r['run']}: first cycle's grad norm {rel:.1e} relative off the plain module's (required "
+                f"<= 1e-4); cycle {r['cycle_s'] / plain['cycle_s']:.2f}x the plain module's",
+                rel <= 1e-4,
+            )
+        )
     for line, ok in goals:
         print(f"{'PASS' if ok else 'FAIL'}  {line}")
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
-                                    "device": args.device, "rows": rows,
-                                    "targets": [{"line": line, "pass": ok} for line, ok in goals]}, indent=1))  # fmt: skip
+    args.out.write_text(
+        json.dumps(
+            {
+                "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+                "device": args.device,
+                "rows": rows,
+                "targets": [{"line": line, "pass": ok} for line, ok in goals],
+            },
+            indent=1,
+        )
+    )
     return 0 if all(ok for _, ok in goals) else 1
 
 

@@ -35,14 +35,26 @@ def runs(only: list[str] | None) -> list[tuple[str, list[str]]]:
 
 
 def run_one(overrides: list[str], steps: int, out_dir: Path) -> dict:
-    cmd = [sys.executable, "-m", "dppo", "train", "trainer.mode=sync", "ray.enabled=false", f"trainer.total_steps={steps}",
-           f"trainer.output_dir={out_dir}", "trainer.progress_bar=false", *overrides]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "dppo",
+        "train",
+        "trainer.mode=sync",
+        "ray.enabled=false",
+        f"trainer.total_steps={steps}",
+        f"trainer.output_dir={out_dir}",
+        "trainer.progress_bar=false",
+        *overrides,
+    ]
     start = time.perf_counter()
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)  # a failed run is reported, not raised
     wall_s = time.perf_counter() - start
     if proc.returncode != 0:
-        return {"error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}",
-                "wall_s": wall_s}  # fmt: skip
+        return {
+            "error": proc.stderr.strip().splitlines()[-1] if proc.stderr.strip() else f"exit {proc.returncode}",
+            "wall_s": wall_s,
+        }
     summary = json.loads((out_dir / "summary.json").read_text())
     rows = summary["summary"]
     return {
@@ -67,8 +79,11 @@ def main() -> None:
             r = run_one(overrides, args.steps, Path(tmp) / "run")
         if "error" not in r:
             r["learns"] = r["last_10pct_reward"] - r["first_10pct_reward"] >= args.min_gain
-            print(f"{name:40s} {r['first_10pct_reward']:9.3f} {r['last_10pct_reward']:9.3f} "
-                  f"{r['greedy_eval_reward']:7.3f} {r['learns']!s:>7} {r['wall_s']:7.1f}", flush=True)  # fmt: skip
+            print(
+                f"{name:40s} {r['first_10pct_reward']:9.3f} {r['last_10pct_reward']:9.3f} "
+                f"{r['greedy_eval_reward']:7.3f} {r['learns']!s:>7} {r['wall_s']:7.1f}",
+                flush=True,
+            )
         else:
             print(f"{name:40s} error: {r['error']}", flush=True)
         results[name] = r

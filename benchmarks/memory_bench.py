@@ -53,9 +53,19 @@ def build_model_dir(shape: str, out_dir: Path) -> int:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     hidden, layers, heads, kv_heads, inter, vocab, tied = SHAPES[shape]
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=1024,
-                         tie_word_embeddings=tied, bos_token_id=None, eos_token_id=None, pad_token_id=None)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        max_position_embeddings=1024,
+        tie_word_embeddings=tied,
+        bos_token_id=None,
+        eos_token_id=None,
+        pad_token_id=None,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config)
     model.save_pretrained(out_dir)
@@ -173,12 +183,15 @@ class Sampler:
         self.peak_shmem_bytes = max(self.peak_shmem_bytes, shmem - self.shmem_start_bytes)
 
 
-def run_and_sample(cmd: list[str], env: dict, log_path: Path, cwd: Path,
-                   sampler_cls: type[Sampler] = Sampler) -> tuple[Sampler, int, float]:  # fmt: skip
+def run_and_sample(
+    cmd: list[str], env: dict, log_path: Path, cwd: Path, sampler_cls: type[Sampler] = Sampler
+) -> tuple[Sampler, int, float]:
     shmem_start = read_kib("/proc/meminfo", ("Shmem",)).get("Shmem", 0) * 1024
     start = time.perf_counter()
     with open(log_path, "w") as log:
-        proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd)  # cwd: `-m` puts it first on sys.path
+        proc = subprocess.Popen(
+            cmd, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=cwd
+        )  # cwd: `-m` puts it first on sys.path
     sampler = sampler_cls(proc.pid, shmem_start_bytes=shmem_start)
     done = threading.Event()
 
@@ -216,9 +229,12 @@ def summarize(sampler: Sampler, params: int, dtype_bytes: int, estimate: dict | 
     for role in ROLES:
         procs = [p for p in sampler.peaks.values() if p.role == role]
         if procs:
-            roles[role] = {"processes": len(procs), "peak_rss_bytes": max(p.rss_bytes for p in procs),
-                           "peak_pss_bytes": max(p.pss_bytes for p in procs),
-                           "pss_at_total_peak_bytes": sampler.peak_total_by_role.get(role, 0)}  # fmt: skip
+            roles[role] = {
+                "processes": len(procs),
+                "peak_rss_bytes": max(p.rss_bytes for p in procs),
+                "peak_pss_bytes": max(p.pss_bytes for p in procs),
+                "pss_at_total_peak_bytes": sampler.peak_total_by_role.get(role, 0),
+            }
     principled = principled_bytes(params, dtype_bytes)
     return {
         "params": params,
@@ -235,30 +251,42 @@ def summarize(sampler: Sampler, params: int, dtype_bytes: int, estimate: dict | 
 
 def print_table(result: dict) -> None:
     params = result["params"]
-    print(f"\n{result['label']}: {params / 1e6:.0f}M parameters; exit {result['exit_code']}; {result['wall_s']:.0f} s; "
-          f"step times {['%.1f' % s for s in result['step_s']]}")  # fmt: skip
+    print(
+        f"\n{result['label']}: {params / 1e6:.0f}M parameters; exit {result['exit_code']}; {result['wall_s']:.0f} s; "
+        f"step times {['%.1f' % s for s in result['step_s']]}"
+    )
     est = (result["estimate"] or {}).get("roles", {})
-    print(f"{'role':16s} {'n':>2s} {'peak RSS GiB':>12s} {'peak PSS GiB':>12s} {'at peak GiB':>11s} {'B/param':>8s} "
-          f"{'estimate GiB':>12s}")  # fmt: skip
+    print(
+        f"{'role':16s} {'n':>2s} {'peak RSS GiB':>12s} {'peak PSS GiB':>12s} {'at peak GiB':>11s} {'B/param':>8s} "
+        f"{'estimate GiB':>12s}"
+    )
     for role, r in result["roles"].items():
         e = est.get(role)
-        print(f"{role:16s} {r['processes']:2d} {r['peak_rss_bytes'] / GIB:12.2f} {r['peak_pss_bytes'] / GIB:12.2f} "
-              f"{r['pss_at_total_peak_bytes'] / GIB:11.2f} {r['peak_pss_bytes'] / params:8.1f} "
-              f"{'' if e is None else f'{e / GIB:12.2f}'}")  # fmt: skip
+        print(
+            f"{role:16s} {r['processes']:2d} {r['peak_rss_bytes'] / GIB:12.2f} {r['peak_pss_bytes'] / GIB:12.2f} "
+            f"{r['pss_at_total_peak_bytes'] / GIB:11.2f} {r['peak_pss_bytes'] / params:8.1f} "
+            f"{'' if e is None else f'{e / GIB:12.2f}'}"
+        )
     total = result["peak_total_pss_bytes"]
-    print(f"{'summed PSS':16s}    {'':12s} {total / GIB:12.2f} {'':11s} {total / params:8.1f} "
-          f"{'' if not est else f'{sum(est.values()) / GIB:12.2f}'}")  # fmt: skip
-    print(f"object store peak {result['peak_object_store_bytes'] / GIB:.2f} GiB; principled "
-          f"{result['principled_bytes'] / GIB:.2f} GiB ({result['principled_bytes'] / params:.0f} B/param); "
-          f"summed PSS / principled = {result['pss_over_principled']:.2f}")  # fmt: skip
+    print(
+        f"{'summed PSS':16s}    {'':12s} {total / GIB:12.2f} {'':11s} {total / params:8.1f} "
+        f"{'' if not est else f'{sum(est.values()) / GIB:12.2f}'}"
+    )
+    print(
+        f"object store peak {result['peak_object_store_bytes'] / GIB:.2f} GiB; principled "
+        f"{result['principled_bytes'] / GIB:.2f} GiB ({result['principled_bytes'] / params:.0f} B/param); "
+        f"summed PSS / principled = {result['pss_over_principled']:.2f}"
+    )
 
 
 def estimate_for(repo: Path, args_list: list[str], env: dict) -> dict | None:
     """The preflight's per-role estimate of the run (the tree's dppo.launch.preflight.memory_estimate), if it has one."""
-    code = ("import json,sys; from dppo.config.load import load_config; from dppo.data import make_prompt_source; "
-            "from dppo.launch import preflight as p; cfg = load_config(sys.argv[1:]); "
-            "from dppo.launch.plan import plan_run; e = p.memory_estimate(plan_run(cfg, make_prompt_source(cfg))); "
-            "print(json.dumps({'roles': e.by_role(), 'total': e.total_bytes}))")  # fmt: skip
+    code = (
+        "import json,sys; from dppo.config.load import load_config; from dppo.data import make_prompt_source; "
+        "from dppo.launch import preflight as p; cfg = load_config(sys.argv[1:]); "
+        "from dppo.launch.plan import plan_run; e = p.memory_estimate(plan_run(cfg, make_prompt_source(cfg))); "
+        "print(json.dumps({'roles': e.by_role(), 'total': e.total_bytes}))"
+    )
     out = subprocess.run([sys.executable, "-c", code, *args_list], env=env, capture_output=True, text=True, cwd=repo)
     if out.returncode != 0:
         return None
@@ -281,20 +309,30 @@ def main(argv: list[str] | None = None) -> dict:
     if args.model_dir is None or not (model_dir / "config.json").exists():
         params = build_model_dir(args.shape, model_dir)
     else:
-        params = json.loads((model_dir / "params.json").read_text())["params"] if (model_dir / "params.json").exists() \
-            else build_model_dir(args.shape, model_dir)  # fmt: skip
+        params = (
+            json.loads((model_dir / "params.json").read_text())["params"]
+            if (model_dir / "params.json").exists()
+            else build_model_dir(args.shape, model_dir)
+        )
     (model_dir / "params.json").write_text(json.dumps({"params": params}))
     env = {**os.environ, "PYTHONPATH": str(args.repo), "HF_HUB_OFFLINE": "1", "DPPO_MALLOC_TUNING": args.malloc_tuning}
     run_dir = work / "run"
     targs = train_args(model_dir, run_dir, args.dtype, args.world_size, args.steps)
     estimate = estimate_for(args.repo, targs, env)
-    sampler, code, wall_s = run_and_sample([sys.executable, "-m", "dppo", "train", *targs], env, work / "train.log",
-                                          args.repo)
+    sampler, code, wall_s = run_and_sample(
+        [sys.executable, "-m", "dppo", "train", *targs], env, work / "train.log", args.repo
+    )
     dtype_bytes = 4 if args.dtype == "float32" else 2
-    result = {"label": f"{args.shape} {args.dtype} world size {args.world_size} malloc tuning {args.malloc_tuning} "
-                       f"({args.repo})", "exit_code": code, "wall_s": wall_s, "step_s": step_times(run_dir),
-              "log_tail": (work / "train.log").read_text()[-1500:], "load": os.getloadavg()[0],
-              **summarize(sampler, params, dtype_bytes, estimate)}  # fmt: skip
+    result = {
+        "label": f"{args.shape} {args.dtype} world size {args.world_size} malloc tuning {args.malloc_tuning} "
+        f"({args.repo})",
+        "exit_code": code,
+        "wall_s": wall_s,
+        "step_s": step_times(run_dir),
+        "log_tail": (work / "train.log").read_text()[-1500:],
+        "load": os.getloadavg()[0],
+        **summarize(sampler, params, dtype_bytes, estimate),
+    }
     print_table(result)
     if code != 0:
         print(result["log_tail"])

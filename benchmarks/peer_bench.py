@@ -124,14 +124,15 @@ def median_range(values: list[float | None]) -> tuple[float | None, float | None
     return statistics.median(present), min(present), max(present)
 
 
-def verdicts(dppo: dict[str, float | None], trl: dict[str, float | None], targets: dict[str, float] = TARGETS) -> dict[str, dict]:
+def verdicts(
+    dppo: dict[str, float | None], trl: dict[str, float | None], targets: dict[str, float] = TARGETS
+) -> dict[str, dict]:
     """Per target key: dppo's and TRL's medians, the ratio and PASS/FAIL against targets (FAIL if a figure is missing)."""
     out = {}
     for key, limit in targets.items():
         a, b = dppo.get(key), trl.get(key)
         ratio = a / b if a is not None and b else None
-        out[key] = {"dppo": a, "trl": b, "ratio": ratio, "limit": limit,
-                    "pass": ratio is not None and ratio <= limit}  # fmt: skip
+        out[key] = {"dppo": a, "trl": b, "ratio": ratio, "limit": limit, "pass": ratio is not None and ratio <= limit}
     return out
 
 
@@ -215,9 +216,14 @@ class Run:
 
     def figures(self) -> dict[str, float | None]:
         fig = {f"to_{t}_s": moving_mean_crossing(self.steps, t) for t in self.thresholds}
-        fig.update(whole_s=self.whole_s, s_per_step=steady_state_s_per_step(self.steps),
-                   pss_mb=self.pss_peak_kb / 1024, final_reward=self.steps[-1][1] if self.steps else None,
-                   eval_reward=eval_reward(self.evaluation), eval_exact=self.evaluation.get("eval/accuracy"))  # fmt: skip
+        fig.update(
+            whole_s=self.whole_s,
+            s_per_step=steady_state_s_per_step(self.steps),
+            pss_mb=self.pss_peak_kb / 1024,
+            final_reward=self.steps[-1][1] if self.steps else None,
+            eval_reward=eval_reward(self.evaluation),
+            eval_exact=self.evaluation.get("eval/accuracy"),
+        )
         return fig
 
 
@@ -317,23 +323,41 @@ def text_overrides(task_dir: Path, lr: float) -> list[str]:
     """dppo's keys for the text task (benchmarks/text_peer_task.py), matched by benchmarks/trl_text.py; the rest
     are dppo's defaults. Both systems use both cores: dppo's trainer 2 threads next to the engine's 1."""
     text = text_task()
-    return [f"model.path={task_dir / 'model'}", f"data.train_files={task_dir / 'data' / 'train.parquet'}",
-            f"data.val_files={task_dir / 'data' / 'val.parquet'}", "data.max_prompt_length=32",
-            f"data.max_response_length={text.RESPONSE_TOKENS}", f"custom_reward_function.path={text.REWARD_FILE}",
-            f"trainer.train_batch_size={TEXT_PROMPTS}", f"rollout.groups_per_batch={TEXT_PROMPTS}",
-            "rollout.name=vllm", "trainer.num_threads=2", f"actor.lr={lr}"]  # fmt: skip
+    return [
+        f"model.path={task_dir / 'model'}",
+        f"data.train_files={task_dir / 'data' / 'train.parquet'}",
+        f"data.val_files={task_dir / 'data' / 'val.parquet'}",
+        "data.max_prompt_length=32",
+        f"data.max_response_length={text.RESPONSE_TOKENS}",
+        f"custom_reward_function.path={text.REWARD_FILE}",
+        f"trainer.train_batch_size={TEXT_PROMPTS}",
+        f"rollout.groups_per_batch={TEXT_PROMPTS}",
+        "rollout.name=vllm",
+        "trainer.num_threads=2",
+        f"actor.lr={lr}",
+    ]
 
 
 def run_dppo(args, seed: int, model_dir: Path, work: Path) -> Run:
     out = work / f"dppo-{seed}"
     task_keys = [f"model.path={model_dir}"] if args.task == "copy" else text_overrides(model_dir, args.lr)
-    cmd = [*dppo_command(Path(args.dppo_python)), *task_keys, f"trainer.seed={seed}",
-           f"trainer.output_dir={out}", *([f"trainer.total_steps={args.steps}"] if args.steps != 60 else []),
-           *([f"trainer.parameter_sync_step={args.sync_steps}"] if args.sync_steps != 4 else []),
-           *args.dppo_override]  # fmt: skip
+    cmd = [
+        *dppo_command(Path(args.dppo_python)),
+        *task_keys,
+        f"trainer.seed={seed}",
+        f"trainer.output_dir={out}",
+        *([f"trainer.total_steps={args.steps}"] if args.steps != 60 else []),
+        *([f"trainer.parameter_sync_step={args.sync_steps}"] if args.sync_steps != 4 else []),
+        *args.dppo_override,
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1"}
-    run = measure(Run("dppo", seed, log=str(work / f"dppo-{seed}.log"), thresholds=args.thresholds), cmd, env,
-                  out / "metrics.jsonl", dppo_steps)  # fmt: skip
+    run = measure(
+        Run("dppo", seed, log=str(work / f"dppo-{seed}.log"), thresholds=args.thresholds),
+        cmd,
+        env,
+        out / "metrics.jsonl",
+        dppo_steps,
+    )
     try:
         run.evaluation = json.loads((out / "summary.json").read_text())["evaluation"]
     except (OSError, KeyError, json.JSONDecodeError):
@@ -343,14 +367,33 @@ def run_dppo(args, seed: int, model_dir: Path, work: Path) -> Run:
 
 def run_trl(args, seed: int, model_dir: Path, work: Path) -> Run:
     progress, result = work / f"trl-{seed}.progress.jsonl", work / f"trl-{seed}.result.json"
-    script, model = ("trl_copy.py", ["--model"]) if args.task == "copy" else ("trl_text.py", ["--lr", str(args.lr), "--task-dir"])
-    cmd = [args.trl_python, str(REPO / "benchmarks" / script), *model, str(model_dir), "--seed", str(seed),
-           "--progress", str(progress), "--result", str(result), "--steps", str(args.steps),
-           "--output-dir", str(work / f"trl-{seed}"), "--steps-per-generation", str(args.sync_steps), *(["--threads", str(args.trl_threads)] if args.trl_threads else [])]  # fmt: skip
+    script, model = (
+        ("trl_copy.py", ["--model"]) if args.task == "copy" else ("trl_text.py", ["--lr", str(args.lr), "--task-dir"])
+    )
+    cmd = [
+        args.trl_python,
+        str(REPO / "benchmarks" / script),
+        *model,
+        str(model_dir),
+        "--seed",
+        str(seed),
+        "--progress",
+        str(progress),
+        "--result",
+        str(result),
+        "--steps",
+        str(args.steps),
+        "--output-dir",
+        str(work / f"trl-{seed}"),
+        "--steps-per-generation",
+        str(args.sync_steps),
+        *(["--threads", str(args.trl_threads)] if args.trl_threads else []),
+    ]
     pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH")) if p)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": pythonpath}
-    run = measure(Run("trl", seed, log=str(work / f"trl-{seed}.log"), thresholds=args.thresholds), cmd, env, progress,
-                  trl_steps)  # fmt: skip
+    run = measure(
+        Run("trl", seed, log=str(work / f"trl-{seed}.log"), thresholds=args.thresholds), cmd, env, progress, trl_steps
+    )
     try:
         run.evaluation = json.loads(result.read_text())["evaluation"]
     except (OSError, KeyError, json.JSONDecodeError):
@@ -360,11 +403,17 @@ def run_trl(args, seed: int, model_dir: Path, work: Path) -> Run:
 
 # ---- the table ---------------------------------------------------------------------------------------
 
-ROWS = (("to_0.5_s", "s to reward 0.5 (5-step moving mean)", 1), ("to_0.9_s", "s to reward 0.9", 1),
-        ("whole_s", "whole process, s", 1), ("s_per_step", "steady-state s/step", 3),
-        ("pss_mb", "peak summed PSS, MB", 0), ("procs", "processes at the PSS peak", 0),
-        ("final_reward", "reward of the last step", 3), ("eval_reward", "greedy eval reward", 3),
-        ("eval_exact", "greedy eval exact match", 3))  # fmt: skip
+ROWS = (
+    ("to_0.5_s", "s to reward 0.5 (5-step moving mean)", 1),
+    ("to_0.9_s", "s to reward 0.9", 1),
+    ("whole_s", "whole process, s", 1),
+    ("s_per_step", "steady-state s/step", 3),
+    ("pss_mb", "peak summed PSS, MB", 0),
+    ("procs", "processes at the PSS peak", 0),
+    ("final_reward", "reward of the last step", 3),
+    ("eval_reward", "greedy eval reward", 3),
+    ("eval_exact", "greedy eval exact match", 3),
+)
 
 
 def summarize(runs: list[Run]) -> dict[str, dict[str, tuple]]:
@@ -423,23 +472,43 @@ def format_table(summary: dict, judged: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--task", choices=("copy", "text"), default="copy",
-                        help="copy: dppo's demo (point 2); text: the 43M text task with dppo on vLLM (point 3)")  # fmt: skip
+    parser.add_argument(
+        "--task",
+        choices=("copy", "text"),
+        default="copy",
+        help="copy: dppo's demo (point 2); text: the 43M text task with dppo on vLLM (point 3)",
+    )
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help="default: 0 1 2 (copy), 0 (text)")
-    parser.add_argument("--steps", type=int, default=None, help="global steps (generation cycles) of each run; "
-                        f"default: 60 (copy), {TEXT_STEPS} (text)")  # fmt: skip
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help=f"global steps (generation cycles) of each run; default: 60 (copy), {TEXT_STEPS} (text)",
+    )
     parser.add_argument("--lr", type=float, default=TEXT_LR, help="both systems' lr on the text task")
     parser.add_argument("--out", default=None, help="JSON file of every run and the summary")
     parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
-    parser.add_argument("--sync-steps", type=int, default=None,
-                        help="optimizer steps per generation: dppo's trainer.parameter_sync_step, TRL's steps_per_generation")  # fmt: skip
+    parser.add_argument(
+        "--sync-steps",
+        type=int,
+        default=None,
+        help="optimizer steps per generation: dppo's trainer.parameter_sync_step, TRL's steps_per_generation",
+    )
     parser.add_argument("--trl-threads", type=int, default=None, help="TRL's torch threads (default: torch's own)")
     parser.add_argument("--only", choices=("dppo", "trl"), default=None, help="run one system only (debugging)")
-    parser.add_argument("--dppo-override", nargs="*", default=[], metavar="key=value",
-                        help="extra dppo overrides (scaling runs), after the matching ones")  # fmt: skip
+    parser.add_argument(
+        "--dppo-override",
+        nargs="*",
+        default=[],
+        metavar="key=value",
+        help="extra dppo overrides (scaling runs), after the matching ones",
+    )
     parser.add_argument("--keep", action="store_true", help="keep the work directory (logs, metrics)")
-    parser.add_argument("--dppo-python", default=None,
-                        help="dppo's interpreter; default: this one (copy), .venv-vllm's (text: `make vllm`)")  # fmt: skip
+    parser.add_argument(
+        "--dppo-python",
+        default=None,
+        help="dppo's interpreter; default: this one (copy), .venv-vllm's (text: `make vllm`)",
+    )
     args = parser.parse_args(argv)
     text = args.task == "text"
     args.seeds = args.seeds or ([0] if text else [0, 1, 2])
@@ -450,7 +519,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.only != "dppo" and not Path(args.trl_python).exists():
         parser.error(f"--trl-python {args.trl_python} does not exist: `make bench-peers` creates .venv-trl")
     if args.only != "trl" and not Path(args.dppo_python).exists():
-        parser.error(f"--dppo-python {args.dppo_python} does not exist" + (": `make vllm` creates .venv-vllm" if text else ""))
+        parser.error(
+            f"--dppo-python {args.dppo_python} does not exist" + (": `make vllm` creates .venv-vllm" if text else "")
+        )
 
     work = Path(tempfile.mkdtemp(prefix="dppo-peers-"))
     runs: list[Run] = []
@@ -459,7 +530,9 @@ def main(argv: list[str] | None = None) -> int:
         for i, seed in enumerate(args.seeds):
             model_dir = work / f"{args.task}-{seed}"
             if text:
-                print(f"seed {seed}: building the text task's model and data (benchmarks/text_peer_task.py)", flush=True)
+                print(
+                    f"seed {seed}: building the text task's model and data (benchmarks/text_peer_task.py)", flush=True
+                )
                 text_task().build(model_dir, seed)
             else:
                 build_model(seed, model_dir)
@@ -470,30 +543,47 @@ def main(argv: list[str] | None = None) -> int:
                 run = fn(args, seed, model_dir, work)
                 runs.append(run)
                 fig = run.figures()
-                print(f"seed {seed} {run.system:>4}: rc {run.returncode}, whole {run.whole_s:.1f} s, "
-                      f"to 0.5 {_s(fig['to_0.5_s'])}, to 0.9 {_s(fig['to_0.9_s'])}, s/step {_s(fig['s_per_step'], 3)}, "
-                      f"PSS {fig['pss_mb']:.0f} MB in {run.procs_at_peak} processes ({run.pss_samples} samples, "
-                      f"{run.sampler_s:.1f} s), eval {fig['eval_reward']} "
-                      f"exact {fig['eval_exact']}, load {run.load_before:.1f} -> {run.load_after:.1f}", flush=True)  # fmt: skip
+                print(
+                    f"seed {seed} {run.system:>4}: rc {run.returncode}, whole {run.whole_s:.1f} s, "
+                    f"to 0.5 {_s(fig['to_0.5_s'])}, to 0.9 {_s(fig['to_0.9_s'])}, s/step {_s(fig['s_per_step'], 3)}, "
+                    f"PSS {fig['pss_mb']:.0f} MB in {run.procs_at_peak} processes ({run.pss_samples} samples, "
+                    f"{run.sampler_s:.1f} s), eval {fig['eval_reward']} "
+                    f"exact {fig['eval_exact']}, load {run.load_before:.1f} -> {run.load_after:.1f}",
+                    flush=True,
+                )
                 if run.returncode != 0:
                     print(f"  the run failed; its log: {run.log}", flush=True)
                     args.keep = True
         summary = summarize(runs)
-        judged = verdicts({k: v[0] for k, v in summary["dppo"].items()}, {k: v[0] for k, v in summary["trl"].items()},
-                          targets)  # fmt: skip
-        print(f"\nmedians over seeds {args.seeds}, {args.steps} global steps ({started}; "
-              f"load average now {os.getloadavg()[0]:.2f}):\n")
+        judged = verdicts(
+            {k: v[0] for k, v in summary["dppo"].items()}, {k: v[0] for k, v in summary["trl"].items()}, targets
+        )
+        print(
+            f"\nmedians over seeds {args.seeds}, {args.steps} global steps ({started}; "
+            f"load average now {os.getloadavg()[0]:.2f}):\n"
+        )
         print(format_table(summary, judged))
         if not text and args.only != "trl":  # the demo task's exact match (issue 32); the text task has none
-            judged["final_exact"] = final_exact_verdict([(r.seed, r.figures()["eval_exact"]) for r in runs
-                                                         if r.system == "dppo"])  # fmt: skip
+            judged["final_exact"] = final_exact_verdict(
+                [(r.seed, r.figures()["eval_exact"]) for r in runs if r.system == "dppo"]
+            )
             print(format_final_verdict(judged["final_exact"]))
         print(f"\nevery run's final greedy evaluation:\n\n{final_table(runs)}")
         if args.out:
             Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps({"started": started, "argv": sys.argv[1:], "runs": [asdict(r) for r in runs],
-                                                  "finals": [{"system": r.system, "seed": r.seed, **r.figures()} for r in runs],
-                                                  "summary": summary, "targets": judged}, indent=2))  # fmt: skip
+            Path(args.out).write_text(
+                json.dumps(
+                    {
+                        "started": started,
+                        "argv": sys.argv[1:],
+                        "runs": [asdict(r) for r in runs],
+                        "finals": [{"system": r.system, "seed": r.seed, **r.figures()} for r in runs],
+                        "summary": summary,
+                        "targets": judged,
+                    },
+                    indent=2,
+                )
+            )
     finally:
         if args.keep:
             print(f"work directory kept: {work}")

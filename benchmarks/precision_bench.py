@@ -89,10 +89,14 @@ def matmul_gflops(m: int, k: int, n: int, dtype: torch.dtype, repeats: int = 5) 
 
 def make_batch(rows: int, prompt: int, response: int, vocab: int) -> TrainBatch:
     gen = torch.Generator().manual_seed(0)
-    return TrainBatch(input_ids=torch.randint(0, vocab, (rows, prompt + response), generator=gen),
-                      response_mask=torch.ones(rows, response, dtype=torch.bool),
-                      behav_logp=-2 * torch.rand(rows, response, generator=gen), scores=torch.rand(rows, generator=gen),
-                      group_index=torch.arange(rows) // 8, versions=torch.zeros(rows, dtype=torch.long))  # fmt: skip
+    return TrainBatch(
+        input_ids=torch.randint(0, vocab, (rows, prompt + response), generator=gen),
+        response_mask=torch.ones(rows, response, dtype=torch.bool),
+        behav_logp=-2 * torch.rand(rows, response, generator=gen),
+        scores=torch.rand(rows, generator=gen),
+        group_index=torch.arange(rows) // 8,
+        versions=torch.zeros(rows, dtype=torch.long),
+    )
 
 
 def run_config(model, optimizer, batch, precision: Precision, micro: int) -> dict:
@@ -150,25 +154,47 @@ def main(argv: list[str] | None = None) -> dict:
     for (p, m), runs in samples.items():
         score_s = statistics.median(r["score_s"] for r in runs)
         update_s = statistics.median(r["update_s"] for r in runs)
-        rows.append({"mixed_precision": p, "micro_batch_size": m, "score_s": score_s, "update_s": update_s,
-                     "score_tokens_per_s": tokens / score_s, "update_tokens_per_s": tokens / update_s,
-                     "saved_per_micro_bytes": max(r["saved_bytes"] for r in runs),
-                     "runs": runs})  # fmt: skip
-    result = {"model": args.model_path, "rows": args.rows, "tokens": tokens, "threads": args.threads,
-              "load": os.getloadavg(), "matmul_gflops": {k: statistics.median(v) for k, v in ceiling.items()},
-              "configs": rows}  # fmt: skip
-    print(f"{args.rows} rows x {args.prompt} + {args.response} tokens, {args.threads} thread(s), load {result['load'][0]:.2f}; "
-          f"matmul ceiling fp32 {result['matmul_gflops']['float32']:.0f}, bf16 {result['matmul_gflops']['bfloat16']:.0f} "
-          "GFLOP/s")  # fmt: skip
-    print(f"{'precision':10s} {'micro':>5s} {'pass s':>7s} {'tok/s':>6s} {'update s':>8s} {'tok/s':>6s} "
-          f"{'saved GiB':>9s} (a micro-batch's, for its backward)")  # fmt: skip
+        rows.append(
+            {
+                "mixed_precision": p,
+                "micro_batch_size": m,
+                "score_s": score_s,
+                "update_s": update_s,
+                "score_tokens_per_s": tokens / score_s,
+                "update_tokens_per_s": tokens / update_s,
+                "saved_per_micro_bytes": max(r["saved_bytes"] for r in runs),
+                "runs": runs,
+            }
+        )
+    result = {
+        "model": args.model_path,
+        "rows": args.rows,
+        "tokens": tokens,
+        "threads": args.threads,
+        "load": os.getloadavg(),
+        "matmul_gflops": {k: statistics.median(v) for k, v in ceiling.items()},
+        "configs": rows,
+    }
+    print(
+        f"{args.rows} rows x {args.prompt} + {args.response} tokens, {args.threads} thread(s), load {result['load'][0]:.2f}; "
+        f"matmul ceiling fp32 {result['matmul_gflops']['float32']:.0f}, bf16 {result['matmul_gflops']['bfloat16']:.0f} "
+        "GFLOP/s"
+    )
+    print(
+        f"{'precision':10s} {'micro':>5s} {'pass s':>7s} {'tok/s':>6s} {'update s':>8s} {'tok/s':>6s} "
+        f"{'saved GiB':>9s} (a micro-batch's, for its backward)"
+    )
     for r in rows:
-        print(f"{str(r['mixed_precision']):10s} {r['micro_batch_size']:5d} {r['score_s']:7.2f} {r['score_tokens_per_s']:6.0f} "
-              f"{r['update_s']:8.2f} {r['update_tokens_per_s']:6.0f} {r['saved_per_micro_bytes'] / GIB:9.2f}")  # fmt: skip
+        print(
+            f"{str(r['mixed_precision']):10s} {r['micro_batch_size']:5d} {r['score_s']:7.2f} {r['score_tokens_per_s']:6.0f} "
+            f"{r['update_s']:8.2f} {r['update_tokens_per_s']:6.0f} {r['saved_per_micro_bytes'] / GIB:9.2f}"
+        )
     for m in args.micro:
         a = next(r for r in rows if r["micro_batch_size"] == m and r["mixed_precision"] is None)
         b = next(r for r in rows if r["micro_batch_size"] == m and r["mixed_precision"] == "bfloat16")
-        print(f"micro {m}: bf16 / fp32 time: pass {b['score_s'] / a['score_s']:.2f}x, update {b['update_s'] / a['update_s']:.2f}x")
+        print(
+            f"micro {m}: bf16 / fp32 time: pass {b['score_s'] / a['score_s']:.2f}x, update {b['update_s'] / a['update_s']:.2f}x"
+        )
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     print(f"json: {args.out}")

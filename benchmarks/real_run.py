@@ -91,9 +91,15 @@ class Report:
     outputs: dict[str, str] = field(default_factory=dict)
 
     def crossings(self) -> dict[str, dict]:
-        return {f"{t}": {"at_s": time_to(self.points, t), "step": step_to(self.points, t), "target_s": TARGETS_S[t],
-                         "met": (time_to(self.points, t) or float("inf")) <= TARGETS_S[t]}
-                for t in THRESHOLDS}  # fmt: skip
+        return {
+            f"{t}": {
+                "at_s": time_to(self.points, t),
+                "step": step_to(self.points, t),
+                "target_s": TARGETS_S[t],
+                "met": (time_to(self.points, t) or float("inf")) <= TARGETS_S[t],
+            }
+            for t in THRESHOLDS
+        }
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -102,19 +108,27 @@ class Report:
 
     def rows(self) -> list[tuple[str, str]]:
         """(label, value) of each line of the report."""
-        rows = [("engine", self.engine),
-                ("base model, held-out greedy accuracy", _f(self.base_greedy)),
-                (f"base model, pass@{BASE_N} at temperature 1", _f(self.base_pass_at_8)),
-                ("base model, accuracy of those samples", _f(self.base_sampled)),
-                ("trained, held-out greedy accuracy (final)", _f(self.final_greedy)),
-                ("held-out greedy accuracy by step", " ".join(f"{p.step}:{p.acc:.3f}@{p.at_s:.0f}s" for p in self.points) or "-")]  # fmt: skip
+        rows = [
+            ("engine", self.engine),
+            ("base model, held-out greedy accuracy", _f(self.base_greedy)),
+            (f"base model, pass@{BASE_N} at temperature 1", _f(self.base_pass_at_8)),
+            ("base model, accuracy of those samples", _f(self.base_sampled)),
+            ("trained, held-out greedy accuracy (final)", _f(self.final_greedy)),
+            (
+                "held-out greedy accuracy by step",
+                " ".join(f"{p.step}:{p.acc:.3f}@{p.at_s:.0f}s" for p in self.points) or "-",
+            ),
+        ]
         for t, c in self.crossings().items():
             when = "not reached" if c["at_s"] is None else f"{c['at_s']:.0f} s (step {c['step']})"
             verdict = "met" if c["met"] else "NOT met"
             rows.append((f"time to greedy accuracy {t}", f"{when}; target {c['target_s']:.0f} s: {verdict}"))
-        rows += [("global steps", str(self.steps)), ("wall time from the start (s)", f"{self.wall_s:.0f}"),
-                 ("the base measurement (s)", f"{self.base_s:.0f}"),
-                 ("model import, not counted (s)", f"{self.import_s:.0f}")]  # fmt: skip
+        rows += [
+            ("global steps", str(self.steps)),
+            ("wall time from the start (s)", f"{self.wall_s:.0f}"),
+            ("the base measurement (s)", f"{self.base_s:.0f}"),
+            ("model import, not counted (s)", f"{self.import_s:.0f}"),
+        ]
         rows += [(name, path) for name, path in self.outputs.items()]
         return rows
 
@@ -174,11 +188,27 @@ class BaseMeasurement:
 
     def __init__(self, python: Path, config: Path, overrides: list[str], threads: int, out: Path, log, nice: int = 0):
         self.out, self.log = out, log
-        cmd = [str(python), str(Path(__file__).resolve()), "--measure-base", "--config", str(config), "--threads",
-               str(threads), "--json", str(out), *overrides]  # fmt: skip
+        cmd = [
+            str(python),
+            str(Path(__file__).resolve()),
+            "--measure-base",
+            "--config",
+            str(config),
+            "--threads",
+            str(threads),
+            "--json",
+            str(out),
+            *overrides,
+        ]
         self.start = time.perf_counter()
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env(),
-                                     preexec_fn=(lambda: os.nice(nice)) if nice else None)  # fmt: skip
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=_env(),
+            preexec_fn=(lambda: os.nice(nice)) if nice else None,
+        )
         self.seconds: float | None = None
 
     def poll(self) -> bool:
@@ -188,11 +218,15 @@ class BaseMeasurement:
         if self.seconds is None:
             self.seconds = time.perf_counter() - self.start
             if self.proc.returncode != 0:
-                raise SystemExit(f"real_run: the base measurement exited with {self.proc.returncode}; see {self.log.name}")
+                raise SystemExit(
+                    f"real_run: the base measurement exited with {self.proc.returncode}; see {self.log.name}"
+                )
             result = self.result()
-            print(f"base model: held-out greedy accuracy {_f(result['greedy'])}, pass@{BASE_N} at temperature 1 "
-                  f"{_f(result['pass_at_8'])}, the samples' accuracy {_f(result['sampled'])} ({self.seconds:.0f} s)",
-                  flush=True)  # fmt: skip
+            print(
+                f"base model: held-out greedy accuracy {_f(result['greedy'])}, pass@{BASE_N} at temperature 1 "
+                f"{_f(result['pass_at_8'])}, the samples' accuracy {_f(result['sampled'])} ({self.seconds:.0f} s)",
+                flush=True,
+            )
         return True
 
     def wait(self) -> dict:
@@ -231,15 +265,22 @@ def base_main(args) -> int:
         ready_s = time.perf_counter() - start
         greedy = score_engine(engine, source, prompts_per_batch=len(source.eval_prompts()))
         greedy_s = time.perf_counter() - start - ready_s
-        sampled = score_engine(engine, source, n=BASE_N, seed=cfg.trainer.seed,
-                               prompts_per_batch=max(1, vllm_rows(cfg) // BASE_N))  # fmt: skip
+        sampled = score_engine(
+            engine, source, n=BASE_N, seed=cfg.trainer.seed, prompts_per_batch=max(1, vllm_rows(cfg) // BASE_N)
+        )
     finally:
         engine.close()
     total_s = time.perf_counter() - start
-    result = {"greedy": greedy.get(ACC_KEY), "pass_at_8": sampled.get(PASS_KEY), "sampled": sampled.get(ACC_KEY),
-              "prompts": len(source.eval_prompts()), "engine": cfg.rollout.name, "dtype": cfg.rollout.dtype,
-              "seconds": {"start": ready_s, "greedy": greedy_s, "sampled": total_s - ready_s - greedy_s},
-              "metrics": {"greedy": greedy, "sampled": sampled}}  # fmt: skip
+    result = {
+        "greedy": greedy.get(ACC_KEY),
+        "pass_at_8": sampled.get(PASS_KEY),
+        "sampled": sampled.get(ACC_KEY),
+        "prompts": len(source.eval_prompts()),
+        "engine": cfg.rollout.name,
+        "dtype": cfg.rollout.dtype,
+        "seconds": {"start": ready_s, "greedy": greedy_s, "sampled": total_s - ready_s - greedy_s},
+        "metrics": {"greedy": greedy, "sampled": sampled},
+    }
     Path(args.json).write_text(json.dumps(result, indent=2))
     print(json.dumps(result["seconds"]), flush=True)
     return 0
@@ -275,8 +316,15 @@ def progress_line(record: dict, at_s: float) -> str:
     return "  ".join(parts)
 
 
-def train(python: Path, config: Path, overrides: list[str], out_dir: Path, clock: float, log,
-          base: BaseMeasurement | None = None) -> list[tuple[dict, float]]:  # fmt: skip
+def train(
+    python: Path,
+    config: Path,
+    overrides: list[str],
+    out_dir: Path,
+    clock: float,
+    log,
+    base: BaseMeasurement | None = None,
+) -> list[tuple[dict, float]]:
     """`dppo train`, its metrics.jsonl lines stamped (seconds since clock) as they appear and printed; the records.
     base: a base measurement running beside it, whose figures are printed when it ends."""
     cmd = [str(python), "-m", "dppo", "train", "--config", str(config), *overrides]
@@ -289,7 +337,7 @@ def train(python: Path, config: Path, overrides: list[str], out_dir: Path, clock
     def poll() -> None:
         while not done.is_set():
             records = _jsonl(metrics)
-            for record in records[len(stamped):]:
+            for record in records[len(stamped) :]:
                 at_s = time.perf_counter() - clock
                 stamped.append((record, at_s))
                 print(progress_line(record, at_s), flush=True)
@@ -317,16 +365,21 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure-base", action="store_true", help=argparse.SUPPRESS)  # the base measurement's process
     parser.add_argument("--config", default=str(CONFIG), help="the run's YAML (default: %(default)s)")
-    parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto",
-                        help="auto: vllm once `make vllm` has run, else hf")  # fmt: skip
+    parser.add_argument(
+        "--engine", choices=["auto", "vllm", "hf"], default="auto", help="auto: vllm once `make vllm` has run, else hf"
+    )
     parser.add_argument("--python", help="the python that runs the engine (default: .venv-vllm's or .venv's)")
     parser.add_argument("--model", default=str(MODEL_DIR), help="model directory, imported if missing")
     parser.add_argument("--out", default=str(REPO / "outputs" / "real"), help="output directory")
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # --measure-base
     parser.add_argument("--json", help=argparse.SUPPRESS)  # --measure-base
-    parser.add_argument("--base", choices=["before", "overlap"], default="before",
-                        help="measure the base model before the training (default), or beside it at nice 10 (only "
-                             "for runs of one thread per process: it stalls a two-thread trainer)")  # fmt: skip
+    parser.add_argument(
+        "--base",
+        choices=["before", "overlap"],
+        default="before",
+        help="measure the base model before the training (default), or beside it at nice 10 (only "
+        "for runs of one thread per process: it stalls a two-thread trainer)",
+    )
     parser.add_argument("--base-threads", type=int, default=2, help="threads of the base measurement (default 2)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both")
     args = parser.parse_intermixed_args(argv)
@@ -336,15 +389,30 @@ def main(argv: list[str] | None = None) -> int:
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
     engine, python = pick_engine(args.engine, args.python)
-    overrides = [f"model.path={args.model}", *engine_overrides(engine), f"trainer.output_dir={out_dir}", *args.overrides]
+    overrides = [
+        f"model.path={args.model}",
+        *engine_overrides(engine),
+        f"trainer.output_dir={out_dir}",
+        *args.overrides,
+    ]
     with open(out_dir / "real_run.log", "w") as log:
         import_s = import_model(Path(args.model), log)
         clock = time.perf_counter()  # the clock: from here, the model import excluded
         overlap = args.base == "overlap"
-        print(f"measuring the base model ({engine}, {args.base_threads} thread(s)"
-              f"{', beside the training at nice 10' if overlap else ''}) ...", flush=True)  # fmt: skip
-        measurement = BaseMeasurement(python, Path(args.config), overrides, args.base_threads, out_dir / "base.json",
-                                      log, nice=10 if overlap else 0)  # fmt: skip
+        print(
+            f"measuring the base model ({engine}, {args.base_threads} thread(s)"
+            f"{', beside the training at nice 10' if overlap else ''}) ...",
+            flush=True,
+        )
+        measurement = BaseMeasurement(
+            python,
+            Path(args.config),
+            overrides,
+            args.base_threads,
+            out_dir / "base.json",
+            log,
+            nice=10 if overlap else 0,
+        )
         try:
             if not overlap:
                 measurement.wait()
@@ -356,11 +424,23 @@ def main(argv: list[str] | None = None) -> int:
         base_s = measurement.seconds
     points = eval_points(stamped)
     summary = json.loads((out_dir / "summary.json").read_text())
-    outputs = {name: str(out_dir / name) for name in ("training_curves.png", "hf_model", "summary.json", "metrics.jsonl")}
+    outputs = {
+        name: str(out_dir / name) for name in ("training_curves.png", "hf_model", "summary.json", "metrics.jsonl")
+    }
     outputs["real_run.json"] = str(out_dir / "real_run.json")
-    report = Report(engine, base["greedy"], base["pass_at_8"], base["sampled"], base_s,
-                    summary["evaluation"].get(ACC_KEY), points, wall_s, import_s,
-                    int(stamped[-1][0]["step"]) if stamped else 0, outputs)  # fmt: skip
+    report = Report(
+        engine,
+        base["greedy"],
+        base["pass_at_8"],
+        base["sampled"],
+        base_s,
+        summary["evaluation"].get(ACC_KEY),
+        points,
+        wall_s,
+        import_s,
+        int(stamped[-1][0]["step"]) if stamped else 0,
+        outputs,
+    )
     (out_dir / "real_run.json").write_text(json.dumps(report.to_json(), indent=2))
     print("\nmake real:\n" + "\n".join(report.lines()), flush=True)
     return 0

@@ -34,8 +34,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from memory_bench import GIB, REPO, Sampler, estimate_for, read_kib, run_and_sample  # noqa: E402
 
 PS = 2  # trainer.parameter_sync_step of issue 35's run
-ISSUE_35 = ["trainer.train_batch_size=8", "rollout.n=8", f"trainer.parameter_sync_step={PS}", "actor.lr=1e-5",
-            "data.max_response_length=12", "trainer.checkpoint_every=0", "trainer.progress_bar=false"]  # fmt: skip
+ISSUE_35 = [
+    "trainer.train_batch_size=8",
+    "rollout.n=8",
+    f"trainer.parameter_sync_step={PS}",
+    "actor.lr=1e-5",
+    "data.max_response_length=12",
+    "trainer.checkpoint_every=0",
+    "trainer.progress_bar=false",
+]
 TIMES = ("step", "gen_wait", "old_log_prob", "score_ahead", "snapshot", "update_actor", "weight_sync")
 
 
@@ -66,8 +73,9 @@ def mean_prompt_tokens(model_path: str, train_files: str) -> float:
 
     tok = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     prompts = pq.read_table(train_files, columns=["prompt"]).column("prompt").to_pylist()[:256]
-    return statistics.mean(len(tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False))
-                           for p in prompts)  # fmt: skip
+    return statistics.mean(
+        len(tok.apply_chat_template(p, add_generation_prompt=True, return_dict=False)) for p in prompts
+    )
 
 
 def step_figures(run_dir: Path, sequences_per_step: int, prompt_tokens: float) -> dict:
@@ -77,57 +85,96 @@ def step_figures(run_dir: Path, sequences_per_step: int, prompt_tokens: float) -
     response = statistics.mean(r.get("response_length/mean", 0.0) for r in steady)
     tokens = sequences_per_step * (prompt_tokens + response)
     passes_s = out["old_log_prob_s"] + out["score_ahead_s"]
-    out.update(steps=len(records), response_tokens_mean=response, tokens_per_step=tokens,
-               update_tokens_per_s=tokens / out["update_actor_s"] if out["update_actor_s"] else None,
-               old_log_prob_tokens_per_s=tokens * (PS - 1) / PS / passes_s if passes_s > 0.05 else None,
-               step_s_all=[r.get("timing_s/step") for r in records],
-               score_mean=[r.get("critic/score/mean") for r in records])  # fmt: skip
+    out.update(
+        steps=len(records),
+        response_tokens_mean=response,
+        tokens_per_step=tokens,
+        update_tokens_per_s=tokens / out["update_actor_s"] if out["update_actor_s"] else None,
+        old_log_prob_tokens_per_s=tokens * (PS - 1) / PS / passes_s if passes_s > 0.05 else None,
+        step_s_all=[r.get("timing_s/step") for r in records],
+        score_mean=[r.get("critic/score/mean") for r in records],
+    )
     return out
 
 
 def by_process(sampler: HighWaterSampler) -> list[dict]:
-    return [{"pid": p.pid, "role": p.role, "title": p.title, "peak_pss_bytes": p.pss_bytes, "peak_rss_bytes": p.rss_bytes,
-             "hwm_bytes": sampler.hwm_bytes.get(p.pid, 0), "peak_own_pss_bytes": sampler.own_pss_bytes.get(p.pid, 0)}
-            for p in sorted(sampler.peaks.values(), key=lambda p: -p.pss_bytes) if p.pss_bytes > 64 * 2**20]  # fmt: skip
+    return [
+        {
+            "pid": p.pid,
+            "role": p.role,
+            "title": p.title,
+            "peak_pss_bytes": p.pss_bytes,
+            "peak_rss_bytes": p.rss_bytes,
+            "hwm_bytes": sampler.hwm_bytes.get(p.pid, 0),
+            "peak_own_pss_bytes": sampler.own_pss_bytes.get(p.pid, 0),
+        }
+        for p in sorted(sampler.peaks.values(), key=lambda p: -p.pss_bytes)
+        if p.pss_bytes > 64 * 2**20
+    ]
 
 
 def run_one(args, precision: str, work: Path, prompt_tokens: float) -> dict:
     run_dir = work / f"run-{precision}-{len(list(work.iterdir()))}"
-    targs = [f"model.path={args.model_path}", f"data.train_files={args.train_files}",
-             f"custom_reward_function.path={args.reward}", f"trainer.total_steps={args.steps}",
-             f"trainer.output_dir={run_dir}", *ISSUE_35, *args.overrides]  # fmt: skip
+    targs = [
+        f"model.path={args.model_path}",
+        f"data.train_files={args.train_files}",
+        f"custom_reward_function.path={args.reward}",
+        f"trainer.total_steps={args.steps}",
+        f"trainer.output_dir={run_dir}",
+        *ISSUE_35,
+        *args.overrides,
+    ]
     if precision != "unset":  # unset: a tree without the key (--repo of an older dppo)
         targs.append(f"actor.mixed_precision={precision}")
     env = {**os.environ, "PYTHONPATH": str(args.repo), "HF_HUB_OFFLINE": "1"}
     estimate = estimate_for(args.repo, targs, env)
     log = work / f"{run_dir.name}.log"
-    result_sampler, code, wall_s = run_and_sample([sys.executable, "-m", "dppo", "train", *targs], env, log,
-                                                  args.repo, HighWaterSampler)  # fmt: skip
+    result_sampler, code, wall_s = run_and_sample(
+        [sys.executable, "-m", "dppo", "train", *targs], env, log, args.repo, HighWaterSampler
+    )
     figures = step_figures(run_dir, 64, prompt_tokens) if code == 0 else {}
-    return {"precision": precision, "exit_code": code, "wall_s": wall_s, "load": os.getloadavg(), "estimate": estimate,
-            "processes": by_process(result_sampler), "peak_total_pss_bytes": result_sampler.peak_total_pss_bytes,
-            "peak_shmem_bytes": result_sampler.peak_shmem_bytes,
-            **figures, "log_tail": log.read_text()[-1200:]}  # fmt: skip
+    return {
+        "precision": precision,
+        "exit_code": code,
+        "wall_s": wall_s,
+        "load": os.getloadavg(),
+        "estimate": estimate,
+        "processes": by_process(result_sampler),
+        "peak_total_pss_bytes": result_sampler.peak_total_pss_bytes,
+        "peak_shmem_bytes": result_sampler.peak_shmem_bytes,
+        **figures,
+        "log_tail": log.read_text()[-1200:],
+    }
 
 
 def print_run(r: dict) -> None:
-    print(f"\nactor.mixed_precision={r['precision']}: exit {r['exit_code']}, {r['wall_s']:.0f} s, load {r['load'][0]:.2f}")
+    print(
+        f"\nactor.mixed_precision={r['precision']}: exit {r['exit_code']}, {r['wall_s']:.0f} s, load {r['load'][0]:.2f}"
+    )
     est = (r["estimate"] or {}).get("roles", {})
-    print(f"  {'process':24s} {'PSS-shm':>9s} {'peak PSS':>9s} {'peak RSS':>9s} {'VmHWM':>9s} {'estimate':>9s} {'est/meas':>8s}"
-          "   GiB (PSS-shm: peak PSS without the shared weights it maps)")  # fmt: skip
+    print(
+        f"  {'process':24s} {'PSS-shm':>9s} {'peak PSS':>9s} {'peak RSS':>9s} {'VmHWM':>9s} {'estimate':>9s} {'est/meas':>8s}"
+        "   GiB (PSS-shm: peak PSS without the shared weights it maps)"
+    )
     for p in r["processes"]:
         e = est.get(p["role"])
         ratio = f"{e / p['peak_own_pss_bytes']:8.2f}" if e and p["peak_own_pss_bytes"] else ""
-        print(f"  {p['role'] + ' ' + str(p['pid']):24s} {p['peak_own_pss_bytes'] / GIB:9.2f} {p['peak_pss_bytes'] / GIB:9.2f} "
-              f"{p['peak_rss_bytes'] / GIB:9.2f} {p['hwm_bytes'] / GIB:9.2f} {'' if e is None else f'{e / GIB:9.2f}'} {ratio}")  # fmt: skip
+        print(
+            f"  {p['role'] + ' ' + str(p['pid']):24s} {p['peak_own_pss_bytes'] / GIB:9.2f} {p['peak_pss_bytes'] / GIB:9.2f} "
+            f"{p['peak_rss_bytes'] / GIB:9.2f} {p['hwm_bytes'] / GIB:9.2f} {'' if e is None else f'{e / GIB:9.2f}'} {ratio}"
+        )
     if est.get("shared_weights"):
-        print(f"  {'shared weights (Shmem)':24s} {r['peak_shmem_bytes'] / GIB:9.2f} {'':9s} {'':9s} {'':9s} "
-              f"{est['shared_weights'] / GIB:9.2f}")  # fmt: skip
+        print(
+            f"  {'shared weights (Shmem)':24s} {r['peak_shmem_bytes'] / GIB:9.2f} {'':9s} {'':9s} {'':9s} "
+            f"{est['shared_weights'] / GIB:9.2f}"
+        )
     if r["exit_code"] == 0:
         parts = ", ".join(f"{k} {r[f'{k}_s']:.2f}" for k in TIMES)
         print(f"  median s ({r['steps'] - 1} steps after the first): {parts}")
-        print(f"  tokens/s: update {r['update_tokens_per_s']:.0f}, old-log-prob passes "
-              f"{r['old_log_prob_tokens_per_s'] or float('nan'):.0f} ({r['tokens_per_step']:.0f} tokens a step)")  # fmt: skip
+        print(
+            f"  tokens/s: update {r['update_tokens_per_s']:.0f}, old-log-prob passes "
+            f"{r['old_log_prob_tokens_per_s'] or float('nan'):.0f} ({r['tokens_per_step']:.0f} tokens a step)"
+        )
     else:
         print(r["log_tail"])
 
@@ -138,8 +185,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--train-files", required=True)
     parser.add_argument("--reward", required=True)
     parser.add_argument("--steps", type=int, default=4)
-    parser.add_argument("--precisions", nargs="+", default=["null", "bfloat16"],
-                        help="actor.mixed_precision of each run; unset: the key is not passed (a tree without it)")
+    parser.add_argument(
+        "--precisions",
+        nargs="+",
+        default=["null", "bfloat16"],
+        help="actor.mixed_precision of each run; unset: the key is not passed (a tree without it)",
+    )
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--repo", type=Path, default=REPO)
     parser.add_argument("--out", type=Path, default=REPO / "bench_out" / "real_run.json")

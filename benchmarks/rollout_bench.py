@@ -134,16 +134,33 @@ def bench_generation(size, dtype, args) -> dict:
     hf.load_weights(model.state_dict())
     hf_tps, hf_cpu = _tokens_per_s(hf, prompts, args.n, args.repeats)
     del hf
-    vllm = VLLMEngine(model.config, dtype, 1.0, args.new_tokens, None, 0, max_num_seqs=args.prompts * args.n,
-                      max_prompt_len=args.prompt_len, compile=args.vllm_compile)  # fmt: skip
+    vllm = VLLMEngine(
+        model.config,
+        dtype,
+        1.0,
+        args.new_tokens,
+        None,
+        0,
+        max_num_seqs=args.prompts * args.n,
+        max_prompt_len=args.prompt_len,
+        compile=args.vllm_compile,
+    )
     vllm.load_weights(model.state_dict())
     vllm_tps, vllm_cpu = _tokens_per_s(vllm, prompts, args.n, args.repeats)
     vllm.close()
     params = sum(p.numel() for p in model.parameters())
     rate, rates = matmul_ceiling(model, args.prompts * args.n, dtype)
-    return {"size": size, "params_m": params / 1e6, "dtype": dtype, "hf_tok_s": hf_tps, "vllm_tok_s": vllm_tps,
-            "hf_tok_cpu_s": hf_cpu, "vllm_tok_cpu_s": vllm_cpu, "ceiling_tok_s": rate / forward_flops(model),
-            "matmul_gflops": {k: v / 1e9 for k, v in rates.items()}}
+    return {
+        "size": size,
+        "params_m": params / 1e6,
+        "dtype": dtype,
+        "hf_tok_s": hf_tps,
+        "vllm_tok_s": vllm_tps,
+        "hf_tok_cpu_s": hf_cpu,
+        "vllm_tok_cpu_s": vllm_cpu,
+        "ceiling_tok_s": rate / forward_flops(model),
+        "matmul_gflops": {k: v / 1e9 for k, v in rates.items()},
+    }
 
 
 def bench_sync(size, dtype, lr, args) -> list[dict]:
@@ -170,9 +187,20 @@ def bench_sync(size, dtype, lr, args) -> list[dict]:
         for cycle, state in enumerate(_adam_cycles(model, lr, args.cycles)):
             published, publish_s, publish_rss = publish(state)
             sync, holds = load_published(engine, published, holds)
-            rows.append({"size": size, "dtype": dtype, "lr": lr, "mode": mode, "cycle": cycle, "s": sync.seconds,
-                         "publish_s": publish_s, "publish_mb": publish_rss / 2**20, "mb": sync.bytes / 2**20,
-                         "changed": sync.changed_fraction})  # fmt: skip
+            rows.append(
+                {
+                    "size": size,
+                    "dtype": dtype,
+                    "lr": lr,
+                    "mode": mode,
+                    "cycle": cycle,
+                    "s": sync.seconds,
+                    "publish_s": publish_s,
+                    "publish_mb": publish_rss / 2**20,
+                    "mb": sync.bytes / 2**20,
+                    "changed": sync.changed_fraction,
+                }
+            )
         engine.close()
     return rows
 
@@ -211,23 +239,30 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     os.environ.setdefault("OMP_NUM_THREADS", str(args.threads))
-    print(f"# rollout_bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.prompts} prompts x n={args.n}, "
-          f"{args.prompt_len} prompt + {args.new_tokens} new tokens, {args.threads} threads")  # fmt: skip
+    print(
+        f"# rollout_bench {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: {args.prompts} prompts x n={args.n}, "
+        f"{args.prompt_len} prompt + {args.new_tokens} new tokens, {args.threads} threads"
+    )
     if not args.skip_generation:
-        print("| model | params | dtype | hf tok/s | vllm tok/s | vllm / hf | hf tok/cpu-s | vllm tok/cpu-s | "
-              "vllm / hf (cpu) | ceiling tok/s | hf, vllm of ceiling | matmul GFLOP/s |\n"
-              "|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
+        print(
+            "| model | params | dtype | hf tok/s | vllm tok/s | vllm / hf | hf tok/cpu-s | vllm tok/cpu-s | "
+            "vllm / hf (cpu) | ceiling tok/s | hf, vllm of ceiling | matmul GFLOP/s |\n"
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"
+        )
         verdicts = []
         for size in args.sizes:
             for dtype in args.dtypes:
                 r = bench_generation(size, dtype, args)
                 ratio = r["vllm_tok_s"] / r["hf_tok_s"]
                 gflops = ", ".join(f"{k} {v:.0f}" for k, v in r["matmul_gflops"].items())
-                print(f"| {size} | {r['params_m']:.1f}M | {dtype} | {r['hf_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
-                      f"{ratio:.1f}x | {r['hf_tok_cpu_s']:.0f} | {r['vllm_tok_cpu_s']:.0f} | "
-                      f"{r['vllm_tok_cpu_s'] / r['hf_tok_cpu_s']:.1f}x | {r['ceiling_tok_s']:.0f} | "
-                      f"{r['hf_tok_s'] / r['ceiling_tok_s']:.0%}, {r['vllm_tok_s'] / r['ceiling_tok_s']:.0%} | "
-                      f"{gflops} |", flush=True)  # fmt: skip
+                print(
+                    f"| {size} | {r['params_m']:.1f}M | {dtype} | {r['hf_tok_s']:.0f} | {r['vllm_tok_s']:.0f} | "
+                    f"{ratio:.1f}x | {r['hf_tok_cpu_s']:.0f} | {r['vllm_tok_cpu_s']:.0f} | "
+                    f"{r['vllm_tok_cpu_s'] / r['hf_tok_cpu_s']:.1f}x | {r['ceiling_tok_s']:.0f} | "
+                    f"{r['hf_tok_s'] / r['ceiling_tok_s']:.0%}, {r['vllm_tok_s'] / r['ceiling_tok_s']:.0%} | "
+                    f"{gflops} |",
+                    flush=True,
+                )
                 if r["params_m"] > 20:  # the target is set at ~40M
                     verdicts.append(f"{size} {dtype} {'PASS' if ratio >= TARGET else 'FAIL'} {ratio:.1f}x")
         if verdicts:
@@ -237,18 +272,23 @@ def main() -> None:
     import ray
 
     ray.init(address="local", num_cpus=1, include_dashboard=False, logging_level="WARNING")
-    print("\n| model | engine dtype | lr | sync | MB read per cycle | load s | publish s | publish peak RSS + MB | "
-          "changed fraction |\n|---|---|---|---|---|---|---|---|---|")
+    print(
+        "\n| model | engine dtype | lr | sync | MB read per cycle | load s | publish s | publish peak RSS + MB | "
+        "changed fraction |\n|---|---|---|---|---|---|---|---|---|"
+    )
     for size in args.sizes:
         for dtype in args.dtypes:
             for lr in args.lrs:
                 rows = bench_sync(size, dtype, lr, args)
                 for mode in ("full", "delta"):
                     mine = [r for r in rows if r["mode"] == mode]
-                    print(f"| {size} | {dtype} | {lr:g} | {mode} | {np.mean([r['mb'] for r in mine]):.2f} | "
-                          f"{np.mean([r['s'] for r in mine]):.3f} | {np.mean([r['publish_s'] for r in mine]):.3f} | "
-                          f"{max(r['publish_mb'] for r in mine):.0f} | "
-                          f"{', '.join(format(r['changed'], '.3f') for r in mine)} |", flush=True)  # fmt: skip
+                    print(
+                        f"| {size} | {dtype} | {lr:g} | {mode} | {np.mean([r['mb'] for r in mine]):.2f} | "
+                        f"{np.mean([r['s'] for r in mine]):.3f} | {np.mean([r['publish_s'] for r in mine]):.3f} | "
+                        f"{max(r['publish_mb'] for r in mine):.0f} | "
+                        f"{', '.join(format(r['changed'], '.3f') for r in mine)} |",
+                        flush=True,
+                    )
     ray.shutdown()
 
 

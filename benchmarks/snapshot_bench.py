@@ -71,7 +71,9 @@ LAYOUTS: dict[str, Callable[[], dict[str, tuple[int, ...]]]] = {
 
 def make_tensors(shapes: dict[str, tuple[int, ...]], device: torch.device) -> dict[str, torch.Tensor]:
     gen = torch.Generator(device=device).manual_seed(0)
-    return {n: torch.empty(s, dtype=torch.bfloat16, device=device).uniform_(-1, 1, generator=gen) for n, s in shapes.items()}
+    return {
+        n: torch.empty(s, dtype=torch.bfloat16, device=device).uniform_(-1, 1, generator=gen) for n, s in shapes.items()
+    }
 
 
 # ---- timing ------------------------------------------------------------------------------------------
@@ -225,8 +227,13 @@ def rows(result: dict) -> list[dict]:
     for method, ops in med.items():
         for op, s in ops.items():
             moved = 3 * nbytes if op == "swap" else nbytes  # swapped(): out + in on enter, back on exit
-            row = {"layout": result["layout"], "op": op, "method": method, "median_ms": s * 1e3,
-                   "gbps": moved / s / 1e9 if op != "save_call" else None}
+            row = {
+                "layout": result["layout"],
+                "op": op,
+                "method": method,
+                "median_ms": s * 1e3,
+                "gbps": moved / s / 1e9 if op != "save_call" else None,
+            }
             if op in ("save", "restore"):
                 row["x_ceiling"] = med["ceiling"][op] / s
                 row["x_baseline1"] = med["baseline1"][op] / s
@@ -252,12 +259,16 @@ def targets(all_rows: list[dict], cuda: bool) -> list[str]:
             continue
         if cuda:
             ok = r["x_ceiling"] >= 0.9
-            lines.append(f"{r['layout']} {r['op']}: {r['x_ceiling']:.2f}x pinned ceiling (target >= 0.9): "
-                         f"{'met' if ok else 'NOT met'}")
+            lines.append(
+                f"{r['layout']} {r['op']}: {r['x_ceiling']:.2f}x pinned ceiling (target >= 0.9): "
+                f"{'met' if ok else 'NOT met'}"
+            )
         else:
             ok = r["x_ceiling"] >= 0.8 and r["x_baseline1"] >= 2.0
-            lines.append(f"{r['layout']} {r['op']}: {r['x_ceiling']:.2f}x ceiling (>= 0.8), {r['x_baseline1']:.2f}x "
-                         f"baseline1 (>= 2): {'met' if ok else 'NOT met'}")
+            lines.append(
+                f"{r['layout']} {r['op']}: {r['x_ceiling']:.2f}x ceiling (>= 0.8), {r['x_baseline1']:.2f}x "
+                f"baseline1 (>= 2): {'met' if ok else 'NOT met'}"
+            )
     return lines
 
 
@@ -299,9 +310,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{name}: {time.perf_counter() - t0:.1f} s]", flush=True)
     meta["loadavg_after"] = os.getloadavg()
     all_rows = [r for res in results for r in rows(res)]
-    print(f"\nsnapshot_bench on {meta['device']} ({meta['cpus']} CPUs, torch {meta['torch']}), "
-          f"median of {repeats} after {args.warmup} warm-up; load avg {meta['loadavg_before'][0]:.2f} -> "
-          f"{meta['loadavg_after'][0]:.2f}")
+    print(
+        f"\nsnapshot_bench on {meta['device']} ({meta['cpus']} CPUs, torch {meta['torch']}), "
+        f"median of {repeats} after {args.warmup} warm-up; load avg {meta['loadavg_before'][0]:.2f} -> "
+        f"{meta['loadavg_after'][0]:.2f}"
+    )
     print_table(all_rows)
     goals = targets(all_rows, device.type == "cuda")
     print("\n" + "\n".join(goals))

@@ -41,8 +41,11 @@ SYNC_STEPS = (4, 8)
 SEEDS = tuple(range(20))
 TARGET_EXACT = 0.99
 # The settings, each a list of `dppo train` overrides on top of the defaults.
-LR_SCHEDULE = ["actor.optim.lr_warmup_steps_ratio=0.05", "actor.optim.lr_scheduler_type=cosine",
-               "actor.optim.min_lr_ratio=0.1"]  # fmt: skip
+LR_SCHEDULE = [
+    "actor.optim.lr_warmup_steps_ratio=0.05",
+    "actor.optim.lr_scheduler_type=cosine",
+    "actor.optim.min_lr_ratio=0.1",
+]
 KL_GUARD = ["actor.max_ppo_kl=0.1"]
 SETTINGS = {
     "baseline": [],
@@ -75,23 +78,44 @@ def run_dir(work: Path, setting: str, sync_steps: int, seed: int) -> Path:
 
 def overrides(setting: str, sync_steps: int, seed: int, out: Path) -> list[str]:
     """`dppo train`'s key=value arguments of one run: the demo's defaults without Ray, and the setting's keys."""
-    return [f"trainer.seed={seed}", f"trainer.parameter_sync_step={sync_steps}", f"trainer.output_dir={out}",
-            "ray.enabled=false", "trainer.progress_bar=false", *SETTINGS[setting]]  # fmt: skip
+    return [
+        f"trainer.seed={seed}",
+        f"trainer.parameter_sync_step={sync_steps}",
+        f"trainer.output_dir={out}",
+        "ray.enabled=false",
+        "trainer.progress_bar=false",
+        *SETTINGS[setting],
+    ]
 
 
-def result_of(setting: str, sync_steps: int, seed: int, summary: dict, records: list[dict],
-              stamps: list[tuple[int, float, float]], returncode: int, wall_s: float) -> dict:  # fmt: skip
+def result_of(
+    setting: str,
+    sync_steps: int,
+    seed: int,
+    summary: dict,
+    records: list[dict],
+    stamps: list[tuple[int, float, float]],
+    returncode: int,
+    wall_s: float,
+) -> dict:
     """One run's figures from its summary.json, its metrics.jsonl records and the stamps (step, reward, seconds since
     the process started) of its metrics lines."""
     from dppo.trainer.report import tail_mean
 
     evaluation = summary.get("evaluation", {})
-    return {"setting": setting, "sync_steps": sync_steps, "seed": seed, "returncode": returncode, "wall_s": wall_s,
-            "exact": evaluation.get("eval/accuracy"), "eval_reward": evaluation.get("eval/reward"),
-            "last_10pct_reward": tail_mean(records, "critic/score/mean") if records else None,
-            "to_0.9_s": peer_bench().moving_mean_crossing(stamps, 0.9, window=1),
-            "step_0.9": next((r["step"] for r in records if r["critic/score/mean"] >= 0.9), None),
-            "steps": len(records)}  # fmt: skip
+    return {
+        "setting": setting,
+        "sync_steps": sync_steps,
+        "seed": seed,
+        "returncode": returncode,
+        "wall_s": wall_s,
+        "exact": evaluation.get("eval/accuracy"),
+        "eval_reward": evaluation.get("eval/reward"),
+        "last_10pct_reward": tail_mean(records, "critic/score/mean") if records else None,
+        "to_0.9_s": peer_bench().moving_mean_crossing(stamps, 0.9, window=1),
+        "step_0.9": next((r["step"] for r in records if r["critic/score/mean"] >= 0.9), None),
+        "steps": len(records),
+    }
 
 
 def _median(values: list) -> float | None:
@@ -113,12 +137,20 @@ def table_rows(results: list[dict]) -> list[dict]:
     for (setting, ps), runs in sorted(groups.items(), key=lambda kv: (order.get(kv[0][0], len(order)), kv[0])):
         exact = [r["exact"] for r in runs]
         to_09 = _median([r["to_0.9_s"] for r in runs])
-        rows.append({"setting": setting, "sync_steps": ps, "runs": len(runs),
-                     "at_target": sum(e is not None and e >= TARGET_EXACT for e in exact),
-                     "min_exact": min((e for e in exact if e is not None), default=None), "median_exact": _median(exact),
-                     "median_last_10pct": _median([r["last_10pct_reward"] for r in runs]), "median_to_0.9_s": to_09,
-                     "to_0.9_ratio": to_09 / base_time if to_09 is not None and base_time else None,
-                     "median_step_0.9": _median([r.get("step_0.9") for r in runs])})  # fmt: skip
+        rows.append(
+            {
+                "setting": setting,
+                "sync_steps": ps,
+                "runs": len(runs),
+                "at_target": sum(e is not None and e >= TARGET_EXACT for e in exact),
+                "min_exact": min((e for e in exact if e is not None), default=None),
+                "median_exact": _median(exact),
+                "median_last_10pct": _median([r["last_10pct_reward"] for r in runs]),
+                "median_to_0.9_s": to_09,
+                "to_0.9_ratio": to_09 / base_time if to_09 is not None and base_time else None,
+                "median_step_0.9": _median([r.get("step_0.9") for r in runs]),
+            }
+        )
     return rows
 
 
@@ -126,13 +158,18 @@ def format_table(rows: list[dict]) -> str:
     def f(value, digits=3):
         return "n/a" if value is None else f"{value:.{digits}f}"
 
-    lines = [f"| setting | ps | seeds at exact >= {TARGET_EXACT} | min / median exact | median last-10% reward | "
-             "median s to 0.9 | vs baseline ps 4 | median step to 0.9 |", "|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    lines = [
+        f"| setting | ps | seeds at exact >= {TARGET_EXACT} | min / median exact | median last-10% reward | "
+        "median s to 0.9 | vs baseline ps 4 | median step to 0.9 |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in rows:
         ratio = "n/a" if r["to_0.9_ratio"] is None else f"{r['to_0.9_ratio']:.2f}x"
-        lines.append(f"| {r['setting']} | {r['sync_steps']} | {r['at_target']} / {r['runs']} | {f(r['min_exact'])} / "
-                     f"{f(r['median_exact'])} | {f(r['median_last_10pct'])} | {f(r['median_to_0.9_s'], 1)} | {ratio} | "
-                     f"{f(r['median_step_0.9'], 1)} |")  # fmt: skip
+        lines.append(
+            f"| {r['setting']} | {r['sync_steps']} | {r['at_target']} / {r['runs']} | {f(r['min_exact'])} / "
+            f"{f(r['median_exact'])} | {f(r['median_last_10pct'])} | {f(r['median_to_0.9_s'], 1)} | {ratio} | "
+            f"{f(r['median_step_0.9'], 1)} |"
+        )
     return "\n".join(lines)
 
 
@@ -150,8 +187,13 @@ def run_one(setting: str, sync_steps: int, seed: int, work: Path, python: Path) 
     out.mkdir(parents=True)
     bench = peer_bench()
     cmd = [*bench.dppo_command(python), *overrides(setting, sync_steps, seed, out / "run")]
-    run = bench.measure(bench.Run("dppo", seed, log=str(out / "log.txt")), cmd, {**os.environ, "HF_HUB_OFFLINE": "1"},
-                        out / "run" / "metrics.jsonl", bench.dppo_steps)  # fmt: skip
+    run = bench.measure(
+        bench.Run("dppo", seed, log=str(out / "log.txt")),
+        cmd,
+        {**os.environ, "HF_HUB_OFFLINE": "1"},
+        out / "run" / "metrics.jsonl",
+        bench.dppo_steps,
+    )
     try:
         summary = json.loads((out / "run" / "summary.json").read_text())
     except (OSError, json.JSONDecodeError):
@@ -170,8 +212,14 @@ def run_one(setting: str, sync_steps: int, seed: int, work: Path, python: Path) 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
-    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS), metavar="SETTING",
-                        help=f"some of: {', '.join(SETTINGS)}")  # fmt: skip
+    parser.add_argument(
+        "--settings",
+        nargs="+",
+        default=list(SETTINGS),
+        choices=list(SETTINGS),
+        metavar="SETTING",
+        help=f"some of: {', '.join(SETTINGS)}",
+    )
     parser.add_argument("--sync-steps", type=int, nargs="+", default=list(SYNC_STEPS))
     parser.add_argument("--work", default=str(REPO / "bench_out" / "stability"), help="where each run's outputs go")
     parser.add_argument("--out", default=None, help="JSON file of every run and the table")
@@ -184,15 +232,22 @@ def main(argv: list[str] | None = None) -> int:
             for seed in args.seeds:
                 r = run_one(setting, ps, seed, work, Path(args.python))
                 results.append(r)
-                print(f"{setting} ps {ps} seed {seed}: rc {r['returncode']}, exact {r['exact']}, last 10% "
-                      f"{r['last_10pct_reward']}, to 0.9 {r['to_0.9_s']} s, whole {r['wall_s']:.1f} s", flush=True)  # fmt: skip
+                print(
+                    f"{setting} ps {ps} seed {seed}: rc {r['returncode']}, exact {r['exact']}, last 10% "
+                    f"{r['last_10pct_reward']}, to 0.9 {r['to_0.9_s']} s, whole {r['wall_s']:.1f} s",
+                    flush=True,
+                )
     rows = table_rows(results)
     print(f"\nseeds {args.seeds} ({started}; load average now {os.getloadavg()[0]:.2f}):\n")
     print(format_table(rows))
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps({"started": started, "argv": sys.argv[1:], "settings": SETTINGS,
-                                              "runs": results, "table": rows}, indent=2))  # fmt: skip
+        Path(args.out).write_text(
+            json.dumps(
+                {"started": started, "argv": sys.argv[1:], "settings": SETTINGS, "runs": results, "table": rows},
+                indent=2,
+            )
+        )
     return 1 if any(r["returncode"] != 0 for r in results) else 0
 
 

@@ -17,5 +17,8 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
     response = solution_str.strip()[:RESPONSE_TOKENS]
     counts = Counter(c for c in response if c.isdigit())
     top = max(counts.values()) if counts else 0
-    return {"score": top / RESPONSE_TOKENS, "named_digit": response.count(ground_truth) / RESPONSE_TOKENS,
-            "response_chars": float(len(response))}  # fmt: skip
+    return {
+        "score": top / RESPONSE_TOKENS,
+        "named_digit": response.count(ground_truth) / RESPONSE_TOKENS,
+        "response_chars": float(len(response)),
+    }

@@ -40,9 +40,15 @@ WARMUP_STEPS, WARMUP_BATCH, WARMUP_LR = 20, 16, 1e-3
 
 def make_rows(rng: np.random.Generator, num: int, split: str) -> list[dict]:
     """num verl-format rows, the digit of each drawn uniformly."""
-    return [{"prompt": [{"role": "user", "content": f"repeat {d}"}], "data_source": DATA_SOURCE,
-             "reward_model": {"style": "rule", "ground_truth": str(d)}, "extra_info": {"split": split, "index": i}}
-            for i, d in enumerate(rng.integers(0, 10, size=num))]  # fmt: skip
+    return [
+        {
+            "prompt": [{"role": "user", "content": f"repeat {d}"}],
+            "data_source": DATA_SOURCE,
+            "reward_model": {"style": "rule", "ground_truth": str(d)},
+            "extra_info": {"split": split, "index": i},
+        }
+        for i, d in enumerate(rng.integers(0, 10, size=num))
+    ]
 
 
 def set_chat_template(model_dir: Path) -> None:
@@ -61,8 +67,12 @@ def warm_up(model_dir: Path, seed: int, steps: int = WARMUP_STEPS) -> None:
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    prompts = [tokenizer.apply_chat_template([{"role": "user", "content": f"repeat {d}"}], add_generation_prompt=True,
-                                             tokenize=False) for d in range(10)]  # fmt: skip
+    prompts = [
+        tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"repeat {d}"}], add_generation_prompt=True, tokenize=False
+        )
+        for d in range(10)
+    ]
     prompt_ids = torch.tensor([tokenizer(p, add_special_tokens=False)["input_ids"] for p in prompts])
     digit_ids = torch.tensor(tokenizer.convert_tokens_to_ids([str(d) for d in range(10)]))
     optimizer = torch.optim.AdamW(model.parameters(), lr=WARMUP_LR, weight_decay=0.0)

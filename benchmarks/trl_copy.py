@@ -60,8 +60,12 @@ def main(argv=None) -> None:
     parser.add_argument("--result", required=True)
     parser.add_argument("--steps", type=int, default=GLOBAL_STEPS, help="generation cycles (global steps)")
     parser.add_argument("--output-dir", default="/tmp/trl_copy")
-    parser.add_argument("--steps-per-generation", type=int, default=STEPS_PER_GENERATION,
-                        help="optimizer steps per generation (dppo's trainer.parameter_sync_step)")  # fmt: skip
+    parser.add_argument(
+        "--steps-per-generation",
+        type=int,
+        default=STEPS_PER_GENERATION,
+        help="optimizer steps per generation (dppo's trainer.parameter_sync_step)",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
     args = parser.parse_args(argv)
 
@@ -128,16 +132,37 @@ def main(argv=None) -> None:
         dataloader_num_workers=0,
     )
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=copy_reward, args=config, train_dataset=dataset,
-                          processing_class=make_tokenizer(), callbacks=[cycle_log(progress, spg, cycle_rewards)])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=copy_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=make_tokenizer(),
+        callbacks=[cycle_log(progress, spg, cycle_rewards)],
+    )
     trainer.train()
     progress.close()
     evaluation = evaluate(trainer.model, task, held_out)
     with open(args.result, "w") as f:
-        json.dump({"evaluation": evaluation, "torch_threads": torch.get_num_threads(),
-                   "config": {k: getattr(config, k) for k in ("per_device_train_batch_size", "steps_per_generation",
-                                                              "num_generations", "max_steps", "optim")}},
-                  f, indent=2, default=str)  # fmt: skip
+        json.dump(
+            {
+                "evaluation": evaluation,
+                "torch_threads": torch.get_num_threads(),
+                "config": {
+                    k: getattr(config, k)
+                    for k in (
+                        "per_device_train_batch_size",
+                        "steps_per_generation",
+                        "num_generations",
+                        "max_steps",
+                        "optim",
+                    )
+                },
+            },
+            f,
+            indent=2,
+            default=str,
+        )
 
 
 def cycle_log(progress, spg: int, cycle_rewards: list[float]):
@@ -161,13 +186,22 @@ def evaluate(model, task, held_out: np.ndarray) -> dict[str, float]:
 
     model.eval()
     with torch.no_grad():
-        out = model.generate(torch.from_numpy(held_out), attention_mask=torch.ones_like(torch.from_numpy(held_out)),
-                             max_new_tokens=TASK_LENGTH, do_sample=False, eos_token_id=EOS_PAD_TOKEN,
-                             pad_token_id=EOS_PAD_TOKEN, use_cache=True)  # fmt: skip
+        out = model.generate(
+            torch.from_numpy(held_out),
+            attention_mask=torch.ones_like(torch.from_numpy(held_out)),
+            max_new_tokens=TASK_LENGTH,
+            do_sample=False,
+            eos_token_id=EOS_PAD_TOKEN,
+            pad_token_id=EOS_PAD_TOKEN,
+            use_cache=True,
+        )
     responses = out[:, held_out.shape[1] :].numpy()
     scores = task.rewards(held_out, responses, np.ones_like(responses))
-    return {"eval/reward": float(scores.mean()), "eval/accuracy": float((scores >= 1.0).mean()),
-            "eval/prompts": float(len(scores))}  # fmt: skip
+    return {
+        "eval/reward": float(scores.mean()),
+        "eval/accuracy": float((scores >= 1.0).mean()),
+        "eval/prompts": float(len(scores)),
+    }
 
 
 if __name__ == "__main__":

@@ -66,45 +66,95 @@ def main(argv=None) -> None:
     task = Path(args.task_dir)
     train = read_rows(task / "data" / "train.parquet")
     val = read_rows(task / "data" / "val.parquet")
-    dataset = Dataset.from_dict({"prompt": [r["prompt"] for r in train],
-                                 "ground_truth": [r["reward_model"]["ground_truth"] for r in train],
-                                 "data_source": [r["data_source"] for r in train]})  # fmt: skip
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [r["prompt"] for r in train],
+            "ground_truth": [r["reward_model"]["ground_truth"] for r in train],
+            "data_source": [r["data_source"] for r in train],
+        }
+    )
     cycle_rewards: list[float] = []
 
     def text_reward(prompts, completions, ground_truth, data_source, **kwargs):
         """The reward dppo loads, on each completion's text; remembers each generation's mean."""
-        scores = [reward.compute_score(src, c[0]["content"], gt)["score"]
-                  for c, gt, src in zip(completions, ground_truth, data_source)]  # fmt: skip
+        scores = [
+            reward.compute_score(src, c[0]["content"], gt)["score"]
+            for c, gt, src in zip(completions, ground_truth, data_source)
+        ]
         cycle_rewards.append(sum(scores) / len(scores))
         return scores
 
     spg = args.steps_per_generation
     if (PROMPTS_PER_STEP * SAMPLES) % spg:
-        parser.error(f"--steps-per-generation {spg} must divide the {PROMPTS_PER_STEP * SAMPLES} samples of a generation")
+        parser.error(
+            f"--steps-per-generation {spg} must divide the {PROMPTS_PER_STEP * SAMPLES} samples of a generation"
+        )
     progress = open(args.progress, "a", encoding="utf-8")
 
     config = GRPOConfig(
-        output_dir=args.output_dir, seed=args.seed, use_cpu=True, bf16=False, fp16=False,
+        output_dir=args.output_dir,
+        seed=args.seed,
+        use_cpu=True,
+        bf16=False,
+        fp16=False,
         gradient_checkpointing=False,
-        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES // spg, gradient_accumulation_steps=1,
-        steps_per_generation=spg, num_generations=SAMPLES, num_iterations=1, max_steps=spg * args.steps,
-        max_completion_length=reward.RESPONSE_TOKENS, temperature=1.0,
-        learning_rate=args.lr, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=1.0,
-        epsilon=0.2, epsilon_high=0.2, delta=3.0, loss_type="dapo", beta=0.0, scale_rewards="group",
-        logging_steps=spg, save_strategy="no", report_to="none", dataloader_num_workers=0,
-    )  # fmt: skip
+        per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES // spg,
+        gradient_accumulation_steps=1,
+        steps_per_generation=spg,
+        num_generations=SAMPLES,
+        num_iterations=1,
+        max_steps=spg * args.steps,
+        max_completion_length=reward.RESPONSE_TOKENS,
+        temperature=1.0,
+        learning_rate=args.lr,
+        lr_scheduler_type="constant",
+        warmup_steps=0,
+        weight_decay=0.0,
+        max_grad_norm=1.0,
+        epsilon=0.2,
+        epsilon_high=0.2,
+        delta=3.0,
+        loss_type="dapo",
+        beta=0.0,
+        scale_rewards="group",
+        logging_steps=spg,
+        save_strategy="no",
+        report_to="none",
+        dataloader_num_workers=0,
+    )
     tokenizer = AutoTokenizer.from_pretrained(task / "model")
     model = AutoModelForCausalLM.from_pretrained(task / "model", dtype=torch.float32)
-    trainer = GRPOTrainer(model=model, reward_funcs=text_reward, args=config, train_dataset=dataset,
-                          processing_class=tokenizer, callbacks=[cycle_log(progress, spg, cycle_rewards)])  # fmt: skip
+    trainer = GRPOTrainer(
+        model=model,
+        reward_funcs=text_reward,
+        args=config,
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=[cycle_log(progress, spg, cycle_rewards)],
+    )
     trainer.train()
     progress.close()
     evaluation = evaluate(trainer.model, tokenizer, val, reward)
     with open(args.result, "w") as f:
-        json.dump({"evaluation": evaluation, "torch_threads": torch.get_num_threads(),
-                   "config": {k: getattr(config, k) for k in ("per_device_train_batch_size", "steps_per_generation",
-                                                              "num_generations", "max_steps", "learning_rate")}},
-                  f, indent=2, default=str)  # fmt: skip
+        json.dump(
+            {
+                "evaluation": evaluation,
+                "torch_threads": torch.get_num_threads(),
+                "config": {
+                    k: getattr(config, k)
+                    for k in (
+                        "per_device_train_batch_size",
+                        "steps_per_generation",
+                        "num_generations",
+                        "max_steps",
+                        "learning_rate",
+                    )
+                },
+            },
+            f,
+            indent=2,
+            default=str,
+        )
 
 
 def evaluate(model, tokenizer, rows: list[dict], reward) -> dict[str, float]:
@@ -116,11 +166,18 @@ def evaluate(model, tokenizer, rows: list[dict], reward) -> dict[str, float]:
     batch = tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     model.eval()
     with torch.no_grad():
-        out = model.generate(**batch, max_new_tokens=reward.RESPONSE_TOKENS, do_sample=False,
-                             eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        out = model.generate(
+            **batch,
+            max_new_tokens=reward.RESPONSE_TOKENS,
+            do_sample=False,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
     responses = tokenizer.batch_decode(out[:, batch["input_ids"].shape[1] :], skip_special_tokens=True)
-    scores = [reward.compute_score(r["data_source"], text, r["reward_model"]["ground_truth"])["score"]
-              for r, text in zip(rows, responses)]  # fmt: skip
+    scores = [
+        reward.compute_score(r["data_source"], text, r["reward_model"]["ground_truth"])["score"]
+        for r, text in zip(rows, responses)
+    ]
     return {"eval/reward": sum(scores) / len(scores), "eval/prompts": float(len(scores))}
 
 

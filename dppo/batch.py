@@ -36,6 +36,7 @@ class Group:
     def to_arrays(self) -> dict[str, Any]:
         """The group's fields, every tensor as a numpy array of the same data (on the CPU): the form in which the replay
         buffer's Ray process holds groups, so that process never imports torch. from_arrays turns it back."""
+
         def array(tensor: torch.Tensor) -> np.ndarray:
             return tensor.detach().cpu().numpy()
 
@@ -46,6 +47,7 @@ class Group:
     @classmethod
     def from_arrays(cls, arrays: dict[str, Any]) -> Group:
         """The Group that to_arrays gave arrays for (its tensors are copies: Ray may hand back read-only arrays)."""
+
         def tensor(a: np.ndarray) -> torch.Tensor:
             return torch.from_numpy(np.array(a))
 
@@ -67,8 +69,12 @@ class TrainBatch:
     scores: torch.Tensor  # (B,) fp32
     group_index: torch.Tensor  # (B,) long, the group each sequence belongs to
     versions: torch.Tensor  # (G,) long, policy version of each group
-    attention_mask: torch.Tensor | None = None  # (B, P + R) long: 0 on prompt padding and after the response; None: no prompt padded
-    reward_baselines: torch.Tensor | None = None  # (B,) fp32: each sequence's group's baseline_score; None: no group has one
+    attention_mask: torch.Tensor | None = (
+        None  # (B, P + R) long: 0 on prompt padding and after the response; None: no prompt padded
+    )
+    reward_baselines: torch.Tensor | None = (
+        None  # (B,) fp32: each sequence's group's baseline_score; None: no group has one
+    )
 
     @property
     def response_length(self) -> int:
@@ -127,7 +133,9 @@ def collate(groups: list[Group], pad_token: int = 0) -> TrainBatch:
     response_length = max(g.responses.shape[1] for g in groups)
     prompt_padded = any(g.prompt.shape[0] != prompt_length for g in groups)
     if prompt_padded or any(g.responses.shape[1] != response_length for g in groups):
-        input_ids, response_mask, behav_logp, attention_mask = _pad_groups(groups, prompt_length, response_length, pad_token)
+        input_ids, response_mask, behav_logp, attention_mask = _pad_groups(
+            groups, prompt_length, response_length, pad_token
+        )
         attention_mask = attention_mask if prompt_padded else None
     else:  # one shape: stack as they are
         prompts = torch.cat([g.prompt.expand(g.size, -1) for g in groups])  # (B, P)

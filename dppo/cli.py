@@ -1,12 +1,12 @@
 """The command-line entry point (console script `dppo`): it parses, runs, and maps errors to one line and an exit code.
 
-    dppo train [--config FILE] [key=value ...]            train (dppo.launch.run)
-    dppo export CHECKPOINT_DIR OUT_DIR                     a checkpoint as a transformers directory (dppo.checkpoint.export)
-    dppo eval MODEL_DIR_OR_CHECKPOINT [key=value ...]      evaluate as training does (dppo.trainer.evaluation)
-    dppo import-gguf SRC.gguf OUT_DIR [--dtype D]          a GGUF model file as a transformers directory
-                                                           (dppo.commands.import_gguf)
-    dppo data reasoning-gym NAME OUT.parquet [--size N]    a reasoning-gym dataset as verl-format parquet
-                                                           (dppo.commands.data)
+dppo train [--config FILE] [key=value ...]            train (dppo.launch.run)
+dppo export CHECKPOINT_DIR OUT_DIR                     a checkpoint as a transformers directory (dppo.checkpoint.export)
+dppo eval MODEL_DIR_OR_CHECKPOINT [key=value ...]      evaluate as training does (dppo.trainer.evaluation)
+dppo import-gguf SRC.gguf OUT_DIR [--dtype D]          a GGUF model file as a transformers directory
+                                                       (dppo.commands.import_gguf)
+dppo data reasoning-gym NAME OUT.parquet [--size N]    a reasoning-gym dataset as verl-format parquet
+                                                       (dppo.commands.data)
 """
 
 from __future__ import annotations
@@ -35,25 +35,40 @@ examples:
 # Exit codes of `dppo train`: one per kind of error of its own (each printed as one line, `dppo: error: ...`).
 EXIT_CODES = (
     (0, "the run finished (a checkpoint that could not be written is a warning line; the run goes on)"),
-    (1, "the rollout failed beyond recovery (the replay buffer died, a worker died or was killed for memory more "
+    (
+        1,
+        "the rollout failed beyond recovery (the replay buffer died, a worker died or was killed for memory more "
         "often than rollout.max_restarts allows, or a worker raised (your reward function, say) or its reward call "
         "ran past custom_reward_function.timeout_s); the trainer's state was checkpointed first. Or an actor rank "
-        "died: its shards are lost, so the line names the rank, its node and the last checkpoint"),
-    (2, "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
+        "died: its shards are lost, so the line names the rank, its node and the last checkpoint",
+    ),
+    (
+        2,
+        "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
         "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks and the rollout's "
         "GPU workers); or an optional package the run or command needs is not installed (the line names the extra: "
-        "dppo[gguf], dppo[tasks])"),
-    (3, "trainer.output_dir cannot be created or written, or two checkpoints in a row could not be written there "
+        "dppo[gguf], dppo[tasks])",
+    ),
+    (
+        3,
+        "trainer.output_dir cannot be created or written, or two checkpoints in a row could not be written there "
         "(full disk, quota, permissions, I/O error; the line says which, with the free and the needed bytes); "
-        "dppo import-gguf and dppo data: the output exists (without --force) or cannot be written"),
-    (4, "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
-        "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted"),
+        "dppo import-gguf and dppo data: the output exists (without --force) or cannot be written",
+    ),
+    (
+        4,
+        "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
+        "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted",
+    ),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
-    (6, "the data cannot be used: a data file that is missing or damaged, a column or row, the tokenizer of "
+    (
+        6,
+        "the data cannot be used: a data file that is missing or damaged, a column or row, the tokenizer of "
         "model.path, or the reward function (it raised, returned no finite score or ran past "
         "custom_reward_function.timeout_s in this process; on a Ray worker that ends the rollout, code 1, same line); "
         "dppo import-gguf: SRC is missing, a directory, not a GGUF file, or a GGUF that transformers cannot load as "
-        "a causal LM"),
+        "a causal LM",
+    ),
     (70, "an unexpected error: a bug, or an exception in your own code (its traceback is printed)"),
     (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
     (141, "stdout was closed by its reader (--help piped into head, say); nothing else happened"),
@@ -84,9 +99,20 @@ def _error_exit_codes() -> tuple:
     from dppo.trainer.rollout import RolloutFailedError
     from dppo.trainer.worker_group import RankDiedError
 
-    return ((RolloutFailedError, 1), (RankDiedError, 1), (ConfigError, 2), (PlacementError, 2), (MissingExtraError, 2),
-            (OutputDirError, 3), (OutputPathError, 3), (CheckpointWriteError, 3), (CheckpointError, 4),
-            (RayConnectError, 5), (DataError, 6), (GGUFError, 6))  # fmt: skip
+    return (
+        (RolloutFailedError, 1),
+        (RankDiedError, 1),
+        (ConfigError, 2),
+        (PlacementError, 2),
+        (MissingExtraError, 2),
+        (OutputDirError, 3),
+        (OutputPathError, 3),
+        (CheckpointWriteError, 3),
+        (CheckpointError, 4),
+        (RayConnectError, 5),
+        (DataError, 6),
+        (GGUFError, 6),
+    )
 
 
 def config_help() -> str:
@@ -137,13 +163,15 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", metavar="FILE", help="YAML file of overrides, applied before key=value ones")
     train.add_argument("--show-config", action="store_true", help="print the resolved config and exit")
     train.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
-    train.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.total_steps=20")
+    train.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. trainer.total_steps=20"
+    )
     export = commands.add_parser(
         "export",
         help="write a checkpoint's policy as a transformers model directory",
         description="Verify a checkpoint as trainer.resume does and write its policy (any world size) as a transformers "
         "model directory: config.json, model.safetensors, generation_config.json and the tokenizer. No Ray, no GPU.",
-    )  # fmt: skip
+    )
     export.add_argument("checkpoint", metavar="CHECKPOINT_DIR", help="e.g. outputs/dppo/checkpoints/step_00000060")
     export.add_argument("out_dir", metavar="OUT_DIR", help="the transformers directory to write (replaced whole)")
     export.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
@@ -157,12 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         "  dppo eval outputs/dppo/checkpoints/step_00000060\n"
         "  dppo eval outputs/text/hf_model data.val_files=val.parquet custom_reward_function.path=reward.py\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     evaluate.add_argument("target", metavar="MODEL_DIR_OR_CHECKPOINT", help="a transformers directory or a checkpoint")
     evaluate.add_argument("--config", metavar="FILE", help="YAML file of overrides (e.g. the run's config.yaml)")
     evaluate.add_argument("--out", metavar="FILE", help="where the JSON goes (default: trainer.output_dir/eval.json)")
     evaluate.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
-    evaluate.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.val_files=v.parquet")
+    evaluate.add_argument(
+        "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.val_files=v.parquet"
+    )
     _add_import_gguf(commands)
     _add_data(commands)
     return parser
@@ -179,18 +209,27 @@ def _add_import_gguf(commands) -> None:
         epilog="example:\n  dppo import-gguf SmolLM2-135M-Instruct.Q4_1.gguf models/smollm2-135m-instruct\n"
         "  dppo train model.path=models/smollm2-135m-instruct data.source=reasoning_gym ...\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     gguf.add_argument("src", metavar="SRC.gguf", help="the GGUF file")
-    gguf.add_argument("out_dir", metavar="OUT_DIR", help="the transformers directory to write (must not exist, or be empty)")
-    gguf.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                      help="the weights' dtype (default float32: exactly what transformers dequantizes)")  # fmt: skip
+    gguf.add_argument(
+        "out_dir", metavar="OUT_DIR", help="the transformers directory to write (must not exist, or be empty)"
+    )
+    gguf.add_argument(
+        "--dtype",
+        choices=("float32", "bfloat16"),
+        default="float32",
+        help="the weights' dtype (default float32: exactly what transformers dequantizes)",
+    )
     gguf.add_argument("--force", action="store_true", help="replace OUT_DIR if it exists and is not empty")
     gguf.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
 
 
 def _add_data(commands) -> None:
-    data = commands.add_parser("data", help="write training data files (reasoning-gym problems as verl-format parquet)",
-                               description="Write training data files.")  # fmt: skip
+    data = commands.add_parser(
+        "data",
+        help="write training data files (reasoning-gym problems as verl-format parquet)",
+        description="Write training data files.",
+    )
     kinds = data.add_subparsers(dest="data_command", metavar="KIND")
     kinds.required = True
     rg = kinds.add_parser(
@@ -203,13 +242,18 @@ def _add_data(commands) -> None:
         epilog="example:\n  dppo data reasoning-gym basic_arithmetic train.parquet --size 2000 --seed 0 "
         "--config max_terms=2 --config max_digits=2 --config 'operators=[+,-]'\n",
         formatter_class=argparse.RawDescriptionHelpFormatter,
-    )  # fmt: skip
+    )
     rg.add_argument("name", metavar="NAME", help="the dataset, e.g. basic_arithmetic, chain_sum, gsm_symbolic")
     rg.add_argument("out", metavar="OUT.parquet", help="the parquet file to write")
     rg.add_argument("--size", type=int, default=1000, help="problems (items 0..SIZE-1; default 1000)")
     rg.add_argument("--seed", type=int, default=0, help="reasoning-gym draws item i from SEED + i (default 0)")
-    rg.add_argument("--config", action="append", default=[], metavar="KEY=VALUE",
-                    help="a setting of the dataset's config, its value read as YAML (repeat for several)")  # fmt: skip
+    rg.add_argument(
+        "--config",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="a setting of the dataset's config, its value read as YAML (repeat for several)",
+    )
     rg.add_argument("--prompt-suffix", default="", metavar="TEXT", help="text after each question (after a space)")
     rg.add_argument("--split", default="train", help="extra_info.split of every row (default train)")
     rg.add_argument("--force", action="store_true", help="replace OUT.parquet if it exists")
@@ -255,8 +299,9 @@ def _main(argv: list[str] | None) -> int:
 
     with StopOnSignal() as stop, _warning_lines():
         try:
-            return {"train": _train, "export": _export, "eval": _eval, "import-gguf": _import_gguf,
-                    "data": _data}[args.command](args)  # fmt: skip
+            return {"train": _train, "export": _export, "eval": _eval, "import-gguf": _import_gguf, "data": _data}[
+                args.command
+            ](args)
         except KeyboardInterrupt:  # Stopped, or what Ray made of it (ray.get raises a plain KeyboardInterrupt)
             if debug:
                 traceback.print_exc()
@@ -314,17 +359,29 @@ def _import_gguf(args) -> int:
     from dppo.commands.import_gguf import import_gguf
 
     done = import_gguf(args.src, args.out_dir, dtype=args.dtype, force=args.force)
-    print(f"wrote {done.out_dir}: {done.params:,} parameters in {done.dtype}, {done.bytes:,} bytes "
-          f"({', '.join(done.files)}) in {done.seconds:.1f} s")  # fmt: skip
+    print(
+        f"wrote {done.out_dir}: {done.params:,} parameters in {done.dtype}, {done.bytes:,} bytes "
+        f"({', '.join(done.files)}) in {done.seconds:.1f} s"
+    )
     return 0
 
 
 def _data(args) -> int:
     from dppo.commands.data import parse_config_items, write_reasoning_gym_parquet
 
-    rows = write_reasoning_gym_parquet(args.name, args.out, args.size, args.seed, parse_config_items(args.config),
-                                       args.prompt_suffix, args.split, args.force)  # fmt: skip
-    print(f"wrote {args.out}: {rows} problems of reasoning-gym {args.name!r} (seeds {args.seed}..{args.seed + rows - 1})")
+    rows = write_reasoning_gym_parquet(
+        args.name,
+        args.out,
+        args.size,
+        args.seed,
+        parse_config_items(args.config),
+        args.prompt_suffix,
+        args.split,
+        args.force,
+    )
+    print(
+        f"wrote {args.out}: {rows} problems of reasoning-gym {args.name!r} (seeds {args.seed}..{args.seed + rows - 1})"
+    )
     return 0
 
 

@@ -55,8 +55,9 @@ def sample_responses(
         padding = {"attention_mask": attention_mask, "position_ids": positions}
         next_position = positions[:, -1:] + 1  # (B, 1)
     # the prefill needs the logits of the last prompt position only
-    out = model(input_ids=prompts, use_cache=True, **padding,
-                **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {}))  # fmt: skip
+    out = model(
+        input_ids=prompts, use_cache=True, **padding, **({"logits_to_keep": 1} if accepts_logits_to_keep(model) else {})
+    )
     for t in range(max_new_tokens):
         logits = out.logits[:, -1].float()  # (B, V)
         if temperature > 0:

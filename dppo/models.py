@@ -20,8 +20,14 @@ from dppo.algo import log_probs_from_logits
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def tiny_model_config(vocab_size: int, hidden_size: int, num_hidden_layers: int, num_attention_heads: int,
-                      intermediate_size: int, max_position_embeddings: int = 256):  # fmt: skip
+def tiny_model_config(
+    vocab_size: int,
+    hidden_size: int,
+    num_hidden_layers: int,
+    num_attention_heads: int,
+    intermediate_size: int,
+    max_position_embeddings: int = 256,
+):
     """A Qwen2Config for a small model over vocab_size tokens (untied embeddings)."""
     return Qwen2Config(
         vocab_size=vocab_size,
@@ -59,8 +65,13 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
                 f"model at {model_cfg.path!r} has vocab_size {model.config.vocab_size}; the task needs {vocab_size}"
             )
     else:
-        config = tiny_model_config(vocab_size, model_cfg.hidden_size, model_cfg.num_hidden_layers,
-                                   model_cfg.num_attention_heads, model_cfg.intermediate_size)  # fmt: skip
+        config = tiny_model_config(
+            vocab_size,
+            model_cfg.hidden_size,
+            model_cfg.num_hidden_layers,
+            model_cfg.num_attention_heads,
+            model_cfg.intermediate_size,
+        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = Qwen2ForCausalLM(config).to(dtype)
@@ -76,8 +87,13 @@ def policy_config(model_cfg, vocab_size: int):
             raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
         config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
     else:
-        config = tiny_model_config(vocab_size, model_cfg.hidden_size, model_cfg.num_hidden_layers,
-                                   model_cfg.num_attention_heads, model_cfg.intermediate_size)  # fmt: skip
+        config = tiny_model_config(
+            vocab_size,
+            model_cfg.hidden_size,
+            model_cfg.num_hidden_layers,
+            model_cfg.num_attention_heads,
+            model_cfg.intermediate_size,
+        )
     config.use_cache = False  # as build_model sets it
     return config
 
@@ -203,8 +219,13 @@ def _drop_shared_left_padding(input_ids: torch.Tensor, attention_mask: torch.Ten
     return (input_ids[:, first:], attention_mask[:, first:]) if first else (input_ids, attention_mask)
 
 
-def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None, logits_to_keep: int | None = None,
-                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def forward_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    params=None,
+    logits_to_keep: int | None = None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """Logits (B, S, V) of model on input_ids (B, S); with params, of model's graph run on other weights.
 
     params: None (the model's own weights); a Mapping name -> tensor (e.g. SnapshotPool.view(k)), run with
@@ -220,8 +241,9 @@ def forward_logits(model: torch.nn.Module, input_ids: torch.Tensor, params=None,
     if attention_mask is not None:
         if logits_to_keep is not None:
             input_ids, attention_mask = _drop_shared_left_padding(input_ids, attention_mask)
-        kwargs.update(input_ids=input_ids, attention_mask=attention_mask,
-                      position_ids=position_ids_from_mask(attention_mask))  # fmt: skip
+        kwargs.update(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids_from_mask(attention_mask)
+        )
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     keep_in_head = logits_to_keep is not None and head is not None and accepts_logits_to_keep(model)
     if keep_in_head:
@@ -254,8 +276,13 @@ def _contiguous_input(module: torch.nn.Module):
         handle.remove()
 
 
-def forward_response_logits(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int,
-                            params=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def forward_response_logits(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_length: int,
+    params=None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """The logits (B, R, V) that predict the last R = response_length tokens of input_ids (B, P + R).
 
     Only the R + 1 last positions go through the LM head (the prompt's own logits are never needed, and with
@@ -267,8 +294,15 @@ def forward_response_logits(model: torch.nn.Module, input_ids: torch.Tensor, res
     return logits[:, :-1]
 
 
-def response_log_probs(model: torch.nn.Module, input_ids: torch.Tensor, response_length: int, temperature: float,
-                       micro_batch_size: int, params=None, attention_mask: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+def response_log_probs(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    response_length: int,
+    temperature: float,
+    micro_batch_size: int,
+    params=None,
+    attention_mask: torch.Tensor | None = None,
+) -> torch.Tensor:
     """log pi(response token | prefix) (B, R) fp32 for sequences input_ids (B, P + R), micro-batched.
 
     attention_mask: (B, P + R), 0 on (left) prompt padding; None when no prompt is padded.

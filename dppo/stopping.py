@@ -96,8 +96,12 @@ class StopOnSignal:
         with self._lock:
             if not self._reported:
                 self._reported = True
-                print(f"dppo: stopped by {signal.Signals(signum).name}; checkpoints already written are intact "
-                      "(trainer.resume=true continues from the newest)", file=sys.stderr, flush=True)  # fmt: skip
+                print(
+                    f"dppo: stopped by {signal.Signals(signum).name}; checkpoints already written are intact "
+                    "(trainer.resume=true continues from the newest)",
+                    file=sys.stderr,
+                    flush=True,
+                )
         return 128 + signum
 
     def finish(self) -> None:

@@ -67,7 +67,9 @@ class Task:
     def rewards(self, prompts: np.ndarray, responses: np.ndarray, response_mask: np.ndarray) -> np.ndarray:
         scores = np.asarray(self.reward_fn(prompts, responses, response_mask), dtype=np.float32)
         if scores.shape != (prompts.shape[0],):
-            raise ValueError(f"task {self.name!r}: reward_fn returned shape {scores.shape}; expected ({prompts.shape[0]},)")
+            raise ValueError(
+                f"task {self.name!r}: reward_fn returned shape {scores.shape}; expected ({prompts.shape[0]},)"
+            )
         return scores
 
 
@@ -88,7 +90,9 @@ def digit_task(name: str, length: int, answer_fn: Callable[[np.ndarray], np.ndar
 
     # counted only while an int64 count of eval prompts could reach it (10**length of a huge length is itself huge)
     distinct = NUM_DIGITS**length if length <= 18 else None
-    return Task(name, prompt_fn, reward_fn, answer_length=length, vocab_size=DIGIT_VOCAB_SIZE, distinct_prompts=distinct)
+    return Task(
+        name, prompt_fn, reward_fn, answer_length=length, vocab_size=DIGIT_VOCAB_SIZE, distinct_prompts=distinct
+    )
 
 
 TASKS: dict[str, Callable[[int], Task]] = {}

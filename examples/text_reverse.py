@@ -62,27 +62,43 @@ def train_tokenizer(texts: list[str], vocab_size: int = 64):
         pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
     ])  # fmt: skip
     bpe.decoder = decoders.ByteLevel()
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS,
-                                                       show_progress=False))  # fmt: skip
-    tokenizer = transformers.Qwen2TokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>",
-                                                pad_token="<|endoftext|>", unk_token=None, bos_token=None)  # fmt: skip
+    bpe.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, show_progress=False)
+    )
+    tokenizer = transformers.Qwen2TokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|endoftext|>", unk_token=None, bos_token=None
+    )
     tokenizer.chat_template = CHAT_TEMPLATE
     return tokenizer
 
 
-def build_model_dir(path: Path, texts: list[str], seed: int = 0, hidden_size: int = 64, num_hidden_layers: int = 2,
-                    num_attention_heads: int = 4, intermediate_size: int = 128) -> Path:  # fmt: skip
+def build_model_dir(
+    path: Path,
+    texts: list[str],
+    seed: int = 0,
+    hidden_size: int = 64,
+    num_hidden_layers: int = 2,
+    num_attention_heads: int = 4,
+    intermediate_size: int = 128,
+) -> Path:
     """A randomly initialised tiny Qwen2 and its tokenizer (trained on texts), saved to path with save_pretrained."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     tokenizer = train_tokenizer(texts)
     config = Qwen2Config(
-        vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
-        num_hidden_layers=num_hidden_layers, num_attention_heads=num_attention_heads,
-        num_key_value_heads=num_attention_heads, max_position_embeddings=128, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
-    )  # fmt: skip
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_hidden_layers,
+        num_attention_heads=num_attention_heads,
+        num_key_value_heads=num_attention_heads,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     torch.manual_seed(seed)
     Qwen2ForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)

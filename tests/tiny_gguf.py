@@ -41,8 +41,12 @@ def tiny_bpe() -> tuple[list[str], list[str]]:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIAL_TOKENS, show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    trainer = trainers.BpeTrainer(
+        vocab_size=320,
+        special_tokens=SPECIAL_TOKENS,
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(_CORPUS, trainer)
     vocab = tokenizer.get_vocab()
     tokens = sorted(vocab, key=vocab.__getitem__)
@@ -76,7 +80,9 @@ def write_tiny_smollm_gguf(path: str | Path, seed: int = 0) -> Path:
     writer.add_file_type(3)  # MOSTLY_Q4_1, as the real file
     writer.add_tokenizer_model("gpt2")
     writer.add_token_list(tokens)
-    writer.add_token_types([TokenType.CONTROL] * len(SPECIAL_TOKENS) + [TokenType.NORMAL] * (vocab - len(SPECIAL_TOKENS)))
+    writer.add_token_types(
+        [TokenType.CONTROL] * len(SPECIAL_TOKENS) + [TokenType.NORMAL] * (vocab - len(SPECIAL_TOKENS))
+    )
     writer.add_token_merges(merges)
     writer.add_bos_token_id(1)
     writer.add_eos_token_id(2)

@@ -58,31 +58,37 @@ def _as_overrides(values: dict, extra: dict) -> list[str]:
 def small_overrides(tmp_path, **extra) -> list[str]:
     """A tiny in-process run (sync mode, no Ray, one-layer model, three-digit task) under tmp_path/run, with the
     {"dotted.key": value} of extra added or replaced."""
-    return _as_overrides({
-        **_IN_PROCESS,
-        "trainer.output_dir": tmp_path / "run",
-        "trainer.eval_prompts": 8,
-        "task.length": 3,
-        "model.hidden_size": 32,
-        "model.num_hidden_layers": 1,
-        "model.num_attention_heads": 2,
-        "model.intermediate_size": 64,
-    }, extra)  # fmt: skip
+    return _as_overrides(
+        {
+            **_IN_PROCESS,
+            "trainer.output_dir": tmp_path / "run",
+            "trainer.eval_prompts": 8,
+            "task.length": 3,
+            "model.hidden_size": 32,
+            "model.num_hidden_layers": 1,
+            "model.num_attention_heads": 2,
+            "model.intermediate_size": 64,
+        },
+        extra,
+    )
 
 
 def text_overrides(tmp_path, example, **extra) -> list[str]:
     """A tiny in-process run on text data: the example's model, parquet files and reward function (the
     text_example fixture), with the {"dotted.key": value} of extra added or replaced."""
-    return _as_overrides({
-        **_IN_PROCESS,
-        "trainer.output_dir": tmp_path / "run",
-        "model.path": example["model"],
-        "data.train_files": example["train"],
-        "data.val_files": example["val"],
-        "data.max_prompt_length": 32,
-        "data.max_response_length": 6,
-        "custom_reward_function.path": example["reward"],
-    }, extra)  # fmt: skip
+    return _as_overrides(
+        {
+            **_IN_PROCESS,
+            "trainer.output_dir": tmp_path / "run",
+            "model.path": example["model"],
+            "data.train_files": example["train"],
+            "data.val_files": example["val"],
+            "data.max_prompt_length": 32,
+            "data.max_response_length": 6,
+            "custom_reward_function.path": example["reward"],
+        },
+        extra,
+    )
 
 
 # basic_arithmetic with two terms of 1 or 2 digits, + and -: the reasoning-gym problems of the tiny runs
@@ -92,15 +98,18 @@ BASIC_ARITHMETIC = {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits
 def reasoning_gym_overrides(tmp_path, model_dir, **extra) -> list[str]:
     """A tiny in-process run on reasoning-gym's basic_arithmetic (64 training problems, 8 held out) with the model of
     model_dir (the tiny_smollm fixture's), with the {"dotted.key": value} of extra added or replaced."""
-    return _as_overrides({
-        **_IN_PROCESS,
-        "trainer.output_dir": tmp_path / "run",
-        "model.path": model_dir,
-        "data.source": "reasoning_gym",
-        "data.reasoning_gym.dataset": "basic_arithmetic",
-        **{f"data.reasoning_gym.config.{key}": value for key, value in BASIC_ARITHMETIC.items()},
-        "data.reasoning_gym.size": 64,
-        "data.reasoning_gym.val_size": 8,
-        "data.max_prompt_length": 96,
-        "data.max_response_length": 8,
-    }, extra)  # fmt: skip
+    return _as_overrides(
+        {
+            **_IN_PROCESS,
+            "trainer.output_dir": tmp_path / "run",
+            "model.path": model_dir,
+            "data.source": "reasoning_gym",
+            "data.reasoning_gym.dataset": "basic_arithmetic",
+            **{f"data.reasoning_gym.config.{key}": value for key, value in BASIC_ARITHMETIC.items()},
+            "data.reasoning_gym.size": 64,
+            "data.reasoning_gym.val_size": 8,
+            "data.max_prompt_length": 96,
+            "data.max_response_length": 8,
+        },
+        extra,
+    )

@@ -76,10 +76,12 @@ def wandb_offline_run(run_dir: Path, timeout_s: float = 30.0) -> dict:
         elif kind == "history":
             row = {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.history.item}
             out["history"].setdefault(int(row.pop("_step")), {}).update(
-                {k: v for k, v in row.items() if not k.startswith("_")})
+                {k: v for k, v in row.items() if not k.startswith("_")}
+            )
         elif kind == "summary":
-            out["summary"].update({(item.key or "/".join(item.nested_key)): json.loads(item.value_json)
-                                   for item in record.summary.update})
+            out["summary"].update(
+                {(item.key or "/".join(item.nested_key)): json.loads(item.value_json) for item in record.summary.update}
+            )
     return out
 
 

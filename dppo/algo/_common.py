@@ -67,8 +67,7 @@ def check_same_shape(ref_name: str, ref: torch.Tensor, **tensors: torch.Tensor |
         check_tensor(name, t)
         if t.shape != ref.shape:
             raise ShapeMismatchError(
-                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; "
-                "they must be equal"
+                f"{name} has shape {tuple(t.shape)} but {ref_name} has shape {tuple(ref.shape)}; they must be equal"
             )
 
 
@@ -158,9 +157,10 @@ class Checks:
             pos = tuple(torch.nonzero(bad)[0].tolist())
             value = t[pos].item()
             where = (
-                f"where {self.mask_name} is 1" if self.mask is not None
+                f"where {self.mask_name} is 1"
+                if self.mask is not None
                 else f"(no {self.mask_name}: every position is valid)"
-            )  # fmt: skip
+            )
             raise exc(f"{message}: value {value} at index {list(pos)} {where}")
 
 
@@ -181,9 +181,7 @@ def check_masked_terms(
     return mask, checks
 
 
-def to_floats(
-    metrics: Mapping[str, torch.Tensor], checks: Checks | None = None
-) -> dict[str, float]:
+def to_floats(metrics: Mapping[str, torch.Tensor], checks: Checks | None = None) -> dict[str, float]:
     """Copy 0-dim metric tensors (and check flags) to python floats in one device sync; raise on a failed check."""
     values = [v.detach().float().reshape(()) for v in metrics.values()]
     flags = [f.float() for f in checks.flags()] if checks is not None else []
@@ -191,7 +189,7 @@ def to_floats(
         return {}
     host = torch.stack(values + flags).tolist()
     if checks is not None:
-        checks.raise_failed(host[len(values):])
+        checks.raise_failed(host[len(values) :])
     return dict(zip(metrics.keys(), host[: len(values)]))
 
 

@@ -39,9 +39,13 @@ class LossTerms:
             return torch.where(mask, t.float(), 0.0)
 
         return cls(
-            clean(log_prob), clean(old_log_prob.detach()), clean(advantages.detach()), mask,
-            None if weights is None else clean(weights.detach()), generator,
-        )  # fmt: skip
+            clean(log_prob),
+            clean(old_log_prob.detach()),
+            clean(advantages.detach()),
+            mask,
+            None if weights is None else clean(weights.detach()),
+            generator,
+        )
 
     def log_ratio(self) -> torch.Tensor:
         """log pi_theta - log pi_old (B, T) as it is, differentiable in log_prob (0 at masked positions)."""

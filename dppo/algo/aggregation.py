@@ -36,8 +36,16 @@ from dppo.algo._common import (
     to_floats,
 )
 
-__all__ = ["LOSS_AGG_MODES", "LossNormalizers", "agg_divisor", "agg_loss", "agg_loss_unchecked",
-           "check_normalizers", "loss_normalizers"]  # fmt: skip
+__all__ = [
+    "LOSS_AGG_MODES",
+    "LossNormalizers",
+    "agg_divisor",
+    "agg_loss",
+    "agg_loss_unchecked",
+    "check_normalizers",
+    "loss_normalizers",
+]
+
 
 def loss_normalizers(mask: torch.Tensor) -> LossNormalizers:
     """The normalizers of a batch whose loss mask is mask (B, T): its valid tokens and non-empty sequences.

@@ -78,7 +78,9 @@ ADVANTAGE_ESTIMATORS: dict[str, Estimator] = {
     "grpo": _with_config("grpo", grpo_advantages, {"norm_adv_by_std_in_grpo": "norm_by_std", "epsilon": "eps"}),
     "rloo": _with_config("rloo", rloo_advantages),
     "reinforce_plus_plus": _with_config("reinforce_plus_plus", reinforce_plus_plus_advantages),
-    "reinforce_plus_plus_baseline": _with_config("reinforce_plus_plus_baseline", reinforce_plus_plus_baseline_advantages),
+    "reinforce_plus_plus_baseline": _with_config(
+        "reinforce_plus_plus_baseline", reinforce_plus_plus_baseline_advantages
+    ),
     "opo": _with_config("opo", opo_advantages),
     "grpo_passk": _with_config("grpo_passk", grpo_passk_advantages),
     "gpg": _with_config("gpg", gpg_advantages),

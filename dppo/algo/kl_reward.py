@@ -63,8 +63,9 @@ class AdaptiveKLController:
         self.value *= 1 + proportional_error * n_steps / self.horizon
 
 
-def get_kl_controller(type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1,
-                      horizon: float = 10000) -> FixedKLController | AdaptiveKLController:  # fmt: skip
+def get_kl_controller(
+    type: str = "fixed", kl_coef: float = 0.001, target_kl: float = 0.1, horizon: float = 10000
+) -> FixedKLController | AdaptiveKLController:
     """verl's kl_ctrl (type fixed|adaptive, kl_coef, target_kl, horizon; verl 0.9.1's defaults)."""
     lookup(dict.fromkeys(KL_CONTROLLER_TYPES), type, "kl_ctrl.type")
     if isinstance(kl_coef, bool) or not isinstance(kl_coef, (int, float)) or not math.isfinite(kl_coef) or kl_coef < 0:
@@ -88,8 +89,13 @@ def apply_kl_penalty(
     ref_log_prob the reference's, all (B, T); kl_penalty_kind a dppo.algo.KL_PENALTIES name."""
     mask = as_mask("response_mask", response_mask)
     check_2d("response_mask", mask)
-    check_same_shape("response_mask", mask, token_level_scores=check_tensor("token_level_scores", token_level_scores),
-                     log_prob=log_prob, ref_log_prob=ref_log_prob)  # fmt: skip
+    check_same_shape(
+        "response_mask",
+        mask,
+        token_level_scores=check_tensor("token_level_scores", token_level_scores),
+        log_prob=log_prob,
+        ref_log_prob=ref_log_prob,
+    )
     with torch.no_grad():
         kld = kl_penalty(log_prob.detach(), ref_log_prob, kl_penalty_kind, response_mask=mask)  # (B, T), 0 if masked
         beta = kl_ctrl.value

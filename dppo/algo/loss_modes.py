@@ -72,8 +72,11 @@ def _settings(loss_mode: str, reads: tuple[str, ...], config: dict) -> dict:
         )
     settings = {key: config.get(key, POLICY_LOSS_DEFAULTS[key]) for key in reads}
     if "clip_ratio_low" in settings or "clip_ratio_high" in settings:  # a None falls back to clip_ratio, as in verl
-        low, high = clip_range(config.get("clip_ratio", POLICY_LOSS_DEFAULTS["clip_ratio"]),
-                               settings.get("clip_ratio_low"), settings.get("clip_ratio_high"))  # fmt: skip
+        low, high = clip_range(
+            config.get("clip_ratio", POLICY_LOSS_DEFAULTS["clip_ratio"]),
+            settings.get("clip_ratio_low"),
+            settings.get("clip_ratio_high"),
+        )
         settings.update({k: v for k, v in (("clip_ratio_low", low), ("clip_ratio_high", high)) if k in settings})
     return settings
 
@@ -113,15 +116,31 @@ def _from_terms(loss_mode: str, terms: Callable, default_agg_mode: str = "token-
 
 
 def vanilla_loss(
-    log_prob, old_log_prob, advantages, response_mask, *, weights=None, loss_agg_mode="token-mean",
-    normalizers=None, loss_scale_factor=None, generator=None, **config,
-):  # fmt: skip
+    log_prob,
+    old_log_prob,
+    advantages,
+    response_mask,
+    *,
+    weights=None,
+    loss_agg_mode="token-mean",
+    normalizers=None,
+    loss_scale_factor=None,
+    generator=None,
+    **config,
+):
     """loss_mode 'vanilla': Decoupled PPO's clipped loss with dual clip, dppo.algo.policy_loss."""
     settings = _settings("vanilla", ("clip_ratio_low", "clip_ratio_high", "clip_ratio_c"), config)
     return policy_loss(
-        log_prob, old_log_prob, advantages, response_mask, weights=weights, loss_agg_mode=loss_agg_mode,
-        normalizers=normalizers, loss_scale_factor=loss_scale_factor, **settings,
-    )  # fmt: skip
+        log_prob,
+        old_log_prob,
+        advantages,
+        response_mask,
+        weights=weights,
+        loss_agg_mode=loss_agg_mode,
+        normalizers=normalizers,
+        loss_scale_factor=loss_scale_factor,
+        **settings,
+    )
 
 
 LOSS_MODES: dict[str, PolicyLossFn] = {

@@ -43,8 +43,10 @@ from dppo.algo.rollout_correction import (
 def clip_range(clip_ratio: float, clip_ratio_low: float | None, clip_ratio_high: float | None) -> tuple[float, float]:
     """(low, high) as verl reads them: clip_ratio_low and clip_ratio_high where set, clip_ratio where they are None."""
     check_number("clip_ratio", clip_ratio)
-    return (clip_ratio if clip_ratio_low is None else clip_ratio_low,
-            clip_ratio if clip_ratio_high is None else clip_ratio_high)  # fmt: skip
+    return (
+        clip_ratio if clip_ratio_low is None else clip_ratio_low,
+        clip_ratio if clip_ratio_high is None else clip_ratio_high,
+    )
 
 
 def check_clip_range(clip_ratio_low: float, clip_ratio_high: float) -> None:
@@ -69,9 +71,14 @@ def check_loss_inputs(log_prob, old_name, old_log_prob, advantages, response_mas
     """Shape, type and value checks shared by the policy losses; returns the bool mask (B, T) and Checks."""
     check_tensor("log_prob", log_prob)
     mask, checks = check_masked_terms(
-        "response_mask", response_mask, normalizers,
-        log_prob=log_prob, **{old_name: old_log_prob}, advantages=advantages, weights=weights,
-    )  # fmt: skip
+        "response_mask",
+        response_mask,
+        normalizers,
+        log_prob=log_prob,
+        **{old_name: old_log_prob},
+        advantages=advantages,
+        weights=weights,
+    )
     if weights is not None:
         checks.nonnegative("weights", weights)
     return mask, checks
@@ -150,9 +157,18 @@ def policy_loss(
     _check_clip(clip_ratio_low, clip_ratio_high, clip_ratio_c)
     check_loss_scale_factor(loss_scale_factor)
     loss, metrics = _ppo_clip_terms(
-        log_prob, old_log_prob, advantages, mask, weights,
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode, normalizers, loss_scale_factor,
-    )  # fmt: skip
+        log_prob,
+        old_log_prob,
+        advantages,
+        mask,
+        weights,
+        clip_ratio_low,
+        clip_ratio_high,
+        clip_ratio_c,
+        loss_agg_mode,
+        normalizers,
+        loss_scale_factor,
+    )
     return loss, to_floats(metrics, checks)
 
 
@@ -162,27 +178,52 @@ def policy_loss(
 
 
 def ppo_clip_bypass_loss(
-    log_prob, rollout_log_prob, advantages, loss_mask, is_weights=None, *,
-    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", normalizers=None,
+    log_prob,
+    rollout_log_prob,
+    advantages,
+    loss_mask,
+    is_weights=None,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    normalizers=None,
     loss_scale_factor=None,
-):  # fmt: skip
+):
     """Bypass "ppo_clip": policy_loss against the rollout (r = pi_theta / pi_behav) over loss_mask.
 
     is_weights are ignored: the PPO ratio already is the correction, and weighting it again would count it twice
     (verl's rule). loss_mask is the response mask after rejection.
     """
     return policy_loss(
-        log_prob, rollout_log_prob, advantages, loss_mask,
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, normalizers=normalizers, loss_scale_factor=loss_scale_factor,
-    )  # fmt: skip
+        log_prob,
+        rollout_log_prob,
+        advantages,
+        loss_mask,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        normalizers=normalizers,
+        loss_scale_factor=loss_scale_factor,
+    )
 
 
 def reinforce_bypass_loss(
-    log_prob, rollout_log_prob, advantages, loss_mask, is_weights=None, *,
-    clip_ratio_low=0.2, clip_ratio_high=0.2, clip_ratio_c=3.0, loss_agg_mode="token-mean", normalizers=None,
+    log_prob,
+    rollout_log_prob,
+    advantages,
+    loss_mask,
+    is_weights=None,
+    *,
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.2,
+    clip_ratio_c=3.0,
+    loss_agg_mode="token-mean",
+    normalizers=None,
     loss_scale_factor=None,
-):  # fmt: skip
+):
     """Bypass "reinforce": -A * log pi_theta * w over loss_mask (w = is_weights, detached; 1 if None), as verl.
 
     REINFORCE has no ratio to clip: the clip arguments are validated and otherwise unused (every POLICY_LOSSES
@@ -259,10 +300,18 @@ def bypass_policy_loss(
         is_weights, loss_mask, rc_metrics = rollout_correction_tensors(log_prob, rollout_log_prob, mask, config)
     rc_metrics = to_floats(rc_metrics, checks)
     loss, metrics = get_policy_loss(config.loss_type)(
-        log_prob, rollout_log_prob, advantages, loss_mask, is_weights,
-        clip_ratio_low=clip_ratio_low, clip_ratio_high=clip_ratio_high, clip_ratio_c=clip_ratio_c,
-        loss_agg_mode=loss_agg_mode, normalizers=normalizers, loss_scale_factor=loss_scale_factor,
-    )  # fmt: skip
+        log_prob,
+        rollout_log_prob,
+        advantages,
+        loss_mask,
+        is_weights,
+        clip_ratio_low=clip_ratio_low,
+        clip_ratio_high=clip_ratio_high,
+        clip_ratio_c=clip_ratio_c,
+        loss_agg_mode=loss_agg_mode,
+        normalizers=normalizers,
+        loss_scale_factor=loss_scale_factor,
+    )
     return loss, {**metrics, **rc_metrics}
 
 

@@ -30,9 +30,13 @@ def _draw(candidates: torch.Tensor, count: int, generator: torch.Generator | Non
 
 
 def clip_cov_terms(
-    x: LossTerms, clip_ratio_low: float, clip_ratio_high: float, clip_cov_ratio: float, clip_cov_lb: float,
+    x: LossTerms,
+    clip_ratio_low: float,
+    clip_ratio_high: float,
+    clip_cov_ratio: float,
+    clip_cov_lb: float,
     clip_cov_ub: float,
-) -> Terms:  # fmt: skip
+) -> Terms:
     """Clip-Cov: the PPO clipped loss (r = exp(log r), unclamped as in verl, no dual clip) with its gradient cut
     (the token's loss set to 0) on max(1, int(clip_cov_ratio x valid tokens)) tokens drawn at random among the
     valid, unclipped ones with clip_cov_lb < (A - mean A)(log pi - mean log pi) < clip_cov_ub.

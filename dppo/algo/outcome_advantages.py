@@ -67,7 +67,9 @@ def opo_advantages(scores: torch.Tensor, group_index: GroupIndex, response_mask:
     scores, group, mask = _check_inputs(scores, group_index, response_mask)
     lengths = mask.sum(-1).to(scores.dtype)  # (B,)
     _, inverse, counts = torch.unique(group, return_inverse=True, return_counts=True)
-    weighted = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device).index_add_(0, inverse, lengths * scores)  # (G,)
+    weighted = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device).index_add_(
+        0, inverse, lengths * scores
+    )  # (G,)
     total = torch.zeros(len(counts), dtype=scores.dtype, device=scores.device).index_add_(0, inverse, lengths)  # (G,)
     baseline = torch.where((counts > 1) & (total > 0), weighted / total.clamp(min=1), 0.0)  # (G,)
     return _broadcast(scores - baseline[inverse], mask)

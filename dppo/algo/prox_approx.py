@@ -75,8 +75,9 @@ def loglinear_prox_log_prob(
     """
     mask = as_mask("response_mask", response_mask)
     check_2d("response_mask", mask)
-    check_same_shape("response_mask", mask, log_prob=check_tensor("log_prob", log_prob),
-                     rollout_log_prob=rollout_log_prob)  # fmt: skip
+    check_same_shape(
+        "response_mask", mask, log_prob=check_tensor("log_prob", log_prob), rollout_log_prob=rollout_log_prob
+    )
     v_behav = _check_versions(v_prox, v_theta, v_behav, mask.shape)  # (B, T)
     checks = Checks(mask)
     checks.finite("log_prob", log_prob)
@@ -103,11 +104,19 @@ def prox_approx_metrics(
     """
     mask = as_mask("response_mask", response_mask)
     check_2d("response_mask", mask)
-    check_same_shape("response_mask", mask, approx_log_prob=check_tensor("approx_log_prob", approx_log_prob),
-                     prox_log_prob=prox_log_prob, rollout_log_prob=rollout_log_prob)  # fmt: skip
+    check_same_shape(
+        "response_mask",
+        mask,
+        approx_log_prob=check_tensor("approx_log_prob", approx_log_prob),
+        prox_log_prob=prox_log_prob,
+        rollout_log_prob=rollout_log_prob,
+    )
     checks = Checks(mask)
-    for name, t in (("approx_log_prob", approx_log_prob), ("prox_log_prob", prox_log_prob),
-                    ("rollout_log_prob", rollout_log_prob)):  # fmt: skip
+    for name, t in (
+        ("approx_log_prob", approx_log_prob),
+        ("prox_log_prob", prox_log_prob),
+        ("rollout_log_prob", rollout_log_prob),
+    ):
         checks.finite(name, t)
     with torch.no_grad():
         err = masked_log_ratio(approx_log_prob, prox_log_prob, mask).abs()  # (B, T), 0 where masked

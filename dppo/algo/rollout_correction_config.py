@@ -21,11 +21,18 @@ LOSS_TYPES = ("ppo_clip", "reinforce")
 # sequence's valid tokens. A k1 option keeps exp(k1) in [lo, hi], i.e. the ratio pi_behav / pi_prox (its
 # product or geometric mean for seq_sum / seq_mean); k2 and k3 options bound the estimate from above.
 RS_OPTIONS = (
-    "token_k1", "token_k2", "token_k3",
-    "seq_sum_k1", "seq_sum_k2", "seq_sum_k3",
-    "seq_mean_k1", "seq_mean_k2", "seq_mean_k3",
-    "seq_max_k2", "seq_max_k3",
-)  # fmt: skip
+    "token_k1",
+    "token_k2",
+    "token_k3",
+    "seq_sum_k1",
+    "seq_sum_k2",
+    "seq_sum_k3",
+    "seq_mean_k1",
+    "seq_mean_k2",
+    "seq_mean_k3",
+    "seq_max_k2",
+    "seq_max_k3",
+)
 
 Bounds = tuple[float | None, float]  # (lower or None, upper)
 

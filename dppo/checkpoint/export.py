@@ -58,15 +58,21 @@ def verify(checkpoint_dir: str | os.PathLike) -> tuple[Path, dict]:
         state = ckpt.load_torch(path / TRAINER_FILE)
         inside = (int(state["global_step"]), int(state["trigger"]), int(state["version"]))
         if inside != (manifest["step"], manifest["trigger"], manifest["version"]):
-            raise ckpt.CheckpointError(f"{TRAINER_FILE} holds step {inside[0]} trigger {inside[1]} version "
-                                       f"{inside[2]}, its manifest says otherwise")  # fmt: skip
+            raise ckpt.CheckpointError(
+                f"{TRAINER_FILE} holds step {inside[0]} trigger {inside[1]} version "
+                f"{inside[2]}, its manifest says otherwise"
+            )
         if f"{ACTOR_DIR}/.metadata" not in manifest["files"] or not isinstance(state.get("config"), dict):
-            raise ckpt.CheckpointError(f"it holds no actor shards ({ACTOR_DIR}/) or no config: written by an older dppo")
+            raise ckpt.CheckpointError(
+                f"it holds no actor shards ({ACTOR_DIR}/) or no config: written by an older dppo"
+            )
     except ckpt.CheckpointError as err:
         raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {one_line(err)}") from None
     except (KeyError, TypeError, ValueError) as err:
-        raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {TRAINER_FILE} is not a dppo trainer state "
-                                   f"({type(err).__name__}: {err})") from None  # fmt: skip
+        raise ckpt.CheckpointError(
+            f"refusing checkpoint {str(path)!r}: {TRAINER_FILE} is not a dppo trainer state "
+            f"({type(err).__name__}: {err})"
+        ) from None
     return path, state
 
 
@@ -80,12 +86,19 @@ def _hf_config(path: Path, config: dict, weights: dict[str, torch.Tensor]):
     model = config["model"]
     if model.get("path") is not None:
         if not os.path.isdir(model["path"]):
-            raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: its model.path={model['path']!r} (the "
-                                       "architecture and the tokenizer) is not a directory here")  # fmt: skip
+            raise ckpt.CheckpointError(
+                f"refusing checkpoint {str(path)!r}: its model.path={model['path']!r} (the "
+                "architecture and the tokenizer) is not a directory here"
+            )
         return AutoConfig.from_pretrained(model["path"], local_files_only=True)
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
-    return tiny_model_config(vocab_size, model["hidden_size"], model["num_hidden_layers"],
-                             model["num_attention_heads"], model["intermediate_size"])  # fmt: skip
+    return tiny_model_config(
+        vocab_size,
+        model["hidden_size"],
+        model["num_hidden_layers"],
+        model["num_attention_heads"],
+        model["intermediate_size"],
+    )
 
 
 def load_checkpoint_policy(checkpoint_dir: str | os.PathLike) -> CheckpointPolicy:
@@ -99,8 +112,9 @@ def load_checkpoint_policy(checkpoint_dir: str | os.PathLike) -> CheckpointPolic
     model = model_with_weights(_hf_config(path, config, weights), config["model"]["dtype"], weights)
     saved = path / ACTOR_DIR / CHECKPOINT_HF_DIR
     tokenizer_dir = str(saved) if has_tokenizer(saved) else config["model"].get("path")
-    return CheckpointPolicy(path, model, config, int(state["global_step"]),
-                            tokenizer_dir if has_tokenizer(tokenizer_dir) else None)  # fmt: skip
+    return CheckpointPolicy(
+        path, model, config, int(state["global_step"]), tokenizer_dir if has_tokenizer(tokenizer_dir) else None
+    )
 
 
 def generation_tokens(config: dict, tokenizer_dir: str | None) -> tuple[int | None, int | None]:

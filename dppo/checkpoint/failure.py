@@ -38,8 +38,10 @@ _CAUSES = {
 _SPACE_ERRNOS = (errno.ENOSPC, errno.EDQUOT)  # causes where free and needed bytes say something
 # what torch.save and DCP's writers raise when a write comes up short (full disk, file size limit, I/O error)
 # (safetensors, writing the checkpoint's transformers model, says "I/O error: ... (os error 28)")
-_WRITE_FAILED = re.compile(r"inline_container|PytorchStreamWriter|unexpected pos|file write failed|\[Errno \d+\]|"
-                           r"\(os error \d+\)")  # fmt: skip
+_WRITE_FAILED = re.compile(
+    r"inline_container|PytorchStreamWriter|unexpected pos|file write failed|\[Errno \d+\]|"
+    r"\(os error \d+\)"
+)
 
 
 class CheckpointWriteError(OSError):
@@ -134,10 +136,14 @@ class CheckpointAttempts:
             where = self.checkpoints.directory / name
             cause = cause_in_words(err, self.checkpoints.directory, self.needed_bytes())
             if self.failed_in_a_row >= FAILURES_TO_STOP:
-                raise CheckpointWriteError(f"{self.failed_in_a_row} checkpoints in a row could not be written, the "
-                                           f"last one {where}: {cause}; the run stopped") from None  # fmt: skip
-            self.checkpoints.warn(f"checkpoint {where} could not be written: {cause}; the checkpoints before it are "
-                                  "intact and training goes on (the next checkpoint is tried as usual)")  # fmt: skip
+                raise CheckpointWriteError(
+                    f"{self.failed_in_a_row} checkpoints in a row could not be written, the "
+                    f"last one {where}: {cause}; the run stopped"
+                ) from None
+            self.checkpoints.warn(
+                f"checkpoint {where} could not be written: {cause}; the checkpoints before it are "
+                "intact and training goes on (the next checkpoint is tried as usual)"
+            )
             return None
         self.failed_in_a_row = 0
         return path

@@ -39,8 +39,7 @@ def model_with_weights(hf_config, dtype: str, weights: dict[str, torch.Tensor]) 
     return model
 
 
-def _generation_config(model: torch.nn.Module, tokenizer_dir: str | None, eos_token: int | None,
-                       pad_token: int | None):  # fmt: skip
+def _generation_config(model: torch.nn.Module, tokenizer_dir: str | None, eos_token: int | None, pad_token: int | None):
     from transformers import GenerationConfig
 
     if tokenizer_dir is not None and os.path.isfile(os.path.join(tokenizer_dir, "generation_config.json")):
@@ -53,8 +52,13 @@ def _generation_config(model: torch.nn.Module, tokenizer_dir: str | None, eos_to
     return generation
 
 
-def save_hf_model(model: torch.nn.Module, out_dir: str | os.PathLike, tokenizer_dir: str | os.PathLike | None = None,
-                  eos_token: int | None = None, pad_token: int | None = None) -> Path:  # fmt: skip
+def save_hf_model(
+    model: torch.nn.Module,
+    out_dir: str | os.PathLike,
+    tokenizer_dir: str | os.PathLike | None = None,
+    eos_token: int | None = None,
+    pad_token: int | None = None,
+) -> Path:
     """model (a plain, unsharded transformers model) as a transformers directory at out_dir (replaced whole);
     tokenizer_dir: a directory whose tokenizer (and generation config) go with it (model.path), or None."""
     from transformers import AutoTokenizer

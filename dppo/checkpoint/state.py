@@ -76,8 +76,11 @@ class HeldBatch:
         return len(self.groups)
 
     def to_state(self) -> dict:
-        return {"groups": [group_state(g) for g in self.groups], "prox_logp": self.prox_logp,
-                "taken_scores": self.taken_scores}  # fmt: skip
+        return {
+            "groups": [group_state(g) for g in self.groups],
+            "prox_logp": self.prox_logp,
+            "taken_scores": self.taken_scores,
+        }
 
     @staticmethod
     def from_state(state: dict) -> HeldBatch:
@@ -108,13 +111,21 @@ class Draw:
         return kept or self.taken[-size:]
 
     def to_state(self) -> dict:
-        return {"taken": [group_state(g) for g in self.taken], "kept": list(self.kept), "dropped": self.dropped,
-                "discarded": self.discarded}  # fmt: skip
+        return {
+            "taken": [group_state(g) for g in self.taken],
+            "kept": list(self.kept),
+            "dropped": self.dropped,
+            "discarded": self.discarded,
+        }
 
     @staticmethod
     def from_state(state: dict) -> Draw:
-        return Draw([group_from_state(g) for g in state["taken"]], [bool(k) for k in state["kept"]],
-                    int(state["dropped"]), int(state["discarded"]))  # fmt: skip
+        return Draw(
+            [group_from_state(g) for g in state["taken"]],
+            [bool(k) for k in state["kept"]],
+            int(state["dropped"]),
+            int(state["discarded"]),
+        )
 
 
 @dataclass
@@ -156,20 +167,36 @@ class CycleProgress:
         return record
 
     def to_state(self, elapsed_s: float) -> dict:
-        return {"trigger": self.trigger, "ended": self.ended, "sums": dict(self.metrics.sums),
-                "counts": dict(self.metrics.counts), "extremes": dict(self.metrics.extremes),
-                "staleness": list(self.staleness), "scores": list(self.scores), "dropped": self.dropped,
-                "elapsed_s": elapsed_s, "ahead": [held.to_state() for held in self.ahead],
-                "pending": None if self.pending is None else self.pending.to_state()}  # fmt: skip
+        return {
+            "trigger": self.trigger,
+            "ended": self.ended,
+            "sums": dict(self.metrics.sums),
+            "counts": dict(self.metrics.counts),
+            "extremes": dict(self.metrics.extremes),
+            "staleness": list(self.staleness),
+            "scores": list(self.scores),
+            "dropped": self.dropped,
+            "elapsed_s": elapsed_s,
+            "ahead": [held.to_state() for held in self.ahead],
+            "pending": None if self.pending is None else self.pending.to_state(),
+        }
 
     @staticmethod
     def from_state(state: dict) -> CycleProgress:
         metrics = CycleMetrics(dict(state["sums"]), dict(state["counts"]), dict(state["extremes"]))
         ahead = [HeldBatch.from_state(held) for held in state.get("ahead", [])]  # none before score-ahead existed
         pending = None if state.get("pending") is None else Draw.from_state(state["pending"])
-        return CycleProgress(int(state["trigger"]), bool(state["ended"]), metrics, list(state["staleness"]),
-                             list(state["scores"]), int(state["dropped"]), float(state["elapsed_s"]), ahead,
-                             pending)  # fmt: skip
+        return CycleProgress(
+            int(state["trigger"]),
+            bool(state["ended"]),
+            metrics,
+            list(state["staleness"]),
+            list(state["scores"]),
+            int(state["dropped"]),
+            float(state["elapsed_s"]),
+            ahead,
+            pending,
+        )
 
 
 # ---- where the rollout picks up -------------------------------------------------------------------------
@@ -191,8 +218,11 @@ class RolloutStart:
     worker_restarts: int = 0
 
     def to_state(self) -> dict:
-        return {"next_grant": self.next_grant, "dropped_total": self.dropped_total,
-                "worker_restarts": self.worker_restarts}  # fmt: skip
+        return {
+            "next_grant": self.next_grant,
+            "dropped_total": self.dropped_total,
+            "worker_restarts": self.worker_restarts,
+        }
 
     def took(self, version: int, groups: list[Group], dropped: int, discarded: int = 0) -> None:
         """The trainer at `version` took these groups (and the rollout dropped `dropped` meanwhile); discarded: how many

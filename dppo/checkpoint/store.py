@@ -136,8 +136,11 @@ def _seal(staging: Path, ident: CheckpointId, version: int) -> bytes:
         with open(staging / name, "rb") as f:
             os.fsync(f.fileno())
         files[name] = {"bytes": (staging / name).stat().st_size, "sha256": sha256_file(staging / name)}
-    manifest = json.dumps({"format": FORMAT, "step": ident.step, "trigger": ident.trigger, "version": version,
-                           "files": files}, indent=1, sort_keys=True).encode()  # fmt: skip
+    manifest = json.dumps(
+        {"format": FORMAT, "step": ident.step, "trigger": ident.trigger, "version": version, "files": files},
+        indent=1,
+        sort_keys=True,
+    ).encode()
     with open(staging / MANIFEST, "wb") as f:
         f.write(manifest)
         f.flush()
@@ -177,12 +180,16 @@ def verify_checkpoint(path: Path, recorded: dict | None) -> dict:
     inside = (manifest.get("step"), manifest.get("trigger"), manifest.get("version"))
     expected = (ident.step, ident.trigger, recorded.get("version"))
     if inside != expected:
-        raise CheckpointError(f"holds step {inside[0]} trigger {inside[1]} version {inside[2]}, but its name and "
-                              f"the ledger say step {expected[0]} trigger {expected[1]} version {expected[2]}")  # fmt: skip
+        raise CheckpointError(
+            f"holds step {inside[0]} trigger {inside[1]} version {inside[2]}, but its name and "
+            f"the ledger say step {expected[0]} trigger {expected[1]} version {expected[2]}"
+        )
     on_disk = set(_files_under(path)) - {MANIFEST}
     if on_disk != set(manifest["files"]):
-        raise CheckpointError(f"files differ from its manifest (extra: {sorted(on_disk - set(manifest['files']))}, "
-                              f"missing: {sorted(set(manifest['files']) - on_disk)})")  # fmt: skip
+        raise CheckpointError(
+            f"files differ from its manifest (extra: {sorted(on_disk - set(manifest['files']))}, "
+            f"missing: {sorted(set(manifest['files']) - on_disk)})"
+        )
     for name, want in manifest["files"].items():
         if (path / name).stat().st_size != want.get("bytes") or sha256_file(path / name) != want.get("sha256"):
             raise CheckpointError(f"{name}: content does not match its manifest (size or sha256)")
@@ -195,8 +202,7 @@ def verify_checkpoint(path: Path, recorded: dict | None) -> dict:
 class CheckpointDir:
     """The checkpoints of one run in one directory: save, find the newest trusted one, retention."""
 
-    def __init__(self, directory: str | os.PathLike, keep: int = 2,
-                 warn: Callable[[str], None] | None = None):  # fmt: skip
+    def __init__(self, directory: str | os.PathLike, keep: int = 2, warn: Callable[[str], None] | None = None):
         self.directory = Path(directory)
         self.keep = keep
         self.warn = warn or log.warning
@@ -213,8 +219,9 @@ class CheckpointDir:
             if not isinstance(ledger.get("checkpoints"), dict):
                 raise ValueError("no checkpoints table")
         except (OSError, ValueError) as err:
-            raise CheckpointError(f"the run's checkpoint ledger {str(path)!r} is unreadable ({err}); move it away "
-                                  "to start afresh") from None  # fmt: skip
+            raise CheckpointError(
+                f"the run's checkpoint ledger {str(path)!r} is unreadable ({err}); move it away to start afresh"
+            ) from None
         return ledger
 
     def _write_ledger(self) -> None:
@@ -250,8 +257,12 @@ class CheckpointDir:
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
-        record = {"step": step, "trigger": trigger, "version": version,
-                  "manifest_sha256": hashlib.sha256(manifest).hexdigest()}  # fmt: skip
+        record = {
+            "step": step,
+            "trigger": trigger,
+            "version": version,
+            "manifest_sha256": hashlib.sha256(manifest).hexdigest(),
+        }
         target = self._put_in_place(staging, ident.name, record)
         self.ledger["checkpoints"][ident.name] = record
         self._write_ledger()
@@ -393,8 +404,9 @@ class CheckpointDir:
             if str(checked[name]) not in (_NEVER_IN_PLACE, _RETIRED):  # what a kill undid or finished: nothing to say
                 self.warn(f"dropped {name} from {LEDGER}: {one_line(checked[name])}")
         if found is None and skipped:
-            raise CheckpointError(f"no usable checkpoint in {str(self.directory)!r}; skipped {len(skipped)} "
-                                  f"(newest: {skipped[0]})")  # fmt: skip
+            raise CheckpointError(
+                f"no usable checkpoint in {str(self.directory)!r}; skipped {len(skipped)} (newest: {skipped[0]})"
+            )
         return found
 
 
@@ -434,12 +446,19 @@ def load_torch(path: Path) -> Any:
     try:
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as err:  # a pickle asking for anything but tensors and plain types lands here too
-        raise CheckpointError(f"cannot read {path.name} as tensors and plain data ({type(err).__name__}: "
-                              f"{one_line(err, 160)})") from None  # fmt: skip
+        raise CheckpointError(
+            f"cannot read {path.name} as tensors and plain data ({type(err).__name__}: {one_line(err, 160)})"
+        ) from None
 
 
-def save_checkpoint(directory: str | os.PathLike, step: int, version: int, write_fn: Callable[[Path], None],
-                    trigger: int = 0, keep: int = 2) -> Path:  # fmt: skip
+def save_checkpoint(
+    directory: str | os.PathLike,
+    step: int,
+    version: int,
+    write_fn: Callable[[Path], None],
+    trigger: int = 0,
+    keep: int = 2,
+) -> Path:
     """CheckpointDir(directory, keep).save(...): write_fn(staging_dir) puts the checkpoint's files (any number,
     e.g. one torch.distributed.checkpoint shard per rank) into the staging directory before the manifest seals it."""
     return CheckpointDir(directory, keep).save(step, version, write_fn, trigger)

@@ -56,8 +56,9 @@ def _dataset(name: str, config: dict, size: int, seed: int):
         raise ConfigError(f"--config: {err}") from None
 
 
-def reasoning_gym_rows(name: str, size: int, seed: int, config: dict, prompt_suffix: str = "",
-                       split: str = "train") -> list[dict]:  # fmt: skip
+def reasoning_gym_rows(
+    name: str, size: int, seed: int, config: dict, prompt_suffix: str = "", split: str = "train"
+) -> list[dict]:
     """The verl-format rows of items 0..size-1 of dataset name at seed (see the module docstring)."""
     dataset = _dataset(name, config, size, seed)
     config_json = json.dumps(config, sort_keys=True)
@@ -75,9 +76,16 @@ def reasoning_gym_rows(name: str, size: int, seed: int, config: dict, prompt_suf
     return rows
 
 
-def write_reasoning_gym_parquet(name: str, out: str | os.PathLike, size: int = 1000, seed: int = 0,
-                                config: dict | None = None, prompt_suffix: str = "", split: str = "train",
-                                force: bool = False) -> int:  # fmt: skip
+def write_reasoning_gym_parquet(
+    name: str,
+    out: str | os.PathLike,
+    size: int = 1000,
+    seed: int = 0,
+    config: dict | None = None,
+    prompt_suffix: str = "",
+    split: str = "train",
+    force: bool = False,
+) -> int:
     """The rows of reasoning_gym_rows as a parquet file at out; the number of rows."""
     import pyarrow as pa
     import pyarrow.parquet as pq

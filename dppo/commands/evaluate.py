@@ -50,8 +50,17 @@ class EvalResult:
         return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
 
     def to_json(self) -> str:
-        return json.dumps({"model": self.target, "prompts": self.prompts, "n": self.n, "temperature": self.temperature,
-                           "metrics": self.metrics, "config": self.config}, indent=2)  # fmt: skip
+        return json.dumps(
+            {
+                "model": self.target,
+                "prompts": self.prompts,
+                "n": self.n,
+                "temperature": self.temperature,
+                "metrics": self.metrics,
+                "config": self.config,
+            },
+            indent=2,
+        )
 
 
 def is_checkpoint(path: str | os.PathLike) -> bool:
@@ -87,8 +96,10 @@ def load_eval_target(target: str | os.PathLike, overrides: list[str], config_fil
     target = str(target)
     if is_checkpoint(target):
         if config_file is not None:
-            raise ConfigError(f"--config {config_file!r} with the checkpoint {target!r}: a checkpoint brings its run's "
-                              "own config; change it with key=value overrides")  # fmt: skip
+            raise ConfigError(
+                f"--config {config_file!r} with the checkpoint {target!r}: a checkpoint brings its run's "
+                "own config; change it with key=value overrides"
+            )
         policy = load_checkpoint_policy(target)
         base = dict(policy.config)
         if policy.tokenizer_dir is not None:  # text data: the tokenizer the checkpoint was trained with
@@ -97,8 +108,9 @@ def load_eval_target(target: str | os.PathLike, overrides: list[str], config_fil
         cfg = _config_from_dict(base, _eval_overrides(overrides, base.get("data", {}).get("train_files")))
         return policy.model, cfg
     if not os.path.isfile(os.path.join(target, "config.json")):
-        raise ConfigError(f"{target!r} is neither a transformers model directory (config.json) nor a dppo checkpoint "
-                          "(manifest.json)")  # fmt: skip
+        raise ConfigError(
+            f"{target!r} is neither a transformers model directory (config.json) nor a dppo checkpoint (manifest.json)"
+        )
     cfg = load_config([f"model.path={target}", *_eval_overrides(overrides, None)], config_file=config_file)
     return None, cfg
 
@@ -118,8 +130,10 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     sampled = "rollout.n" in _override_keys(overrides)
     n, temperature = (cfg.rollout.n, cfg.rollout.temperature) if sampled else (1, 0.0)
     if sampled and temperature == 0.0 and n > 1:
-        raise ConfigError(f"rollout.n={n} with rollout.temperature=0: greedy decoding gives one response per prompt; "
-                          "set rollout.temperature > 0 to sample, or drop rollout.n")  # fmt: skip
+        raise ConfigError(
+            f"rollout.n={n} with rollout.temperature=0: greedy decoding gives one response per prompt; "
+            "set rollout.temperature > 0 to sample, or drop rollout.n"
+        )
     if cfg.trainer.eval_engine == "rollout":
         metrics = _score_with_engine(cfg, source, policy, device, n)
     else:
@@ -146,4 +160,3 @@ def write_eval(result: EvalResult, path: str | os.PathLike) -> Path:
     data = result.to_json().encode()
     atomic_write_bytes(path, lambda f: f.write(data))
     return path
-

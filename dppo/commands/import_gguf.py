@@ -84,9 +84,11 @@ def load_gguf(src: Path):
         tokenizer = AutoTokenizer.from_pretrained(where, gguf_file=name, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(where, gguf_file=name, dtype=torch.float32, local_files_only=True)
     except Exception as err:  # transformers raises ValueError, KeyError, OSError...: all mean this file cannot be used
-        raise GGUFError(f"{str(src)!r}: transformers {transformers_version} cannot load it as a causal LM "
-                        f"({type(err).__name__}: {one_line(err, 400)}); expected a GGUF of a decoder architecture "
-                        "transformers' GGUF loader supports (llama, qwen2, mistral, ...)") from err  # fmt: skip
+        raise GGUFError(
+            f"{str(src)!r}: transformers {transformers_version} cannot load it as a causal LM "
+            f"({type(err).__name__}: {one_line(err, 400)}); expected a GGUF of a decoder architecture "
+            "transformers' GGUF loader supports (llama, qwen2, mistral, ...)"
+        ) from err
     return model.eval(), tokenizer
 
 
@@ -104,8 +106,13 @@ def rebuilt(model: torch.nn.Module, dtype: str) -> torch.nn.Module:
     return plain
 
 
-def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str = "float32", force: bool = False,
-                out: TextIO | None = None) -> Imported:  # fmt: skip
+def import_gguf(
+    src: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    dtype: str = "float32",
+    force: bool = False,
+    out: TextIO | None = None,
+) -> Imported:
     """src as a transformers directory at out_dir (see the module docstring); progress lines go to out."""
     out = sys.stdout if out is None else out
     if dtype not in DTYPES:
@@ -115,8 +122,11 @@ def import_gguf(src: str | os.PathLike, out_dir: str | os.PathLike, dtype: str =
     out_dir = check_output(out_dir, force, directory=True)
     if Path(out_dir).resolve() in (src.resolve(), *src.resolve().parents):
         raise GGUFError(f"OUT_DIR {str(out_dir)!r} holds the GGUF file {str(src)!r}; write the directory elsewhere")
-    print(f"reading {src} ({src.stat().st_size:,} bytes) with transformers' GGUF loader (dequantized to float32)...",
-          file=out, flush=True)  # fmt: skip
+    print(
+        f"reading {src} ({src.stat().st_size:,} bytes) with transformers' GGUF loader (dequantized to float32)...",
+        file=out,
+        flush=True,
+    )
     model, tokenizer = load_gguf(src)
     print(f"rebuilding it as a plain {type(model).__name__} in {dtype}...", file=out, flush=True)
     plain = rebuilt(model, dtype)

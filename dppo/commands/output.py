@@ -30,8 +30,9 @@ def check_output(out: str | os.PathLike, force: bool, directory: bool) -> Path:
     if not (out.exists() or out.is_symlink()):
         return out
     if out.is_dir() != directory:
-        raise OutputPathError(f"{str(out)!r} exists and is a {'file' if directory else 'directory'}; expected a "
-                              f"{kind} to write (or none)")  # fmt: skip
+        raise OutputPathError(
+            f"{str(out)!r} exists and is a {'file' if directory else 'directory'}; expected a {kind} to write (or none)"
+        )
     if directory and not any(out.iterdir()):
         return out
     if not force:

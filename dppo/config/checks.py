@@ -65,4 +65,3 @@ def nonnegative(key: str, value: float) -> None:
 
 def one_of(key: str, value: object, choices: tuple) -> None:
     require(value in choices, key, value, "one of " + ", ".join(repr(c) for c in choices))
-

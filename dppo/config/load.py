@@ -26,7 +26,6 @@ from dppo.config.schema import DppoConfig
 DEFAULTS_YAML = Path(__file__).resolve().parent / "train.yaml"
 
 
-
 def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
     """A one-line ConfigError naming the key and value OmegaConf rejected."""
     key = getattr(err, "full_key", None)
@@ -34,7 +33,9 @@ def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
     if isinstance(err, KeyError):
         parent = key.rsplit(".", 1)[0] if key and "." in key else ""
         valid = ", ".join(list_keys(prefix=parent, leaves_only=False))
-        return ConfigError(f"unknown config key {key!r}; valid keys{' under ' + repr(parent) if parent else ''}: {valid}")
+        return ConfigError(
+            f"unknown config key {key!r}; valid keys{' under ' + repr(parent) if parent else ''}: {valid}"
+        )
     if key:
         return ConfigError(f"{key}: {msg}")
     return ConfigError(msg)
@@ -43,8 +44,9 @@ def _convert_omegaconf_error(err: OmegaConfBaseException) -> ConfigError:
 # One rule for '_' in values: it never separates digits (YAML would read 1_000 as 1000 and 0.5_2 as 0.52); in a
 # rollout-correction threshold it separates the bounds of "lo_hi", so there a value like 0.5_2 stays text.
 _UNDERSCORED_NUMBER = re.compile(r"[-+]?[\d_]*\.?[\d_]*(?:[eE][-+]?[\d_]+)?")
-LO_HI_KEYS = frozenset({"algorithm.rollout_correction.rollout_is_threshold",
-                        "algorithm.rollout_correction.rollout_rs_threshold"})  # fmt: skip
+LO_HI_KEYS = frozenset(
+    {"algorithm.rollout_correction.rollout_is_threshold", "algorithm.rollout_correction.rollout_rs_threshold"}
+)
 
 
 def _underscored_number(key: str, text: str) -> str | None:
@@ -54,8 +56,10 @@ def _underscored_number(key: str, text: str) -> str | None:
         return None
     if key in LO_HI_KEYS or _takes_text(key):
         return f"'{text}'"
-    raise ConfigError(f"{key}={text}: write numbers without '_' separators (e.g. {text.replace('_', '')}); '_' only "
-                      "separates the bounds of a 'lo_hi' rollout-correction threshold")  # fmt: skip
+    raise ConfigError(
+        f"{key}={text}: write numbers without '_' separators (e.g. {text.replace('_', '')}); '_' only "
+        "separates the bounds of a 'lo_hi' rollout-correction threshold"
+    )
 
 
 @functools.cache
@@ -98,8 +102,10 @@ def _check_sections(file_cfg: DictConfig, where: str, prefix: str = "") -> None:
             continue  # a value (checked by the merge) or an unknown key (named by the merge)
         if not isinstance(value, DictConfig):
             shown = "null" if value is None else repr(value)
-            raise ConfigError(f"{where}: {dotted}: {shown} is a value, but {dotted} is a config section; "
-                              f"write its keys under it (e.g. {list_keys(dotted + '.')[0]})")  # fmt: skip
+            raise ConfigError(
+                f"{where}: {dotted}: {shown} is a value, but {dotted} is a config section; "
+                f"write its keys under it (e.g. {list_keys(dotted + '.')[0]})"
+            )
         _check_sections(value, where, dotted + ".")
 
 
@@ -113,8 +119,10 @@ def _load_config_file(config_file: str | os.PathLike) -> DictConfig:
     except (yaml.YAMLError, OSError) as err:  # OSError: YAML that is a lone scalar
         raise ConfigError(f"{where}: not a YAML mapping of config sections: {' '.join(str(err).split())}") from None
     if not isinstance(file_cfg, DictConfig):
-        raise ConfigError(f"{where}: expected a mapping of config sections (trainer:, actor:, ...) at the top level; "
-                          f"got a {type(file_cfg).__name__.removesuffix('Config').lower()}")  # fmt: skip
+        raise ConfigError(
+            f"{where}: expected a mapping of config sections (trainer:, actor:, ...) at the top level; "
+            f"got a {type(file_cfg).__name__.removesuffix('Config').lower()}"
+        )
     _check_sections(file_cfg, where)
     for key, text in _underscored_scalars(config_file):
         if _underscored_number(key, text) is not None:
@@ -141,7 +149,9 @@ def _underscored_scalars(config_file: str | os.PathLike) -> list[tuple[str, str]
     return found
 
 
-def load_config(overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None) -> DppoConfig:
+def load_config(
+    overrides: list[str] | tuple[str, ...] = (), config_file: str | os.PathLike | None = None
+) -> DppoConfig:
     """Schema defaults <- config_file <- key=value overrides, validated; raises ConfigError. (The shipped train.yaml is
     the schema's defaults written out by yaml_reference, for reading: a test keeps it current.)"""
     file_cfg = _load_config_file(config_file) if config_file is not None else None
@@ -166,7 +176,6 @@ def to_dict(cfg: DppoConfig) -> dict:
 
 def to_yaml(cfg: DppoConfig) -> str:
     return OmegaConf.to_yaml(OmegaConf.structured(cfg))
-
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -233,9 +242,13 @@ def list_keys(prefix: str = "", leaves_only: bool = True) -> list[str]:
 def markdown_reference() -> str:
     """docs/config_keys.md: every key with its default and its doc, a table per section (`make docs` writes it;
     a test keeps the file equal to this)."""
-    out = ["# Config keys", "",
-           "Every key of `dppo train`, with its default and what it does (the same text as `dppo train --help`;",
-           "generated from the schema in dppo/config/schema.py by `make docs`).", ""]  # fmt: skip
+    out = [
+        "# Config keys",
+        "",
+        "Every key of `dppo train`, with its default and what it does (the same text as `dppo train --help`;",
+        "generated from the schema in dppo/config/schema.py by `make docs`).",
+        "",
+    ]
     section = None
     for key, default, doc in describe():
         head = key.rsplit(".", 1)[0]
@@ -251,9 +264,11 @@ def markdown_reference() -> str:
 def yaml_reference() -> str:
     """dppo/config/train.yaml: every key with its default, each under its doc as a comment (`make docs` writes it; a
     test keeps the file equal to this). The schema is the one source of both files."""
-    out = ["# The defaults of `dppo train` (the `make demo` run): every key, with what it does. Generated from the schema",
-           "# (dppo/config/schema.py) by `make docs`; override any key on the command line as key=value, or pass a YAML",
-           "# file of overrides with --config."]  # fmt: skip
+    out = [
+        "# The defaults of `dppo train` (the `make demo` run): every key, with what it does. Generated from the schema",
+        "# (dppo/config/schema.py) by `make docs`; override any key on the command line as key=value, or pass a YAML",
+        "# file of overrides with --config.",
+    ]
     opened: list[str] = []
     for key, default, doc in describe():
         *sections, name = key.split(".")

@@ -91,8 +91,10 @@ class PiOldPlan:
         if self.verify and self.source in ("behav", "none"):
             raise ValueError(f"PiOldPlan.source={self.source!r} computes no old log-probs: there is nothing to verify")
         if self.score_ahead and (self.source != "slot" or self.method not in EXACT_METHODS):
-            raise ValueError(f"PiOldPlan.score_ahead with source={self.source!r}, method={self.method!r}: only exact "
-                             "old log-probs that would read slot 0 are scored ahead")  # fmt: skip
+            raise ValueError(
+                f"PiOldPlan.score_ahead with source={self.source!r}, method={self.method!r}: only exact "
+                "old log-probs that would read slot 0 are scored ahead"
+            )
 
     @property
     def takes_snapshots(self) -> bool:

@@ -23,20 +23,28 @@ def validate_combinations(cfg) -> None:
         )
     world_size = t.nnodes * t.n_gpus_per_node
     if world_size > 1 and not cfg.use_ray:
-        raise ConfigError(f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: a world size "
-                          "above 1 runs its ranks as Ray actors; ray.enabled=false runs one rank in this process")  # fmt: skip
+        raise ConfigError(
+            f"trainer.nnodes={t.nnodes} x trainer.n_gpus_per_node={t.n_gpus_per_node}: a world size "
+            "above 1 runs its ranks as Ray actors; ray.enabled=false runs one rank in this process"
+        )
     if cfg.rollout.n_gpus_per_node and not cfg.use_ray:
-        raise ConfigError(f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node} gives the rollout workers GPUs of "
-                          "their own as Ray actors; ray.enabled=false generates on this machine's CPU")  # fmt: skip
+        raise ConfigError(
+            f"rollout.n_gpus_per_node={cfg.rollout.n_gpus_per_node} gives the rollout workers GPUs of "
+            "their own as Ray actors; ray.enabled=false generates on this machine's CPU"
+        )
     if world_size > 1 or cfg.actor.fsdp == "always":
         try:
             check_reader_for_sharding(cfg.snapshot.strategy)
         except InexactUnderShardingError as err:
-            raise ConfigError(f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})") from None
+            raise ConfigError(
+                f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})"
+            ) from None
     if cfg.actor.mixed_precision is not None and cfg.model.dtype != "float32":
-        raise ConfigError(f"actor.mixed_precision={cfg.actor.mixed_precision} computes in it over fp32 master weights, "
-                          f"but model.dtype={cfg.model.dtype}: use model.dtype=float32, or actor.mixed_precision=null "
-                          "to train in model.dtype throughout")  # fmt: skip
+        raise ConfigError(
+            f"actor.mixed_precision={cfg.actor.mixed_precision} computes in it over fp32 master weights, "
+            f"but model.dtype={cfg.model.dtype}: use model.dtype=float32, or actor.mixed_precision=null "
+            "to train in model.dtype throughout"
+        )
     if t.verify_old_log_prob and cfg.algorithm.rollout_correction.bypass_mode:
         raise ConfigError(
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
@@ -56,25 +64,35 @@ def _check_prox_logp_method(a, snapshot, trainer) -> None:
         return
     key = f"algorithm.prox_logp_method={method}"
     if rc.bypass_mode:
-        raise ConfigError(f"{key} approximates pi_prox, but algorithm.rollout_correction.bypass_mode=true has none "
-                          "(pi_prox := pi_behav); drop one of them")  # fmt: skip
+        raise ConfigError(
+            f"{key} approximates pi_prox, but algorithm.rollout_correction.bypass_mode=true has none "
+            "(pi_prox := pi_behav); drop one of them"
+        )
     if a.prox_anchor == "current":
-        raise ConfigError(f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
-                          "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
-                          "for free; use prox_logp_method=recompute or prox_anchor=cycle_start")  # fmt: skip
+        raise ConfigError(
+            f"{key} approximates the cycle-start pi_prox, but algorithm.prox_anchor=current makes "
+            "pi_prox the live weights, whose log-probs the training forward pass gives exactly and "
+            "for free; use prox_logp_method=recompute or prox_anchor=cycle_start"
+        )
     if method == "auto" and snapshot.strategy == "reference":
-        raise ConfigError(f"{key} reads slot 0 on its check cycles through a slot reader, but snapshot.strategy="
-                          "'reference' is verl v1's save-and-restore scheme, kept for comparison only; use "
-                          "snapshot.strategy=auto (or view, swap, stream), or prox_logp_method=recompute with it")  # fmt: skip
+        raise ConfigError(
+            f"{key} reads slot 0 on its check cycles through a slot reader, but snapshot.strategy="
+            "'reference' is verl v1's save-and-restore scheme, kept for comparison only; use "
+            "snapshot.strategy=auto (or view, swap, stream), or prox_logp_method=recompute with it"
+        )
     if method not in ("loglinear", "auto"):
         return
     if rc.rollout_is is not None and rc.rollout_is_batch_normalize:
-        raise ConfigError(f"{key} derives pi_prox from each micro-batch's training forward pass, but "
-                          "algorithm.rollout_correction.rollout_is_batch_normalize=true needs the whole mini-batch's "
-                          "IS weights before the first one; use prox_logp_method=recompute or drop the normalization")  # fmt: skip
+        raise ConfigError(
+            f"{key} derives pi_prox from each micro-batch's training forward pass, but "
+            "algorithm.rollout_correction.rollout_is_batch_normalize=true needs the whole mini-batch's "
+            "IS weights before the first one; use prox_logp_method=recompute or drop the normalization"
+        )
     if trainer.verify_old_log_prob:
-        raise ConfigError(f"trainer.verify_old_log_prob=true checks exact old log-probs, but {key} approximates "
-                          "them; use prox_logp_method=metrics to measure the approximation's error")  # fmt: skip
+        raise ConfigError(
+            f"trainer.verify_old_log_prob=true checks exact old log-probs, but {key} approximates "
+            "them; use prox_logp_method=metrics to measure the approximation's error"
+        )
 
 
 def _check_policy_loss(a, actor) -> None:
@@ -90,8 +108,11 @@ def _check_policy_loss(a, actor) -> None:
         )
     pg_mode = loss_mode_agg_mode(loss_mode, actor.loss_agg_mode)
     other_terms = actor.entropy_coeff > 0 or actor.kl_loss_coef > 0
-    if a.rollout_correction.rollout_rs is not None and other_terms and \
-            LOSS_AGG_MODES[pg_mode].normalizer != LOSS_AGG_MODES[actor.loss_agg_mode].normalizer:  # fmt: skip
+    if (
+        a.rollout_correction.rollout_rs is not None
+        and other_terms
+        and LOSS_AGG_MODES[pg_mode].normalizer != LOSS_AGG_MODES[actor.loss_agg_mode].normalizer
+    ):
         raise ConfigError(
             f"actor.policy_loss.loss_mode={loss_mode!r} aggregates with {pg_mode}, the entropy and KL terms with "
             f"actor.loss_agg_mode={actor.loss_agg_mode!r}: with rejection sampling (algorithm.rollout_correction."
@@ -105,20 +126,31 @@ def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
     optim = actor.optim
     total = t.total_steps * t.parameter_sync_step
     if optim.warmup_steps(total) > total:
-        raise ConfigError(f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
-                          f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
-                          f"{t.parameter_sync_step}); the lr would never reach actor.lr")  # fmt: skip
+        raise ConfigError(
+            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
+            f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
+            f"{t.parameter_sync_step}); the lr would never reach actor.lr"
+        )
     if actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
-        why = ("algorithm.prox_anchor=current" if a.prox_anchor == "current" else
-               "trainer.parameter_sync_step=1" if t.parameter_sync_step == 1 else None)  # fmt: skip
+        why = (
+            "algorithm.prox_anchor=current"
+            if a.prox_anchor == "current"
+            else "trainer.parameter_sync_step=1"
+            if t.parameter_sync_step == 1
+            else None
+        )
         if why is not None:
-            raise ConfigError(f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
-                              "at every trigger (pi_old is the live weights); the guard would never act: drop it")  # fmt: skip
+            raise ConfigError(
+                f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
+                "at every trigger (pi_old is the live weights); the guard would never act: drop it"
+            )
     fg = a.filter_groups
     kind, where = source
     if fg.enable and fg.metric not in FILTER_REWARD_METRICS and kind != "parquet":
-        raise ConfigError(f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on {where}, whose reward has no "
-                          f"extra outputs (only a custom_reward_function does); use {' or '.join(FILTER_REWARD_METRICS)}")  # fmt: skip
+        raise ConfigError(
+            f"algorithm.filter_groups.metric={fg.metric!r}: the run trains on {where}, whose reward has no "
+            f"extra outputs (only a custom_reward_function does); use {' or '.join(FILTER_REWARD_METRICS)}"
+        )
 
 
 def _prompt_source_in_words(data, task) -> tuple[str, str]:
@@ -133,25 +165,33 @@ def _check_data_or_task(data, model, task, reward, trainer) -> None:
     prompts to train on. The keys of the other sources must stay unset."""
     kind = data.kind
     if kind != "reasoning_gym" and data.reasoning_gym.dataset is not None:
-        raise ConfigError(f"data.reasoning_gym.dataset={data.reasoning_gym.dataset!r} is for data.source=reasoning_gym, "
-                          f"but the run's prompts come from data.source={kind}; set data.source=reasoning_gym or drop it")  # fmt: skip
+        raise ConfigError(
+            f"data.reasoning_gym.dataset={data.reasoning_gym.dataset!r} is for data.source=reasoning_gym, "
+            f"but the run's prompts come from data.source={kind}; set data.source=reasoning_gym or drop it"
+        )
     if kind == "parquet":
         if data.train_files is None:
             raise ConfigError("data.source=parquet needs data.train_files: verl-format parquet file(s) of prompts")
         _require_model_path(model, f"data.train_files={data.train_files!r}")
         return
     if data.train_files is not None:
-        raise ConfigError(f"data.train_files={data.train_files!r} is for data.source=parquet, but data.source={kind}; "
-                          "drop one of them")  # fmt: skip
+        raise ConfigError(
+            f"data.train_files={data.train_files!r} is for data.source=parquet, but data.source={kind}; "
+            "drop one of them"
+        )
     for key, value in (("data.val_files", data.val_files), ("custom_reward_function.path", reward.path)):
         if value is None:
             continue
         if kind == "task":
-            raise ConfigError(f"{key}={value!r} is for text data, but data.train_files is null (the run trains on "
-                              f"task.name={task.name!r}); set data.train_files or drop {key}")  # fmt: skip
-        raise ConfigError(f"{key}={value!r} is for text data, but the run trains on data.source=reasoning_gym, whose "
-                          "held-out problems come from data.reasoning_gym.val_seed and whose reward is the dataset's "
-                          f"own verifier; drop {key}")  # fmt: skip
+            raise ConfigError(
+                f"{key}={value!r} is for text data, but data.train_files is null (the run trains on "
+                f"task.name={task.name!r}); set data.train_files or drop {key}"
+            )
+        raise ConfigError(
+            f"{key}={value!r} is for text data, but the run trains on data.source=reasoning_gym, whose "
+            "held-out problems come from data.reasoning_gym.val_seed and whose reward is the dataset's "
+            f"own verifier; drop {key}"
+        )
     if kind == "reasoning_gym":
         _check_reasoning_gym(data.reasoning_gym, model, trainer.seed)
         return
@@ -160,23 +200,29 @@ def _check_data_or_task(data, model, task, reward, trainer) -> None:
 
 def _require_model_path(model, what: str) -> None:
     if model.path is None:
-        raise ConfigError(f"{what} needs model.path: a local model directory holding the tokenizer (and its chat "
-                          "template) that turns the prompts into tokens")  # fmt: skip
+        raise ConfigError(
+            f"{what} needs model.path: a local model directory holding the tokenizer (and its chat "
+            "template) that turns the prompts into tokens"
+        )
 
 
 def _check_reasoning_gym(rg, model, trainer_seed: int) -> None:
     """A dataset reasoning-gym has, a config it takes, a model directory, and held-out problems whose seeds are not
     the training ones' (reasoning-gym draws item i from seed + i). Imports reasoning-gym (about a second)."""
     if rg.dataset is None:
-        raise ConfigError("data.source=reasoning_gym needs data.reasoning_gym.dataset: a reasoning-gym dataset name, "
-                          "e.g. basic_arithmetic, chain_sum, gsm_symbolic, countdown")  # fmt: skip
+        raise ConfigError(
+            "data.source=reasoning_gym needs data.reasoning_gym.dataset: a reasoning-gym dataset name, "
+            "e.g. basic_arithmetic, chain_sum, gsm_symbolic, countdown"
+        )
     _require_model_path(model, f"data.source=reasoning_gym (dataset {rg.dataset!r})")
     seed, val_seed = rg.resolved_seeds(trainer_seed)
     if rg.val_size and val_seed < seed + rg.size and seed < val_seed + rg.val_size:
-        raise ConfigError(f"data.reasoning_gym.val_seed={val_seed}: the held-out problems' seeds {val_seed}.."
-                          f"{val_seed + rg.val_size - 1} overlap the training problems' {seed}..{seed + rg.size - 1} "
-                          f"(data.reasoning_gym.seed={seed}, size={rg.size}; reasoning-gym draws item i from seed + i); "
-                          f"use a val_seed >= {seed + rg.size} or null")  # fmt: skip
+        raise ConfigError(
+            f"data.reasoning_gym.val_seed={val_seed}: the held-out problems' seeds {val_seed}.."
+            f"{val_seed + rg.val_size - 1} overlap the training problems' {seed}..{seed + rg.size - 1} "
+            f"(data.reasoning_gym.seed={seed}, size={rg.size}; reasoning-gym draws item i from seed + i); "
+            f"use a val_seed >= {seed + rg.size} or null"
+        )
     try:
         make_dataset(rg.dataset, rg.config, size=1, seed=seed)
     except UnknownDatasetError as err:
@@ -197,8 +243,9 @@ def _check_prompts_left_for_training(task_cfg, t) -> None:
     except (UnknownTaskError, TypeError) as err:  # TypeError: the factory returned something other than a Task
         raise ConfigError(f"task.name={task_cfg.name!r}: {err}") from None
     except MemoryError:
-        raise ConfigError(f"task.length={shown(task_cfg.length)}: a single prompt of task {task_cfg.name!r} "
-                          "cannot be allocated") from None  # fmt: skip
+        raise ConfigError(
+            f"task.length={shown(task_cfg.length)}: a single prompt of task {task_cfg.name!r} cannot be allocated"
+        ) from None
     if t.eval_prompts == 0:
         return
     where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
@@ -211,8 +258,9 @@ def _check_prompts_left_for_training(task_cfg, t) -> None:
     try:
         held_out = held_out_prompts(task, t.seed, t.eval_prompts)
     except MemoryError:
-        raise ConfigError(f"trainer.eval_prompts={shown(t.eval_prompts)}: the held-out prompts cannot be "
-                          "allocated") from None  # fmt: skip
+        raise ConfigError(
+            f"trainer.eval_prompts={shown(t.eval_prompts)}: the held-out prompts cannot be allocated"
+        ) from None
     if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
         raise ConfigError(
             f"trainer.eval_prompts={t.eval_prompts}: {where} has only {len(held_out)} distinct prompts, and all "
@@ -226,4 +274,3 @@ def _check_prompts_left_for_training(task_cfg, t) -> None:
             f"trainer.eval_prompts={t.eval_prompts} holds out (nearly) every distinct prompt of {where}: no "
             "training prompt could be drawn; lower trainer.eval_prompts or raise task.length"
         ) from None
-

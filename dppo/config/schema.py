@@ -9,17 +9,42 @@ from dataclasses import dataclass, field
 
 from dppo.config.rules import validate_combinations
 from dppo.config.sections.actor import ActorCheckpointSection, ActorConfig, ActorOptimSection, PolicyLossSection
-from dppo.config.sections.algorithm import (AlgorithmConfig, FilterGroupsSection, KLControlSection,
-                                            RolloutCorrectionSection)
-from dppo.config.sections.data import CustomRewardFunctionConfig, DataConfig, ModelConfig, ReasoningGymSection, TaskConfig
+from dppo.config.sections.algorithm import (
+    AlgorithmConfig,
+    FilterGroupsSection,
+    KLControlSection,
+    RolloutCorrectionSection,
+)
+from dppo.config.sections.data import (
+    CustomRewardFunctionConfig,
+    DataConfig,
+    ModelConfig,
+    ReasoningGymSection,
+    TaskConfig,
+)
 from dppo.config.sections.rollout import ReplayConfig, RolloutConfig
 from dppo.config.sections.run import RayConfig, SnapshotConfig, TrainerConfig
 
 __all__ = [
-    "ActorCheckpointSection", "ActorConfig", "ActorOptimSection", "AlgorithmConfig", "CustomRewardFunctionConfig",
-    "DataConfig", "DppoConfig", "FilterGroupsSection", "KLControlSection", "ModelConfig", "PolicyLossSection",
-    "RayConfig", "ReasoningGymSection", "ReplayConfig", "RolloutConfig", "RolloutCorrectionSection", "SnapshotConfig",
-    "TaskConfig", "TrainerConfig",
+    "ActorCheckpointSection",
+    "ActorConfig",
+    "ActorOptimSection",
+    "AlgorithmConfig",
+    "CustomRewardFunctionConfig",
+    "DataConfig",
+    "DppoConfig",
+    "FilterGroupsSection",
+    "KLControlSection",
+    "ModelConfig",
+    "PolicyLossSection",
+    "RayConfig",
+    "ReasoningGymSection",
+    "ReplayConfig",
+    "RolloutConfig",
+    "RolloutCorrectionSection",
+    "SnapshotConfig",
+    "TaskConfig",
+    "TrainerConfig",
 ]
 
 
@@ -54,4 +79,3 @@ class DppoConfig:
     def groups_per_trigger(self) -> int:
         """Prompt groups each optimizer step consumes."""
         return self.trainer.train_batch_size // self.trainer.parameter_sync_step
-

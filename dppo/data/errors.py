@@ -52,5 +52,7 @@ def require_extra(module: str, extra: str, needed_by: str):
     try:
         return importlib.import_module(module)
     except ImportError as err:
-        raise MissingExtraError(f"{needed_by} needs the {module} package, which is not importable in this Python "
-                                f"({sys.prefix}: {err}); install the extra: pip install 'dppo[{extra}]'") from None
+        raise MissingExtraError(
+            f"{needed_by} needs the {module} package, which is not importable in this Python "
+            f"({sys.prefix}: {err}); install the extra: pip install 'dppo[{extra}]'"
+        ) from None

@@ -67,20 +67,27 @@ def _read_one(path: str, prompt_key: str, rows: ParquetRows) -> None:
             raise DataFileError(f"data file {path!r} is not a readable parquet file ({one_line(err, None)})") from None
         for column, why in ((prompt_key, " (data.prompt_key)"), ("data_source", ""), ("reward_model", "")):
             if column not in schema.names:
-                raise DataColumnError(f"data file {path!r} has no column {column!r}{why}; its columns: {', '.join(schema.names)}")
+                raise DataColumnError(
+                    f"data file {path!r} has no column {column!r}{why}; its columns: {', '.join(schema.names)}"
+                )
         reward_type = schema.field("reward_model").type
         if not pa.types.is_struct(reward_type) or reward_type.get_field_index("ground_truth") < 0:
-            raise DataColumnError(f"data file {path!r}: column 'reward_model' has no field 'ground_truth' "
-                                  f"(its type: {reward_type})")  # fmt: skip
+            raise DataColumnError(
+                f"data file {path!r}: column 'reward_model' has no field 'ground_truth' (its type: {reward_type})"
+            )
         columns = [prompt_key, "data_source", "reward_model", *(["extra_info"] if "extra_info" in schema.names else [])]
-        table = pa.concat_tables([_read_row_group(parquet, path, i, group_rows, columns) for i in range(len(group_rows))]
-                                 or [schema.empty_table().select(columns)])  # fmt: skip
+        table = pa.concat_tables(
+            [_read_row_group(parquet, path, i, group_rows, columns) for i in range(len(group_rows))]
+            or [schema.empty_table().select(columns)]
+        )
     if table.num_rows == 0:
         raise DataRowError(f"data file {path!r} has no rows")
     messages = table.column(prompt_key).to_pylist()
     data_source = table.column("data_source").to_pylist()
     ground_truth = [r["ground_truth"] if r is not None else None for r in table.column("reward_model").to_pylist()]
-    extra_info = table.column("extra_info").to_pylist() if "extra_info" in table.column_names else [None] * len(messages)
+    extra_info = (
+        table.column("extra_info").to_pylist() if "extra_info" in table.column_names else [None] * len(messages)
+    )
     for i, (msgs, source, truth) in enumerate(zip(messages, data_source, ground_truth)):
         _check_row(path, i, prompt_key, msgs, source, truth)
     rows.messages.extend(messages)
@@ -99,20 +106,30 @@ def _read_row_group(parquet, path: str, index: int, group_rows: list[int], colum
         return parquet.read_row_group(index, columns=columns)
     except (pa.ArrowException, OSError) as err:
         first = sum(group_rows[:index])
-        raise DataFileError(f"data file {path!r}: row group {index} of {len(group_rows)} (rows {first} to "
-                            f"{first + group_rows[index] - 1}) cannot be read ({one_line(err, None)}); the file is "
-                            "damaged: write it again") from None  # fmt: skip
+        raise DataFileError(
+            f"data file {path!r}: row group {index} of {len(group_rows)} (rows {first} to "
+            f"{first + group_rows[index] - 1}) cannot be read ({one_line(err, None)}); the file is "
+            "damaged: write it again"
+        ) from None
 
 
 def _check_row(path: str, i: int, prompt_key: str, messages, data_source, ground_truth) -> None:
     where = f"row {i} of {path!r}"
     if not isinstance(messages, list) or not messages:
-        raise DataRowError(f"{where}: column {prompt_key!r} holds {type(messages).__name__} {str(messages)[:60]!r}; "
-                           "expected a non-empty list of chat messages {role, content}")  # fmt: skip
+        raise DataRowError(
+            f"{where}: column {prompt_key!r} holds {type(messages).__name__} {str(messages)[:60]!r}; "
+            "expected a non-empty list of chat messages {role, content}"
+        )
     for message in messages:
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str) and isinstance(message.get("content"), str)):
-            raise DataRowError(f"{where}: column {prompt_key!r} holds the message {str(message)[:60]!r}; "
-                               "expected {'role': str, 'content': str}")  # fmt: skip
+        if not (
+            isinstance(message, dict)
+            and isinstance(message.get("role"), str)
+            and isinstance(message.get("content"), str)
+        ):
+            raise DataRowError(
+                f"{where}: column {prompt_key!r} holds the message {str(message)[:60]!r}; "
+                "expected {'role': str, 'content': str}"
+            )
     if not isinstance(data_source, str):
         raise DataRowError(f"{where}: data_source is {data_source!r}; expected a string")
     if ground_truth is None:

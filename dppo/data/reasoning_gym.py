@@ -91,20 +91,25 @@ def dataset_config_class(name: str, config: dict) -> type:
     DatasetConfigError naming the keys of config that it lacks (or that dppo sets itself) and the valid ones."""
     names = dataset_names()
     if name not in names:
-        raise UnknownDatasetError(f"reasoning-gym has no dataset {name!r}; {_close(str(name), names)}its "
-                                  f"{len(names)} datasets: {', '.join(names)}")  # fmt: skip
+        raise UnknownDatasetError(
+            f"reasoning-gym has no dataset {name!r}; {_close(str(name), names)}its "
+            f"{len(names)} datasets: {', '.join(names)}"
+        )
     from reasoning_gym.factory import DATASETS
 
     config_class = DATASETS[name][1]
     fields = [f.name for f in dataclasses.fields(config_class) if f.name not in RESERVED_KEYS]
     for key in config:
         if key in RESERVED_KEYS:
-            raise DatasetConfigError(f"the setting {key!r} of dataset {name!r} is dppo's own: data.reasoning_gym."
-                                     f"{key} and val_{key} (dppo data: --{key}) give the training and held-out "
-                                     "problems theirs")  # fmt: skip
+            raise DatasetConfigError(
+                f"the setting {key!r} of dataset {name!r} is dppo's own: data.reasoning_gym."
+                f"{key} and val_{key} (dppo data: --{key}) give the training and held-out "
+                "problems theirs"
+            )
         if key not in fields:
-            raise DatasetConfigError(f"dataset {name!r} has no setting {key!r}; {_close(str(key), fields)}its "
-                                     f"settings: {', '.join(fields)}")  # fmt: skip
+            raise DatasetConfigError(
+                f"dataset {name!r} has no setting {key!r}; {_close(str(key), fields)}its settings: {', '.join(fields)}"
+            )
     return config_class
 
 
@@ -116,8 +121,9 @@ def make_dataset(name: str, config: dict, size: int, seed: int):
     try:
         return rg.create_dataset(name, **config, size=size, seed=seed)
     except (AssertionError, ValueError, TypeError) as err:  # its config's validate() asserts
-        raise DatasetConfigError(f"dataset {name!r} refuses the settings {json.dumps(config)}: "
-                                 f"{type(err).__name__}: {err}") from None  # fmt: skip
+        raise DatasetConfigError(
+            f"dataset {name!r} refuses the settings {json.dumps(config)}: {type(err).__name__}: {err}"
+        ) from None
 
 
 def generate(name: str, config: dict, size: int, seed: int) -> list[dict]:
@@ -200,25 +206,43 @@ class ReasoningGymSource(TextSource):
         tokenizer = load_tokenizer(model_path, chat_template=False)
         chat = has_chat_template(tokenizer)
         if not chat:
-            log.warning(f"the tokenizer of model.path={model_path!r} has no chat template: reasoning-gym prompts "
-                        "go to the model as plain text (the question and data.reasoning_gym.prompt_suffix)")  # fmt: skip
+            log.warning(
+                f"the tokenizer of model.path={model_path!r} has no chat template: reasoning-gym prompts "
+                "go to the model as plain text (the question and data.reasoning_gym.prompt_suffix)"
+            )
         val_entries = generate(rg.dataset, rg.config, rg.val_size, val_seed) if rg.val_size else []
         held_out = {entry["question"] for entry in val_entries}
         train_entries = [e for e in generate(rg.dataset, rg.config, rg.size, seed) if e["question"] not in held_out]
         if not train_entries:
-            raise DatasetConfigError(f"every one of the data.reasoning_gym.size={rg.size} training problems of "
-                                     f"{rg.dataset!r} is also a held-out one; raise size or lower val_size")  # fmt: skip
+            raise DatasetConfigError(
+                f"every one of the data.reasoning_gym.size={rg.size} training problems of "
+                f"{rg.dataset!r} is also a held-out one; raise size or lower val_size"
+            )
 
         def tokenized(entries: list[dict], at_seed: int) -> TextRows:
-            return tokenize_rows(tokenizer, _rows(rg.dataset, entries, at_seed, rg.prompt_suffix),
-                                 data.max_prompt_length, data.truncation, chat_template=chat)  # fmt: skip
+            return tokenize_rows(
+                tokenizer,
+                _rows(rg.dataset, entries, at_seed, rg.prompt_suffix),
+                data.max_prompt_length,
+                data.truncation,
+                chat_template=chat,
+            )
 
-        reward = RewardFunction(None, timeout_s=reward_cfg.timeout_s,
-                                builtin=ReasoningGymScore(rg.dataset, rg.config),
-                                builtin_label=f"reasoning-gym {rg.dataset!r}'s score_answer")  # fmt: skip
-        source = cls(tokenizer, tokenized(train_entries, seed), tokenized(val_entries, val_seed) if val_entries else None,
-                     reward, data.max_response_length, data.shuffle, run_seed if data.seed is None else data.seed,
-                     batch_size)  # fmt: skip
+        reward = RewardFunction(
+            None,
+            timeout_s=reward_cfg.timeout_s,
+            builtin=ReasoningGymScore(rg.dataset, rg.config),
+            builtin_label=f"reasoning-gym {rg.dataset!r}'s score_answer",
+        )
+        source = cls(
+            tokenizer,
+            tokenized(train_entries, seed),
+            tokenized(val_entries, val_seed) if val_entries else None,
+            reward,
+            data.max_response_length,
+            data.shuffle,
+            run_seed if data.seed is None else data.seed,
+            batch_size,
+        )
         source.check_model_vocab(model_path)
         return source
-

@@ -69,8 +69,14 @@ class RewardFunction:
     Picklable: it carries the file's text, not the compiled function, and compiles it where it is first called.
     """
 
-    def __init__(self, path: str | None = None, name: str = "compute_score", timeout_s: float | None = 60.0,
-                 builtin: ScoreFn = gsm8k_compute_score, builtin_label: str = "the built-in gsm8k reward"):  # fmt: skip
+    def __init__(
+        self,
+        path: str | None = None,
+        name: str = "compute_score",
+        timeout_s: float | None = 60.0,
+        builtin: ScoreFn = gsm8k_compute_score,
+        builtin_label: str = "the built-in gsm8k reward",
+    ):
         """timeout_s: how long one call may take (None: no limit); past it the run stops, as if it had raised.
         builtin (a picklable callable) and builtin_label: the function used when path is None, and how messages
         name it."""
@@ -82,7 +88,9 @@ class RewardFunction:
                 with open(path, encoding="utf-8") as f:
                     self._source = f.read()
             except OSError as err:
-                raise DataFileError(f"custom_reward_function.path={path!r}: cannot read it ({one_line(err, None)})") from None
+                raise DataFileError(
+                    f"custom_reward_function.path={path!r}: cannot read it ({one_line(err, None)})"
+                ) from None
         self._fn: ScoreFn | None = None
         self.function()  # compile now: a broken file or a missing name fails before any worker starts
 
@@ -102,13 +110,16 @@ class RewardFunction:
         try:
             exec(compile(self._source, self.path, "exec"), module.__dict__)  # noqa: S102 - the user's own file
         except Exception as err:
-            raise RewardFunctionError(f"custom_reward_function.path={self.path!r} failed to load: "
-                                      f"{type(err).__name__}: {one_line(err, None)}") from err  # fmt: skip
+            raise RewardFunctionError(
+                f"custom_reward_function.path={self.path!r} failed to load: {type(err).__name__}: {one_line(err, None)}"
+            ) from err
         fn = getattr(module, self.name, None)
         if not callable(fn):
             defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise RewardFunctionError(f"custom_reward_function.path={self.path!r} defines no function "
-                                      f"custom_reward_function.name={self.name!r}; it defines: {', '.join(defined) or 'none'}")  # fmt: skip
+            raise RewardFunctionError(
+                f"custom_reward_function.path={self.path!r} defines no function "
+                f"custom_reward_function.name={self.name!r}; it defines: {', '.join(defined) or 'none'}"
+            )
         return fn
 
     def __getstate__(self) -> dict:
@@ -118,26 +129,39 @@ class RewardFunction:
         """(score, numeric extras) of one response; where names the row for the error message."""
         context = f"(data_source={data_source!r}, {where})"
         try:
-            result = call_with_time_limit(self.function(), self.timeout_s, data_source=data_source,
-                                          solution_str=solution_str, ground_truth=ground_truth, extra_info=extra_info)  # fmt: skip
+            result = call_with_time_limit(
+                self.function(),
+                self.timeout_s,
+                data_source=data_source,
+                solution_str=solution_str,
+                ground_truth=ground_truth,
+                extra_info=extra_info,
+            )
         except RewardFunctionError:
             raise
         except CallTimeout:
-            raise RewardFunctionError(f"reward function {self.label} did not return within {self.timeout_s:g} s "
-                                      f"(custom_reward_function.timeout_s) {context}") from None  # fmt: skip
+            raise RewardFunctionError(
+                f"reward function {self.label} did not return within {self.timeout_s:g} s "
+                f"(custom_reward_function.timeout_s) {context}"
+            ) from None
         except Exception as err:
-            raise RewardFunctionError(f"reward function {self.label} raised {type(err).__name__}: "
-                                      f"{one_line(err, None)} {context}") from err  # fmt: skip
+            raise RewardFunctionError(
+                f"reward function {self.label} raised {type(err).__name__}: {one_line(err, None)} {context}"
+            ) from err
         extras = {}
         if isinstance(result, dict):
             if "score" not in result:
-                raise RewardFunctionError(f"reward function {self.label} returned a dict without 'score' "
-                                          f"(keys: {', '.join(map(str, result))}) {context}")  # fmt: skip
+                raise RewardFunctionError(
+                    f"reward function {self.label} returned a dict without 'score' "
+                    f"(keys: {', '.join(map(str, result))}) {context}"
+                )
             extras = {k: float(v) for k, v in result.items() if k != "score" and _is_real(v)}
             result = result["score"]
         if not _is_real(result):
-            raise RewardFunctionError(f"reward function {self.label} returned {type(result).__name__} "
-                                      f"{one_line(repr(result), None)[:80]}; expected a float or a dict with 'score' {context}")  # fmt: skip
+            raise RewardFunctionError(
+                f"reward function {self.label} returned {type(result).__name__} "
+                f"{one_line(repr(result), None)[:80]}; expected a float or a dict with 'score' {context}"
+            )
         score = float(result)
         if not math.isfinite(score):
             raise RewardFunctionError(f"reward function {self.label} returned the non-finite score {score} {context}")
@@ -158,7 +182,9 @@ class RewardRow:
     where: str  # "row 17 of 'train.parquet'"
 
 
-def score_texts(fn: RewardFunction, rows: Sequence[RewardRow], texts: Sequence[str]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+def score_texts(
+    fn: RewardFunction, rows: Sequence[RewardRow], texts: Sequence[str]
+) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Scores (N,) fp32 and extras {key: (N,) fp32, NaN where a response's dict lacked the key}."""
     scores = np.empty(len(texts), dtype=np.float32)
     extras: dict[str, np.ndarray] = {}

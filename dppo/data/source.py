@@ -130,5 +130,8 @@ class TaskSource(PromptSource):
         if len(prompts) == 0:
             return {}
         reward = scores.scores
-        return {"eval/reward": float(reward.mean()), "eval/accuracy": float((reward >= 1.0).mean()),
-                "eval/prompts": float(len(reward))}  # fmt: skip
+        return {
+            "eval/reward": float(reward.mean()),
+            "eval/accuracy": float((reward >= 1.0).mean()),
+            "eval/prompts": float(len(reward)),
+        }

@@ -30,16 +30,22 @@ def load_tokenizer(model_path: str, chat_template: bool = True):
     from transformers import AutoTokenizer  # heavy; only a run on text data loads a tokenizer
 
     if not any(os.path.isfile(os.path.join(model_path, name)) for name in TOKENIZER_FILES):
-        raise TokenizerError(f"model.path={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
-                             f"save one there with tokenizer.save_pretrained({model_path!r})")  # fmt: skip
+        raise TokenizerError(
+            f"model.path={model_path!r} has no tokenizer (none of {', '.join(TOKENIZER_FILES)}); "
+            f"save one there with tokenizer.save_pretrained({model_path!r})"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path, local_files_only=True)
     except Exception as err:  # transformers raises many kinds here; all mean the same to the user
-        raise TokenizerError(f"model.path={model_path!r}: AutoTokenizer cannot load its tokenizer ({type(err).__name__}: {one_line(err, None)})") from err
+        raise TokenizerError(
+            f"model.path={model_path!r}: AutoTokenizer cannot load its tokenizer ({type(err).__name__}: {one_line(err, None)})"
+        ) from err
     if chat_template and not has_chat_template(tokenizer):
-        raise TokenizerError(f"the tokenizer in model.path={model_path!r} has no chat template (chat_template in "
-                             "tokenizer_config.json or chat_template.jinja); set tokenizer.chat_template and save it "
-                             "with save_pretrained")  # fmt: skip
+        raise TokenizerError(
+            f"the tokenizer in model.path={model_path!r} has no chat template (chat_template in "
+            "tokenizer_config.json or chat_template.jinja); set tokenizer.chat_template and save it "
+            "with save_pretrained"
+        )
     if tokenizer.eos_token_id is None:
         raise TokenizerError(f"the tokenizer in model.path={model_path!r} has no eos_token: responses could not end")
     return tokenizer
@@ -67,8 +73,9 @@ class TextRows:
         return max((int(ids.max()) for ids in self.prompt_ids if len(ids)), default=-1)
 
 
-def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncation: str,
-                  chat_template: bool = True) -> TextRows:  # fmt: skip
+def tokenize_rows(
+    tokenizer, rows: ParquetRows, max_prompt_length: int, truncation: str, chat_template: bool = True
+) -> TextRows:
     """Chat template with the generation prompt (chat_template=False: the messages' contents as plain text), then
     tokens (no special tokens added on top, as verl does); a prompt longer than max_prompt_length is cut on the
     left or right, or a PromptTooLongError (truncation)."""
@@ -82,7 +89,9 @@ def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncati
         try:
             texts.append(tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False))
         except Exception as err:  # a jinja template error, or a role the template rejects
-            raise DataRowError(f"{rows.where(i)}: the tokenizer's chat template fails on its prompt ({type(err).__name__}: {one_line(err, None)})") from err
+            raise DataRowError(
+                f"{rows.where(i)}: the tokenizer's chat template fails on its prompt ({type(err).__name__}: {one_line(err, None)})"
+            ) from err
     prompt_ids = []
     for i, ids in enumerate(tokenizer(texts, add_special_tokens=False)["input_ids"]):
         if len(ids) > max_prompt_length:
@@ -94,8 +103,10 @@ def tokenize_rows(tokenizer, rows: ParquetRows, max_prompt_length: int, truncati
                 )
             ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
         prompt_ids.append(np.asarray(ids, dtype=np.int64))
-    reward_rows = [RewardRow(rows.data_source[i], rows.ground_truth[i], rows.extra_info[i], rows.where(i))
-                   for i in range(len(rows))]  # fmt: skip
+    reward_rows = [
+        RewardRow(rows.data_source[i], rows.ground_truth[i], rows.extra_info[i], rows.where(i))
+        for i in range(len(rows))
+    ]
     return TextRows(prompt_ids, reward_rows)
 
 
@@ -107,8 +118,9 @@ class EpochSampler:
     that many of this worker's rows (a resumed run continues near where the checkpoint left off).
     """
 
-    def __init__(self, num_rows: int, shuffle: bool, seed: int, worker_index: int = 0, num_workers: int = 1,
-                 start: int = 0):  # fmt: skip
+    def __init__(
+        self, num_rows: int, shuffle: bool, seed: int, worker_index: int = 0, num_workers: int = 1, start: int = 0
+    ):
         self.num_rows, self.shuffle, self.seed = num_rows, shuffle, seed
         # a worker beyond the row count reads the whole epoch rather than nothing
         self.shard = (worker_index, num_workers) if worker_index < num_rows else (0, 1)
@@ -154,8 +166,17 @@ class _TextPrompts:
 class TextSource(PromptSource):
     """Prompts from parquet rows, scored by a verl-signature reward function on the decoded responses."""
 
-    def __init__(self, tokenizer, train: TextRows, val: TextRows | None, reward: RewardFunction, response_length: int,
-                 shuffle: bool = True, seed: int = 0, groups_per_step: int = 1):  # fmt: skip
+    def __init__(
+        self,
+        tokenizer,
+        train: TextRows,
+        val: TextRows | None,
+        reward: RewardFunction,
+        response_length: int,
+        shuffle: bool = True,
+        seed: int = 0,
+        groups_per_step: int = 1,
+    ):
         self.tokenizer, self.train, self.val, self.reward = tokenizer, train, val, reward
         self.eos_token = tokenizer.eos_token_id
         self.pad_token = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_token
@@ -177,9 +198,16 @@ class TextSource(PromptSource):
             rows = read_parquet_files(files, data.prompt_key)
             return tokenize_rows(tokenizer, rows, data.max_prompt_length, data.truncation)
 
-        source = cls(tokenizer, load(data.train_files), load(data.val_files) if data.val_files is not None else None,
-                     reward, data.max_response_length, data.shuffle, seed if data.seed is None else data.seed,
-                     batch_size)  # fmt: skip
+        source = cls(
+            tokenizer,
+            load(data.train_files),
+            load(data.val_files) if data.val_files is not None else None,
+            reward,
+            data.max_response_length,
+            data.shuffle,
+            seed if data.seed is None else data.seed,
+            batch_size,
+        )
         source.check_model_vocab(model_path)
         return source
 
@@ -199,11 +227,15 @@ class TextSource(PromptSource):
             for ids, row in zip(rows.prompt_ids if rows else [], rows.reward_rows if rows else []):
                 for token in ids[ids >= model_vocab].tolist():
                     past.setdefault(token, f"the prompt of {row.where}")
-        named = "; ".join(f"{self.tokenizer.convert_ids_to_tokens(token)!r} (id {token}, {where})"
-                          for token, where in sorted(past.items())[:5])  # fmt: skip
-        raise TokenizerError(f"the tokenizer in model.path={model_path!r} has {len(self.tokenizer)} tokens and the "
-                             f"model's vocab_size is {model_vocab}; {len(past)} id(s) the model would be given lie past "
-                             f"it: {named}")  # fmt: skip
+        named = "; ".join(
+            f"{self.tokenizer.convert_ids_to_tokens(token)!r} (id {token}, {where})"
+            for token, where in sorted(past.items())[:5]
+        )
+        raise TokenizerError(
+            f"the tokenizer in model.path={model_path!r} has {len(self.tokenizer)} tokens and the "
+            f"model's vocab_size is {model_vocab}; {len(past)} id(s) the model would be given lie past "
+            f"it: {named}"
+        )
 
     def sampler(self, seed) -> _TextPrompts:
         return _TextPrompts(self.train, EpochSampler(len(self.train), self.shuffle, self.seed))

@@ -38,16 +38,18 @@ def check_machine(cfg: DppoConfig) -> None:
     directory and the data and reward files."""
     t = cfg.trainer
     if t.device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("trainer.device='cuda': expected cpu or auto (torch.cuda.is_available() is False on this "
-                          "machine)")  # fmt: skip
+        raise ConfigError(
+            "trainer.device='cuda': expected cpu or auto (torch.cuda.is_available() is False on this machine)"
+        )
     at_most_cpus("trainer.num_threads", t.num_threads)
     if cfg.use_ray or t.mode != "sync":  # else the rollout runs inside the trainer's process
         joined = cfg.use_ray and bool(cfg.ray.address or ray_address_in_environment())
         _check_local_workers_fit(cfg.rollout, joined)
     path = cfg.model.path
     if path is not None and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"model.path={path!r}: expected an existing local transformers model directory (one holding "
-                          "config.json)")  # fmt: skip
+        raise ConfigError(
+            f"model.path={path!r}: expected an existing local transformers model directory (one holding config.json)"
+        )
     for key, files in (("data.train_files", cfg.data.train_files), ("data.val_files", cfg.data.val_files)):
         for file in [] if files is None else [files] if isinstance(files, str) else files:
             if not os.path.isfile(file):  # a missing file is a data error (exit code 6), as an unreadable one is

@@ -43,7 +43,9 @@ RAY_RUNTIME_BYTES = 384 * 2**20
 # A local rollout worker (a run without Ray) is forked from the driver: the pages of torch and transformers it
 # imported stay shared, and its PSS counts half of those it touches. Measured by benchmarks/real_run_bench.py.
 LOCAL_WORKER_PROCESS_BYTES = 192 * 2**20
-BUFFER_PROCESS_BYTES = 128 * 2**20  # the replay buffer's process, which imports no torch  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
+BUFFER_PROCESS_BYTES = (
+    128 * 2**20
+)  # the replay buffer's process, which imports no torch  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
 # vLLM imported and started in a rollout worker, beyond what an hf worker holds: a forked local worker of the tiny
 # demo model held 531 MB PSS with vllm (32 MiB of it KV cache) against 171 MB with hf (2026-12-02).
 VLLM_IMPORT_BYTES = 330 * 2**20
@@ -86,10 +88,15 @@ class MemoryEstimate:
 
     def line(self) -> str:
         """One line: the total and each role's bytes (x count)."""
-        roles = ", ".join(f"{r.name} {_gib(r.each_bytes)}" + (f" x {r.count}" if r.count > 1 else "")
-                          for r in self.roles if r.count and r.each_bytes)  # fmt: skip
-        return (f"memory estimate: {_gib(self.total_bytes)} GiB host for {self.params / 1e6:,.0f}M parameters in "
-                f"{self.dtype} ({self.total_bytes / self.params:.1f} B/param): {roles}")  # fmt: skip
+        roles = ", ".join(
+            f"{r.name} {_gib(r.each_bytes)}" + (f" x {r.count}" if r.count > 1 else "")
+            for r in self.roles
+            if r.count and r.each_bytes
+        )
+        return (
+            f"memory estimate: {_gib(self.total_bytes)} GiB host for {self.params / 1e6:,.0f}M parameters in "
+            f"{self.dtype} ({self.total_bytes / self.params:.1f} B/param): {roles}"
+        )
 
 
 def _gib(n: int) -> str:
@@ -160,9 +167,12 @@ def rollout_worker(plan: RunPlan) -> dict[str, int]:
     length = shape.prompt_length + shape.response_length
     if plan.engine == "vllm":
         rows = plan.vllm_rows
-        parts = {"process": PROCESS_BYTES + VLLM_IMPORT_BYTES, "weights": shape.params * b,
-                 "kv cache and logits": kv_bytes_of(shape.layers, shape.kv_width, b, rows, length)
-                 + rows * shape.vocab_size * 4 * 2}  # fmt: skip
+        parts = {
+            "process": PROCESS_BYTES + VLLM_IMPORT_BYTES,
+            "weights": shape.params * b,
+            "kv cache and logits": kv_bytes_of(shape.layers, shape.kv_width, b, rows, length)
+            + rows * shape.vocab_size * 4 * 2,
+        }
         if plan.weight_sync == "delta":
             parts["delta copy"] = shape.params * b
         return parts
@@ -215,8 +225,10 @@ def estimate(plan: RunPlan) -> MemoryEstimate:
                 merged[key] = merged.get(key, 0) + value
         roles = [Role("driver", 1, merged)]
         if not in_process:  # shared memory: a new version is copied in before the old one is let go
-            roles += [Role("rollout worker", plan.num_workers, rollout_worker(plan)),
-                      Role("shared weights", 1, {"published weights": 2 * w})]  # fmt: skip
+            roles += [
+                Role("rollout worker", plan.num_workers, rollout_worker(plan)),
+                Role("shared weights", 1, {"published weights": 2 * w}),
+            ]
         return MemoryEstimate(tuple(roles), params, plan.model_dtype)
     local = plan.local_cluster
     workers = plan.num_workers if local and not plan.rollout_gpus_per_node else 0

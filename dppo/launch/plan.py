@@ -100,9 +100,12 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
         trainer_on_gpu=t.device != "cpu" and torch.cuda.is_available(),
         model_dtype=m.dtype,
         mixed_precision=a.mixed_precision is not None,
-        model_keys=f"model.path={m.path!r}" if m.path is not None else (
+        model_keys=f"model.path={m.path!r}"
+        if m.path is not None
+        else (
             f"model.hidden_size={m.hidden_size}, model.num_hidden_layers={m.num_hidden_layers}, "
-            f"model.intermediate_size={m.intermediate_size}"),
+            f"model.intermediate_size={m.intermediate_size}"
+        ),
         prompt_keys=f"task.length={cfg.task.length}" if cfg.data.kind == "task" else "data.max_prompt_length",
         takes_snapshots=plan_pi_old(cfg).takes_snapshots,
         kl_reference=a.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward,
@@ -153,8 +156,18 @@ def run_shape(m, max_new_tokens: int | None, source) -> RunShape:
         intermediate = getattr(config, "intermediate_size", 0) or 0
         embeddings = (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
         embedding_params = sum(p.numel() for p in {id(p): p for p in embeddings}.values())
-    return RunShape(params, vocab_size, prompt_length, response_length, getattr(config, "max_position_embeddings", None),
-                    layers, hidden, kv_width, intermediate, embedding_params)  # fmt: skip
+    return RunShape(
+        params,
+        vocab_size,
+        prompt_length,
+        response_length,
+        getattr(config, "max_position_embeddings", None),
+        layers,
+        hidden,
+        kv_width,
+        intermediate,
+        embedding_params,
+    )
 
 
 def _widths(config) -> tuple[int, int, int]:

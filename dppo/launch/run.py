@@ -78,6 +78,9 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         print(f"plot:    {result.plot_path}", file=out)
     print(f"summary: {result.summary_path}", file=out)
     if result.hf_model_path is not None:
-        print(f"model:   {result.hf_model_path} (transformers; dppo eval {result.hf_model_path} --config "
-              f"{result.output_dir / 'config.yaml'})", file=out)  # fmt: skip
+        print(
+            f"model:   {result.hf_model_path} (transformers; dppo eval {result.hf_model_path} --config "
+            f"{result.output_dir / 'config.yaml'})",
+            file=out,
+        )
     return result

@@ -19,8 +19,15 @@ def process_gone_errors() -> tuple[type[BaseException], ...]:
     """The exceptions of ray.get that mean the actor's process is gone (not that its method raised)."""
     from ray import exceptions as rex
 
-    return (rex.RayActorError, rex.OutOfMemoryError, rex.NodeDiedError, rex.WorkerCrashedError, rex.ObjectLostError,
-            rex.LocalRayletDiedError, rex.ActorUnschedulableError)  # fmt: skip
+    return (
+        rex.RayActorError,
+        rex.OutOfMemoryError,
+        rex.NodeDiedError,
+        rex.WorkerCrashedError,
+        rex.ObjectLostError,
+        rex.LocalRayletDiedError,
+        rex.ActorUnschedulableError,
+    )
 
 
 def death_in_words(err: BaseException) -> str:

@@ -79,8 +79,9 @@ class BaseTrainer:
     local_trigger_step = property(lambda self: self.state.progress.trigger)  # the trigger in flight
     resumed_algorithm_state: dict = {}  # noqa: RUF012  the subclass's algorithm_state() a resumed run starts from
 
-    def __init__(self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None,
-                 resume_point: ResumePoint | None = None):  # fmt: skip
+    def __init__(
+        self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None, resume_point: ResumePoint | None = None
+    ):
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg)). rollout: where groups come
         from (default: started here, before the ranks, for a fresh run that has worker processes; else by fit()).
         resume_point: what trainer.resume=true continues from, if the caller found it already."""
@@ -126,15 +127,22 @@ class BaseTrainer:
         if predicted is not None and self.model_config.to_dict() != predicted.to_dict():
             self._close_early_rollout()  # the ranks' model is not what the config said: fit() makes the rollout anew
         device = resolve_device(cfg.trainer.device)
-        engine = (lambda: make_engine(cfg, self.source, self.model_config, device)) if cfg.trainer.eval_engine == "rollout" else None
-        self.published = PublishedPolicy(self.model_config, cfg.model.dtype, device, self.source, cfg.model.path, engine)
+        engine = (
+            (lambda: make_engine(cfg, self.source, self.model_config, device))
+            if cfg.trainer.eval_engine == "rollout"
+            else None
+        )
+        self.published = PublishedPolicy(
+            self.model_config, cfg.model.dtype, device, self.source, cfg.model.path, engine
+        )
         tracker_state = self.resume(resume_point) if resume_point is not None else None
         continued = self.state.global_step if self.resumed_from else None
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", resume_step=continued)
         self.setup()
         t = cfg.trainer
-        self.trackers = make_trackers(t.logger, t.project_name, t.experiment_name, self.output_dir, to_dict(cfg),
-                                      tracker_state, continued)  # fmt: skip
+        self.trackers = make_trackers(
+            t.logger, t.project_name, t.experiment_name, self.output_dir, to_dict(cfg), tracker_state, continued
+        )
 
     def resume(self, point: ResumePoint) -> dict | None:
         """Continue from point's checkpoint (dppo.checkpoint.run); the trackers' state it holds."""
@@ -199,15 +207,27 @@ class BaseTrainer:
                 self.metrics.amend_last(evaluation)
                 self.trackers.summary(evaluation, self.state.global_step)
             hf_model_path = self.published.save(self.output_dir / HF_MODEL_DIR)
-            return write_results(self.output_dir, self.metrics.path, self.metrics.records, evaluation,
-                                 time.perf_counter() - start, hf_model_path)  # fmt: skip
+            return write_results(
+                self.output_dir,
+                self.metrics.path,
+                self.metrics.records,
+                evaluation,
+                time.perf_counter() - start,
+                hf_model_path,
+            )
         finally:
             self.trackers.close()
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
-        bar = tqdm(total=t.total_steps, initial=run.global_step, unit="step", desc="dppo train",
-                   disable=not t.progress_bar, dynamic_ncols=True)  # fmt: skip
+        bar = tqdm(
+            total=t.total_steps,
+            initial=run.global_step,
+            unit="step",
+            desc="dppo train",
+            disable=not t.progress_bar,
+            dynamic_ncols=True,
+        )
         self._early_rollout = False  # from here on fit() closes the rollout, whoever made it
         try:
             if self.rollout is None:
@@ -223,8 +243,11 @@ class BaseTrainer:
                 self.metrics.write(record)
                 self.trackers.log(record, run.global_step)
                 bar.update(1)
-                bar.set_postfix(reward=f"{record['critic/score/mean']:.3f}", stale=f"{record['staleness/mean']:.2f}",
-                                step_s=f"{record['timing_s/step']:.2f}")  # fmt: skip
+                bar.set_postfix(
+                    reward=f"{record['critic/score/mean']:.3f}",
+                    stale=f"{record['staleness/mean']:.2f}",
+                    step_s=f"{record['timing_s/step']:.2f}",
+                )
                 if self.checkpoints.due(run.global_step):
                     self.checkpoints.save_due(self)
             self.published.pin()  # the final weights, before the ranks (which own them in Ray) go
@@ -272,16 +295,27 @@ class BaseTrainer:
         draw = None if held else self.group_filter.fetch(self.rollout, version, progress.pending)
         groups = held.groups if held else draw.groups(self.cfg.groups_per_trigger)
         wait_s = time.perf_counter() - wait_start
-        ahead = take_ahead(self.pi_old_plan, self.rollout, self.group_filter, version, self.source.pad_token,
-                           self.actor_group.score_ahead) if progress.trigger == 0 else None  # fmt: skip
+        ahead = (
+            take_ahead(
+                self.pi_old_plan,
+                self.rollout,
+                self.group_filter,
+                version,
+                self.source.pad_token,
+                self.actor_group.score_ahead,
+            )
+            if progress.trigger == 0
+            else None
+        )
         batch = collate(groups, self.source.pad_token)  # the ranks move their part of the batch to their device
         metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
         progress.metrics.add({"timing_s/gen_wait": wait_s})
         progress.metrics.add(metrics)
         progress.staleness.append(version - batch.versions)
         # the sampled reward: of every group the trigger took (with algorithm.filter_groups, the dropped ones too)
-        progress.scores.append(draw.taken_scores() if draw else
-                               batch.scores if held.taken_scores is None else held.taken_scores)  # fmt: skip
+        progress.scores.append(
+            draw.taken_scores() if draw else batch.scores if held.taken_scores is None else held.taken_scores
+        )
         progress.trigger += 1
         if held:
             progress.ahead.pop(0)  # its groups were counted as taken at trigger 0
@@ -289,7 +323,9 @@ class BaseTrainer:
             self.group_filter.commit(self.state, draw, since=progress.pending)
             progress.pending = None
         if ahead is not None:
-            ahead.hold(progress, partial(self.group_filter.commit, self.state), partial(self.state.rollout_start.took, version))
+            ahead.hold(
+                progress, partial(self.group_filter.commit, self.state), partial(self.state.rollout_start.took, version)
+            )
 
     # ---- weights out --------------------------------------------------------------------------------
 

@@ -32,8 +32,16 @@ Decode = Callable[[Prompts, int], tuple[torch.Tensor, torch.Tensor]]
 
 
 @torch.no_grad()
-def score_policy(policy: torch.nn.Module, source: PromptSource, response_length: int, device: torch.device,
-                 n: int = 1, temperature: float = 0.0, seed: int = 0, batch_size: int = EVAL_BATCH) -> dict[str, float]:  # fmt: skip
+def score_policy(
+    policy: torch.nn.Module,
+    source: PromptSource,
+    response_length: int,
+    device: torch.device,
+    n: int = 1,
+    temperature: float = 0.0,
+    seed: int = 0,
+    batch_size: int = EVAL_BATCH,
+) -> dict[str, float]:
     """The source's evaluation metrics of policy on source.eval_prompts() ({} if there are none): greedy at
     temperature 0 (n must be 1), else n responses per prompt sampled at temperature with a generator seeded by
     seed, every response scored and averaged as training's evaluation averages its prompts (and best@n, above)."""
@@ -44,15 +52,23 @@ def score_policy(policy: torch.nn.Module, source: PromptSource, response_length:
     def decode(chunk: Prompts, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         ids, mask = left_pad(chunk.repeat(n).token_ids, source.pad_token)
         responses, response_mask = sample_responses(
-            policy, ids.to(device), response_length, temperature, generator, source.eos_token, source.pad_token,
+            policy,
+            ids.to(device),
+            response_length,
+            temperature,
+            generator,
+            source.eos_token,
+            source.pad_token,
             None if mask is None else mask.to(device),
-        )  # fmt: skip
+        )
         return responses.cpu(), response_mask.cpu()
 
     return _score(decode, source, n, max(1, batch_size // n))
 
 
-def score_engine(engine, source: PromptSource, n: int = 1, seed: int = 0, prompts_per_batch: int = EVAL_BATCH) -> dict[str, float]:
+def score_engine(
+    engine, source: PromptSource, n: int = 1, seed: int = 0, prompts_per_batch: int = EVAL_BATCH
+) -> dict[str, float]:
     """The source's evaluation metrics of what a rollout engine (dppo.workers.rollout.engines) decodes on
     source.eval_prompts(): greedy with n=1, else n samples per prompt at the engine's temperature, each batch of
     prompts_per_batch prompts seeded with seed + its index (the engine's KV cache holds a batch's rows at once)."""
@@ -92,8 +108,10 @@ def _score(decode: Decode, source: PromptSource, n: int, prompts_per_batch: int)
 def best_of(source: PromptSource, prompts: Prompts, scores: Scores, n: int) -> dict[str, float]:
     """The metrics of the best of each prompt's n responses (rows prompt-major): the score's and every extra's
     maximum over the n (NaN where none has the extra), keyed with best@n after the key's first part."""
-    best = Scores(scores.scores.reshape(-1, n).max(1),
-                  {key: _nanmax_rows(values.reshape(-1, n)) for key, values in scores.extra.items()})  # fmt: skip
+    best = Scores(
+        scores.scores.reshape(-1, n).max(1),
+        {key: _nanmax_rows(values.reshape(-1, n)) for key, values in scores.extra.items()},
+    )
     return {_best_key(key, n): value for key, value in source.eval_metrics(prompts, best).items()}
 
 
@@ -122,7 +140,9 @@ class EngineEvaluation:
         self.engine = None
         self.version: int | None = None
 
-    def __call__(self, source: PromptSource, weights: Callable[[], dict[str, torch.Tensor]], version: int) -> dict[str, float]:
+    def __call__(
+        self, source: PromptSource, weights: Callable[[], dict[str, torch.Tensor]], version: int
+    ) -> dict[str, float]:
         """Greedy metrics of the weights of version (weights() gives their state dict, asked for only when new)."""
         if len(source.eval_prompts()) == 0:
             return {}

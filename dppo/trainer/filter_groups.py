@@ -49,8 +49,10 @@ def metric_values(group: Group, metric: str) -> np.ndarray:
     values = group.reward_extra.get(metric)
     if values is None or bool(values.isnan().any()):
         have = ", ".join(sorted(group.reward_extra)) or "none"
-        raise FilterMetricError(f"algorithm.filter_groups.metric={metric!r}: the reward function returned no {metric!r} "
-                                f"for some response of group {group.index} (its extra outputs: {have})")  # fmt: skip
+        raise FilterMetricError(
+            f"algorithm.filter_groups.metric={metric!r}: the reward function returned no {metric!r} "
+            f"for some response of group {group.index} (its extra outputs: {have})"
+        )
     return values.double().numpy()
 
 
@@ -102,16 +104,19 @@ class GroupFilter:
         dropped = draw.dropped - before.dropped
         state.progress.dropped += dropped
         state.progress.metrics.add(self.metrics(draw))
-        state.rollout_start.took(state.version, draw.taken[len(before.taken) :], dropped,
-                                 draw.discarded - before.discarded)  # fmt: skip
+        state.rollout_start.took(
+            state.version, draw.taken[len(before.taken) :], dropped, draw.discarded - before.discarded
+        )
 
     def metrics(self, draw: Draw) -> dict[str, float]:
         """filter_groups/kept_frac (kept / taken) and filter_groups/extra_batches (groups taken beyond the mini-batch,
         in mini-batches) of a done draw; none with the filter off."""
         if not self.enabled:
             return {}
-        return {"filter_groups/kept_frac": draw.num_kept / len(draw.taken),
-                "filter_groups/extra_batches": len(draw.taken) / self.size - 1.0}  # fmt: skip
+        return {
+            "filter_groups/kept_frac": draw.num_kept / len(draw.taken),
+            "filter_groups/extra_batches": len(draw.taken) / self.size - 1.0,
+        }
 
     def _wanted(self, draw: Draw) -> int:
         wanted = self.size - draw.num_kept

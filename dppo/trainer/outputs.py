@@ -44,8 +44,15 @@ class PublishedPolicy:
     the evaluation is decoded by that engine instead (built at the first evaluation, given each evaluated version's
     weights; close() lets it go)."""
 
-    def __init__(self, model_config, dtype: str, device: torch.device, source: PromptSource,
-                 tokenizer_dir: str | None, make_engine: Callable[[], object] | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        model_config,
+        dtype: str,
+        device: torch.device,
+        source: PromptSource,
+        tokenizer_dir: str | None,
+        make_engine: Callable[[], object] | None = None,
+    ) -> None:
         self.model_config, self.dtype, self.device, self.source = model_config, dtype, device, source
         self.engine = EngineEvaluation(make_engine) if make_engine is not None else None
         self.tokenizer_dir = tokenizer_dir if has_tokenizer(tokenizer_dir) else None
@@ -98,12 +105,21 @@ class PublishedPolicy:
         return save_hf_model(model, out_dir, self.tokenizer_dir, self.source.eos_token, self.source.pad_token)
 
 
-def write_results(output_dir: Path, metrics_path: Path, records: list[dict], evaluation: dict[str, float],
-                  wall_s: float, hf_model_path: Path | None) -> RunResult:  # fmt: skip
+def write_results(
+    output_dir: Path,
+    metrics_path: Path,
+    records: list[dict],
+    evaluation: dict[str, float],
+    wall_s: float,
+    hf_model_path: Path | None,
+) -> RunResult:
     """training_curves.png and summary.json of a finished run, and the RunResult naming every output."""
     plot_path = plot_run(records, output_dir / "training_curves.png", evaluation) if records else None
     summary = summarize(records, evaluation, wall_s)
     summary_path = output_dir / "summary.json"
-    summary_path.write_text(json.dumps({"evaluation": evaluation, "wall_s": wall_s, "summary": dict(summary)}, indent=2))
-    return RunResult(output_dir, metrics_path, plot_path, summary_path, records, evaluation, summary, wall_s,
-                     hf_model_path)  # fmt: skip
+    summary_path.write_text(
+        json.dumps({"evaluation": evaluation, "wall_s": wall_s, "summary": dict(summary)}, indent=2)
+    )
+    return RunResult(
+        output_dir, metrics_path, plot_path, summary_path, records, evaluation, summary, wall_s, hf_model_path
+    )

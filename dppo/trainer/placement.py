@@ -138,10 +138,13 @@ def _refusal(actor: Pool, rollout: Pool | None, nodes: list[dict], actor_placed:
     cluster = {k: sum(h[k] for h in have) for k in total}
     wanted = " and ".join(p.describe() for p in pools)
     placed = f"{actor_placed} of {actor.nnodes} actor node(s)" + (
-        f", {rollout_placed} of {rollout.nnodes} rollout node(s)" if rollout is not None else "")  # fmt: skip
-    return (f"the Ray cluster cannot hold {wanted}: they need {_shown(total)} in all, "
-            f"{' + '.join(_shown(p.node_need) for p in pools)} per node, but its {len(have)} alive node(s) have "
-            f"{_shown(cluster)} in all ({', '.join(_shown(h) for h in have)}); placed {placed}")  # fmt: skip
+        f", {rollout_placed} of {rollout.nnodes} rollout node(s)" if rollout is not None else ""
+    )
+    return (
+        f"the Ray cluster cannot hold {wanted}: they need {_shown(total)} in all, "
+        f"{' + '.join(_shown(p.node_need) for p in pools)} per node, but its {len(have)} alive node(s) have "
+        f"{_shown(cluster)} in all ({', '.join(_shown(h) for h in have)}); placed {placed}"
+    )
 
 
 def _shown(resources: dict[str, float]) -> str:
@@ -177,15 +180,22 @@ def plan(trainer, rollout) -> Plan:
 def place_pool(pool: Pool, node_ids: list[str]) -> list:
     """One ready STRICT_PACK placement group per node of node_ids, pool.per_node bundles each, pinned to its node.
     PlacementError (the groups removed again) if they are not placed within PLACEMENT_TIMEOUT_S."""
-    groups = [placement_group([pool.bundle] * pool.per_node, strategy="STRICT_PACK",
-                              bundle_label_selector=[{"ray.io/node-id": node}] * pool.per_node)
-              for node in node_ids]  # fmt: skip
+    groups = [
+        placement_group(
+            [pool.bundle] * pool.per_node,
+            strategy="STRICT_PACK",
+            bundle_label_selector=[{"ray.io/node-id": node}] * pool.per_node,
+        )
+        for node in node_ids
+    ]
     ready, _ = ray.wait([g.ready() for g in groups], num_returns=len(groups), timeout=PLACEMENT_TIMEOUT_S)
     if len(ready) < len(groups):
         for g in groups:
             remove_placement_group(g)
-        raise PlacementError(f"{pool.describe()} were not placed within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster "
-                             f"has {_shown({k: ray.available_resources().get(k, 0.0) for k in pool.bundle})} free")  # fmt: skip
+        raise PlacementError(
+            f"{pool.describe()} were not placed within {PLACEMENT_TIMEOUT_S:.0f} s; the cluster "
+            f"has {_shown({k: ray.available_resources().get(k, 0.0) for k in pool.bundle})} free"
+        )
     return groups
 
 
@@ -195,8 +205,11 @@ def bundle_options(pool: Pool, groups: list, index: int) -> dict[str, Any]:
     (ray.get_gpu_ids(), and CUDA_VISIBLE_DEVICES naming only them)."""
     group, bundle = divmod(index, pool.per_node)
     strategy = PlacementGroupSchedulingStrategy(groups[group], placement_group_bundle_index=bundle)
-    return {"num_cpus": pool.bundle.get("CPU", 0.0), "num_gpus": pool.bundle.get("GPU", 0.0),
-            "scheduling_strategy": strategy}  # fmt: skip
+    return {
+        "num_cpus": pool.bundle.get("CPU", 0.0),
+        "num_gpus": pool.bundle.get("GPU", 0.0),
+        "scheduling_strategy": strategy,
+    }
 
 
 def remove_pool(groups: list) -> None:

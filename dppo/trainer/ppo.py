@@ -25,7 +25,9 @@ log = logging.getLogger("dppo.trainer")
 
 def advantage_fn(algorithm_cfg) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     """advantages(scores (B,), group_index (B,), response_mask (B, R)) -> (B, R) for algorithm.adv_estimator."""
-    estimator = get_advantage_estimator(algorithm_cfg.adv_estimator)  # takes verl's keys, ignores those it does not read
+    estimator = get_advantage_estimator(
+        algorithm_cfg.adv_estimator
+    )  # takes verl's keys, ignores those it does not read
     return functools.partial(estimator, norm_adv_by_std_in_grpo=algorithm_cfg.norm_adv_by_std_in_grpo)
 
 
@@ -35,8 +37,11 @@ class PPOTrainer(BaseTrainer):
     def setup(self) -> None:
         self.advantages = advantage_fn(self.cfg.algorithm)
         ctrl = self.cfg.algorithm.kl_ctrl
-        self.kl_ctrl = (get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
-                        if self.cfg.algorithm.use_kl_in_reward else None)  # fmt: skip
+        self.kl_ctrl = (
+            get_kl_controller(ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+            if self.cfg.algorithm.use_kl_in_reward
+            else None
+        )
         if self.kl_ctrl is not None and "kl_ctrl_value" in self.resumed_algorithm_state:
             self.kl_ctrl.value = float(self.resumed_algorithm_state["kl_ctrl_value"])  # adaptive: where it was
 
@@ -49,9 +54,11 @@ class PPOTrainer(BaseTrainer):
         advantages = self.advantages(scores, batch.group_index, batch.response_mask, **extra)  # (B, R)
         metrics = self.actor_group.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
         if metrics.get("actor/skipped_updates"):
-            log.warning(f"step {self.global_step + 1}, trigger {self.local_trigger_step}: actor/ppo_kl="
-                        f"{metrics.get('actor/ppo_kl', float('nan')):.4g} > actor.max_ppo_kl={self.cfg.actor.max_ppo_kl:g}; "
-                        "the update was skipped (weights and optimizer state unchanged)")  # fmt: skip
+            log.warning(
+                f"step {self.global_step + 1}, trigger {self.local_trigger_step}: actor/ppo_kl="
+                f"{metrics.get('actor/ppo_kl', float('nan')):.4g} > actor.max_ppo_kl={self.cfg.actor.max_ppo_kl:g}; "
+                "the update was skipped (weights and optimizer state unchanged)"
+            )
         metrics.update(kl_metrics)
         metrics["response_length/mean"] = float(batch.response_mask.sum(-1).float().mean())
         return metrics
@@ -65,8 +72,9 @@ class PPOTrainer(BaseTrainer):
         last = mask.shape[1] - 1 - mask.flip(-1).int().argmax(-1)
         token_scores = torch.zeros(mask.shape)
         token_scores[torch.arange(mask.shape[0]), last] = batch.scores.float()
-        rewards, metrics = apply_kl_penalty(token_scores, both[..., 0], both[..., 1], mask, self.kl_ctrl,
-                                            self.cfg.algorithm.kl_penalty)  # fmt: skip
+        rewards, metrics = apply_kl_penalty(
+            token_scores, both[..., 0], both[..., 1], mask, self.kl_ctrl, self.cfg.algorithm.kl_penalty
+        )
         return rewards.sum(-1), metrics  # (B,)
 
     def end_cycle(self) -> dict[str, float]:

@@ -105,6 +105,7 @@ def plot_run(records: list[dict], path: str | os.PathLike, evaluation: dict[str,
 
 def summarize(records: list[dict], evaluation: dict[str, float], wall_s: float) -> list[tuple[str, str]]:
     """(label, value) rows for the terminal summary and summary.json."""
+
     def fmt(x: float, digits: int = 3) -> str:
         return "n/a" if x is None or (isinstance(x, float) and math.isnan(x)) else f"{x:.{digits}f}"
 
@@ -130,8 +131,10 @@ def _evaluation_rows(evaluation: dict[str, float], fmt) -> list[tuple[str, str]]
     val = sorted((key, value) for key, value in evaluation.items() if key.startswith("val/"))
     if val:
         return [(f"greedy {key}", fmt(value)) for key, value in val]
-    return [("greedy eval reward", fmt(evaluation.get("eval/reward", math.nan))),
-            ("greedy eval exact match", fmt(evaluation.get("eval/accuracy", math.nan)))]  # fmt: skip
+    return [
+        ("greedy eval reward", fmt(evaluation.get("eval/reward", math.nan))),
+        ("greedy eval exact match", fmt(evaluation.get("eval/accuracy", math.nan))),
+    ]
 
 
 def format_table(rows: list[tuple[str, str]]) -> str:

@@ -54,8 +54,12 @@ class Ahead:
     fraction: float  # len(held) / the cycle's later mini-batches: snapshot/scored_ahead_frac
     seconds: float  # the takes and the scoring: timing_s/score_ahead
 
-    def hold(self, progress: CycleProgress, commit_draw: Callable[[Draw], None],
-             took: Callable[[list[Group], int, int], None]) -> None:  # fmt: skip
+    def hold(
+        self,
+        progress: CycleProgress,
+        commit_draw: Callable[[Draw], None],
+        took: Callable[[list[Group], int, int], None],
+    ) -> None:
         """Commit trigger 0's score-ahead: the held mini-batches wait in the cycle's progress for their triggers, and a
         draw it began and could not fill waits for its trigger to draw the rest. commit_draw(draw) commits a done draw
         (its groups taken, its filter_groups/* metrics); took(groups, dropped, discarded) the groups the begun one took
@@ -70,8 +74,9 @@ class Ahead:
             took(self.pending.taken, self.pending.dropped, self.pending.discarded)
 
 
-def take_ahead(plan: PiOldPlan, rollout, group_filter: GroupFilter, version: int, pad_token: int,
-               score: ScoreAheadFn) -> Ahead | None:  # fmt: skip
+def take_ahead(
+    plan: PiOldPlan, rollout, group_filter: GroupFilter, version: int, pad_token: int, score: ScoreAheadFn
+) -> Ahead | None:
     """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
     would take them and scored with the live weights, which are pi_old (score: the actor group's score_ahead, one
     call for all of them); None where the plan does not score ahead (plan.score_ahead)."""
@@ -84,8 +89,10 @@ def take_ahead(plan: PiOldPlan, rollout, group_filter: GroupFilter, version: int
     batches = [collate(draw.groups(size), pad_token) for draw in draws]
     # whole_cycle (every later one taken): the ranks take no snapshot this cycle
     prox_logps = score(batches, len(draws) == later) if batches else []
-    held = [HeldBatch(draw.groups(size), logp, draw.taken_scores() if group_filter.enabled else None)
-            for draw, logp in zip(draws, prox_logps, strict=True)]  # fmt: skip
+    held = [
+        HeldBatch(draw.groups(size), logp, draw.taken_scores() if group_filter.enabled else None)
+        for draw, logp in zip(draws, prox_logps, strict=True)
+    ]
     dropped = sum(d.dropped for d in draws) + (pending.dropped if pending else 0)
     return Ahead(held, draws, pending, dropped, len(held) / later, time.perf_counter() - start)
 

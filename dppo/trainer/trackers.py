@@ -55,14 +55,19 @@ def check_installed(names: Iterable[str]) -> None:
     for name in names:
         module = PACKAGES.get(name)
         if module is not None and importlib.util.find_spec(module) is None:
-            raise TrackerMissingError(f"trainer.logger names {name!r}, but the {module} package is not installed; "
-                                      f"install the trackers extra: {EXTRA}")  # fmt: skip
+            raise TrackerMissingError(
+                f"trainer.logger names {name!r}, but the {module} package is not installed; "
+                f"install the trackers extra: {EXTRA}"
+            )
 
 
 def scalars(record: Mapping[str, object]) -> dict[str, float]:
     """The numbers of a metrics.jsonl record but its step (the x axis), as floats."""
-    return {key: float(value) for key, value in record.items()
-            if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)}  # fmt: skip
+    return {
+        key: float(value)
+        for key, value in record.items()
+        if key != "step" and isinstance(value, (int, float)) and not isinstance(value, bool)
+    }
 
 
 def flatten(config: Mapping, prefix: str = "") -> dict[str, object]:
@@ -113,9 +118,15 @@ class WandbTracker:
     def __init__(self, project: str, experiment: str, output_dir: Path, config: Mapping, run_id: str | None):
         import wandb
 
-        self.run = wandb.init(project=project, name=experiment, dir=str(output_dir), config=dict(config),
-                              id=run_id, resume="allow" if run_id else None,
-                              settings=wandb.Settings(quiet=True))  # fmt: skip
+        self.run = wandb.init(
+            project=project,
+            name=experiment,
+            dir=str(output_dir),
+            config=dict(config),
+            id=run_id,
+            resume="allow" if run_id else None,
+            settings=wandb.Settings(quiet=True),
+        )
 
     def log(self, values: dict[str, float], step: int) -> None:
         self.run.log(values, step=step)
@@ -213,8 +224,10 @@ class Trackers:
         self.trackers.remove(tracker)
         reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
         self.failed[tracker.name] = reason
-        log.warning(f"tracker {tracker.name} failed to {what} ({reason}); it logs nothing more in this run, "
-                    f"metrics.jsonl has everything")  # fmt: skip
+        log.warning(
+            f"tracker {tracker.name} failed to {what} ({reason}); it logs nothing more in this run, "
+            f"metrics.jsonl has everything"
+        )
         try:
             tracker.close()
         except Exception as close_err:  # noqa: BLE001  it failed already; one warning line is enough
@@ -229,7 +242,9 @@ class Trackers:
         the tracker has one, as the run's summary."""
         values = scalars(evaluation)
         if values:
-            self._each(f"log the final evaluation at step {step}", lambda t: (t.log(values, step), t.summary(values, step)))
+            self._each(
+                f"log the final evaluation at step {step}", lambda t: (t.log(values, step), t.summary(values, step))
+            )
 
     def state(self) -> dict[str, dict]:
         """name -> what a resumed run needs to continue that tracker's run (plain types: kept in trainer.pt)."""
@@ -246,9 +261,15 @@ class Trackers:
         self.trackers = []
 
 
-def make_trackers(names: Iterable[str], project: str, experiment: str, output_dir: str | os.PathLike,
-                  config: Mapping, resume_state: Mapping[str, dict] | None = None,
-                  resume_step: int | None = None) -> Trackers:  # fmt: skip
+def make_trackers(
+    names: Iterable[str],
+    project: str,
+    experiment: str,
+    output_dir: str | os.PathLike,
+    config: Mapping,
+    resume_state: Mapping[str, dict] | None = None,
+    resume_step: int | None = None,
+) -> Trackers:
     """The trackers of names (console and jsonl are always on and need nothing here). config: the resolved config
     (nested dict), the run's parameters. resume_state: Trackers.state() of the checkpoint a resumed run continues
     (None: a fresh run); resume_step: that checkpoint's global step."""
@@ -269,6 +290,7 @@ def make_trackers(names: Iterable[str], project: str, experiment: str, output_di
             made.append(builders[name]())
         except Exception as err:  # noqa: BLE001  as mid-run: one warning line, and the run goes on
             reason = " ".join(f"{type(err).__name__}: {err}".split())[:300]
-            log.warning(f"tracker {name} could not start ({reason}); the run goes on without it, metrics.jsonl has "
-                        f"everything")  # fmt: skip
+            log.warning(
+                f"tracker {name} could not start ({reason}); the run goes on without it, metrics.jsonl has everything"
+            )
     return Trackers(made, saved)

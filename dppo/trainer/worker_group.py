@@ -28,8 +28,18 @@ import ray
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
-from dppo.workers.dispatch import (ALL, DP, DP_GATHER, RANK0, RankDiedError, collect, dispatch_mode, gather_rows,
-                                   split_args, split_each)
+from dppo.workers.dispatch import (
+    ALL,
+    DP,
+    DP_GATHER,
+    RANK0,
+    RankDiedError,
+    collect,
+    dispatch_mode,
+    gather_rows,
+    split_args,
+    split_each,
+)
 
 
 class WorkerGroup:
@@ -63,8 +73,10 @@ class WorkerGroup:
 
     def describe(self) -> str:
         """One line: how many ranks, sharded or not, and where each runs."""
-        where = ", ".join(f"rank {n['rank']} on node {n['node_ip']} (id {(n['node_id'] or '-')[:8]}, pid {n['pid']})"
-                          for n in self.nodes)  # fmt: skip
+        where = ", ".join(
+            f"rank {n['rank']} on node {n['node_ip']} (id {(n['node_id'] or '-')[:8]}, pid {n['pid']})"
+            for n in self.nodes
+        )
         return f"actor: {self.world_size} rank(s), {'FSDP2' if self.sharded else 'plain module'}: {where}"
 
     def close(self) -> None:
@@ -102,8 +114,12 @@ class RayWorkerGroup(WorkerGroup):
         rank_cls = ray.remote(ActorRank)
         # no runtime_env of their own: the ranks can start in the job's idle worker processes (torch's threads
         # are set in init_model)
-        self._actors = [rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0)
-                        .remote(cfg, rank, self.world_size, vocab_size, True) for rank in range(self.world_size)]  # fmt: skip
+        self._actors = [
+            rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0).remote(
+                cfg, rank, self.world_size, vocab_size, True
+            )
+            for rank in range(self.world_size)
+        ]
         self.nodes = [{"rank": rank, "node_id": None, "node_ip": "?", "pid": None} for rank in range(self.world_size)]
         self.nodes = self._dispatch("node_info", ALL, ())
         master = ray.get(self._actors[0].master_address.remote())

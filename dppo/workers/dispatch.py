@@ -127,5 +127,7 @@ def split_each(args: Sequence[Any], world_size: int) -> list[list[Any]]:
 def gather_rows(results: list[list[torch.Tensor]], num_rows: list[int]) -> list[torch.Tensor]:
     """Per batch of a DP_GATHER call (num_rows rows each), the ranks' real rows of their results, in rank order."""
     world_size = len(results)
-    return [torch.cat([results[rank][i][:real] for rank, real in enumerate(real_rows(rows, world_size))])
-            for i, rows in enumerate(num_rows)]  # fmt: skip
+    return [
+        torch.cat([results[rank][i][:real] for rank, real in enumerate(real_rows(rows, world_size))])
+        for i, rows in enumerate(num_rows)
+    ]

@@ -86,12 +86,15 @@ def tensor_delta(base: torch.Tensor, new: torch.Tensor, dtype: torch.dtype) -> T
     return TensorDelta(index, converted.reshape(-1)[index.long()], k)
 
 
-def weight_delta(base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], dtype: torch.dtype, base_id: str,
-                 new_id: str) -> WeightDelta:  # fmt: skip
+def weight_delta(
+    base: dict[str, torch.Tensor], new: dict[str, torch.Tensor], dtype: torch.dtype, base_id: str, new_id: str
+) -> WeightDelta:
     """The delta of two state dicts of the same tensors (new may be in another dtype than base), compared in dtype."""
     if base.keys() != new.keys():
-        raise ValueError(f"a weight delta needs the same tensors on both sides; only in the base: "
-                         f"{sorted(base.keys() - new.keys())[:5]}, only in the new: {sorted(new.keys() - base.keys())[:5]}")  # fmt: skip
+        raise ValueError(
+            f"a weight delta needs the same tensors on both sides; only in the base: "
+            f"{sorted(base.keys() - new.keys())[:5]}, only in the new: {sorted(new.keys() - base.keys())[:5]}"
+        )
     delta = WeightDelta(base_id, new_id, dtype)
     for name, tensor in new.items():
         delta.total_elements += tensor.numel()
@@ -107,7 +110,9 @@ def apply_delta(weights: dict[str, torch.Tensor], delta: WeightDelta) -> list[st
     for name, update in delta.tensors.items():
         held = weights[name]
         if held.dtype != update.values.dtype:
-            raise TypeError(f"weight delta of {name} is {update.values.dtype}; the weights it applies to are {held.dtype}")
+            raise TypeError(
+                f"weight delta of {name} is {update.values.dtype}; the weights it applies to are {held.dtype}"
+            )
         if update.index is None:
             held.copy_(update.values)
         else:

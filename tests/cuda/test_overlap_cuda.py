@@ -109,8 +109,9 @@ def test_streamed_pass_needs_at_most_two_steps_of_extra_device_memory():
     assert pool.nbytes > 4 * largest  # the model is much larger than what was resident
 
 
-@pytest.mark.parametrize("strategy, budget, reader", [("auto", 0, "stream"), ("auto", 1 << 34, "view"),
-                                                      ("swap", 0, "swap")])  # fmt: skip
+@pytest.mark.parametrize(
+    "strategy, budget, reader", [("auto", 0, "stream"), ("auto", 1 << 34, "view"), ("swap", 0, "swap")]
+)
 def test_trainer_auto_streams_a_host_slot_and_views_a_device_slot(tmp_path, strategy, budget, reader):
     """Every reader through the whole trainer: old log-probs within 1e-6 of a deep copy of the cycle start."""
     from dppo.config import load_config

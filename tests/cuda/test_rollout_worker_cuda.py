@@ -62,8 +62,10 @@ def test_a_worker_of_the_rollout_pool_generates_on_its_gpu(tmp_path):
     from dppo.checkpoint.state import RolloutStart
     from dppo.trainer.rollout import RayRollout
 
-    overrides = small_overrides(tmp_path, **{"ray.enabled": True, "trainer.device": "cpu", "rollout.num_workers": 1,
-                                             "rollout.n_gpus_per_node": 1})  # fmt: skip
+    overrides = small_overrides(
+        tmp_path,
+        **{"ray.enabled": True, "trainer.device": "cpu", "rollout.num_workers": 1, "rollout.n_gpus_per_node": 1},
+    )
     cfg = load_config(overrides)  # sync mode: the trainer asks for each trigger's groups
     source = make_prompt_source(cfg)
     config, weights = host_weights(source.vocab_size)
@@ -72,8 +74,12 @@ def test_a_worker_of_the_rollout_pool_generates_on_its_gpu(tmp_path):
     try:
         rollout = RayRollout(cfg, source, config, RolloutStart())
         worker = rollout.workers[0].actor
-        gpu_ids, device = ray.get(worker.__ray_call__.remote(
-            lambda self: (ray.get_gpu_ids(), str(next(self.core.engine.model.parameters()).device))), timeout=120)  # fmt: skip
+        gpu_ids, device = ray.get(
+            worker.__ray_call__.remote(
+                lambda self: (ray.get_gpu_ids(), str(next(self.core.engine.model.parameters()).device))
+            ),
+            timeout=120,
+        )
         assert len(gpu_ids) == 1 and device == "cuda:0", (gpu_ids, device)
         rollout.publish(weights, 0)
         groups, dropped = rollout.fetch(2, 0)

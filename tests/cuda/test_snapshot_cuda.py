@@ -30,7 +30,9 @@ def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def _params(n: int, numel: int, seed: int = 0, dtype=torch.float32) -> dict[str, torch.nn.Parameter]:
     gen = torch.Generator(device="cuda").manual_seed(seed)
-    return {f"p{i}": torch.nn.Parameter(torch.randn(numel, device="cuda", generator=gen, dtype=dtype)) for i in range(n)}
+    return {
+        f"p{i}": torch.nn.Parameter(torch.randn(numel, device="cuda", generator=gen, dtype=dtype)) for i in range(n)
+    }
 
 
 def test_the_build_compiled_cuda():
@@ -204,8 +206,12 @@ def test_copies_never_span_two_device_allocations():
         return next(i for i, (lo, hi) in enumerate(segments) if lo <= ptr < hi)
 
     spans = sorted((t.data_ptr(), t.data_ptr() + numel * 4) for t in tensors.values())
-    joined = sum(1 for (_, end), (start, _) in zip(spans, spans[1:]) if end == start and segment(end - 1) == segment(start))
-    across = sum(1 for (_, end), (start, _) in zip(spans, spans[1:]) if end == start and segment(end - 1) != segment(start))
+    joined = sum(
+        1 for (_, end), (start, _) in zip(spans, spans[1:]) if end == start and segment(end - 1) == segment(start)
+    )
+    across = sum(
+        1 for (_, end), (start, _) in zip(spans, spans[1:]) if end == start and segment(end - 1) != segment(start)
+    )
     print(f"{across} pairs adjacent across allocations, {joined} within one")
     pool = SnapshotPool(tensors)
     assert pool._core.runs == len(tensors) - joined
@@ -391,8 +397,10 @@ def test_pool_destruction_waits_for_pending_copies(spin):
 def test_inference_tensors_restore_and_swap_bitwise_including_strided_ones_across_chunks():
     with torch.inference_mode():
         gen = torch.Generator(device="cuda").manual_seed(0)
-        tensors = {"w": torch.randn(MiB, device="cuda", generator=gen),
-                   "t": torch.randn(1024, 1024, device="cuda", generator=gen).t()}  # 4 MiB, strided
+        tensors = {
+            "w": torch.randn(MiB, device="cuda", generator=gen),
+            "t": torch.randn(1024, 1024, device="cuda", generator=gen).t(),
+        }  # 4 MiB, strided
     pool = SnapshotPool(tensors, _pin_chunk_bytes=MiB)  # "t" crosses pinning chunks: the temporary path
     saved = {k: t.clone() for k, t in tensors.items()}
     pool.save(0)

@@ -31,14 +31,31 @@ def ws2_run(tmp_path_factory):
     saved = {k: os.environ.pop(k, None) for k in ("RAY_ADDRESS", "MLFLOW_TRACKING_URI", "WANDB_MODE")}
     os.environ["WANDB_MODE"] = "offline"
     out = tmp_path_factory.mktemp("ws2") / "run"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}})  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}},
+    )
     try:
-        code = main(["train", *tiny_run(out, 2, "trainer.n_gpus_per_node=2", "trainer.mode=sync",
-                                        "trainer.checkpoint_every=1", "rollout.num_workers=1",
-                                        "actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
-                                        "trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]",
-                                        "trainer.project_name=dppo-it", "trainer.experiment_name=ws2")])  # fmt: skip
+        code = main(
+            [
+                "train",
+                *tiny_run(
+                    out,
+                    2,
+                    "trainer.n_gpus_per_node=2",
+                    "trainer.mode=sync",
+                    "trainer.checkpoint_every=1",
+                    "rollout.num_workers=1",
+                    "actor.checkpoint.save_contents=[model,optimizer,extra,hf_model]",
+                    "trainer.logger=[console,jsonl,tensorboard,wandb,mlflow]",
+                    "trainer.project_name=dppo-it",
+                    "trainer.experiment_name=ws2",
+                ),
+            ]
+        )
         assert code == 0
         yield out
     finally:
@@ -76,8 +93,11 @@ def test_hf_model_at_world_size_2_is_the_trained_policy_bitwise(ws2_run):
     ids = token_rows(hf.config.vocab_size)
     assert torch.equal(_logp(hf, ids), _logp(trained, ids))
     assert hf.dtype == torch.float32
-    assert sorted(p.name for p in (ws2_run / "hf_model").iterdir()) == ["config.json", "generation_config.json",
-                                                                        "model.safetensors"]  # fmt: skip
+    assert sorted(p.name for p in (ws2_run / "hf_model").iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+    ]
 
 
 def test_the_export_of_the_last_checkpoint_and_its_huggingface_dir_equal_hf_model(ws2_run, tmp_path, capsys):
@@ -88,7 +108,9 @@ def test_the_export_of_the_last_checkpoint_and_its_huggingface_dir_equal_hf_mode
     in_checkpoint = ws2_run / "checkpoints" / LAST / "actor" / "huggingface"
     assert (in_checkpoint / "model.safetensors").read_bytes() == expected
     for name in ("config.json", "generation_config.json"):
-        assert json.loads((tmp_path / "exported" / name).read_text()) == json.loads((ws2_run / "hf_model" / name).read_text())
+        assert json.loads((tmp_path / "exported" / name).read_text()) == json.loads(
+            (ws2_run / "hf_model" / name).read_text()
+        )
     manifest = json.loads((ws2_run / "checkpoints" / LAST / "manifest.json").read_text())
     assert "actor/huggingface/model.safetensors" in manifest["files"]
 

@@ -43,8 +43,11 @@ def _killed(actor, timeout_s: float = 60.0) -> bool:
 def test_the_rollout_starts_before_the_ranks_and_closes_without_fit(ray_cluster, tmp_path, monkeypatch):
     order = []
     for name, fn in (("rollout", base.make_rollout), ("ranks", base.make_worker_group)):
-        monkeypatch.setattr(base, f"make_{'rollout' if name == 'rollout' else 'worker_group'}",
-                            lambda *a, _fn=fn, _name=name, **k: (order.append(_name), _fn(*a, **k))[1])  # fmt: skip
+        monkeypatch.setattr(
+            base,
+            f"make_{'rollout' if name == 'rollout' else 'worker_group'}",
+            lambda *a, _fn=fn, _name=name, **k: (order.append(_name), _fn(*a, **k))[1],
+        )
     trainer = PPOTrainer(cfg(tmp_path))
     assert order == ["rollout", "ranks"]
     rollout = trainer.rollout

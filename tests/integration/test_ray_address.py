@@ -27,23 +27,48 @@ def free_port() -> int:
 
 
 def train(env: dict, address: str, output_dir: Path) -> subprocess.CompletedProcess:
-    args = [f"ray.address={address}", f"trainer.output_dir={output_dir}", "trainer.total_steps=2",
-            "trainer.parameter_sync_step=2", "trainer.train_batch_size=4", "trainer.eval_prompts=8",
-            "trainer.checkpoint_every=0", "trainer.progress_bar=false", "rollout.n=4", "rollout.groups_per_batch=2",
-            "task.length=3", "model.hidden_size=32", "model.num_hidden_layers=1", "model.num_attention_heads=2",
-            "model.intermediate_size=64"]  # fmt: skip
-    return subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300)  # fmt: skip
+    args = [
+        f"ray.address={address}",
+        f"trainer.output_dir={output_dir}",
+        "trainer.total_steps=2",
+        "trainer.parameter_sync_step=2",
+        "trainer.train_batch_size=4",
+        "trainer.eval_prompts=8",
+        "trainer.checkpoint_every=0",
+        "trainer.progress_bar=false",
+        "rollout.n=4",
+        "rollout.groups_per_batch=2",
+        "task.length=3",
+        "model.hidden_size=32",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "model.intermediate_size=64",
+    ]
+    return subprocess.run(
+        [sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def test_dppo_train_joins_a_cluster_started_with_ray_start(tmp_path):
     port = free_port()
     address = f"127.0.0.1:{port}"
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_AUTH_MODE": "token",
-           "RAY_AUTH_TOKEN": secrets.token_hex(32)}  # fmt: skip
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONPATH": str(REPO),
+        "RAY_AUTH_MODE": "token",
+        "RAY_AUTH_TOKEN": secrets.token_hex(32),
+    }
     env.pop("RAY_ADDRESS", None)
-    head = [RAY, "start", "--head", f"--port={port}", "--num-cpus=2", "--include-dashboard=false",
-            "--disable-usage-stats"]  # fmt: skip
+    head = [
+        RAY,
+        "start",
+        "--head",
+        f"--port={port}",
+        "--num-cpus=2",
+        "--include-dashboard=false",
+        "--disable-usage-stats",
+    ]
     # In a session of its own, so that its daemons can be stopped by their session id at the end: `ray stop`
     # would end every Ray cluster on the machine, other test runs' included.
     starter = subprocess.Popen(head, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)

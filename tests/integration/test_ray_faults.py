@@ -85,15 +85,25 @@ def test_a_rollout_worker_killed_by_rays_memory_monitor_is_restarted_with_one_li
     used, total = node_memory()
     threshold = used + 5 * GiB
     assert threshold + 2 * GiB < total, f"this test needs about 7 GiB free; the machine uses {used / GiB:.1f} GiB"
-    env = {**ENV, "RAY_memory_usage_threshold": f"{threshold / total:.4f}", "RAY_memory_monitor_refresh_ms": "50",
-           "RAY_max_kill_memory_buffer_bytes": "0"}  # fmt: skip
+    env = {
+        **ENV,
+        "RAY_memory_usage_threshold": f"{threshold / total:.4f}",
+        "RAY_memory_monitor_refresh_ms": "50",
+        "RAY_max_kill_memory_buffer_bytes": "0",
+    }
     out, log, killed, hogged = tmp_path / "run", tmp_path / "run.log", tmp_path / "killed", tmp_path / "hogged"
-    args = tiny(out, 3, "task.name=hog_copy", "rollout.num_workers=1", "trainer.checkpoint_every=0",
-                "rollout.max_restarts=10")  # fmt: skip
+    args = tiny(
+        out, 3, "task.name=hog_copy", "rollout.num_workers=1", "trainer.checkpoint_every=0", "rollout.max_restarts=10"
+    )
     with open(log, "wb") as f:
-        proc = subprocess.Popen([sys.executable, "-c", MEMORY_HOG, str(killed), str(hogged),
-                                 str(int(threshold + 1.5 * GiB)), *args], cwd=REPO, env=env, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-c", MEMORY_HOG, str(killed), str(hogged), str(int(threshold + 1.5 * GiB)), *args],
+            cwd=REPO,
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     try:
         code = proc.wait(timeout=240)
     finally:
@@ -104,7 +114,7 @@ def test_a_rollout_worker_killed_by_rays_memory_monitor_is_restarted_with_one_li
     assert died.startswith("dppo: warning: rollout worker 0 died; restarted it (1 of rollout.max_restarts=10)"), died
     memory = "dppo: warning: rollout worker 0 was killed for memory by Ray's memory monitor (its process used "
     assert memory_kills and all(line.startswith(memory) and "; restarted it (" in line for line in memory_kills)
-    sizes = [line[len(memory):].split(";")[0].split(")")[0] for line in memory_kills]
+    sizes = [line[len(memory) :].split(";")[0].split(")")[0] for line in memory_kills]
     assert all(size.endswith("GB") for size in sizes), sizes
     assert max(float(size[:-2]) for size in sizes) >= 0.9 * int(hogged.read_text()) / 1e9, (sizes, hogged.read_text())
     assert "A worker died or was killed" not in text and "killed due to memory pressure" not in text, text[-3000:]
@@ -161,8 +171,9 @@ def test_a_sigkilled_driver_leaves_no_ray_process_behind_after_5_s(tmp_path):
     """The driver SIGKILLs itself inside step 2: within 5 s no process of its session and none of its Ray cluster is
     left (without the watchdog Ray's DashboardAgent and RuntimeEnvAgent live on for about a minute)."""
     out, log = tmp_path / "run", tmp_path / "run.log"
-    proc = start(tiny(out, 4, "rollout.num_workers=1", "trainer.checkpoint_every=0"), log,
-                 ["-c", RAY_KILLED_AT, "1", "0"])  # fmt: skip
+    proc = start(
+        tiny(out, 4, "rollout.num_workers=1", "trainer.checkpoint_every=0"), log, ["-c", RAY_KILLED_AT, "1", "0"]
+    )
     try:
         proc.wait(timeout=150)
         killed = time.monotonic()

@@ -63,7 +63,9 @@ def place_and_probe(actor, rollout):
     seen = {}
     try:
         for pool in (actor, rollout):
-            probes = [probe_cls.options(**bundle_options(pool, groups[pool.name], i)).remote() for i in range(pool.size)]
+            probes = [
+                probe_cls.options(**bundle_options(pool, groups[pool.name], i)).remote() for i in range(pool.size)
+            ]
             seen[pool.name] = ray.get([p.where.remote() for p in probes], timeout=240)
             for p in probes:
                 ray.kill(p)
@@ -165,14 +167,24 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
     from dppo.checkpoint.state import RolloutStart
     from dppo.trainer.rollout import RayRollout
 
-    cfg = load_config(run_overrides(tmp_path, cluster, "trainer.n_gpus_per_node=2", "rollout.n_gpus_per_node=2",
-                                    "rollout.num_workers=2", "rollout.max_restarts=0"))  # fmt: skip
+    cfg = load_config(
+        run_overrides(
+            tmp_path,
+            cluster,
+            "trainer.n_gpus_per_node=2",
+            "rollout.n_gpus_per_node=2",
+            "rollout.num_workers=2",
+            "rollout.max_restarts=0",
+        )
+    )
     actor = pools(cfg.trainer, cfg.rollout)[0]
     assert actor.bundle == {"GPU": 1.0, "CPU": 1.0}  # trainer.device=auto on a cluster with GPUs
     actor_groups = place_pool(actor, plan(cfg.trainer, cfg.rollout).actor_nodes)  # what RayWorkerGroup places
     rollout = None
     try:
-        probes = [ray.remote(probe_class()).options(**bundle_options(actor, actor_groups, i)).remote() for i in range(2)]
+        probes = [
+            ray.remote(probe_class()).options(**bundle_options(actor, actor_groups, i)).remote() for i in range(2)
+        ]
         actor_gpus = {gpu for _, gpus, _ in ray.get([p.where.remote() for p in probes], timeout=240) for gpu in gpus}
         source = make_prompt_source(cfg)
         rollout = RayRollout(cfg, source, tiny_model_config(source.vocab_size, 32, 1, 2, 64), RolloutStart())
@@ -191,8 +203,9 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
         remove_pool(actor_groups)
 
 
-def test_dppo_train_refuses_pools_the_cluster_cannot_hold_before_anything_starts(cluster, tmp_path, capsys,
-                                                                                   monkeypatch):  # fmt: skip
+def test_dppo_train_refuses_pools_the_cluster_cannot_hold_before_anything_starts(
+    cluster, tmp_path, capsys, monkeypatch
+):
     """4 actor GPUs and 4 rollout GPUs on nodes of 4 and 2 GPUs: one line with the counts, exit code 2, before the
     trainer is built (which would already clear an earlier run's checkpoints in trainer.output_dir)."""
     import ray
@@ -202,12 +215,14 @@ def test_dppo_train_refuses_pools_the_cluster_cannot_hold_before_anything_starts
 
     monkeypatch.setattr(ppo, "PPOTrainer", lambda *a, **k: pytest.fail("the trainer was built"))
 
-    args = run_overrides(tmp_path, cluster, "trainer.n_gpus_per_node=4", "rollout.n_gpus_per_node=4",
-                         "rollout.num_workers=4")  # fmt: skip
+    args = run_overrides(
+        tmp_path, cluster, "trainer.n_gpus_per_node=4", "rollout.n_gpus_per_node=4", "rollout.num_workers=4"
+    )
     assert main(["train", *args]) == 2
     lines = capsys.readouterr().err.strip().splitlines()
     assert lines[-1].startswith("dppo: error: the Ray cluster cannot hold the actor's 4 ranks"), lines
     assert "they need {'GPU': 8, 'CPU': 8} in all" in lines[-1] and "have {'GPU': 6, 'CPU': 8} in all" in lines[-1]
     assert "placed 1 of 1 actor node(s), 0 of 1 rollout node(s)" in lines[-1]
     assert ray.util.placement_group_table() == {} or all(
-        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())  # nothing was placed
+        g["state"] == "REMOVED" for g in ray.util.placement_group_table().values()
+    )  # nothing was placed

@@ -123,8 +123,13 @@ def groups(tmp_path_factory) -> list[Group]:
 @pytest.fixture(scope="module")
 def cluster():
     """A new local Ray cluster (never one someone else left running) that can see this tree's dppo."""
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="WARNING",
-             runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}})  # fmt: skip
+    ray.init(
+        address="local",
+        num_cpus=4,
+        include_dashboard=False,
+        logging_level="WARNING",
+        runtime_env={"env_vars": {"PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}},
+    )
     yield
     ray.shutdown()
 
@@ -167,8 +172,9 @@ def assert_weights_close(got: dict[str, torch.Tensor], expected: dict[str, torch
 def full_optimizer_state(rank) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
-    return get_optimizer_state_dict(rank.model, rank.optimizer,
-                                    options=StateDictOptions(full_state_dict=True, cpu_offload=True))  # fmt: skip
+    return get_optimizer_state_dict(
+        rank.model, rank.optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
 
 
 def reconfigure(trainer: PPOTrainer, **extra) -> None:
@@ -199,8 +205,12 @@ def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
         assert two[1][key] == pytest.approx(one[1][key], rel=1e-5, abs=1e-7), key
     # loglinear's error, merged over micro-batches and ranks: from cycle 1 on, pi_prox has left the initial weights
     # that sampled the groups (stamped with the current version, so loglinear takes pi_behav): a real error
-    for key in ("prox_approx/abs_err_mean", "prox_approx/abs_err_max", "prox_approx/is_weight_abs_err_mean",
-                "prox_approx/is_weight_abs_err_max"):  # fmt: skip
+    for key in (
+        "prox_approx/abs_err_mean",
+        "prox_approx/abs_err_max",
+        "prox_approx/is_weight_abs_err_mean",
+        "prox_approx/is_weight_abs_err_max",
+    ):
         assert two[3][key] == pytest.approx(one[3][key], rel=1e-4, abs=1e-7), key
     assert one[3]["prox_approx/abs_err_max"] > 1e-4
     assert one[1]["actor/kl_loss"] > 0 and one[1]["actor/pg_loss"] != 0
@@ -211,13 +221,21 @@ def test_world_size_2_updates_as_world_size_1(ws2, groups, tmp_path):
 
 @pytest.mark.parametrize("strategy", ["auto", "swap", "reference"])
 def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strategy):
-    reconfigure(ws2, **{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8,
-                        "snapshot.strategy": strategy, "snapshot.score_ahead": False})  # fmt: skip
+    reconfigure(
+        ws2,
+        **{
+            "trainer.parameter_sync_step": 4,
+            "trainer.train_batch_size": 8,
+            "snapshot.strategy": strategy,
+            "snapshot.score_ahead": False,
+        },
+    )
     triggers, records = run_cycles(ws2, 2)
     assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
-    used = ws2.actor_group.execute(lambda rank: rank.pi_old.source.reader_name if rank.pi_old.plan.source == "slot"
-                                   else rank.pi_old.source.name)  # fmt: skip
+    used = ws2.actor_group.execute(
+        lambda rank: rank.pi_old.source.reader_name if rank.pi_old.plan.source == "slot" else rank.pi_old.source.name
+    )
     assert used == [{"auto": "swap", "swap": "swap", "reference": "copies"}[strategy]] * 2
 
 
@@ -236,8 +254,14 @@ def test_world_size_2_takes_live_pi_old_from_the_training_forward_as_a_separate_
     """Trigger 0 from the same weights (slot 2), once from the training forward and once with the separate no-grad
     pass: every rank's gradient shards and the whole mini-batch's metrics agree (the optimizer state does not
     enter the gradients), and verify_old_log_prob finds the training forward's log-probs exact."""
-    reconfigure(ws2, **{"actor.loss_agg_mode": mode, "algorithm.rollout_correction.rollout_rs": "token_k1",
-                        "algorithm.rollout_correction.rollout_rs_threshold": 1.02})  # fmt: skip
+    reconfigure(
+        ws2,
+        **{
+            "actor.loss_agg_mode": mode,
+            "algorithm.rollout_correction.rollout_rs": "token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold": 1.02,
+        },
+    )
     batch = collate(groups[:3], ws2.source.pad_token)  # 9 sequences: 5 + 4 and one padding row
     advantages = ws2.advantages(batch.scores, batch.group_index, batch.response_mask)
     ws2.actor_group.save_model_to_cpu(2)
@@ -347,8 +371,9 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
     saved_optimizer = ws2.actor_group.execute(full_optimizer_state)[0]
 
     # 1: a fresh in-process trainer resumes the world-size-2 checkpoint (DCP reshards it)
-    ws1 = PPOTrainer(make_cfg(Path(ws2.cfg.trainer.output_dir), 1, **{"trainer.resume": True}),
-                     rollout=FixedRollout(groups))  # fmt: skip
+    ws1 = PPOTrainer(
+        make_cfg(Path(ws2.cfg.trainer.output_dir), 1, **{"trainer.resume": True}), rollout=FixedRollout(groups)
+    )
     assert ws1.resumed_from == path and ws1.global_step == step
     rank = ws1.actor_group.local_rank
     for name, value in rank.model.state_dict().items():
@@ -373,15 +398,22 @@ def test_a_world_size_2_checkpoint_resumes_at_world_size_2_and_1_and_both_go_on_
 
     # From the same state, both take a cycle of bypass mode with rejection sampling, where each micro-batch finds
     # its own loss mask and the normalizers are known only once every micro-batch has run: the same update.
-    bypass = {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.rollout_rs": "token_k1",
-              "algorithm.rollout_correction.rollout_rs_threshold": 2.0, "actor.loss_agg_mode": "seq-mean-token-mean",
-              "trainer.verify_old_log_prob": False, "algorithm.prox_logp_method": "recompute"}  # fmt: skip
+    bypass = {
+        "algorithm.rollout_correction.bypass_mode": True,
+        "algorithm.rollout_correction.rollout_rs": "token_k1",
+        "algorithm.rollout_correction.rollout_rs_threshold": 2.0,
+        "actor.loss_agg_mode": "seq-mean-token-mean",
+        "trainer.verify_old_log_prob": False,
+        "algorithm.prox_logp_method": "recompute",
+    }
     ws1.rollout.taken = ws2.rollout.taken
     for trainer in (ws1, ws2):
         reconfigure(trainer, **bypass)
     one, _ = run_cycles(ws1, 1)
     two, _ = run_cycles(ws2, 1)
-    assert 0 < one[1]["rollout_corr/token_rejected_frac"] < 1 and one[0]["actor/kl_loss"] > 0  # KL to the initial weights
+    assert (
+        0 < one[1]["rollout_corr/token_rejected_frac"] < 1 and one[0]["actor/kl_loss"] > 0
+    )  # KL to the initial weights
     for a, b in zip(one, two, strict=True):
         for key in ("actor/pg_loss", "actor/grad_norm", "actor/kl_loss", "rollout_corr/token_rejected_frac"):
             assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
@@ -417,10 +449,20 @@ PI_OLD_METHODS = {
 }
 
 
-@pytest.mark.parametrize(("method", "score_ahead"), [("recompute", False), ("recompute", True), ("metrics", False),
-                                                     ("metrics", True), ("loglinear", False), ("auto", False)])  # fmt: skip
-def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_logp_method(ws2, groups, method,
-                                                                                          score_ahead):  # fmt: skip
+@pytest.mark.parametrize(
+    ("method", "score_ahead"),
+    [
+        ("recompute", False),
+        ("recompute", True),
+        ("metrics", False),
+        ("metrics", True),
+        ("loglinear", False),
+        ("auto", False),
+    ],
+)
+def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_logp_method(
+    ws2, groups, method, score_ahead
+):
     """Issue 31 at world size 2: from a step-boundary checkpoint the ranks take two cycles (the uninterrupted run);
     resumed from it they take one and fail at the second's trigger 1, checkpoint there (pi_old's weights: the ranks'
     slot 0 shards, or the weights the rollout was given), and resumed again they finish that cycle: the cycle-start
@@ -428,8 +470,9 @@ def test_a_mid_cycle_checkpoint_at_world_size_2_resumes_bitwise_in_every_prox_lo
     run's, bitwise. Score-ahead applies to recompute and metrics only (the strategies that read slot 0); sync mode
     takes a whole cycle ahead, so no snapshot is taken there. auto: cycle 0 checks, the failing cycle 1 runs
     loglinear."""
-    reconfigure(ws2, **{"algorithm.prox_logp_method": method, "snapshot.score_ahead": score_ahead,
-                        **PI_OLD_METHODS[method]})  # fmt: skip
+    reconfigure(
+        ws2, **{"algorithm.prox_logp_method": method, "snapshot.score_ahead": score_ahead, **PI_OLD_METHODS[method]}
+    )
     fixed, ws2.rollout = ws2.rollout, FixedRollout(groups)
     rollout = ws2.rollout
     try:

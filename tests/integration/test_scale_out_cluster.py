@@ -28,9 +28,18 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def overrides(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
-    return tiny_run(output_dir, total_steps, "trainer.nnodes=2", "trainer.n_gpus_per_node=1", "trainer.train_batch_size=6",
-                    "trainer.checkpoint_every=1", "rollout.n=3", "rollout.groups_per_batch=3", "actor.micro_batch_size=4",
-                    *extra)  # fmt: skip
+    return tiny_run(
+        output_dir,
+        total_steps,
+        "trainer.nnodes=2",
+        "trainer.n_gpus_per_node=1",
+        "trainer.train_batch_size=6",
+        "trainer.checkpoint_every=1",
+        "rollout.n=3",
+        "rollout.groups_per_batch=3",
+        "actor.micro_batch_size=4",
+        *extra,
+    )
 
 
 def read_records(path: Path) -> list[dict]:
@@ -63,8 +72,14 @@ def test_two_nodes_train_async_and_a_killed_rank_ends_the_run_in_one_line_then_i
     env.pop("RAY_ADDRESS", None)
     args = overrides(out, 1000, f"ray.address={two_nodes.address}")
     with open(log, "wb") as stdout, open(err, "wb") as stderr:
-        proc = subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, stdout=stdout,
-                                stderr=stderr, start_new_session=True)  # fmt: skip
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dppo", "train", *args],
+            cwd=REPO,
+            env=env,
+            stdout=stdout,
+            stderr=stderr,
+            start_new_session=True,
+        )
     try:
         deadline = time.monotonic() + 150
         while time.monotonic() < deadline and proc.poll() is None and len(read_records(metrics)) < 2:
@@ -72,8 +87,11 @@ def test_two_nodes_train_async_and_a_killed_rank_ends_the_run_in_one_line_then_i
         assert proc.poll() is None, log.read_text()[-3000:] + err.read_text()[-3000:]
         records = read_records(metrics)
         assert len(records) >= 2, "the run made no progress"
-        ranks = re.search(r"actor: 2 rank\(s\), FSDP2: rank 0 on node \S+ \(id (\w+), pid \d+\), "
-                          r"rank 1 on node (\S+) \(id (\w+), pid (\d+)\)", log.read_text())  # fmt: skip
+        ranks = re.search(
+            r"actor: 2 rank\(s\), FSDP2: rank 0 on node \S+ \(id (\w+), pid \d+\), "
+            r"rank 1 on node (\S+) \(id (\w+), pid (\d+)\)",
+            log.read_text(),
+        )
         assert ranks, log.read_text()
         assert ranks.group(1) != ranks.group(3), "the two ranks share a node"
         assert {ranks.group(1), ranks.group(3)} == {node.node_id[:8] for node in two_nodes.list_all_nodes()}
@@ -103,11 +121,11 @@ def test_two_nodes_train_async_and_a_killed_rank_ends_the_run_in_one_line_then_i
     assert f"its last checkpoint {latest} is intact" in errors[0]
     step = checkpoints.trusted(latest)["step"]  # it verifies: every file as its manifest says
     assert step >= 1
-    cfg = load_config([*overrides(out, step + 1, "trainer.resume=true"), "trainer.nnodes=1", "ray.enabled=false",
-                       "trainer.mode=sync"])  # fmt: skip
+    cfg = load_config(
+        [*overrides(out, step + 1, "trainer.resume=true"), "trainer.nnodes=1", "ray.enabled=false", "trainer.mode=sync"]
+    )
     resumed = PPOTrainer(cfg)
     assert resumed.resumed_from == latest and resumed.global_step == step
     result = resumed.fit()
     assert [r["step"] for r in read_records(metrics)] == list(range(1, step + 2))
     assert result.records[-1]["step"] == step + 1 and 0.0 <= result.evaluation["eval/reward"] <= 1.0
-

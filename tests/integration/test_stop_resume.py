@@ -44,8 +44,14 @@ def wait_for(condition, timeout_s: float, what: str) -> None:
 def start(args: list[str], log: Path, command: list[str] = ("-m", "dppo", "train")) -> subprocess.Popen:
     with open(log, "wb") as f:
         # A new session: the run and every process it starts (its local Ray cluster) can be found by its id.
-        return subprocess.Popen([sys.executable, *command, *args], cwd=REPO, env=ENV, stdout=f,
-                                stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
+        return subprocess.Popen(
+            [sys.executable, *command, *args],
+            cwd=REPO,
+            env=ENV,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
 
 # `dppo train` that SIGKILLs itself inside a chosen trigger, before that trigger trains (argv[1], argv[2]: the
@@ -139,9 +145,21 @@ def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_r
     assert last % 2 == 0 and 4 <= last <= len(before)
     total = last + 2
 
-    resumed = subprocess.run([sys.executable, "-m", "dppo", "train", *tiny(out, total, "trainer.checkpoint_every=2",
-                                                                        "rollout.num_workers=2", "trainer.resume=true")],
-                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=150, start_new_session=True)  # fmt: skip
+    resumed = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "dppo",
+            "train",
+            *tiny(out, total, "trainer.checkpoint_every=2", "rollout.num_workers=2", "trainer.resume=true"),
+        ],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=150,
+        start_new_session=True,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / f'step_{last:08d}'} (global step {last})" in resumed.stdout
     assert f"metrics: {metrics}" in resumed.stdout and "plot:" in resumed.stdout
@@ -149,9 +167,21 @@ def test_sigterm_stops_an_async_run_and_its_ray_cluster_within_5_s_and_the_run_r
     after = records(metrics)
     assert [r["step"] for r in after] == list(range(1, total + 1))  # every step once
     assert after[:last] == before[:last]  # steps up to the checkpoint are the stopped run's own lines
-    required = ["critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "staleness/mean",
-                "timing_s/step", "timing_s/gen_wait", "timing_s/old_log_prob", "timing_s/snapshot",
-                "timing_s/update_actor", "rollout_corr/weight_mean", "rollout_corr/kl_k1", "rollout/worker_restarts"]  # fmt: skip
+    required = [
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "staleness/mean",
+        "timing_s/step",
+        "timing_s/gen_wait",
+        "timing_s/old_log_prob",
+        "timing_s/snapshot",
+        "timing_s/update_actor",
+        "rollout_corr/weight_mean",
+        "rollout_corr/kl_k1",
+        "rollout/worker_restarts",
+    ]
     for r in after:
         assert all(key in r for key in required), (r["step"], [k for k in required if k not in r])
         # versions advance once per step and no consumed group is older than allowed
@@ -181,8 +211,14 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
     assert [r["step"] for r in records(out / "metrics.jsonl")] == [1, 2, 3]
     assert newest_trainer_state(out / "checkpoints")["global_step"] == 2  # what the resumed run starts from
-    resumed = subprocess.run([sys.executable, "-m", "dppo", "train", *tiny(out, total, *sync, "trainer.resume=true")],
-                             cwd=REPO, env=ENV, capture_output=True, text=True, timeout=120)  # fmt: skip
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dppo", "train", *tiny(out, total, *sync, "trainer.resume=true")],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'step_00000002'} (global step 2)" in resumed.stdout
     from dppo.checkpoint.layout import ACTOR_DIR

@@ -15,8 +15,15 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 def _run(example, output_dir, *extra, timeout=150):
-    return subprocess.run(_command(example, output_dir, *extra), cwd=REPO, env=_env(), capture_output=True,
-                          text=True, timeout=timeout, start_new_session=True)  # fmt: skip
+    return subprocess.run(
+        _command(example, output_dir, *extra),
+        cwd=REPO,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        start_new_session=True,
+    )
 
 
 def _env() -> dict:
@@ -64,14 +71,28 @@ def test_a_reward_that_never_returns_on_a_ray_worker_ends_the_run_within_its_tim
     limit + 10 s of the call (the process then exits once Ray has shut down)."""
     started = tmp_path / "reward_started"
     reward = tmp_path / "hanging_reward.py"
-    reward.write_text("import pathlib, time\n"
-                      "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      f"    pathlib.Path({str(started)!r}).touch()\n"
-                      "    time.sleep(10**6)\n")  # fmt: skip
-    command = _command(text_example, tmp_path / "run", f"custom_reward_function.path={reward}",
-                       "custom_reward_function.timeout_s=3", "rollout.num_workers=1")  # fmt: skip
-    proc = subprocess.Popen(command, cwd=REPO, env=_env(), text=True, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, start_new_session=True)  # fmt: skip
+    reward.write_text(
+        "import pathlib, time\n"
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        f"    pathlib.Path({str(started)!r}).touch()\n"
+        "    time.sleep(10**6)\n"
+    )
+    command = _command(
+        text_example,
+        tmp_path / "run",
+        f"custom_reward_function.path={reward}",
+        "custom_reward_function.timeout_s=3",
+        "rollout.num_workers=1",
+    )
+    proc = subprocess.Popen(
+        command,
+        cwd=REPO,
+        env=_env(),
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        start_new_session=True,
+    )
     lines, error_at = [], None
     for line in proc.stderr:  # as they come, noting when the error line came
         lines.append(line.rstrip("\n"))
@@ -79,7 +100,9 @@ def test_a_reward_that_never_returns_on_a_ray_worker_ends_the_run_within_its_tim
             error_at = time.time()
     assert proc.wait(timeout=60) == 1, "\n".join(lines[-40:])
     assert error_at is not None and error_at - started.stat().st_mtime < 3 + 10
-    assert lines[-1].startswith(f"dppo: error: rollout worker 0 raised RewardFunctionError: reward function "
-                                f"'compute_score' in {str(reward)!r} did not return within 3 s "
-                                "(custom_reward_function.timeout_s) (data_source=")  # fmt: skip
+    assert lines[-1].startswith(
+        f"dppo: error: rollout worker 0 raised RewardFunctionError: reward function "
+        f"'compute_score' in {str(reward)!r} did not return within 3 s "
+        "(custom_reward_function.timeout_s) (data_source="
+    )
     assert not any("Traceback" in line for line in lines)

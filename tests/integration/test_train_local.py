@@ -57,9 +57,14 @@ _REGISTERED = textwrap.dedent("""
 
 def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.Popen([sys.executable, "-c", _REGISTERED, *overrides(out, 8, "task.name=shift")],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _REGISTERED, *overrides(out, 8, "task.name=shift")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)},
+    )
     err = kill_the_local_worker_mid_run(proc, out / "metrics.jsonl", after_steps=1, wait_s=120)
     assert proc.returncode == 0, err[-3000:]
     assert "rollout worker 0 was killed by SIGKILL; restarted it (1 of rollout.max_restarts=3)" in err, err[-3000:]

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.integration
 
 
 def overrides(output_dir: Path, total_steps: int, *extra: str) -> list[str]:
-    return tiny_run(output_dir, total_steps, "trainer.checkpoint_every=2", "rollout.num_workers=1", "ray.num_cpus=2", *extra)
+    return tiny_run(
+        output_dir, total_steps, "trainer.checkpoint_every=2", "rollout.num_workers=1", "ray.num_cpus=2", *extra
+    )
 
 
 def records(path: Path) -> list[dict]:
@@ -57,8 +59,10 @@ def test_a_failing_rollout_worker_fails_the_run_in_one_line(ray_cluster, tmp_pat
     register_task("broken", make)
     assert main(["train", *overrides(tmp_path / "out", 2, "task.name=broken")]) == 1
     lines = capfd.readouterr().err.strip().splitlines()
-    assert lines[-1] == ("dppo: error: rollout worker 0 raised ValueError: reward service unavailable; nothing was "
-                         "trained yet, so no checkpoint was written"), lines
+    assert lines[-1] == (
+        "dppo: error: rollout worker 0 raised ValueError: reward service unavailable; nothing was "
+        "trained yet, so no checkpoint was written"
+    ), lines
     assert not any("Traceback" in line for line in lines), lines
 
 
@@ -74,8 +78,9 @@ def test_a_task_registered_in_the_driver_runs_on_ray_workers(ray_cluster, tmp_pa
     assert ray.is_initialized()
 
 
-def test_separate_async_scores_ahead_what_has_arrived_in_grant_order_and_drops_nothing(ray_cluster, tmp_path,
-                                                                                         monkeypatch):
+def test_separate_async_scores_ahead_what_has_arrived_in_grant_order_and_drops_nothing(
+    ray_cluster, tmp_path, monkeypatch
+):
     """Two workers run ahead under `wait` (the trainer lets them fill their budget before each cycle's score-ahead):
     trigger 0 takes every later mini-batch of the cycle, the groups are trained in grant order, nothing is dropped
     and no group is staler than the threshold."""
@@ -89,17 +94,32 @@ def test_separate_async_scores_ahead_what_has_arrived_in_grant_order_and_drops_n
     def fetch_then_let_the_workers_fill_their_budget(self, num_groups, trainer_version):
         got = fetch(self, num_groups, trainer_version)
         # the wait budget: (version + threshold + 1) * batch groups granted; version * batch + per_trigger consumed
-        wait_for(lambda: self.stats()["replay/size"] == (THRESHOLD + 1) * batch - per_trigger, 60,
-                 "the workers to use up their budget")  # fmt: skip
+        wait_for(
+            lambda: self.stats()["replay/size"] == (THRESHOLD + 1) * batch - per_trigger,
+            60,
+            "the workers to use up their budget",
+        )
         return got
 
     monkeypatch.setattr(RayRollout, "fetch", fetch_then_let_the_workers_fill_their_budget)
-    monkeypatch.setattr(base, "_reward_extras", lambda groups: taken.append([g.index for g in groups]) or
-                        reward_extras(groups))  # fmt: skip
+    monkeypatch.setattr(
+        base, "_reward_extras", lambda groups: taken.append([g.index for g in groups]) or reward_extras(groups)
+    )
     out = tmp_path / "ahead"
-    run(load_config(overrides(out, 3, "trainer.parameter_sync_step=4", f"trainer.train_batch_size={batch}",
-                              "rollout.num_workers=2", "rollout.groups_per_batch=1", "replay.max_off_policy_strategy=wait",
-                              "trainer.verify_old_log_prob=true")))  # fmt: skip
+    run(
+        load_config(
+            overrides(
+                out,
+                3,
+                "trainer.parameter_sync_step=4",
+                f"trainer.train_batch_size={batch}",
+                "rollout.num_workers=2",
+                "rollout.groups_per_batch=1",
+                "replay.max_off_policy_strategy=wait",
+                "trainer.verify_old_log_prob=true",
+            )
+        )
+    )
     steps = records(out / "metrics.jsonl")
     assert [r["snapshot/scored_ahead_frac"] for r in steps] == [1.0, 1.0, 1.0]
     assert [r["debug/old_log_prob_max_abs_diff"] for r in steps] == [0.0, 0.0, 0.0]
@@ -241,8 +261,10 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
     assert killed == ["worker", "buffer"]
     err = capfd.readouterr().err.strip().splitlines()
     dppo_lines = [line for line in err if line.startswith("dppo: ")]
-    assert dppo_lines[0] == ("dppo: warning: rollout worker 0 died; restarted it (1 of rollout.max_restarts=3); its "
-                             "4 outstanding groups are generated anew")  # fmt: skip
+    assert dppo_lines[0] == (
+        "dppo: warning: rollout worker 0 died; restarted it (1 of rollout.max_restarts=3); its "
+        "4 outstanding groups are generated anew"
+    )
     assert dppo_lines[-1].startswith("dppo: error: the replay buffer died; the trainer's state at step ") and code == 1
     assert err[-1] == dppo_lines[-1] and not any("Traceback" in line for line in err), err
     assert consumed == list(range(len(consumed))) and consumed  # every granted group taken once, in grant order
@@ -255,8 +277,23 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
     # say, is taken again: those groups were never trained)
     taken_before, consumed[:] = saved_next_grant(out), []
     monkeypatch.setattr(InProcessRollout, "fetch", recording(InProcessRollout.fetch))
-    assert main(["train", *overrides(out, total, "task.name=held_copy", "trainer.checkpoint_every=100",
-                                     "trainer.resume=true", "trainer.mode=sync", "ray.enabled=false")]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "train",
+                *overrides(
+                    out,
+                    total,
+                    "task.name=held_copy",
+                    "trainer.checkpoint_every=100",
+                    "trainer.resume=true",
+                    "trainer.mode=sync",
+                    "ray.enabled=false",
+                ),
+            ]
+        )
+        == 0
+    )
     resumed = records(out / "metrics.jsonl")
     assert [r["step"] for r in resumed] == list(range(1, total + 1))
     assert consumed == list(range(taken_before, taken_before + len(consumed)))  # on from the checkpoint

@@ -27,12 +27,29 @@ STEPS = 24
 
 def test_a_local_async_vllm_run_learns_and_survives_a_killed_worker(tmp_path):
     out = tmp_path / "out"
-    args = tiny_run(out, STEPS, "ray.enabled=null", "trainer.checkpoint_every=0", "rollout.name=vllm", *VLLM_MODEL,
-                    "task.length=2", "trainer.eval_prompts=16", "rollout.groups_per_batch=8",
-                    "trainer.train_batch_size=16", "rollout.n=8")  # fmt: skip
+    args = tiny_run(
+        out,
+        STEPS,
+        "ray.enabled=null",
+        "trainer.checkpoint_every=0",
+        "rollout.name=vllm",
+        *VLLM_MODEL,
+        "task.length=2",
+        "trainer.eval_prompts=16",
+        "rollout.groups_per_batch=8",
+        "trainer.train_batch_size=16",
+        "rollout.n=8",
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    proc = subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, cwd=REPO, env=env, start_new_session=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dppo", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+        env=env,
+        start_new_session=True,
+    )
     err = kill_the_local_worker_mid_run(proc, out / "metrics.jsonl", after_steps=2, wait_s=180)
     assert proc.returncode == 0, err[-3000:]
     assert "rollout worker 0 was killed by SIGKILL; restarted it (1 of rollout.max_restarts=3)" in err, err[-3000:]
@@ -49,11 +66,19 @@ def test_a_local_async_vllm_run_learns_and_survives_a_killed_worker(tmp_path):
 
 def test_a_sync_run_without_ray_runs_the_vllm_engine_in_the_trainers_process(tmp_path):
     out = tmp_path / "sync"
-    args = tiny_run(out, 6, "ray.enabled=null", "trainer.mode=sync", "trainer.checkpoint_every=3", "rollout.name=vllm",
-                    *VLLM_MODEL)  # fmt: skip
+    args = tiny_run(
+        out, 6, "ray.enabled=null", "trainer.mode=sync", "trainer.checkpoint_every=3", "rollout.name=vllm", *VLLM_MODEL
+    )
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300, start_new_session=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dppo", "train", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "rollout:" not in done.stdout and "Ray" not in done.stdout  # no worker processes, no Ray: in-process
     steps = read_metrics(out / "metrics.jsonl")

@@ -33,14 +33,33 @@ VLLM_MODEL = ("model.hidden_size=64", "model.num_attention_heads=2", "model.inte
 
 
 def overrides(out: Path, steps: int, *extra: str) -> list[str]:
-    return tiny_run(out, steps, "rollout.num_workers=1", "ray.num_cpus=2", "trainer.checkpoint_every=0",
-                    "rollout.name=vllm", *VLLM_MODEL, *extra)  # fmt: skip
+    return tiny_run(
+        out,
+        steps,
+        "rollout.num_workers=1",
+        "ray.num_cpus=2",
+        "trainer.checkpoint_every=0",
+        "rollout.name=vllm",
+        *VLLM_MODEL,
+        *extra,
+    )
 
 
 def test_sync_mode_with_vllm_learns_the_demo_task(ray_cluster, tmp_path):
     out = tmp_path / "sync"
-    run(load_config(overrides(out, 24, "trainer.mode=sync", "task.length=2", "rollout.groups_per_batch=8",
-                              "trainer.train_batch_size=16", "rollout.n=8")))  # fmt: skip
+    run(
+        load_config(
+            overrides(
+                out,
+                24,
+                "trainer.mode=sync",
+                "task.length=2",
+                "rollout.groups_per_batch=8",
+                "trainer.train_batch_size=16",
+                "rollout.n=8",
+            )
+        )
+    )
     steps = read_metrics(out / "metrics.jsonl")
     assert [r["step"] for r in steps] == list(range(1, 25))
     scores = [r["critic/score/mean"] for r in steps]
@@ -86,14 +105,35 @@ def text_example_heads_2(tmp_path, monkeypatch):
 
 def test_text_run_with_vllm_tokenizer_and_chat_template(text_example_heads_2, tmp_path):
     paths, out = text_example_heads_2, tmp_path / "run"
-    args = [f"model.path={paths['model']}", f"data.train_files={paths['train']}", f"data.val_files={paths['val']}",
-            "data.max_prompt_length=32", "data.max_response_length=6", f"custom_reward_function.path={paths['reward']}",
-            f"trainer.output_dir={out}", "trainer.total_steps=3", "trainer.parameter_sync_step=2",
-            "trainer.train_batch_size=8", "trainer.checkpoint_every=0", "trainer.progress_bar=false", "rollout.n=4",
-            "rollout.groups_per_batch=4", "ray.num_cpus=2", "rollout.name=vllm", "rollout.weight_sync=delta"]  # fmt: skip
+    args = [
+        f"model.path={paths['model']}",
+        f"data.train_files={paths['train']}",
+        f"data.val_files={paths['val']}",
+        "data.max_prompt_length=32",
+        "data.max_response_length=6",
+        f"custom_reward_function.path={paths['reward']}",
+        f"trainer.output_dir={out}",
+        "trainer.total_steps=3",
+        "trainer.parameter_sync_step=2",
+        "trainer.train_batch_size=8",
+        "trainer.checkpoint_every=0",
+        "trainer.progress_bar=false",
+        "rollout.n=4",
+        "rollout.groups_per_batch=4",
+        "ray.num_cpus=2",
+        "rollout.name=vllm",
+        "rollout.weight_sync=delta",
+    ]
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""}
-    done = subprocess.run([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=300, start_new_session=True)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-m", "dppo", "train", *args],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        start_new_session=True,
+    )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     steps = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in steps] == [1, 2, 3]

@@ -36,9 +36,13 @@ def verl_actor_config():
             rc = RolloutCorrectionConfig(**{"rollout_is": None, **rollout_correction})
             policy_loss = PolicyLossConfig(loss_mode="bypass_mode", rollout_correction=rc)
         return ActorConfig(
-            strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=loss_agg_mode,
-            policy_loss=policy_loss, global_batch_info=dict(global_batch_info or {}),
+            strategy="fsdp",
+            rollout_n=1,
+            ppo_micro_batch_size_per_gpu=1,
+            loss_agg_mode=loss_agg_mode,
+            policy_loss=policy_loss,
+            global_batch_info=dict(global_batch_info or {}),
             **{"clip_ratio_low": 0.2, "clip_ratio_high": 0.2, "clip_ratio_c": 3.0, **clip},
-        )  # fmt: skip
+        )
 
     return make

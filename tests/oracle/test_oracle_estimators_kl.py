@@ -85,8 +85,9 @@ def test_kl_loss_with_loss_scale_factor_matches_verl(batch, kind):
     ref, _, mask = batch(0)
     log_prob = (ref + 0.3 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(3))).requires_grad_(True)
     term, m = kl_loss(log_prob, ref, mask, 0.1, kind, "seq-mean-token-sum-norm", loss_scale_factor=9)
-    theirs = core_algos.agg_loss(core_algos.kl_penalty(log_prob, ref, kind), mask.float(), "seq-mean-token-sum-norm",
-                                 loss_scale_factor=9)  # fmt: skip
+    theirs = core_algos.agg_loss(
+        core_algos.kl_penalty(log_prob, ref, kind), mask.float(), "seq-mean-token-sum-norm", loss_scale_factor=9
+    )
     torch.testing.assert_close(term, 0.1 * theirs, rtol=1e-5, atol=0.0)
     assert m["actor/kl_loss"] == pytest.approx(theirs.item(), rel=1e-5)
 
@@ -97,7 +98,8 @@ def test_reinforce_bypass_ppo_kl_is_unclamped_as_verl(batch, verl_actor_config):
     log_prob = (rollout + 30.0 + torch.rand(rollout.shape, generator=torch.Generator().manual_seed(1))).requires_grad_()
     adv = torch.randn(rollout.shape, generator=torch.Generator().manual_seed(2))
     _, m = reinforce_bypass_loss(log_prob, rollout, adv, mask)
-    _, v_m = core_algos.compute_policy_loss_reinforce(rollout, log_prob, adv, mask.float(), "token-mean",
-                                                      verl_actor_config("token-mean"))  # fmt: skip
+    _, v_m = core_algos.compute_policy_loss_reinforce(
+        rollout, log_prob, adv, mask.float(), "token-mean", verl_actor_config("token-mean")
+    )
     assert m["actor/ppo_kl"] == pytest.approx(v_m["actor/ppo_kl"], rel=1e-5)
     assert m["actor/ppo_kl"] < -30.0  # clamped, it was -20

@@ -61,15 +61,26 @@ def random_groups(seed: int, count: int = 200) -> list[tuple[np.ndarray, np.ndar
 
 def dppo_group(rewards: np.ndarray, acc: np.ndarray, index: int) -> Group:
     n = len(rewards)
-    return Group(torch.zeros(2, dtype=torch.long), torch.zeros(n, 3, dtype=torch.long), torch.ones(n, 3, dtype=torch.bool),
-                 torch.zeros(n, 3), torch.from_numpy(rewards), 0, index, {"acc": torch.from_numpy(acc)})  # fmt: skip
+    return Group(
+        torch.zeros(2, dtype=torch.long),
+        torch.zeros(n, 3, dtype=torch.long),
+        torch.ones(n, 3, dtype=torch.bool),
+        torch.zeros(n, 3),
+        torch.from_numpy(rewards),
+        0,
+        index,
+        {"acc": torch.from_numpy(acc)},
+    )
 
 
 def verl_filtered(module, groups, metric: str) -> set[str]:
     """The uids verl's _dapo_filtered_keys drops, with every group finished."""
     uids = [f"g{i}" for i in range(len(groups))]
-    trajectories = {f"{uid}_{j}": (float(rewards[j]), float(acc[j]))
-                    for uid, (rewards, acc) in zip(uids, groups) for j in range(len(rewards))}  # fmt: skip
+    trajectories = {
+        f"{uid}_{j}": (float(rewards[j]), float(acc[j]))
+        for uid, (rewards, acc) in zip(uids, groups)
+        for j in range(len(rewards))
+    }
 
     def kv_batch_get(keys, partition_id, select_fields):
         if select_fields == ["rm_scores"]:  # token-level: the reward at the last of 3 response tokens

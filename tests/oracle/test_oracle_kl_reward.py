@@ -54,8 +54,14 @@ def test_apply_kl_penalty_matches_verl_over_batches(kind, ctrl):
     betas = []
     for seed in range(4):  # the controller carries its coefficient from batch to batch
         scores, log_prob, ref, mask = kl_batch(seed)
-        data = DataProto.from_dict(tensors={"response_mask": mask.float(), "token_level_scores": scores.clone(),
-                                            "old_log_probs": log_prob, "ref_log_prob": ref})  # fmt: skip
+        data = DataProto.from_dict(
+            tensors={
+                "response_mask": mask.float(),
+                "token_level_scores": scores.clone(),
+                "old_log_probs": log_prob,
+                "ref_log_prob": ref,
+            }
+        )
         data, want = verl_fn(data, theirs, kl_penalty=kind)
         rewards, got = apply_kl_penalty(scores, log_prob, ref, mask, ours, kind)
         torch.testing.assert_close(rewards, data.batch["token_level_rewards"], rtol=1e-6, atol=1e-6)

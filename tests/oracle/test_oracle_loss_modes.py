@@ -17,9 +17,18 @@ NEW_LOSSES = [name for name in LOSS_MODES if name != "vanilla"]
 # Settings that make every branch of each loss fire on 8 x 12 random tokens (verl's defaults cut or penalize
 # a single token there); each loss reads its own keys and ignores the rest, in dppo as in verl.
 SETTINGS = dict(
-    clip_ratio_low=0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, clip_cov_ratio=0.2, clip_cov_lb=0.05,
-    clip_cov_ub=4.0, kl_cov_ratio=0.2, ppo_kl_coef=0.5, dro_beta=0.3, tau_pos=1.0, tau_neg=1.05,
-)  # fmt: skip
+    clip_ratio_low=0.2,
+    clip_ratio_high=0.28,
+    clip_ratio_c=3.0,
+    clip_cov_ratio=0.2,
+    clip_cov_lb=0.05,
+    clip_cov_ub=4.0,
+    kl_cov_ratio=0.2,
+    ppo_kl_coef=0.5,
+    dro_beta=0.3,
+    tau_pos=1.0,
+    tau_neg=1.05,
+)
 POLICY_LOSS_KEYS = ("clip_cov_ratio", "clip_cov_lb", "clip_cov_ub", "kl_cov_ratio", "ppo_kl_coef", "dro_beta")
 
 
@@ -30,9 +39,14 @@ def verl_config(loss_mode, loss_agg_mode, settings, global_batch_info=None):
     policy_loss = PolicyLossConfig(loss_mode=loss_mode, **{k: settings[k] for k in POLICY_LOSS_KEYS if k in settings})
     actor = {k: v for k, v in settings.items() if k not in POLICY_LOSS_KEYS}
     return ActorConfig(
-        strategy="fsdp", rollout_n=1, ppo_micro_batch_size_per_gpu=1, loss_agg_mode=loss_agg_mode,
-        policy_loss=policy_loss, global_batch_info=dict(global_batch_info or {}), **actor,
-    )  # fmt: skip
+        strategy="fsdp",
+        rollout_n=1,
+        ppo_micro_batch_size_per_gpu=1,
+        loss_agg_mode=loss_agg_mode,
+        policy_loss=policy_loss,
+        global_batch_info=dict(global_batch_info or {}),
+        **actor,
+    )
 
 
 def close(actual, expected, what=""):
@@ -66,8 +80,17 @@ def verl_loss(loss_mode, old, log_prob, adv, mask, mode, settings, weights, seed
 def dppo_loss(loss_mode, old, log_prob, adv, mask, mode, settings, weights, seed, normalizers=None):
     gen = torch.Generator().manual_seed(seed)
     fn = get_policy_loss_fn(loss_mode)
-    return fn(log_prob, old, adv, mask, weights=weights, loss_agg_mode=mode, normalizers=normalizers,
-              generator=gen, **settings)  # fmt: skip
+    return fn(
+        log_prob,
+        old,
+        adv,
+        mask,
+        weights=weights,
+        loss_agg_mode=mode,
+        normalizers=normalizers,
+        generator=gen,
+        **settings,
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -118,16 +141,28 @@ def test_micro_batches_with_global_normalizers_match_verl(batch, loss_mode, mode
     same global_batch_info, micro-batch for micro-batch (clip_cov draws with the same seed in each)."""
     old, mask, log_prob, adv, weights = inputs(batch, 0, loss_mode)
     norm = loss_normalizers(mask)
-    info = dict(dp_size=1, batch_num_tokens=int(norm.batch_num_tokens), global_batch_size=int(norm.global_batch_size),
-                loss_scale_factor=7)  # fmt: skip
+    info = dict(
+        dp_size=1,
+        batch_num_tokens=int(norm.batch_num_tokens),
+        global_batch_size=int(norm.global_batch_size),
+        loss_scale_factor=7,
+    )
     ours = theirs = 0.0
     for start in range(0, old.shape[0], 3):
         sl = slice(start, start + 3)
         args = (old[sl], log_prob[sl], adv[sl], mask[sl], mode, SETTINGS, weights[sl], start)
         loss, _ = get_policy_loss_fn(loss_mode)(
-            log_prob[sl], old[sl], adv[sl], mask[sl], weights=weights[sl], loss_agg_mode=mode, normalizers=norm,
-            loss_scale_factor=7, generator=torch.Generator().manual_seed(start), **SETTINGS,
-        )  # fmt: skip
+            log_prob[sl],
+            old[sl],
+            adv[sl],
+            mask[sl],
+            weights=weights[sl],
+            loss_agg_mode=mode,
+            normalizers=norm,
+            loss_scale_factor=7,
+            generator=torch.Generator().manual_seed(start),
+            **SETTINGS,
+        )
         ours = ours + loss
         theirs = theirs + verl_loss(loss_mode, *args, info=info)[0]
     close(ours, theirs, "loss")

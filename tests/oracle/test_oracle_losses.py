@@ -111,8 +111,9 @@ def test_bypass_loss_matches_verl(batch, verl_actor_config, seed, settings, loss
     _, rollout, mask, log_prob, adv, _ = policy_inputs(batch, seed)
     mode = "seq-mean-token-mean" if loss_type == "reinforce" else "token-mean"
     settings = dict(bypass_mode=True, loss_type=loss_type, **settings)
-    loss, m = bypass_policy_loss(log_prob, rollout, adv, mask, RolloutCorrectionConfig(**settings),
-                                 loss_agg_mode=mode, **CLIP)  # fmt: skip
+    loss, m = bypass_policy_loss(
+        log_prob, rollout, adv, mask, RolloutCorrectionConfig(**settings), loss_agg_mode=mode, **CLIP
+    )
     config = verl_actor_config(mode, rollout_correction=settings, **CLIP)
     v_loss, v_m = core_algos.compute_policy_loss_bypass_mode(rollout, log_prob, adv, mask.float(), mode, config)
     close(loss, v_loss, "loss")
@@ -169,8 +170,13 @@ def test_kl_penalty_value_and_gradient_match_verl(batch, seed, kind):
 # The whole Decoupled pipeline: correction -> PPO loss + entropy bonus + KL penalty over the kept tokens
 # ---------------------------------------------------------------------------------------------------
 
-PIPELINE = dict(rollout_is="token", rollout_is_threshold=2.0, rollout_is_batch_normalize=True,
-                rollout_rs="token_k1,seq_mean_k3", rollout_rs_threshold="0.6_1.5,0.1")  # fmt: skip
+PIPELINE = dict(
+    rollout_is="token",
+    rollout_is_threshold=2.0,
+    rollout_is_batch_normalize=True,
+    rollout_rs="token_k1,seq_mean_k3",
+    rollout_rs_threshold="0.6_1.5,0.1",
+)
 COEF = dict(entropy=0.01, kl=0.1)
 
 
@@ -182,8 +188,9 @@ def dppo_pipeline(old, rollout, mask, log_prob, adv, entropy, ref, mode, micro):
     total = 0.0
     for start in range(0, old.shape[0], micro):
         sl = slice(start, start + micro)
-        pg, _ = policy_loss(log_prob[sl], old[sl], adv[sl], keep[sl], weights=weights[sl], loss_agg_mode=mode,
-                            normalizers=norm, **CLIP)  # fmt: skip
+        pg, _ = policy_loss(
+            log_prob[sl], old[sl], adv[sl], keep[sl], weights=weights[sl], loss_agg_mode=mode, normalizers=norm, **CLIP
+        )
         bonus, _ = entropy_bonus(entropy[sl], keep[sl], COEF["entropy"], mode, norm)
         kl, _ = kl_loss(log_prob[sl], ref[sl], keep[sl], COEF["kl"], "low_var_kl", mode, norm)
         total = total + pg + bonus + kl

@@ -25,9 +25,14 @@ def verl_lambda(optim: ActorOptimSection, total: int):
     if optim.lr_scheduler_type == "constant":
         scheduler = get_constant_schedule_with_warmup(optimizer, num_warmup_steps=warmup)
     else:
-        scheduler = get_cosine_schedule_with_warmup(optimizer, num_warmup_steps=warmup, num_training_steps=total,
-                                                    min_lr_ratio=optim.min_lr_ratio, num_cycles=optim.num_cycles,
-                                                    zero_indexed_step=optim.zero_indexed_step)  # fmt: skip
+        scheduler = get_cosine_schedule_with_warmup(
+            optimizer,
+            num_warmup_steps=warmup,
+            num_training_steps=total,
+            min_lr_ratio=optim.min_lr_ratio,
+            num_cycles=optim.num_cycles,
+            zero_indexed_step=optim.zero_indexed_step,
+        )
     return scheduler.lr_lambdas[0]
 
 

@@ -108,8 +108,9 @@ def test_asymmetric_k1_band_on_log_ratios_at_the_bounds(seed):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_is_weights_match_verl(batch, seed, level, threshold, normalize):
     old, rollout, mask = batch(seed, spread=0.3 if level == "sequence" else 0.5)
-    assert_same(old, rollout, mask, rollout_is=level, rollout_is_threshold=threshold,
-                rollout_is_batch_normalize=normalize)  # fmt: skip
+    assert_same(
+        old, rollout, mask, rollout_is=level, rollout_is_threshold=threshold, rollout_is_batch_normalize=normalize
+    )
 
 
 @pytest.mark.parametrize("seed", SEEDS)
@@ -126,8 +127,16 @@ def test_sequence_weights_clamp_the_summed_log_ratio(seed):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_weights_and_rejection_together_match_verl(batch, seed, level):
     old, rollout, mask = batch(seed)
-    assert_same(old, rollout, mask, rollout_is=level, rollout_is_threshold="0.2_5", rollout_is_batch_normalize=True,
-                rollout_rs="token_k1,seq_max_k3", rollout_rs_threshold="0.6_1.6,0.4")  # fmt: skip
+    assert_same(
+        old,
+        rollout,
+        mask,
+        rollout_is=level,
+        rollout_is_threshold="0.2_5",
+        rollout_is_batch_normalize=True,
+        rollout_rs="token_k1,seq_max_k3",
+        rollout_rs_threshold="0.6_1.6,0.4",
+    )
 
 
 # ---------------------------------------------------------------------------------------------------
@@ -152,8 +161,31 @@ def dppo_accepts(**settings) -> bool:
     return True
 
 
-IS_THRESHOLDS = [2.0, 2, "2", " 3.5 ", 0.5, "0.5_2.0", " 0.5_2 ", "1_1", "1e-1_1e1",  # accepted
-                 0, -1.0, "0", "", "  ", "abc", "2_0.5", "0_2", "_2", "2_", "a_2", True, False, [2.0]]  # refused
+IS_THRESHOLDS = [
+    2.0,
+    2,
+    "2",
+    " 3.5 ",
+    0.5,
+    "0.5_2.0",
+    " 0.5_2 ",
+    "1_1",
+    "1e-1_1e1",  # accepted
+    0,
+    -1.0,
+    "0",
+    "",
+    "  ",
+    "abc",
+    "2_0.5",
+    "0_2",
+    "_2",
+    "2_",
+    "a_2",
+    True,
+    False,
+    [2.0],
+]  # refused
 RS_THRESHOLDS = [
     # accepted
     ("token_k1", 2.0), ("token_k1", "2"), ("token_k1", 1), ("token_k1", "0.5_1.5"), ("token_k2", 0.5),

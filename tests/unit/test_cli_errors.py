@@ -36,8 +36,10 @@ def one_error_line(lines: list[str]) -> str:
         ({"snapshot.device_budget_bytes": 10**23}, ["snapshot.device_budget_bytes=100000000000000000000000", "int64"]),
         ({"snapshot.device_budget_bytes": "1e23"}, ["snapshot.device_budget_bytes", "1e+23"]),
         ({"trainer.total_steps": 10**400}, ["trainer.total_steps=", "(401 characters)", "int64"]),
-        ({"rollout.num_workers": 100_000, "ray.enabled": True, "trainer.mode": "separate_async"},
-         ["rollout.num_workers=100000", "CPUs"]),  # fmt: skip
+        (
+            {"rollout.num_workers": 100_000, "ray.enabled": True, "trainer.mode": "separate_async"},
+            ["rollout.num_workers=100000", "CPUs"],
+        ),
         ({"trainer.num_threads": 100_000}, ["trainer.num_threads=100000", "CPUs of this machine"]),
         ({"rollout.max_restarts": -1}, ["rollout.max_restarts=-1"]),
         # 4.4e12 parameters: refused from the config's numbers, before anything is allocated
@@ -47,8 +49,10 @@ def one_error_line(lines: list[str]) -> str:
         ({"task.length": 10**12}, ["task.length=1000000000000: a single prompt of task 'copy' cannot be allocated"]),
         ({"trainer.eval_prompts": 10**12}, ["trainer.eval_prompts=1000000000000: task 'copy'", "only 1000 distinct"]),
         # once crashed at rank start (UnknownStrategyError: unknown slot reader 'reference')
-        ({"algorithm.prox_logp_method": "auto", "snapshot.strategy": "reference"},
-         ["algorithm.prox_logp_method=auto", "snapshot.strategy='reference'"]),
+        (
+            {"algorithm.prox_logp_method": "auto", "snapshot.strategy": "reference"},
+            ["algorithm.prox_logp_method=auto", "snapshot.strategy='reference'"],
+        ),
     ],
 )
 def test_each_config_error_is_one_line_with_exit_code_2(run_cli, override, fragments):
@@ -65,7 +69,10 @@ def test_an_output_directory_that_cannot_be_written_is_exit_code_3(run_cli, tmp_
     blocker.write_text("not a directory")
     code, lines = run_cli(**{"trainer.output_dir": blocker / "run"})
     assert code == 3
-    assert one_error_line(lines) == f"dppo: error: trainer.output_dir='{blocker / 'run'}' cannot be written: Not a directory"
+    assert (
+        one_error_line(lines)
+        == f"dppo: error: trainer.output_dir='{blocker / 'run'}' cannot be written: Not a directory"
+    )
 
 
 def test_checkpoints_that_do_not_fit_are_named_then_exit_code_4(run_cli, tmp_path):
@@ -73,8 +80,9 @@ def test_checkpoints_that_do_not_fit_are_named_then_exit_code_4(run_cli, tmp_pat
     code, lines = run_cli(**{"trainer.resume": True, "model.hidden_size": 48})
     assert code == 4
     warnings = [line for line in lines if line.startswith("dppo: warning: skipped checkpoint ")]
-    assert [w.split(":")[2] for w in warnings] == [f" skipped checkpoint {tmp_path}/run/checkpoints/step_0000000{i}"
-                                                  for i in (2, 1)]  # fmt: skip
+    assert [w.split(":")[2] for w in warnings] == [
+        f" skipped checkpoint {tmp_path}/run/checkpoints/step_0000000{i}" for i in (2, 1)
+    ]
     assert all(len(w.split(": ", 3)[3]) <= 300 for w in warnings)  # the reason is cut short, not every shape
     assert "no usable checkpoint" in one_error_line(lines)
 
@@ -91,9 +99,11 @@ def test_a_rollout_failure_is_one_line_exit_code_1_after_a_checkpoint(run_cli, t
     monkeypatch.setattr(InProcessRollout, "fetch", dead)
     code, lines = run_cli(**{"trainer.checkpoint_every": 5, "trainer.total_steps": 3})
     assert code == 1
-    assert one_error_line(lines) == ("dppo: error: the replay buffer died; the trainer's state at step 1 is "
-                                     f"checkpointed in {tmp_path}/run/checkpoints/step_00000001 (trainer.resume=true "
-                                     "continues from it)")  # fmt: skip
+    assert one_error_line(lines) == (
+        "dppo: error: the replay buffer died; the trainer's state at step 1 is "
+        f"checkpointed in {tmp_path}/run/checkpoints/step_00000001 (trainer.resume=true "
+        "continues from it)"
+    )
 
 
 def test_debug_adds_the_traceback_and_keeps_the_exit_code(run_cli, monkeypatch):
@@ -129,10 +139,14 @@ def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, mon
     from dppo.config import ConfigError
 
     monkeypatch.setattr(ray_cluster, "cluster_cpus", lambda: 3.0)
-    monkeypatch.setattr(placement, "plan", lambda trainer, rollout: None)  # the pools fit (tests/integration/test_rollout_placement.py)
+    monkeypatch.setattr(
+        placement, "plan", lambda trainer, rollout: None
+    )  # the pools fit (tests/integration/test_rollout_placement.py)
     cfg = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 2, "rollout.num_threads": 2})
-    with pytest.raises(ConfigError, match="rollout.num_workers=2 with rollout.num_threads=2: 4 worker threads, but "
-                                          "the Ray cluster has 3 CPUs"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="rollout.num_workers=2 with rollout.num_threads=2: 4 worker threads, but the Ray cluster has 3 CPUs",
+    ):
         preflight.check_cluster_fits(cfg.trainer, cfg.rollout, cfg.ray)
     fits = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 3})
     preflight.check_cluster_fits(fits.trainer, fits.rollout, fits.ray)

@@ -67,8 +67,16 @@ def unexpected(tmp_path, monkeypatch) -> list[str]:
     return small_overrides(tmp_path)
 
 
-IN_PROCESS = {0: finished, 1: rollout_failed, 2: bad_config, 3: output_dir_unwritable, 4: no_usable_checkpoint,
-              5: cluster_unreachable, 6: missing_data_file, 70: unexpected}  # fmt: skip
+IN_PROCESS = {
+    0: finished,
+    1: rollout_failed,
+    2: bad_config,
+    3: output_dir_unwritable,
+    4: no_usable_checkpoint,
+    5: cluster_unreachable,
+    6: missing_data_file,
+    70: unexpected,
+}
 SIGNALS = {130: signal.SIGINT, 143: signal.SIGTERM}
 
 
@@ -82,8 +90,15 @@ def test_a_closed_stdout_is_141_without_a_traceback():
     os.close(read_end)
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     try:
-        proc = subprocess.run([sys.executable, "-m", "dppo", "train", "--help"], cwd=REPO, env=env, text=True,
-                              stdout=write_end, stderr=subprocess.PIPE, timeout=120)  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "-m", "dppo", "train", "--help"],
+            cwd=REPO,
+            env=env,
+            text=True,
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            timeout=120,
+        )
     finally:
         os.close(write_end)
     assert proc.returncode == 141 and proc.stderr == "", proc.stderr[-2000:]
@@ -106,8 +121,14 @@ def test_each_code_is_produced_by_its_case_with_one_line(code, tmp_path, monkeyp
 def test_a_signal_mid_run_is_its_code(code, tmp_path):
     args = small_overrides(tmp_path, **{"trainer.total_steps": 100_000})
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=env, text=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "dppo", "train", *args],
+        cwd=REPO,
+        env=env,
+        text=True,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
     metrics = tmp_path / "run" / "metrics.jsonl"
     deadline = time.monotonic() + 120
     while not (metrics.exists() and metrics.read_text()) and proc.poll() is None and time.monotonic() < deadline:

@@ -13,7 +13,9 @@ VOCAB = 12
 @pytest.fixture(scope="module")
 def model():
     torch.manual_seed(0)
-    m = build_model(ModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64), VOCAB, seed=3)
+    m = build_model(
+        ModelConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=2, intermediate_size=64), VOCAB, seed=3
+    )
     with torch.no_grad():  # sharpen the random model so greedy paths are not decided by rounding noise
         m.lm_head.weight.mul_(20)
     return m
@@ -25,7 +27,7 @@ def greedy_reference(model, prompts, steps):
     for _ in range(steps):
         nxt = model(input_ids=seq).logits[:, -1].argmax(-1, keepdim=True)
         seq = torch.cat([seq, nxt], 1)
-    return seq[:, prompts.shape[1]:]
+    return seq[:, prompts.shape[1] :]
 
 
 def test_greedy_matches_full_recompute(model):

@@ -60,9 +60,10 @@ def test_bad_thresholds_are_rejected_naming_the_value(bad):
         keep_freed_host_memory(trim_threshold_bytes=bad)
 
 
-_BOUNDED_PROBE = _PROBE.replace("applied = keep_freed_host_memory()",
-                                "keep_freed_host_memory(); from dppo.hostmem import bound_retention; "
-                                "applied = bound_retention(10 << 20)")  # fmt: skip
+_BOUNDED_PROBE = _PROBE.replace(
+    "applied = keep_freed_host_memory()",
+    "keep_freed_host_memory(); from dppo.hostmem import bound_retention; applied = bound_retention(10 << 20)",
+)
 
 
 @glibc_only
@@ -86,8 +87,10 @@ def test_bound_retention_leaves_an_untuned_process_alone_and_rejects_bad_bytes(m
 
 @glibc_only
 def test_a_step_above_the_untuned_size_gets_glibcs_thresholds_back():
-    code = ("from dppo.hostmem import keep_freed_host_memory, bound_retention, UNTUNED_ABOVE_BYTES; "
-            "keep_freed_host_memory(); print(bound_retention(UNTUNED_ABOVE_BYTES + 1))")  # fmt: skip
+    code = (
+        "from dppo.hostmem import keep_freed_host_memory, bound_retention, UNTUNED_ABOVE_BYTES; "
+        "keep_freed_host_memory(); print(bound_retention(UNTUNED_ABOVE_BYTES + 1))"
+    )
     env = {**os.environ, "DPPO_MALLOC_TUNING": "1"}
     env.pop("LD_PRELOAD", None)
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)

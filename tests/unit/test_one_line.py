@@ -9,7 +9,9 @@ def test_whitespace_runs_and_newlines_become_one_space():
     assert one_line(ValueError("a\n  b\t\tc \n")) == "a b c"
 
 
-@pytest.mark.parametrize(("limit", "expected"), [(10, "0123456..."), (13, "0123456789abc"), (None, "0123456789abc"), (2, "...")])
+@pytest.mark.parametrize(
+    ("limit", "expected"), [(10, "0123456..."), (13, "0123456789abc"), (None, "0123456789abc"), (2, "...")]
+)
 def test_cut_to_limit_with_an_ellipsis(limit, expected):
     out = one_line("0123456789abc", limit)
     assert out == expected and (limit is None or len(out) <= max(limit, 3))

@@ -21,7 +21,9 @@ def saved_model(tmp_path):
 
 @pytest.mark.parametrize("path", [False, True], ids=["tiny", "model.path"])
 def test_policy_config_is_the_built_policys_config(path, saved_model):
-    cfg = load_config([f"model.path={saved_model}"] if path else ["model.hidden_size=40", "model.num_attention_heads=2"])
+    cfg = load_config(
+        [f"model.path={saved_model}"] if path else ["model.hidden_size=40", "model.num_attention_heads=2"]
+    )
     built = build_model(cfg.model, 12, seed=0)
     config = policy_config(cfg.model, 12)
     assert config.to_dict() == built.config.to_dict()

@@ -11,8 +11,15 @@ from dppo.models import SharedWeights, tied_aliases
 
 
 def tied_model(dtype=torch.float32) -> Qwen2ForCausalLM:
-    config = Qwen2Config(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=300,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=True,
+    )
     return Qwen2ForCausalLM(config).to(dtype)
 
 
@@ -30,8 +37,16 @@ def unique_bytes(model) -> int:
 def test_a_tied_model_names_its_alias():
     model = tied_model()
     assert tied_aliases(model) == {"lm_head.weight": "model.embed_tokens.weight"}
-    untied = Qwen2ForCausalLM(Qwen2Config(vocab_size=300, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                                          num_attention_heads=2, tie_word_embeddings=False))  # fmt: skip
+    untied = Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=300,
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            tie_word_embeddings=False,
+        )
+    )
     assert tied_aliases(untied) == {}
 
 

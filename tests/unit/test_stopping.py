@@ -31,8 +31,14 @@ with StopOnSignal(grace_s=1.0) as stop:
 
 def test_sigterm_ends_a_stubborn_process_and_its_orphans_within_the_grace_time(tmp_path):
     pid_file = tmp_path / "grandchild"
-    proc = subprocess.Popen([sys.executable, "-c", STUBBORN, str(pid_file)], cwd=REPO, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "PYTHONPATH": str(REPO)})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", STUBBORN, str(pid_file)],
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     try:
         assert proc.stdout.readline() == "ready\n"
         deadline = time.monotonic() + 10
@@ -49,8 +55,10 @@ def test_sigterm_ends_a_stubborn_process_and_its_orphans_within_the_grace_time(t
         proc.kill()
     assert proc.returncode == 128 + signal.SIGTERM
     assert out == "ignoring\n"
-    assert err.strip().splitlines() == ["dppo: stopped by SIGTERM; checkpoints already written are intact "
-                                        "(trainer.resume=true continues from the newest)"]  # fmt: skip
+    assert err.strip().splitlines() == [
+        "dppo: stopped by SIGTERM; checkpoints already written are intact "
+        "(trainer.resume=true continues from the newest)"
+    ]
     deadline = time.monotonic() + 2
     while alive(grandchild) and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -33,7 +33,9 @@ def test_exact_answer_scores_one_and_partial_credit(name, digits, answer):
     one_wrong[1] = (one_wrong[1] + 1) % 10
     assert task.rewards(_prompt(digits), np.array([one_wrong]), full)[0] == pytest.approx(2 / 3)
     # Tokens outside the response mask never count.
-    assert task.rewards(_prompt(digits), np.array([answer]), np.array([[1, 1, 0]], dtype=bool))[0] == pytest.approx(2 / 3)
+    assert task.rewards(_prompt(digits), np.array([answer]), np.array([[1, 1, 0]], dtype=bool))[0] == pytest.approx(
+        2 / 3
+    )
 
 
 def test_uniform_random_policy_scores_about_a_tenth():

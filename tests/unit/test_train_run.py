@@ -52,11 +52,21 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
         def fit(self):
             if fit_fails:
                 raise _FitFailed("training failed")
-            return RunResult(tmp_path, tmp_path / "metrics.jsonl", None, tmp_path / "summary.json", [], {},
-                             [("global steps", "0")], 0.0)  # fmt: skip
+            return RunResult(
+                tmp_path,
+                tmp_path / "metrics.jsonl",
+                None,
+                tmp_path / "summary.json",
+                [],
+                {},
+                [("global steps", "0")],
+                0.0,
+            )
 
     monkeypatch.setattr(dppo.trainer.ppo, "PPOTrainer", StandInTrainer)
-    monkeypatch.setattr(dppo.trainer.placement, "plan", lambda trainer, rollout: None)  # the pools fit (no real cluster here)
+    monkeypatch.setattr(
+        dppo.trainer.placement, "plan", lambda trainer, rollout: None
+    )  # the pools fit (no real cluster here)
     cfg = small_cfg(**{"ray.enabled": True})
     if fit_fails:
         with pytest.raises(_FitFailed):
@@ -68,8 +78,9 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
 
 
 @pytest.mark.parametrize("how", ["ray.address", "RAY_ADDRESS"])
-def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_settings(small_cfg, monkeypatch, capsys,
-                                                                                     how):  # fmt: skip
+def test_an_unreachable_cluster_is_one_line_naming_the_address_and_the_auth_settings(
+    small_cfg, monkeypatch, capsys, how
+):
     """ray.init's ConnectionError (what Ray raises once its retries are spent, e.g. on a token mismatch) becomes
     `dppo: error: ...` naming the address and how to pass the cluster's token, exit code 5, no traceback."""
     import ray
@@ -107,8 +118,10 @@ def test_a_local_cluster_that_fails_to_start_keeps_rays_own_error(small_cfg, mon
     assert not isinstance(err.value, RayConnectError)
 
 
-@pytest.mark.parametrize("address, env, expected", [(None, None, "local"), (None, "", "local"), ("auto", None, "auto"),
-                                                    (None, "10.0.0.7:6379", "10.0.0.7:6379")])  # fmt: skip
+@pytest.mark.parametrize(
+    "address, env, expected",
+    [(None, None, "local"), (None, "", "local"), ("auto", None, "auto"), (None, "10.0.0.7:6379", "10.0.0.7:6379")],
+)
 def test_no_address_always_starts_a_new_local_cluster(small_cfg, monkeypatch, address, env, expected):
     """Without ray.address and RAY_ADDRESS Ray is told address="local" (a new cluster, never a stray `ray start`
     one); auto and a given address are passed on (after the probe)."""
@@ -167,8 +180,9 @@ def test_an_unreachable_address_is_one_line_and_exit_code_5_at_once(small_args, 
 
     monkeypatch.setattr(ray, "is_initialized", lambda: False)  # as in a fresh process
     start = time.monotonic()
-    code = main(["train", *small_args(**{"ray.enabled": True, "trainer.mode": "separate_async"}),
-                 "ray.address=127.0.0.1:1"])  # fmt: skip
+    code = main(
+        ["train", *small_args(**{"ray.enabled": True, "trainer.mode": "separate_async"}), "ray.address=127.0.0.1:1"]
+    )
     assert time.monotonic() - start < 30 and code == 5
     lines = capsys.readouterr().err.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("dppo: error: could not join the Ray cluster at '127.0.0.1:1'")

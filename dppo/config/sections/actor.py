@@ -28,7 +28,6 @@ from dppo.config.choices import (
 )
 
 
-
 @dataclass
 class ActorCheckpointSection:
     save_contents: Any = field(default_factory=lambda: ["model", "optimizer", "extra"])
@@ -36,14 +35,22 @@ class ActorCheckpointSection:
     it resumes exactly; add hf_model for a transformers directory of the policy in actor/huggingface/ too."""
 
     def __post_init__(self) -> None:
-        require(isinstance(self.save_contents, (list, tuple)), "actor.checkpoint.save_contents", self.save_contents,
-                f"a list, some of {', '.join(SAVE_CONTENTS)}")  # fmt: skip
+        require(
+            isinstance(self.save_contents, (list, tuple)),
+            "actor.checkpoint.save_contents",
+            self.save_contents,
+            f"a list, some of {', '.join(SAVE_CONTENTS)}",
+        )
         for name in self.save_contents:
             one_of("actor.checkpoint.save_contents", name, SAVE_CONTENTS)
         missing = [name for name in SAVE_CONTENTS[:3] if name not in self.save_contents]
-        require(not missing, "actor.checkpoint.save_contents", self.save_contents,
-                f"a list holding model, optimizer and extra (dppo's checkpoints always resume exactly; missing: "
-                f"{', '.join(missing)}), plus hf_model if wanted")  # fmt: skip
+        require(
+            not missing,
+            "actor.checkpoint.save_contents",
+            self.save_contents,
+            f"a list holding model, optimizer and extra (dppo's checkpoints always resume exactly; missing: "
+            f"{', '.join(missing)}), plus hf_model if wanted",
+        )
         self.save_contents = list(self.save_contents)
 
 
@@ -76,13 +83,21 @@ class PolicyLossSection:
         check_numbers(self, "actor.policy_loss")
         one_of("actor.policy_loss.loss_mode", self.loss_mode, tuple(LOSS_MODES))
         positive("actor.policy_loss.clip_cov_ratio", self.clip_cov_ratio)
-        require(self.clip_cov_lb < self.clip_cov_ub, "actor.policy_loss.clip_cov_lb", self.clip_cov_lb,
-                f"a value below actor.policy_loss.clip_cov_ub={self.clip_cov_ub}")  # fmt: skip
+        require(
+            self.clip_cov_lb < self.clip_cov_ub,
+            "actor.policy_loss.clip_cov_lb",
+            self.clip_cov_lb,
+            f"a value below actor.policy_loss.clip_cov_ub={self.clip_cov_ub}",
+        )
         positive("actor.policy_loss.kl_cov_ratio", self.kl_cov_ratio)
         nonnegative("actor.policy_loss.ppo_kl_coef", self.ppo_kl_coef)
         if self.loss_mode == "dro":
-            require(self.dro_beta is not None and self.dro_beta > 0, "actor.policy_loss.dro_beta", self.dro_beta,
-                    "a number > 0 with loss_mode=dro")  # fmt: skip
+            require(
+                self.dro_beta is not None and self.dro_beta > 0,
+                "actor.policy_loss.dro_beta",
+                self.dro_beta,
+                "a number > 0 with loss_mode=dro",
+            )
 
 
 @dataclass
@@ -126,14 +141,22 @@ class ActorOptimSection:
         check_numbers(self, "actor.optim")
         if self.lr is not None:
             positive("actor.optim.lr", self.lr)
-        require(0 <= self.lr_warmup_steps_ratio <= 1, "actor.optim.lr_warmup_steps_ratio", self.lr_warmup_steps_ratio,
-                "a fraction in [0, 1]")  # fmt: skip
+        require(
+            0 <= self.lr_warmup_steps_ratio <= 1,
+            "actor.optim.lr_warmup_steps_ratio",
+            self.lr_warmup_steps_ratio,
+            "a fraction in [0, 1]",
+        )
         one_of("actor.optim.lr_scheduler_type", self.lr_scheduler_type, LR_SCHEDULER_TYPES)
         if self.warmup_style is not None:
             one_of("actor.optim.warmup_style", self.warmup_style, LR_SCHEDULER_TYPES)
-            require(self.lr_scheduler_type in ("constant", self.warmup_style), "actor.optim.warmup_style",
-                    self.warmup_style, f"the same as actor.optim.lr_scheduler_type={self.lr_scheduler_type!r} (it is "
-                    "that key's old name; set one of them)")  # fmt: skip
+            require(
+                self.lr_scheduler_type in ("constant", self.warmup_style),
+                "actor.optim.warmup_style",
+                self.warmup_style,
+                f"the same as actor.optim.lr_scheduler_type={self.lr_scheduler_type!r} (it is "
+                "that key's old name; set one of them)",
+            )
             self.lr_scheduler_type = self.warmup_style
         require(0 <= self.min_lr_ratio <= 1, "actor.optim.min_lr_ratio", self.min_lr_ratio, "a fraction in [0, 1]")
         positive("actor.optim.num_cycles", self.num_cycles)
@@ -227,8 +250,12 @@ class ActorConfig:
         positive("actor.lr", self.lr)
         if self.optim.lr is not None:  # verl's name of the same key
             default = ActorConfig.__dataclass_fields__["lr"].default
-            require(self.lr in (default, self.optim.lr), "actor.optim.lr", self.optim.lr,
-                    f"the same value as actor.lr={self.lr} (the two name one lr; set one of them)")  # fmt: skip
+            require(
+                self.lr in (default, self.optim.lr),
+                "actor.optim.lr",
+                self.optim.lr,
+                f"the same value as actor.lr={self.lr} (the two name one lr; set one of them)",
+            )
             self.lr = self.optim.lr
         if self.max_ppo_kl is not None:
             positive("actor.max_ppo_kl", self.max_ppo_kl)
@@ -237,7 +264,9 @@ class ActorConfig:
         nonnegative("actor.grad_clip", self.grad_clip)
         low, high = clip_range(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high)
         fallback = " (the lower clip: actor.clip_ratio_low is null)" if self.clip_ratio_low is None else ""
-        require(0 <= low < 1, "actor.clip_ratio" + ("_low" if not fallback else ""), low, "a value in [0, 1)" + fallback)
+        require(
+            0 <= low < 1, "actor.clip_ratio" + ("_low" if not fallback else ""), low, "a value in [0, 1)" + fallback
+        )
         nonnegative("actor.clip_ratio_high" if self.clip_ratio_high is not None else "actor.clip_ratio", high)
         require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "a value > 1")
         one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_MODES))

@@ -30,7 +30,6 @@ from dppo.config.choices import (
 )
 
 
-
 @dataclass
 class RolloutCorrectionSection:
     rollout_is: Optional[str] = "token"
@@ -130,8 +129,12 @@ class FilterGroupsSection:
 
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm.filter_groups")
-        require(bool(self.metric) and isinstance(self.metric, str), "algorithm.filter_groups.metric", self.metric,
-                "reward, or a key of the reward function's extra outputs")  # fmt: skip
+        require(
+            bool(self.metric) and isinstance(self.metric, str),
+            "algorithm.filter_groups.metric",
+            self.metric,
+            "reward, or a key of the reward function's extra outputs",
+        )
 
 
 @dataclass
@@ -203,6 +206,8 @@ class AlgorithmConfig:
         one_of("algorithm.kl_penalty", self.kl_penalty, tuple(KL_PENALTIES))
         if self.use_kl_in_reward and self.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
             usable = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e not in TOKEN_LEVEL_ESTIMATORS)
-            raise ConfigError(f"algorithm.use_kl_in_reward=true with algorithm.adv_estimator={self.adv_estimator!r}: "
-                              "that estimator reads the rewards token by token, which dppo's estimators do not "
-                              f"take yet; use one of {usable}")  # fmt: skip
+            raise ConfigError(
+                f"algorithm.use_kl_in_reward=true with algorithm.adv_estimator={self.adv_estimator!r}: "
+                "that estimator reads the rewards token by token, which dppo's estimators do not "
+                f"take yet; use one of {usable}"
+            )

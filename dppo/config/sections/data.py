@@ -23,7 +23,6 @@ from dppo.data.text import TRUNCATIONS
 from dppo.tasks import TASKS, task_exists
 
 
-
 @dataclass
 class ModelConfig:
     path: Optional[str] = None
@@ -48,8 +47,12 @@ class ModelConfig:
         check_numbers(self, "model")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
             positive(f"model.{key}", getattr(self, key))
-        require(self.hidden_size % self.num_attention_heads == 0, "model.hidden_size", self.hidden_size,
-                 f"a multiple of model.num_attention_heads={self.num_attention_heads}")  # fmt: skip
+        require(
+            self.hidden_size % self.num_attention_heads == 0,
+            "model.hidden_size",
+            self.hidden_size,
+            f"a multiple of model.num_attention_heads={self.num_attention_heads}",
+        )
         one_of("model.dtype", self.dtype, DTYPES)
         if self.path is not None:
             require(isinstance(self.path, str) and self.path, "model.path", self.path, "a local model directory")
@@ -65,8 +68,12 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_numbers(self, "task")
-        require(task_exists(self.name), "task.name", self.name,
-                 "a registered task (" + ", ".join(TASKS) + ") or an importable module:function")  # fmt: skip
+        require(
+            task_exists(self.name),
+            "task.name",
+            self.name,
+            "a registered task (" + ", ".join(TASKS) + ") or an importable module:function",
+        )
         positive("task.length", self.length)
 
 
@@ -75,8 +82,12 @@ def _check_data_files(key: str, files: object) -> None:
     if files is None:
         return
     paths = [files] if isinstance(files, str) else files
-    require(isinstance(paths, (list, tuple)) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
-             key, files, "a parquet file path or a non-empty list of them")  # fmt: skip
+    require(
+        isinstance(paths, (list, tuple)) and len(paths) > 0 and all(isinstance(p, str) and p for p in paths),
+        key,
+        files,
+        "a parquet file path or a non-empty list of them",
+    )
 
 
 @dataclass
@@ -121,8 +132,12 @@ class ReasoningGymSection:
     def __post_init__(self) -> None:
         check_numbers(self, "data.reasoning_gym")
         if self.dataset is not None:
-            require(isinstance(self.dataset, str) and bool(self.dataset), "data.reasoning_gym.dataset", self.dataset,
-                    "a reasoning-gym dataset name")  # fmt: skip
+            require(
+                isinstance(self.dataset, str) and bool(self.dataset),
+                "data.reasoning_gym.dataset",
+                self.dataset,
+                "a reasoning-gym dataset name",
+            )
         require(isinstance(self.config, dict), "data.reasoning_gym.config", self.config, "a mapping of settings")
         positive("data.reasoning_gym.size", self.size)
         nonnegative("data.reasoning_gym.val_size", self.val_size)
@@ -206,5 +221,9 @@ class CustomRewardFunctionConfig:
     def __post_init__(self) -> None:
         require(self.name.isidentifier(), "custom_reward_function.name", self.name, "a Python function name")
         if self.timeout_s is not None:
-            require(0 < self.timeout_s < float("inf"), "custom_reward_function.timeout_s", self.timeout_s,
-                    "a finite number of seconds > 0, or null (no limit)")  # fmt: skip
+            require(
+                0 < self.timeout_s < float("inf"),
+                "custom_reward_function.timeout_s",
+                self.timeout_s,
+                "a finite number of seconds > 0, or null (no limit)",
+            )

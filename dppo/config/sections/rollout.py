@@ -25,7 +25,6 @@ from dppo.config.choices import (
 )
 
 
-
 @dataclass
 class RolloutConfig:
     num_workers: int = 1
@@ -100,12 +99,19 @@ class RolloutConfig:
         """One rollout worker per GPU of the pool; a pool of several nodes only with GPUs."""
         pool = f"rollout.nnodes={self.nnodes} x rollout.n_gpus_per_node={self.n_gpus_per_node}"
         if self.n_gpus_per_node == 0:
-            require(self.nnodes == 1, "rollout.nnodes", self.nnodes, "1 while rollout.n_gpus_per_node=0 (the rollout "
-                    "then has no GPU pool to spread over nodes: Ray spreads its CPU workers)")  # fmt: skip
+            require(
+                self.nnodes == 1,
+                "rollout.nnodes",
+                self.nnodes,
+                "1 while rollout.n_gpus_per_node=0 (the rollout "
+                "then has no GPU pool to spread over nodes: Ray spreads its CPU workers)",
+            )
         elif self.num_workers != self.nnodes * self.n_gpus_per_node:
-            raise ConfigError(f"rollout.num_workers={shown(self.num_workers)}, but the rollout's pool {pool} holds "
-                              f"{self.nnodes * self.n_gpus_per_node} GPUs, one per rollout worker; set "
-                              f"rollout.num_workers={self.nnodes * self.n_gpus_per_node}")  # fmt: skip
+            raise ConfigError(
+                f"rollout.num_workers={shown(self.num_workers)}, but the rollout's pool {pool} holds "
+                f"{self.nnodes * self.n_gpus_per_node} GPUs, one per rollout worker; set "
+                f"rollout.num_workers={self.nnodes * self.n_gpus_per_node}"
+            )
 
 
 @dataclass

@@ -23,7 +23,6 @@ from dppo.config.choices import (
 )
 
 
-
 @dataclass
 class TrainerConfig:
     total_steps: int = 60
@@ -118,13 +117,21 @@ class TrainerConfig:
         positive("trainer.num_threads", self.num_threads)
         positive("trainer.nnodes", self.nnodes)
         positive("trainer.n_gpus_per_node", self.n_gpus_per_node)
-        require(0 < self.collective_timeout_s < float("inf"), "trainer.collective_timeout_s", self.collective_timeout_s,
-                 "a finite number of seconds > 0")  # fmt: skip
+        require(
+            0 < self.collective_timeout_s < float("inf"),
+            "trainer.collective_timeout_s",
+            self.collective_timeout_s,
+            "a finite number of seconds > 0",
+        )
         require(bool(self.output_dir), "trainer.output_dir", self.output_dir, "a non-empty path")
         if isinstance(self.logger, str):
             self.logger = [self.logger]  # trainer.logger=wandb: one tracker
-        require(isinstance(self.logger, (list, tuple)), "trainer.logger", self.logger,
-                f"a list of logger names, e.g. [console,wandb] (some of {', '.join(LOGGERS)})")  # fmt: skip
+        require(
+            isinstance(self.logger, (list, tuple)),
+            "trainer.logger",
+            self.logger,
+            f"a list of logger names, e.g. [console,wandb] (some of {', '.join(LOGGERS)})",
+        )
         for name in self.logger:
             one_of("trainer.logger", name, LOGGERS)
         self.logger = list(self.logger)

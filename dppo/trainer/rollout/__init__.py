@@ -25,8 +25,9 @@ from dppo.trainer.rollout.source import RolloutSource
 __all__ = ["InProcessRollout", "LocalRollout", "RayRollout", "RolloutFailedError", "RolloutSource", "make_rollout"]
 
 
-def make_rollout(cfg: DppoConfig, source: PromptSource, model_config, start: RolloutStart | None = None,
-                 early: bool = False) -> RolloutSource:  # fmt: skip
+def make_rollout(
+    cfg: DppoConfig, source: PromptSource, model_config, start: RolloutStart | None = None, early: bool = False
+) -> RolloutSource:
     """The rollout source cfg asks for (cfg.use_ray, trainer.mode); source is the trainer's PromptSource,
     model_config the policy's HF config, start where it picks up (a fresh run's start by default); early: made
     before the actor's rank was built (local workers may then be forked)."""

@@ -47,9 +47,15 @@ def buffer_core(settings: RolloutSettings, start: RolloutStart, cls=ReplayBuffer
     """The replay buffer of settings (cls: ReplayBufferCore, or a Ray actor's .remote taking its arguments), picking
     up where start says."""
     replay = settings.replay
-    return cls(replay.max_off_policy_threshold, replay.max_off_policy_strategy, settings.train_batch_size,
-               start.version, start_consumed=start.consumed, start_grant=start.next_grant,
-               start_dropped=start.dropped_total)  # fmt: skip
+    return cls(
+        replay.max_off_policy_threshold,
+        replay.max_off_policy_strategy,
+        settings.train_batch_size,
+        start.version,
+        start_consumed=start.consumed,
+        start_grant=start.next_grant,
+        start_dropped=start.dropped_total,
+    )
 
 
 def cloned_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -88,8 +88,10 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         self.buffer = _Buffer(buffer_core(self.settings, start))
         self._payload = cloudpickle.dumps((cfg, source, model_config))
         ctx = self._context(fork)
-        self.workers = [self._start(i, self.new_holder(), 0, ctx)  # all forked before any thread
-                        for i in range(self.settings.rollout.num_workers)]  # fmt: skip
+        self.workers = [
+            self._start(i, self.new_holder(), 0, ctx)  # all forked before any thread
+            for i in range(self.settings.rollout.num_workers)
+        ]
         for worker in self.workers:
             self._listen(worker)
 
@@ -97,15 +99,18 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     def _context(fork: bool):
         """fork where it is safe (no other Python thread, no CUDA context: the worker starts with everything
         imported), else spawn."""
-        others = [t for t in threading.enumerate() if t is not threading.main_thread() and t.name not in FORK_SAFE_THREADS]
+        others = [
+            t for t in threading.enumerate() if t is not threading.main_thread() and t.name not in FORK_SAFE_THREADS
+        ]
         if fork and not others and not torch.cuda.is_initialized():
             return multiprocessing.get_context("fork")
         return multiprocessing.get_context("spawn")
 
     def _start(self, index: int, holder: int, restarts: int, ctx) -> LocalWorker:
         ours, theirs = ctx.Pipe(duplex=True)
-        process = ctx.Process(target=serve, args=(theirs, self._payload, index, os.getpid()),
-                              name=f"dppo-rollout-{index}", daemon=True)  # fmt: skip
+        process = ctx.Process(
+            target=serve, args=(theirs, self._payload, index, os.getpid()), name=f"dppo-rollout-{index}", daemon=True
+        )
         process.start()
         theirs.close()  # the worker's end lives in the worker now: EOF here once it exits
         return LocalWorker(index, holder, restarts, process, ours)
@@ -117,8 +122,9 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         return worker
 
     def _listen(self, worker: LocalWorker) -> None:
-        worker.server = threading.Thread(target=self._serve, args=(worker,), name=f"dppo-rollout-pipe-{worker.index}",
-                                         daemon=True)  # fmt: skip
+        worker.server = threading.Thread(
+            target=self._serve, args=(worker,), name=f"dppo-rollout-pipe-{worker.index}", daemon=True
+        )
         worker.server.start()
 
     def _serve(self, worker: LocalWorker) -> None:

@@ -53,7 +53,9 @@ class RayRollout(SupervisedRollout[RayWorker]):
         # GPU workers: one bundle each in the rollout's own placement groups (a restarted worker takes its
         # predecessor's); CPU workers (no pool): spread over the nodes, reserving nothing.
         self._pool = pools(cfg.trainer, cfg.rollout)[1]
-        self._groups = place_pool(self._pool, plan(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
+        self._groups = (
+            place_pool(self._pool, plan(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
+        )
         self.buffer = buffer_core(self.settings, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker
@@ -65,8 +67,9 @@ class RayRollout(SupervisedRollout[RayWorker]):
 
     def _spawn(self, index: int, holder: int, restarts: int) -> RayWorker:
         cfg, source_ref, model_config = self._worker_args
-        options = {"scheduling_strategy": "SPREAD"} if self._pool is None else \
-            bundle_options(self._pool, self._groups, index)  # fmt: skip
+        options = (
+            {"scheduling_strategy": "SPREAD"} if self._pool is None else bundle_options(self._pool, self._groups, index)
+        )
         actor = self._worker_cls.options(**options).remote(cfg, source_ref, model_config, index, self.buffer, holder)
         worker = RayWorker(index, holder, restarts, actor)
         if self._running:
@@ -106,8 +109,11 @@ class RayRollout(SupervisedRollout[RayWorker]):
     def describe(self) -> str:
         """e.g. "rollout: Ray actors, 2 worker(s) on CPUs spread over the cluster's nodes, the replay buffer one more"
         (the nodes are Ray's to choose: the actors may still be starting)."""
-        workers = self._pool.describe() if self._pool is not None else \
-            f"{len(self.workers)} worker(s) on CPUs spread over the cluster's nodes"  # fmt: skip
+        workers = (
+            self._pool.describe()
+            if self._pool is not None
+            else f"{len(self.workers)} worker(s) on CPUs spread over the cluster's nodes"
+        )
         return f"rollout: Ray actors, {workers}, the replay buffer one more"
 
     def _generate_lockstep(self, num_groups: int) -> None:

@@ -145,11 +145,15 @@ class SupervisedRollout(RolloutSource, Generic[W]):
         self._check_buffer()
         limit = self.settings.rollout.max_restarts
         if worker.restarts >= limit:
-            raise RolloutFailedError(f"rollout worker {worker.index} {how} and its restarts are used up "
-                                     f"({worker.restarts} of rollout.max_restarts={limit})")  # fmt: skip
+            raise RolloutFailedError(
+                f"rollout worker {worker.index} {how} and its restarts are used up "
+                f"({worker.restarts} of rollout.max_restarts={limit})"
+            )
         self._retire(worker)
         regranted = self._buffer_call("release", worker.holder)
         self.workers[worker.index] = self._spawn(worker.index, self.new_holder(), worker.restarts + 1)
         self._worker_restarts += 1
-        log.warning(f"rollout worker {worker.index} {how}; restarted it ({worker.restarts + 1} of "
-                    f"rollout.max_restarts={limit}); its {regranted} outstanding groups are generated anew")  # fmt: skip
+        log.warning(
+            f"rollout worker {worker.index} {how}; restarted it ({worker.restarts + 1} of "
+            f"rollout.max_restarts={limit}); its {regranted} outstanding groups are generated anew"
+        )

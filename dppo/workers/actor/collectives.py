@@ -37,7 +37,9 @@ def combine(per_rank: list[dict[str, float]], default: str = SUM) -> dict[str, f
                 out[key] = value
                 continue
             rule = reduce_rule(key, default)
-            out[key] = out[key] + value if rule == SUM else max(out[key], value) if rule == MAX else min(out[key], value)
+            out[key] = (
+                out[key] + value if rule == SUM else max(out[key], value) if rule == MAX else min(out[key], value)
+            )
     return out
 
 

@@ -50,12 +50,18 @@ def node_ip() -> str:
     return "127.0.0.1"
 
 
-def init_process_group(rank: int, world_size: int, master_addr: str, master_port: int, device_type: str,
-                       timeout_s: float) -> None:  # fmt: skip
+def init_process_group(
+    rank: int, world_size: int, master_addr: str, master_port: int, device_type: str, timeout_s: float
+) -> None:
     """Join the actor's process group; every collective raises after timeout_s instead of hanging forever."""
     host = f"[{master_addr}]" if ":" in master_addr else master_addr  # IPv6
-    dist.init_process_group(backend_for(device_type), init_method=f"tcp://{host}:{master_port}", rank=rank,
-                            world_size=world_size, timeout=datetime.timedelta(seconds=timeout_s))  # fmt: skip
+    dist.init_process_group(
+        backend_for(device_type),
+        init_method=f"tcp://{host}:{master_port}",
+        rank=rank,
+        world_size=world_size,
+        timeout=datetime.timedelta(seconds=timeout_s),
+    )
 
 
 def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
@@ -71,8 +77,9 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList:
     return best
 
 
-def parallelize(model: torch.nn.Module, device_type: str, world_size: int,
-                param_dtype: torch.dtype | None = None) -> torch.nn.Module:  # fmt: skip
+def parallelize(
+    model: torch.nn.Module, device_type: str, world_size: int, param_dtype: torch.dtype | None = None
+) -> torch.nn.Module:
     """Shard model over a 1-D mesh of world_size ranks with FSDP2, in place; returns it. param_dtype: the dtype the
     shards are gathered and computed in (actor.mixed_precision, dppo.workers.actor.precision); None: their own."""
     mesh = init_device_mesh(device_type, (world_size,))

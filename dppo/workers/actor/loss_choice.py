@@ -61,6 +61,14 @@ class LossChoice:
     def pg_loss(self, log_prob, old_log_prob, advantages, loss_mask, weights, normalizers, generator):
         """The policy loss (0-dim) and its metrics for one micro-batch."""
         return get_policy_loss_fn(self.loss_mode)(
-            log_prob, old_log_prob, advantages, loss_mask, weights=weights, loss_agg_mode=self.loss_agg_mode,
-            normalizers=normalizers, loss_scale_factor=self.loss_scale_factor, generator=generator, **self.settings,
-        )  # fmt: skip
+            log_prob,
+            old_log_prob,
+            advantages,
+            loss_mask,
+            weights=weights,
+            loss_agg_mode=self.loss_agg_mode,
+            normalizers=normalizers,
+            loss_scale_factor=self.loss_scale_factor,
+            generator=generator,
+            **self.settings,
+        )

@@ -62,8 +62,14 @@ class TriggerProx:
 class PiOldProvider:
     """pi_old on one rank (see the module docstring)."""
 
-    def __init__(self, plan: PiOldPlan, model: torch.nn.Module, source: PiOldSource, method: ProxMethod,
-                 verifier: OldLogProbVerifier) -> None:  # fmt: skip
+    def __init__(
+        self,
+        plan: PiOldPlan,
+        model: torch.nn.Module,
+        source: PiOldSource,
+        method: ProxMethod,
+        verifier: OldLogProbVerifier,
+    ) -> None:
         self.plan, self.model = plan, model
         self.source, self.method, self.verifier = source, method, verifier
         self._own_pool: snapshot.SnapshotPool | None = None  # for verl's snapshot calls where the source keeps none
@@ -95,8 +101,9 @@ class PiOldProvider:
         """After the update: the old log-probs (b, R) its loss used."""
         self.verifier.check(batch, prox_logp)
 
-    def metrics(self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch,
-                steps: StepVersions) -> dict[str, float]:  # fmt: skip
+    def metrics(
+        self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch, steps: StepVersions
+    ) -> dict[str, float]:
         """This rank's metrics of the step from the training forward's log-probs logp (b, R) and the prox used."""
         return self.method.metrics(logp, prox_logp, batch, steps)
 
@@ -160,8 +167,13 @@ class PiOldProvider:
         self.source.close()
 
 
-def make_pi_old(plan: PiOldPlan, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn,
-                copy_model: CopyModel = copy.deepcopy) -> PiOldProvider:  # fmt: skip
+def make_pi_old(
+    plan: PiOldPlan,
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer,
+    score: ScoreFn,
+    copy_model: CopyModel = copy.deepcopy,
+) -> PiOldProvider:
     """The provider of plan over the rank's model and optimizer; score(module, batch, params) scores in the rank's
     precision; copy_model makes the verifier's independent copies of pi_old (plan.verify)."""
     source = PI_OLD_SOURCES[plan.source](model, optimizer, score, plan)

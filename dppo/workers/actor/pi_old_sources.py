@@ -55,8 +55,9 @@ class PiOldSource(ABC):
 
     name = ""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn,
-                 plan: PiOldPlan) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, plan: PiOldPlan
+    ) -> None:
         self.model, self.optimizer, self.score = model, optimizer, score
         self.fuse_live = plan.fuse_live  # where pi_old is the live weights: the training forward's log-probs, or a pass
         self.snapshot_s = 0.0  # seconds spent in snapshot calls since the last take_snapshot_s()
@@ -222,8 +223,10 @@ class SlotSource(PiOldSource):
         if 0 not in self._pool:
             raise RuntimeError(f"trigger {trigger}: snapshot slot 0 is empty; trigger 0 of the cycle must run first")
         if not self._slot_is_pi_old:
-            raise RuntimeError(f"trigger {trigger}: this cycle took no snapshot (skip_snapshot: every later mini-batch "
-                               "was to be scored ahead), so slot 0 does not hold its pi_old")  # fmt: skip
+            raise RuntimeError(
+                f"trigger {trigger}: this cycle took no snapshot (skip_snapshot: every later mini-batch "
+                "was to be scored ahead), so slot 0 does not hold its pi_old"
+            )
         if self._auto:  # a save may land in another tier than the last one (device budget taken meanwhile)
             tier = self._pool.tier(0)
             if self._reader is None or tier != self._reader_tier:

@@ -78,8 +78,9 @@ class ReferenceVerifier(OldLogProbVerifier):
     """See the module docstring. follows_live: pi_old is the live weights at every trigger (PiOldPlan.source live),
     so the copy is made anew at every trigger and a checkpoint's anchor is never pi_old."""
 
-    def __init__(self, model: torch.nn.Module, score: ScoreFn, follows_live: bool,
-                 copy_model: CopyModel = copy.deepcopy) -> None:  # fmt: skip
+    def __init__(
+        self, model: torch.nn.Module, score: ScoreFn, follows_live: bool, copy_model: CopyModel = copy.deepcopy
+    ) -> None:
         self.model, self.score, self.follows_live, self.copy_model = model, score, follows_live, copy_model
         self.reference: torch.nn.Module | None = None
         self._expected: torch.Tensor | None = None  # (B, R) the reference's log-probs of the trigger's batch

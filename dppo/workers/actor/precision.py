@@ -49,8 +49,9 @@ class Precision:
         try:
             dtype = COMPUTE_DTYPES[mixed_precision]
         except KeyError:
-            raise ValueError(f"actor.mixed_precision={mixed_precision!r}; valid: null, "
-                             f"{', '.join(COMPUTE_DTYPES)}") from None  # fmt: skip
+            raise ValueError(
+                f"actor.mixed_precision={mixed_precision!r}; valid: null, {', '.join(COMPUTE_DTYPES)}"
+            ) from None
         return cls(dtype, sharded, device_type)
 
     @property

@@ -56,8 +56,12 @@ class AutoProxSwitch:
 
     def state(self) -> dict:
         """What decides the cycles to come, as plain values (a checkpoint's)."""
-        return {"approx_ok": self.approx_ok, "cycles_since_check": self.cycles_since_check,
-                "cycle_errs": list(self.cycle_errs), "cycle_interp": self.cycle_interp}  # fmt: skip
+        return {
+            "approx_ok": self.approx_ok,
+            "cycles_since_check": self.cycles_since_check,
+            "cycle_errs": list(self.cycle_errs),
+            "cycle_interp": self.cycle_interp,
+        }
 
     def load_state(self, state: dict) -> None:
         """Continue from state(); the settings (check_every, max_is_err) stay this run's."""

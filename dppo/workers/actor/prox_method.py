@@ -33,6 +33,7 @@ from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitc
 # prox(logp (b, R) of the training forward, detached; sl: the micro-batch's rows of the batch) -> log pi_prox (b, R)
 ProxFn = Callable[[torch.Tensor, slice], torch.Tensor]
 
+
 @dataclass(frozen=True)
 class StepVersions:
     """The optimizer-step counts of loglinear's three policies at one trigger."""
@@ -58,8 +59,14 @@ def loglinear_prox(batch: TrainBatch, steps: StepVersions) -> ProxFn:
     """ProxFn of loglinear_prox_log_prob over batch's rows."""
 
     def prox(logp: torch.Tensor, sl: slice) -> torch.Tensor:
-        return loglinear_prox_log_prob(logp, batch.behav_logp[sl], batch.response_mask[sl], v_prox=steps.v_prox,
-                                       v_theta=steps.v_theta, v_behav=steps.v_behav[sl])  # fmt: skip
+        return loglinear_prox_log_prob(
+            logp,
+            batch.behav_logp[sl],
+            batch.response_mask[sl],
+            v_prox=steps.v_prox,
+            v_theta=steps.v_theta,
+            v_behav=steps.v_behav[sl],
+        )
 
     return prox
 
@@ -79,8 +86,9 @@ class ProxMethod(ABC):
         """log pi_prox (B, R) of batch, or a ProxFn of the training forward; old_logp: the source's (None: the
         training forward's own, or nothing computed)."""
 
-    def metrics(self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch,
-                steps: StepVersions) -> dict[str, float]:  # fmt: skip
+    def metrics(
+        self, logp: torch.Tensor, prox_logp: torch.Tensor, batch: TrainBatch, steps: StepVersions
+    ) -> dict[str, float]:
         """Metrics of the step from the training forward's log-probs logp (B, R) and the prox the loss used."""
         return {}
 

@@ -34,8 +34,15 @@ from dppo.models import SharedWeights, build_model, model_from_config, response_
 from dppo.batch import TrainBatch
 from dppo.config.pi_old import PiOldPlan, plan_pi_old
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
-from dppo.workers.actor.fsdp import (free_port, full_state_dict, init_process_group, local_tensor, node_ip, parallelize,
-                                     reshard)
+from dppo.workers.actor.fsdp import (
+    free_port,
+    full_state_dict,
+    init_process_group,
+    local_tensor,
+    node_ip,
+    parallelize,
+    reshard,
+)
 from dppo.workers.actor.lr_schedule import make_lr_scheduler, set_lr_step, step_lr
 from dppo.workers.actor.pi_old import VERIFIER_STATE, make_pi_old
 from dppo.workers.actor.pi_old_sources import with_weights
@@ -96,8 +103,9 @@ class ActorRank:
         self.peers.device = self.device
         self.precision = Precision.of(cfg.actor.mixed_precision, self.sharded, self.device.type)
         if self.sharded:
-            init_process_group(self.rank, self.world_size, master_addr, master_port, self.device.type,
-                               cfg.trainer.collective_timeout_s)  # fmt: skip
+            init_process_group(
+                self.rank, self.world_size, master_addr, master_port, self.device.type, cfg.trainer.collective_timeout_s
+            )
         seed_all(cfg.trainer.seed)  # a rank's process of its own, or the driver's: the model is built from the seed
         self.model = build_model(cfg.model, self.vocab_size, seed=cfg.trainer.seed).to(self.device)
         # the reference policy of the KL penalty: the initial weights, sharded like the policy
@@ -109,10 +117,13 @@ class ActorRank:
                 parallelize(self.ref_model, self.device.type, self.world_size, self.precision.fsdp_param_dtype)
         # fused: one kernel over all parameters (DTensors included); on the CPU 5x faster than the per-tensor
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
-        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=cfg.actor.lr,
-                                           weight_decay=cfg.actor.weight_decay, fused=True)  # fmt: skip
+        self.optimizer = torch.optim.AdamW(
+            self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, fused=True
+        )
         total_steps = cfg.trainer.total_steps * cfg.trainer.parameter_sync_step
-        self.lr_scheduler = make_lr_scheduler(self.optimizer, cfg.actor.optim, total_steps)  # actor.optim's schedule, stepped once per trigger
+        self.lr_scheduler = make_lr_scheduler(
+            self.optimizer, cfg.actor.optim, total_steps
+        )  # actor.optim's schedule, stepped once per trigger
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
             bound_retention(2 * local_bytes)
@@ -131,8 +142,10 @@ class ActorRank:
         tests compare settings on one model): the pi_old provider is released and built anew from cfg's plan. The
         precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
         if cfg.actor.mixed_precision != self.cfg.actor.mixed_precision:
-            raise ValueError(f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
-                             f"{self.cfg.actor.mixed_precision} (set once, at init_model)")  # fmt: skip
+            raise ValueError(
+                f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
+                f"{self.cfg.actor.mixed_precision} (set once, at init_model)"
+            )
         self.pi_old.close()
         self.cfg = cfg
         self.setup_update(plan_pi_old(cfg))
@@ -154,8 +167,15 @@ class ActorRank:
         """log pi (B, R) of module (or of module's graph on params) for the batch's responses, computed in the
         rank's precision; a sharded module is resharded afterwards, so the next pass gathers what its shards hold then."""
         with self.precision.forward():
-            logp = response_log_probs(module, batch.input_ids, batch.response_length, self.cfg.rollout.temperature,
-                                      self.cfg.actor.micro_batch_size, params, batch.attention_mask)  # fmt: skip
+            logp = response_log_probs(
+                module,
+                batch.input_ids,
+                batch.response_length,
+                self.cfg.rollout.temperature,
+                self.cfg.actor.micro_batch_size,
+                params,
+                batch.attention_mask,
+            )
         if self.sharded:
             reshard(module)
         return logp
@@ -196,8 +216,14 @@ class ActorRank:
         return out
 
     @register(DP)
-    def update_actor(self, trigger: int, batch: TrainBatch, advantages: torch.Tensor, version: int,
-                     prox_logp: torch.Tensor | None = None) -> dict[str, float]:  # fmt: skip
+    def update_actor(
+        self,
+        trigger: int,
+        batch: TrainBatch,
+        advantages: torch.Tensor,
+        version: int,
+        prox_logp: torch.Tensor | None = None,
+    ) -> dict[str, float]:
         """Old log-probs, rollout correction and one optimizer step on this rank's shard of the mini-batch;
         the metrics of the whole mini-batch (the same on every rank). version: the trainer's policy version at
         the cycle start (algorithm.prox_logp_method=loglinear counts steps from it). prox_logp: the mini-batch's
@@ -208,8 +234,17 @@ class ActorRank:
         objective = self.objective(batch, prox.value, advantages, prox.steps.v_theta)  # the rollout correction too
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
-        metrics = update_policy(self.model, self.optimizer, batch, objective, self.cfg.actor,
-                                self.cfg.rollout.temperature, ref_logp, self.peers, self.precision)  # fmt: skip
+        metrics = update_policy(
+            self.model,
+            self.optimizer,
+            batch,
+            objective,
+            self.cfg.actor,
+            self.cfg.rollout.temperature,
+            ref_logp,
+            self.peers,
+            self.precision,
+        )
         update_s = time.perf_counter() - start
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the lr of this step (applied or not)
         step_lr(self.lr_scheduler)

@@ -70,8 +70,10 @@ def _dcp_errors(what: str, path: str | Path):
         for exc, _ in err.failures.values():
             if isinstance(exc, KeyboardInterrupt):
                 raise exc from None
-        failures = "; ".join(f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
-                             for rank, (exc, _) in sorted(err.failures.items()))  # fmt: skip
+        failures = "; ".join(
+            f"rank {rank}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+            for rank, (exc, _) in sorted(err.failures.items())
+        )
         raise ShardedCheckpointError(f"{what} {str(path)!r} failed: {failures}") from None
 
 
@@ -88,6 +90,7 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def _safe_reader_classes():
     """(SafeReader, SafeLoadPlanner): DCP's reader and load planner, with an allow-list for what they unpickle."""
+
     class SafeReader(FileSystemReader):
         """FileSystemReader whose .metadata is unpickled with an allow-list."""
 
@@ -151,13 +154,22 @@ def _like_parameters(model, local: dict[str, torch.Tensor]) -> dict[str, torch.T
     out = {}
     for name, p in model.named_parameters():
         t = local[name]
-        out[name] = DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride()) \
-            if isinstance(p, DTensor) else t  # fmt: skip
+        out[name] = (
+            DTensor.from_local(t, p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            if isinstance(p, DTensor)
+            else t
+        )
     return out
 
 
-def save_sharded(path: str | Path, model, optimizer, ref_model=None,
-                 anchor: dict[str, torch.Tensor] | None = None, lr_step: int | None = None) -> None:  # fmt: skip
+def save_sharded(
+    path: str | Path,
+    model,
+    optimizer,
+    ref_model=None,
+    anchor: dict[str, torch.Tensor] | None = None,
+    lr_step: int | None = None,
+) -> None:
     """Write this rank's shards into the DCP checkpoint directory path (every rank calls it at once); anchor: the
     rank's part of other weights for model (pi_old's, mid-cycle), saved under "anchor" with the same layout;
     lr_step: the lr schedule's optimizer steps taken, under LR_STEP_KEY (the same on every rank)."""
@@ -208,10 +220,13 @@ def load_full_weights(path: str | Path, key: str = "model") -> dict[str, torch.T
     reader_cls, planner_cls = _safe_reader_classes()
     metadata = reader_cls(str(path)).read_metadata()
     prefix = key + "."
-    state = {fqn: torch.empty(md.size, dtype=md.properties.dtype) for fqn, md in metadata.state_dict_metadata.items()
-             if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)}  # fmt: skip
+    state = {
+        fqn: torch.empty(md.size, dtype=md.properties.dtype)
+        for fqn, md in metadata.state_dict_metadata.items()
+        if fqn.startswith(prefix) and isinstance(md, TensorStorageMetadata)
+    }
     if not state:
         raise ShardedCheckpointError(f"the checkpoint {str(path)!r} holds no {key!r} weights")
     with _single_process_is_intended(), _dcp_errors("reading the checkpoint", path):
         dcp.load(state, storage_reader=reader_cls(str(path)), planner=planner_cls(), no_dist=True)
-    return {fqn[len(prefix):]: t for fqn, t in state.items()}
+    return {fqn[len(prefix) :]: t for fqn, t in state.items()}

@@ -136,7 +136,9 @@ class StreamReader(SlotReader):
             model = self.source.model
             try:
                 mask = None if batch.attention_mask is None else batch.attention_mask[:1]
-                schedule = trace_schedule(model, lambda: forward_logits(model, batch.input_ids[:1], attention_mask=mask))
+                schedule = trace_schedule(
+                    model, lambda: forward_logits(model, batch.input_ids[:1], attention_mask=mask)
+                )
             except NotStreamableError as err:
                 self.stream_error = str(err)
             else:
@@ -155,8 +157,9 @@ class StreamReader(SlotReader):
         except (StreamOrderError, SnapshotMemoryError) as err:  # swap needs no device memory beyond the model's
             self.stream, self.stream_error = None, str(err)
             fallen = self._fall_back(batch, str(err))
-            return SlotRead(fallen.logp, fallen.snapshot_s + stream.host_s - host_s,
-                            fallen.moved_bytes + stream.moved_bytes - moved)  # fmt: skip
+            return SlotRead(
+                fallen.logp, fallen.snapshot_s + stream.host_s - host_s, fallen.moved_bytes + stream.moved_bytes - moved
+            )
         return SlotRead(logp, stream.host_s - host_s, stream.moved_bytes - moved)
 
     def _fall_back(self, batch: TrainBatch, why: str) -> SlotRead:

@@ -113,8 +113,10 @@ def candidate_blocks(model: torch.nn.Module) -> list[Block]:
     for name, module in model.named_modules():
         if id(module) in inside:
             continue
-        params = [(module, attr, f"{name}.{attr}" if name else attr)
-                  for attr, _ in module.named_parameters(recurse=False, remove_duplicate=False)]  # fmt: skip
+        params = [
+            (module, attr, f"{name}.{attr}" if name else attr)
+            for attr, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+        ]
         if params:
             blocks.append(Block(module, name or "(root)", params))
     return blocks

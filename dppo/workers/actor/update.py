@@ -94,8 +94,13 @@ def _cat(parts: list[torch.Tensor]) -> torch.Tensor:
 def _clip_settings(actor_cfg) -> dict:
     """The clip and aggregation keyword arguments the bypass losses take, from the actor config."""
     low, high = clip_range(actor_cfg.clip_ratio, actor_cfg.clip_ratio_low, actor_cfg.clip_ratio_high)
-    return dict(clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=actor_cfg.clip_ratio_c,
-                loss_agg_mode=actor_cfg.loss_agg_mode, loss_scale_factor=actor_cfg.loss_scale_factor)  # fmt: skip
+    return dict(
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=actor_cfg.clip_ratio_c,
+        loss_agg_mode=actor_cfg.loss_agg_mode,
+        loss_scale_factor=actor_cfg.loss_scale_factor,
+    )
 
 
 def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callable[..., Objective]:
@@ -129,8 +134,9 @@ def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callabl
     return objective
 
 
-def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollout_correction, choice: LossChoice,
-                     step: int) -> Objective:  # fmt: skip
+def _per_micro_batch(
+    batch: TrainBatch, prox_of, advantages: torch.Tensor, rollout_correction, choice: LossChoice, step: int
+) -> Objective:
     """decoupled_objective's Objective when log pi_prox comes from the training forward (prox_of, a ProxFn)."""
 
     def pg_loss(logp, sl, normalizers):
@@ -144,8 +150,9 @@ def _per_micro_batch(batch: TrainBatch, prox_of, advantages: torch.Tensor, rollo
         return loss, loss_mask, m
 
     def finish(logp: torch.Tensor) -> dict[str, float]:
-        return compute_rollout_correction_and_rejection_mask(objective.prox_logp(), batch.behav_logp,
-                                                             batch.response_mask, rollout_correction)[2]  # fmt: skip
+        return compute_rollout_correction_and_rejection_mask(
+            objective.prox_logp(), batch.behav_logp, batch.response_mask, rollout_correction
+        )[2]
 
     known = batch.response_mask if rollout_correction.rollout_rs is None else None  # nothing is rejected
     objective = Objective(pg_loss, known, finish=finish)
@@ -266,18 +273,29 @@ def update_policy(
         sl = slice(start, start + actor_cfg.micro_batch_size)
         attention_mask = None if batch.attention_mask is None else batch.attention_mask[sl]
         with forward():
-            logits = forward_response_logits(model, batch.input_ids[sl], response_length, None, attention_mask)  # (b, R, V)
+            logits = forward_response_logits(
+                model, batch.input_ids[sl], response_length, None, attention_mask
+            )  # (b, R, V)
         logp = log_probs_from_logits(logits, batch.input_ids[sl, prompt_length:], temperature)  # (b, R)
         objective.logp_parts.append(logp.detach())
         loss, loss_mask, m = objective.pg_loss(logp, sl, normalizers)
         if actor_cfg.entropy_coeff > 0:
             entropy = entropy_from_logits(logits, temperature=temperature)  # (b, R)
-            bonus, em = entropy_bonus(entropy, loss_mask, actor_cfg.entropy_coeff, mode, normalizers,
-                                      actor_cfg.loss_scale_factor)  # fmt: skip
+            bonus, em = entropy_bonus(
+                entropy, loss_mask, actor_cfg.entropy_coeff, mode, normalizers, actor_cfg.loss_scale_factor
+            )
             loss, m = loss + bonus, {**m, **em}
         if ref_logp is not None:
-            kl, km = kl_loss(logp, ref_logp[sl], loss_mask, actor_cfg.kl_loss_coef, actor_cfg.kl_loss_type, mode,
-                             normalizers, actor_cfg.loss_scale_factor)  # fmt: skip
+            kl, km = kl_loss(
+                logp,
+                ref_logp[sl],
+                loss_mask,
+                actor_cfg.kl_loss_coef,
+                actor_cfg.kl_loss_type,
+                mode,
+                normalizers,
+                actor_cfg.loss_scale_factor,
+            )
             loss, m = loss + kl, {**m, **km}
         loss.backward()
         parts.append((m, float(batch.response_mask[sl].sum()), float(loss_mask.sum())))

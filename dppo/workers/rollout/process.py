@@ -54,7 +54,11 @@ class SharedLayout:
         out = {}
         for key, dtype_name, offset, shape in self.entries:
             dtype, numel = getattr(torch, dtype_name), math.prod(shape)
-            flat = torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset) if numel else torch.empty(0, dtype=dtype)
+            flat = (
+                torch.frombuffer(buffer, dtype=dtype, count=numel, offset=offset)
+                if numel
+                else torch.empty(0, dtype=dtype)
+            )
             out[key] = flat.view(shape)
         return out
 
@@ -139,7 +143,9 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
                 return
             sync = None
             if ticket.weights is not None:  # a SharedLayout; the memory's descriptor follows on the pipe
-                sync = core.load_weights(SharedState.attach(reduction.recv_handle(conn), ticket.weights), ticket.version)
+                sync = core.load_weights(
+                    SharedState.attach(reduction.recv_handle(conn), ticket.weights), ticket.version
+                )
             core.seed_ticket(ticket.first)
             groups = core.generate(ticket.num_groups)
             conn.send(("put", [StoredGroup.of(g) for g in groups], ticket.first, SyncCost.of(sync)))

@@ -83,8 +83,17 @@ class Ticket:
 
 
 class ReplayBufferCore:
-    def __init__(self, max_off_policy_threshold: int, strategy: str, groups_per_version: int, start_version: int = 0,
-                 *, start_consumed: int | None = None, start_grant: int | None = None, start_dropped: int = 0):  # fmt: skip
+    def __init__(
+        self,
+        max_off_policy_threshold: int,
+        strategy: str,
+        groups_per_version: int,
+        start_version: int = 0,
+        *,
+        start_consumed: int | None = None,
+        start_grant: int | None = None,
+        start_dropped: int = 0,
+    ):
         """start_consumed: groups consumed before this buffer (default: every version before start_version fully,
         start_version * groups_per_version); start_grant: grant index of its first group (default: start_consumed);
         start_dropped: groups dropped before it (dropped_total goes on from there)."""
@@ -176,7 +185,9 @@ class ReplayBufferCore:
         """Groups a worker may start generating now (0: it must wait)."""
         if self.strategy == "wait":
             budget = (self.version + self.threshold + 1) * self.groups_per_version
-            counted = self.granted + self._order_offset - (self.dropped_total - self._dropped_before) - self.discarded_total
+            counted = (
+                self.granted + self._order_offset - (self.dropped_total - self._dropped_before) - self.discarded_total
+            )
             return max(0, budget - counted)
         return max(0, (self.threshold + 1) * self.groups_per_version - len(self.groups) - self.in_flight)
 
@@ -205,8 +216,10 @@ class ReplayBufferCore:
         holder's engine paid for the weights it loaded before generating them (a rollout engine's WeightSync), if
         it loaded any: stats() reports the latest one of each live holder."""
         if self._tickets.get(first) != (len(groups), holder):
-            raise ValueError(f"put of {len(groups)} groups at grant index {first} by holder {holder!r}: no outstanding "
-                             f"ticket granted those to it (outstanding: {self._tickets})")  # fmt: skip
+            raise ValueError(
+                f"put of {len(groups)} groups at grant index {first} by holder {holder!r}: no outstanding "
+                f"ticket granted those to it (outstanding: {self._tickets})"
+            )
         del self._tickets[first]
         if sync is not None:
             self._syncs[holder] = sync

@@ -34,9 +34,11 @@ def worker_device(worker_index: int, gpu_ids: list, cuda_available: bool) -> tor
     if not gpu_ids:
         return torch.device("cpu")
     if not cuda_available:
-        raise RuntimeError(f"rollout worker {worker_index} was given GPU(s) {[str(g) for g in gpu_ids]} by Ray, but "
-                           f"torch.cuda.is_available() is False in its process (torch {torch.__version__}, "
-                           f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})")  # fmt: skip
+        raise RuntimeError(
+            f"rollout worker {worker_index} was given GPU(s) {[str(g) for g in gpu_ids]} by Ray, but "
+            f"torch.cuda.is_available() is False in its process (torch {torch.__version__}, "
+            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
+        )
     return torch.device("cuda", 0)
 
 
@@ -111,10 +113,16 @@ class RolloutGenerator:
         extra = {key: torch.from_numpy(values) for key, values in scored.extra.items()}
         baselines = self.greedy_baseline_scores(drawn) if self.greedy_baseline else [float("nan")] * num_groups
         return [
-            Group(torch.as_tensor(np.asarray(drawn.token_ids[g]), dtype=torch.long), responses[i : i + n],
-                  mask[i : i + n], behav_logp[i : i + n], scores[i : i + n], self.version,
-                  reward_extra={key: values[i : i + n] for key, values in extra.items()},
-                  baseline_score=baselines[g])  # fmt: skip
+            Group(
+                torch.as_tensor(np.asarray(drawn.token_ids[g]), dtype=torch.long),
+                responses[i : i + n],
+                mask[i : i + n],
+                behav_logp[i : i + n],
+                scores[i : i + n],
+                self.version,
+                reward_extra={key: values[i : i + n] for key, values in extra.items()},
+                baseline_score=baselines[g],
+            )
             for g, i in enumerate(range(0, responses.shape[0], n))
         ]
 
@@ -159,7 +167,9 @@ class RolloutWorkerActor:
         self.core.seed_ticket(ticket.first)
         groups = self.core.generate(ticket.num_groups)
         # torch-free forms: the buffer's process does not import torch (replay_buffer.py)
-        ray.get(self.buffer.put.remote([StoredGroup.of(g) for g in groups], ticket.first, self.holder, SyncCost.of(sync)))
+        ray.get(
+            self.buffer.put.remote([StoredGroup.of(g) for g in groups], ticket.first, self.holder, SyncCost.of(sync))
+        )
         return len(groups)
 
     def run(self) -> None:

@@ -90,11 +90,21 @@ def test_registry():
     # The registry takes verl's key names: grpo's norm_adv_by_std_in_grpo and epsilon are norm_by_std and eps.
     grpo, rloo = get_advantage_estimator("grpo"), get_advantage_estimator("rloo")
     assert torch.equal(grpo(SCORES, GROUPS, MASK), grpo_advantages(SCORES, GROUPS, MASK))
-    assert torch.equal(grpo(SCORES, GROUPS, MASK, norm_adv_by_std_in_grpo=False, epsilon=0.5, gamma=0.9),
-                       grpo_advantages(SCORES, GROUPS, MASK, norm_by_std=False, eps=0.5))  # fmt: skip
+    assert torch.equal(
+        grpo(SCORES, GROUPS, MASK, norm_adv_by_std_in_grpo=False, epsilon=0.5, gamma=0.9),
+        grpo_advantages(SCORES, GROUPS, MASK, norm_by_std=False, eps=0.5),
+    )
     assert torch.equal(rloo(SCORES, GROUPS, MASK, epsilon=0.5), rloo_advantages(SCORES, GROUPS, MASK))
-    assert list(ADVANTAGE_ESTIMATORS) == ["grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline",
-                                          "opo", "grpo_passk", "gpg", "remax"]  # fmt: skip
+    assert list(ADVANTAGE_ESTIMATORS) == [
+        "grpo",
+        "rloo",
+        "reinforce_plus_plus",
+        "reinforce_plus_plus_baseline",
+        "opo",
+        "grpo_passk",
+        "gpg",
+        "remax",
+    ]
     with pytest.raises(UnknownNameError, match="unknown advantage estimator 'gae'; valid names: 'grpo', 'rloo', "):
         get_advantage_estimator("gae")
     with pytest.raises(TypeError, match=r"unknown advantage estimator config key\(s\) \['norm_by_std'\] for 'grpo'"):

@@ -35,8 +35,19 @@ def random_inputs(seed=0, b=6, t=5):
 
 
 def test_registry_names_and_errors():
-    assert list(LOSS_MODES) == ["vanilla", "gspo", "sapo", "gpg", "clip_cov", "kl_cov", "geo_mean", "dro", "cispo",
-                                "dppo_tv", "dppo_kl"]  # fmt: skip
+    assert list(LOSS_MODES) == [
+        "vanilla",
+        "gspo",
+        "sapo",
+        "gpg",
+        "clip_cov",
+        "kl_cov",
+        "geo_mean",
+        "dro",
+        "cispo",
+        "dppo_tv",
+        "dppo_kl",
+    ]
     with pytest.raises(UnknownNameError, match="unknown policy loss_mode 'ppo'; valid names: 'vanilla', 'gspo'"):
         get_policy_loss_fn("ppo")
     log_prob, old, adv, mask = random_inputs()
@@ -73,8 +84,14 @@ def test_defaults_are_verls():
 def one_token(loss_mode, logp, old, adv, **config):
     """The loss of a single valid token (token-mean) and d loss / d logp."""
     log_prob = torch.tensor([[logp]], requires_grad=True)
-    loss, m = get_policy_loss_fn(loss_mode)(log_prob, torch.tensor([[old]]), torch.tensor([[adv]]),
-                                            torch.tensor([[True]]), loss_agg_mode="token-mean", **config)  # fmt: skip
+    loss, m = get_policy_loss_fn(loss_mode)(
+        log_prob,
+        torch.tensor([[old]]),
+        torch.tensor([[adv]]),
+        torch.tensor([[True]]),
+        loss_agg_mode="token-mean",
+        **config,
+    )
     (grad,) = torch.autograd.grad(loss, log_prob)
     return loss.item(), grad.item(), m
 
@@ -141,8 +158,18 @@ def test_micro_batches_add_up_to_the_whole_batch(loss_mode, mode):
     fn = get_policy_loss_fn(loss_mode)
     whole, _ = fn(log_prob, old, adv, mask, loss_agg_mode=mode, **SETTINGS)
     norm = loss_normalizers(mask)
-    parts = [fn(log_prob[s:s + 3], old[s:s + 3], adv[s:s + 3], mask[s:s + 3], loss_agg_mode=mode, normalizers=norm,
-                **SETTINGS)[0] for s in range(0, 7, 3)]  # fmt: skip
+    parts = [
+        fn(
+            log_prob[s : s + 3],
+            old[s : s + 3],
+            adv[s : s + 3],
+            mask[s : s + 3],
+            loss_agg_mode=mode,
+            normalizers=norm,
+            **SETTINGS,
+        )[0]
+        for s in range(0, 7, 3)
+    ]
     assert sum(parts).item() == pytest.approx(whole.item(), rel=1e-5, abs=1e-7)
 
 

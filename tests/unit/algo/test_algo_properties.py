@@ -93,10 +93,13 @@ def test_on_policy_gradient_is_minus_mean_advantage(batch, config, low, high, c)
 
     for loss_type in ("ppo_clip", "reinforce"):
         bypass = RolloutCorrectionConfig(
-            bypass_mode=True, loss_type=loss_type, rollout_is=config.rollout_is,
-            rollout_is_threshold=config.rollout_is_threshold, rollout_rs=config.rollout_rs,
+            bypass_mode=True,
+            loss_type=loss_type,
+            rollout_is=config.rollout_is,
+            rollout_is_threshold=config.rollout_is_threshold,
+            rollout_rs=config.rollout_rs,
             rollout_rs_threshold=config.rollout_rs_threshold,
-        )  # fmt: skip
+        )
         log_prob = logp.clone().requires_grad_(True)
         loss, _ = bypass_policy_loss(log_prob, logp, adv, mask, bypass)
         loss.backward()
@@ -226,9 +229,16 @@ def test_policy_loss_matches_the_reference(batch, mode, low, high, c):
     adv = randn(mask.shape, gen, 2.0)
     weights = torch.rand(mask.shape, generator=gen) * (torch.rand(mask.shape, generator=gen) > 0.2)
     loss, m = policy_loss(
-        logp, old, adv, mask, weights=weights, clip_ratio_low=low, clip_ratio_high=high, clip_ratio_c=c,
+        logp,
+        old,
+        adv,
+        mask,
+        weights=weights,
+        clip_ratio_low=low,
+        clip_ratio_high=high,
+        clip_ratio_c=c,
         loss_agg_mode=mode,
-    )  # fmt: skip
+    )
     ref, clipfrac, clipfrac_lower = reference_loss(
         logp.tolist(), old.tolist(), adv.tolist(), mask, weights.tolist(), low, high, c, mode
     )
@@ -248,20 +258,28 @@ def run_all(old, rollout, logp_leaf, adv, scores, groups, mask, config, mode):
     weights, keep, rc_metrics = compute_rollout_correction_and_rejection_mask(old, rollout, mask, config)
     loss, pl_metrics = policy_loss(logp_leaf, old, adv, keep, weights=weights, loss_agg_mode=mode)
     bypass = RolloutCorrectionConfig(
-        bypass_mode=True, loss_type="reinforce", rollout_is=config.rollout_is,
-        rollout_is_threshold=config.rollout_is_threshold, rollout_rs=config.rollout_rs,
+        bypass_mode=True,
+        loss_type="reinforce",
+        rollout_is=config.rollout_is,
+        rollout_is_threshold=config.rollout_is_threshold,
+        rollout_rs=config.rollout_rs,
         rollout_rs_threshold=config.rollout_rs_threshold,
-    )  # fmt: skip
+    )
     reinforce, rf_metrics = bypass_policy_loss(logp_leaf, rollout, adv, mask, bypass, loss_agg_mode=mode)
     kl = kl_penalty(logp_leaf, old, "k3", response_mask=mask)
     total = loss + reinforce + agg_loss(kl, mask, mode) + agg_loss(logp_leaf, mask, mode)
     (grad,) = torch.autograd.grad(total, logp_leaf)
     return dict(
-        weights=mask.float() if weights is None else weights, keep=keep,
-        loss=loss.detach(), reinforce=reinforce.detach(), kl=kl.detach(), grad=grad,
-        grpo=grpo_advantages(scores, groups, mask), rloo=rloo_advantages(scores, groups, mask),
+        weights=mask.float() if weights is None else weights,
+        keep=keep,
+        loss=loss.detach(),
+        reinforce=reinforce.detach(),
+        kl=kl.detach(),
+        grad=grad,
+        grpo=grpo_advantages(scores, groups, mask),
+        rloo=rloo_advantages(scores, groups, mask),
         metrics={**rc_metrics, **pl_metrics, **{"rf:" + k: v for k, v in rf_metrics.items()}},
-    )  # fmt: skip
+    )
 
 
 @SETTINGS

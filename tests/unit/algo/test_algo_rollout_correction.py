@@ -151,8 +151,9 @@ def test_token_batch_normalize_divides_by_the_mean_over_valid_tokens(threshold):
 
 def test_sequence_batch_normalize_divides_by_the_mean_over_sequences():
     # sequence weights 3 (3 tokens) and 0.5 (1 token): mean over sequences (3 + 0.5) / 2, not over tokens
-    w, m = weights_for([[2.0, 0.5, 3.0], [0.5]], rollout_is="sequence", rollout_is_threshold=5.0,
-                       rollout_is_batch_normalize=True)  # fmt: skip
+    w, m = weights_for(
+        [[2.0, 0.5, 3.0], [0.5]], rollout_is="sequence", rollout_is_threshold=5.0, rollout_is_batch_normalize=True
+    )
     mean = 3.5 / 2
     expect(w, [[3.0 / mean] * 3, [0.5 / mean, M, M]])
     assert m["rollout_corr/weight_batch_mean"] == pytest.approx(mean, rel=1e-6)
@@ -232,9 +233,12 @@ def test_chained_options_must_all_pass_and_weights_stay_independent():
     # computed on every valid token, as verl does: rejection lives in the mask only.
     rows = [[1.5, 3.0, 0.8], [4.0, 1.0], [1.2]]
     w, keep, m = correct(
-        rows, rollout_is="token", rollout_is_threshold=1.4,
-        rollout_rs="token_k1,seq_max_k2", rollout_rs_threshold="0.5_2.0,0.7",
-    )  # fmt: skip
+        rows,
+        rollout_is="token",
+        rollout_is_threshold=1.4,
+        rollout_rs="token_k1,seq_max_k2",
+        rollout_rs_threshold="0.5_2.0,0.7",
+    )
     assert torch.equal(keep, torch.tensor([[True, False, True], [False, False, False], [True, False, False]]))
     expect(w, [[1.4, 1.4, 0.8], [1.4, 1.0, M], [1.2, M, M]])
     assert m["rollout_corr/token_rejected_frac"] == pytest.approx(3 / 6)
@@ -385,9 +389,11 @@ def test_config_defaults_are_verl_like():
 
 def test_config_parses_thresholds_and_canonicalizes_rs():
     cfg = RolloutCorrectionConfig(
-        rollout_is="sequence", rollout_is_threshold="0.5_4", rollout_rs=["token_k1", " seq_max_k3"],
+        rollout_is="sequence",
+        rollout_is_threshold="0.5_4",
+        rollout_rs=["token_k1", " seq_max_k3"],
         rollout_rs_threshold="2,0.1",
-    )  # fmt: skip
+    )
     assert cfg.is_bounds == (0.5, 4.0)
     assert cfg.rollout_rs == "token_k1,seq_max_k3"
     assert dict(cfg.rs_bounds) == {"token_k1": (0.5, 2.0), "seq_max_k3": (None, 0.1)}

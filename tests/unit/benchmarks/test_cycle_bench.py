@@ -35,8 +35,15 @@ def test_cycle_bench_runs_every_mode_and_checks_the_old_log_probs(tmp_path, caps
     assert rows[2, "decoupled-reference"]["moved_mb"] == 4 * nbytes_mb  # save + save, restore, restore at k = 1
     assert rows[1, "decoupled-auto"]["moved_mb"] == 0
     assert rows[2, "score-ahead"]["reader"] == "ahead" and rows[2, "score-ahead"]["moved_mb"] == 0  # no snapshot
-    assert any(line.startswith(("PASS  exact Decoupled target, tiny: score-ahead - bypass",
-                                "FAIL  exact Decoupled target, tiny: score-ahead - bypass")) for line in printed.splitlines())
+    assert any(
+        line.startswith(
+            (
+                "PASS  exact Decoupled target, tiny: score-ahead - bypass",
+                "FAIL  exact Decoupled target, tiny: score-ahead - bypass",
+            )
+        )
+        for line in printed.splitlines()
+    )
     assert "exposed snap = cycle(mode) - cycle(recompute-only)" in printed
     targets = [line[6:] for line in printed.splitlines() if line.startswith(("PASS  CPU target", "FAIL  CPU target"))]
     assert len(targets) == 2  # as the issue words it (vs bypass), and on the snapshot work alone

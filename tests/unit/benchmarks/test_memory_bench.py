@@ -10,6 +10,7 @@ import sys
 import pytest
 from bench_scripts import load_bench  # tests/bench_scripts.py (tests/conftest.py puts tests/ on sys.path)
 
+
 @pytest.fixture(scope="module")
 def bench():
     yield from load_bench("memory_bench")

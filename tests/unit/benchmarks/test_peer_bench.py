@@ -12,6 +12,7 @@ import time
 import pytest
 from bench_scripts import load_bench  # tests/bench_scripts.py (tests/conftest.py puts tests/ on sys.path)
 
+
 @pytest.fixture(scope="module")
 def bench():
     yield from load_bench("peer_bench")
@@ -55,9 +56,11 @@ def test_pss_kb_reads_the_pss_line(bench):
 def test_tree_pss_sums_a_real_process_tree(bench):
     """A child that holds 64 MB of its own and a grandchild: the tree's sum counts all three processes and exceeds
     the parent's own PSS by about the child's private memory."""
-    code = ("import subprocess, sys, time; x = bytearray(64 << 20); x[::4096] = b'1' * len(x[::4096]); "
-            "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); print('up', flush=True); "
-            "time.sleep(30)")  # fmt: skip
+    code = (
+        "import subprocess, sys, time; x = bytearray(64 << 20); x[::4096] = b'1' * len(x[::4096]); "
+        "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); print('up', flush=True); "
+        "time.sleep(30)"
+    )
     child = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "up"
@@ -108,7 +111,9 @@ def text_reward():
     ("ab c" * 16, 0.0, 0.0),         # no digits
     ("", 0.0, 0.0),
 ])  # fmt: skip
-def test_the_text_reward_is_the_share_of_64_positions_holding_the_most_frequent_digit(text_reward, response, score, named):
+def test_the_text_reward_is_the_share_of_64_positions_holding_the_most_frequent_digit(
+    text_reward, response, score, named
+):
     out = text_reward.compute_score("repeat_digit", response, "7")
     assert out["score"] == pytest.approx(score) and out["named_digit"] == pytest.approx(named)
 
@@ -128,7 +133,9 @@ def test_the_text_task_runs_dppo_on_vllm_with_the_matched_batch_and_lr(bench, tm
 
 
 def test_the_text_target_is_time_to_0_9_at_most_half_of_trls(bench):
-    judged = bench.verdicts({"to_0.9_s": 100.0, "whole_s": 500.0}, {"to_0.9_s": 199.0, "whole_s": 100.0}, bench.TEXT_TARGETS)
+    judged = bench.verdicts(
+        {"to_0.9_s": 100.0, "whole_s": 500.0}, {"to_0.9_s": 199.0, "whole_s": 100.0}, bench.TEXT_TARGETS
+    )
     assert list(judged) == ["to_0.9_s"] and not judged["to_0.9_s"]["pass"]  # 0.503x; whole is not a target here
     assert bench.verdicts({"to_0.9_s": 100.0}, {"to_0.9_s": 200.0}, bench.TEXT_TARGETS)["to_0.9_s"]["pass"]
 
@@ -147,8 +154,9 @@ def test_a_run_that_ends_below_0_99_exact_match_fails_the_target_line_and_is_nam
     """Seed 1 peaked and collapsed at its last step (exact match 0.574): fast to 0.9 and still a failure."""
     verdict = bench.final_exact_verdict([(0, 1.0), (1, 0.574), (2, 0.995)])
     assert not verdict["pass"] and verdict["failing"] == [(1, 0.574)]
-    assert bench.format_final_verdict(verdict) == ("FAIL final exact match: every dppo run ends at greedy exact match "
-                                                   ">= 0.99; 1 of 3 did not: seed 1 at 0.574")  # fmt: skip
+    assert bench.format_final_verdict(verdict) == (
+        "FAIL final exact match: every dppo run ends at greedy exact match >= 0.99; 1 of 3 did not: seed 1 at 0.574"
+    )
     passing = bench.final_exact_verdict([(0, 1.0), (1, 0.99)])  # at the limit: PASS
     assert passing["pass"] and bench.format_final_verdict(passing).startswith("PASS final exact match")
     missing = bench.final_exact_verdict([(0, 1.0), (3, None)])  # no evaluation (a failed run): FAIL
@@ -157,9 +165,19 @@ def test_a_run_that_ends_below_0_99_exact_match_fails_the_target_line_and_is_nam
 
 
 def test_the_final_table_has_a_row_per_run_with_its_greedy_figures(bench):
-    runs = [bench.Run("trl", 0, evaluation={"eval/reward": 1.0, "eval/accuracy": 1.0}, steps=[(k, 0.95, 3.0 + k) for k in range(1, 6)]),
-            bench.Run("dppo", 1, evaluation={"eval/reward": 0.9041, "eval/accuracy": 0.574}),
-            bench.Run("dppo", 0, evaluation={"eval/reward": 1.0, "eval/accuracy": 1.0})]  # fmt: skip
+    runs = [
+        bench.Run(
+            "trl",
+            0,
+            evaluation={"eval/reward": 1.0, "eval/accuracy": 1.0},
+            steps=[(k, 0.95, 3.0 + k) for k in range(1, 6)],
+        ),
+        bench.Run("dppo", 1, evaluation={"eval/reward": 0.9041, "eval/accuracy": 0.574}),
+        bench.Run("dppo", 0, evaluation={"eval/reward": 1.0, "eval/accuracy": 1.0}),
+    ]
     rows = bench.final_table(runs).splitlines()[2:]
-    assert rows == ["| dppo | 0 | 1.000 | 1.000 | n/a |", "| dppo | 1 | 0.574 | 0.904 | n/a |",
-                    "| trl | 0 | 1.000 | 1.000 | 8.0 |"]  # fmt: skip
+    assert rows == [
+        "| dppo | 0 | 1.000 | 1.000 | n/a |",
+        "| dppo | 1 | 0.574 | 0.904 | n/a |",
+        "| trl | 0 | 1.000 | 1.000 | 8.0 |",
+    ]

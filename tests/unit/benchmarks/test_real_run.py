@@ -42,9 +42,19 @@ def test_time_to_a_threshold_is_the_first_evaluation_at_or_above_it(bench):
 
 def test_the_report_gives_before_after_figures_crossings_against_the_targets_and_outputs(bench):
     points = bench.eval_points(records(bench, {2: 0.3, 4: 0.55, 6: 0.68}))
-    report = bench.Report("vllm", base_greedy=0.16, base_pass_at_8=0.45, base_sampled=0.09, base_s=35.0,
-                          final_greedy=0.68, points=points, wall_s=240.0, import_s=20.0, steps=6,
-                          outputs={"hf_model": "outputs/real/hf_model"})  # fmt: skip
+    report = bench.Report(
+        "vllm",
+        base_greedy=0.16,
+        base_pass_at_8=0.45,
+        base_sampled=0.09,
+        base_s=35.0,
+        final_greedy=0.68,
+        points=points,
+        wall_s=240.0,
+        import_s=20.0,
+        steps=6,
+        outputs={"hf_model": "outputs/real/hf_model"},
+    )
     crossings = report.crossings()
     assert crossings["0.5"] == {"at_s": 160.0, "step": 4, "target_s": 300.0, "met": True}
     assert crossings["0.7"] == {"at_s": None, "step": None, "target_s": 1800.0, "met": False}
@@ -55,11 +65,19 @@ def test_the_report_gives_before_after_figures_crossings_against_the_targets_and
     assert rows["time to greedy accuracy 0.5"] == "160 s (step 4); target 300 s: met"
     assert rows["time to greedy accuracy 0.7"] == "not reached; target 1800 s: NOT met"
     assert rows["held-out greedy accuracy by step"] == "2:0.300@100s 4:0.550@160s 6:0.680@220s"
-    assert rows["model import, not counted (s)"] == "20" and rows["the base measurement (s)"] == "35" and rows["hf_model"] == "outputs/real/hf_model"
+    assert (
+        rows["model import, not counted (s)"] == "20"
+        and rows["the base measurement (s)"] == "35"
+        and rows["hf_model"] == "outputs/real/hf_model"
+    )
     lines = report.lines()
     assert len(lines) == len(rows) and all(line.startswith("  ") for line in lines)
     written = json.loads(json.dumps(report.to_json()))
-    assert written["crossings"]["0.5"]["at_s"] == 160.0 and written["points"][1] == {"step": 4, "at_s": 160.0, "acc": 0.55}
+    assert written["crossings"]["0.5"]["at_s"] == 160.0 and written["points"][1] == {
+        "step": 4,
+        "at_s": 160.0,
+        "acc": 0.55,
+    }
     assert written["base_pass_at_8"] == 0.45 and written["final_greedy"] == 0.68
 
 

@@ -16,8 +16,15 @@ def bench():
 @pytest.mark.parametrize("tied", [False, True])
 def test_a_forward_pass_counts_every_projection_and_the_lm_head_once(bench, tied):
     hidden, inter, layers, heads, kv_heads, vocab = 64, 96, 3, 4, 2, 50
-    config = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=kv_heads, tie_word_embeddings=tied)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=vocab,
+        hidden_size=hidden,
+        intermediate_size=inter,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        tie_word_embeddings=tied,
+    )
     head_dim = hidden // heads
     per_layer = hidden * hidden * 2 + hidden * kv_heads * head_dim * 2 + 3 * hidden * inter  # q, o; k, v; MLP
     assert bench.forward_flops(Qwen2ForCausalLM(config)) == 2 * (layers * per_layer + hidden * vocab)

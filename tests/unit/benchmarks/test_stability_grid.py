@@ -31,8 +31,9 @@ def test_every_setting_is_a_valid_run_of_the_demo_without_ray(grid, tmp_path):
 def test_a_runs_figures(grid):
     records = [{"step": k, "critic/score/mean": r} for k, r in enumerate([0.1] * 9 + [0.95] * 10 + [0.5], 1)]
     stamps = [(r["step"], r["critic/score/mean"], 5.0 + r["step"]) for r in records]
-    result = grid.result_of("kl_guard", 8, 2, {"evaluation": {"eval/accuracy": 0.574, "eval/reward": 0.9}}, records,
-                            stamps, 0, 40.0)  # fmt: skip
+    result = grid.result_of(
+        "kl_guard", 8, 2, {"evaluation": {"eval/accuracy": 0.574, "eval/reward": 0.9}}, records, stamps, 0, 40.0
+    )
     assert result["exact"] == 0.574 and result["to_0.9_s"] == 15.0  # step 10, the first at >= 0.9, at 15 s
     assert result["step_0.9"] == 10
     assert result["last_10pct_reward"] == pytest.approx((0.95 + 0.5) / 2)  # the last 2 of 20 steps
@@ -40,14 +41,26 @@ def test_a_runs_figures(grid):
 
 
 def result(setting, ps, seed, exact, to_09):
-    return {"setting": setting, "sync_steps": ps, "seed": seed, "exact": exact, "last_10pct_reward": exact,
-            "to_0.9_s": to_09, "step_0.9": None if to_09 is None else to_09 / 2}  # fmt: skip
+    return {
+        "setting": setting,
+        "sync_steps": ps,
+        "seed": seed,
+        "exact": exact,
+        "last_10pct_reward": exact,
+        "to_0.9_s": to_09,
+        "step_0.9": None if to_09 is None else to_09 / 2,
+    }
 
 
 def test_the_table_counts_the_seeds_at_the_target_and_compares_times_with_the_baseline_at_4(grid):
-    results = [result("baseline", 4, 0, 1.0, 10.0), result("baseline", 4, 1, 0.574, 14.0),
-               result("baseline", 8, 0, 0.651, 8.0), result("kl_guard", 8, 0, 1.0, 18.0),
-               result("kl_guard", 8, 1, 0.99, None), result("kl_guard", 8, 2, None, None)]  # fmt: skip
+    results = [
+        result("baseline", 4, 0, 1.0, 10.0),
+        result("baseline", 4, 1, 0.574, 14.0),
+        result("baseline", 8, 0, 0.651, 8.0),
+        result("kl_guard", 8, 0, 1.0, 18.0),
+        result("kl_guard", 8, 1, 0.99, None),
+        result("kl_guard", 8, 2, None, None),
+    ]
     rows = {(r["setting"], r["sync_steps"]): r for r in grid.table_rows(results)}
     assert list(rows) == [("baseline", 4), ("baseline", 8), ("kl_guard", 8)]
     base4, guard8 = rows[("baseline", 4)], rows[("kl_guard", 8)]

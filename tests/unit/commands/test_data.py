@@ -16,13 +16,38 @@ from dppo.data.reasoning_gym import generate
 
 REWARD = Path(__file__).resolve().parents[3] / "examples" / "reasoning_gym_reward.py"
 CONFIG = {"min_terms": 2, "max_terms": 2, "max_digits": 2, "operators": ["+", "-"]}
-FLAGS = ["--config", "min_terms=2", "--config", "max_terms=2", "--config", "max_digits=2", "--config", "operators=[+,-]"]
+FLAGS = [
+    "--config",
+    "min_terms=2",
+    "--config",
+    "max_terms=2",
+    "--config",
+    "max_digits=2",
+    "--config",
+    "operators=[+,-]",
+]
 
 
 def test_the_parquet_holds_the_generated_problems_in_verls_format(tmp_path, capsys):
     out = tmp_path / "train.parquet"
-    assert main(["data", "reasoning-gym", "basic_arithmetic", str(out), "--size", "12", "--seed", "5", *FLAGS,
-                 "--prompt-suffix", "Give only the number."]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "data",
+                "reasoning-gym",
+                "basic_arithmetic",
+                str(out),
+                "--size",
+                "12",
+                "--seed",
+                "5",
+                *FLAGS,
+                "--prompt-suffix",
+                "Give only the number.",
+            ]
+        )
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out
     rows = pq.read_table(out).to_pylist()
     entries = generate("basic_arithmetic", CONFIG, 12, seed=5)  # what data.source=reasoning_gym takes at seed 5

@@ -21,8 +21,9 @@ def gguf_file(tmp_path_factory) -> Path:
 
 
 def gguf_loaded(path: Path):
-    model = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                              dtype=torch.float32)  # fmt: skip
+    model = transformers.AutoModelForCausalLM.from_pretrained(
+        str(path.parent), gguf_file=path.name, dtype=torch.float32
+    )
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     return model.eval(), tokenizer
 

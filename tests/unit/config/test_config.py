@@ -55,24 +55,44 @@ def test_overrides_are_typed_and_nested():
         (["model.hidden_size=30", "model.num_attention_heads=4"], ["model.hidden_size=30"]),
         (["algorithm.rollout_correction.rollout_is=word"], ["rollout_is", "word"]),
         (["algorithm.rollout_correction.rollout_rs=token_k1"], ["rollout_rs_threshold"]),
-        (["trainer.train_batch_size=10", "trainer.parameter_sync_step=4"], ["train_batch_size=10", "parameter_sync_step=4"]),
-        (["trainer.verify_old_log_prob=true", "algorithm.rollout_correction.bypass_mode=true"], ["verify_old_log_prob", "bypass_mode"]),
+        (
+            ["trainer.train_batch_size=10", "trainer.parameter_sync_step=4"],
+            ["train_batch_size=10", "parameter_sync_step=4"],
+        ),
+        (
+            ["trainer.verify_old_log_prob=true", "algorithm.rollout_correction.bypass_mode=true"],
+            ["verify_old_log_prob", "bypass_mode"],
+        ),
         (["actor.loss_agg_mode=sum"], ["actor.loss_agg_mode", "sum", "token-mean"]),
         (["algorithm.prox_logp_method=exact"], ["algorithm.prox_logp_method", "exact", "'recompute', 'loglinear'"]),
-        (["algorithm.prox_logp_method=loglinear", "algorithm.rollout_correction.bypass_mode=true"],
-         ["prox_logp_method=loglinear", "bypass_mode=true"]),
-        (["algorithm.prox_logp_method=metrics", "algorithm.rollout_correction.bypass_mode=true"],
-         ["prox_logp_method=metrics", "bypass_mode=true"]),
-        (["algorithm.prox_logp_method=loglinear", "algorithm.prox_anchor=current"],
-         ["prox_logp_method=loglinear", "prox_anchor=current"]),
-        (["algorithm.prox_logp_method=metrics", "algorithm.prox_anchor=current"],
-         ["prox_logp_method=metrics", "prox_anchor=current"]),
-        (["algorithm.prox_logp_method=loglinear", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
-         ["prox_logp_method=loglinear", "rollout_is_batch_normalize=true"]),
-        (["algorithm.prox_logp_method=auto", "snapshot.strategy=reference"],
-         ["prox_logp_method=auto", "snapshot.strategy='reference'", "snapshot.strategy=auto"]),
-        (["algorithm.prox_logp_method=loglinear", "trainer.verify_old_log_prob=true"],
-         ["verify_old_log_prob=true", "prox_logp_method=loglinear", "prox_logp_method=metrics"]),
+        (
+            ["algorithm.prox_logp_method=loglinear", "algorithm.rollout_correction.bypass_mode=true"],
+            ["prox_logp_method=loglinear", "bypass_mode=true"],
+        ),
+        (
+            ["algorithm.prox_logp_method=metrics", "algorithm.rollout_correction.bypass_mode=true"],
+            ["prox_logp_method=metrics", "bypass_mode=true"],
+        ),
+        (
+            ["algorithm.prox_logp_method=loglinear", "algorithm.prox_anchor=current"],
+            ["prox_logp_method=loglinear", "prox_anchor=current"],
+        ),
+        (
+            ["algorithm.prox_logp_method=metrics", "algorithm.prox_anchor=current"],
+            ["prox_logp_method=metrics", "prox_anchor=current"],
+        ),
+        (
+            ["algorithm.prox_logp_method=loglinear", "algorithm.rollout_correction.rollout_is_batch_normalize=true"],
+            ["prox_logp_method=loglinear", "rollout_is_batch_normalize=true"],
+        ),
+        (
+            ["algorithm.prox_logp_method=auto", "snapshot.strategy=reference"],
+            ["prox_logp_method=auto", "snapshot.strategy='reference'", "snapshot.strategy=auto"],
+        ),
+        (
+            ["algorithm.prox_logp_method=loglinear", "trainer.verify_old_log_prob=true"],
+            ["verify_old_log_prob=true", "prox_logp_method=loglinear", "prox_logp_method=metrics"],
+        ),
         (["trainer.total_steps"], ["key=value"]),
         (["trainer=3"], ["trainer is a config section"]),
         (["algorithm.rollout_correction=x"], ["algorithm.rollout_correction is a config section"]),
@@ -85,12 +105,20 @@ def test_overrides_are_typed_and_nested():
         (["trainer.collective_timeout_s=inf"], ["trainer.collective_timeout_s=inf"]),
         (["actor.fsdp=never"], ["actor.fsdp", "never", "'auto', 'always'"]),
         # a sharded actor refuses the readers FSDP2 would bypass, naming the ones that work
-        (["trainer.n_gpus_per_node=2", "snapshot.strategy=view"],
-         ["snapshot.strategy='view' is not exact on a sharded (FSDP2) actor", "auto, swap, reference", "world size 2"]),
+        (
+            ["trainer.n_gpus_per_node=2", "snapshot.strategy=view"],
+            [
+                "snapshot.strategy='view' is not exact on a sharded (FSDP2) actor",
+                "auto, swap, reference",
+                "world size 2",
+            ],
+        ),
         (["trainer.nnodes=2", "snapshot.strategy=stream"], ["snapshot.strategy='stream'", "auto, swap, reference"]),
         (["actor.fsdp=always", "snapshot.strategy=view"], ["snapshot.strategy='view'", "actor.fsdp='always'"]),
-        (["trainer.n_gpus_per_node=2", "ray.enabled=false", "trainer.mode=sync"],
-         ["trainer.n_gpus_per_node=2", "ray.enabled=false runs one rank"]),
+        (
+            ["trainer.n_gpus_per_node=2", "ray.enabled=false", "trainer.mode=sync"],
+            ["trainer.n_gpus_per_node=2", "ray.enabled=false runs one rank"],
+        ),
         # Too few distinct prompts for the held-out set: all would be held out, none left to train on.
         (["task.length=2"], ["trainer.eval_prompts=256", "task.length=2", "only 100 distinct prompts"]),
         (["task.length=1"], ["trainer.eval_prompts=256", "task.length=1", "only 10 distinct prompts"]),
@@ -113,8 +141,9 @@ def test_building_a_config_probes_nothing_of_the_machine(tmp_path, monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: pytest.fail("load_config asked for a GPU"))
     monkeypatch.setenv("RAY_ADDRESS", "10.0.0.1:6379")
-    cfg = load_config([f"model.path={tmp_path}/none", "trainer.device=cuda", "trainer.num_threads=100000",
-                       "ray.enabled=null"])  # fmt: skip
+    cfg = load_config(
+        [f"model.path={tmp_path}/none", "trainer.device=cuda", "trainer.num_threads=100000", "ray.enabled=null"]
+    )
     assert (cfg.model.path, cfg.trainer.device, cfg.trainer.num_threads) == (f"{tmp_path}/none", "cuda", 100000)
     assert cfg.use_ray  # trainer.device=cuda asks for Ray by the config's own rule; RAY_ADDRESS is not read here
 
@@ -132,8 +161,15 @@ def test_config_file_then_overrides(tmp_path):
 def test_bypass_mode_takes_rejection_sampling_with_either_loss(loss_type):
     # Regression: ppo_clip with rollout_rs was a ConfigError; verl's bypass loss applies the rejection mask there.
     key = "algorithm.rollout_correction"
-    cfg = load_config([f"{key}.bypass_mode=true", f"{key}.loss_type={loss_type}", f"{key}.rollout_rs=token_k1",
-                       f"{key}.rollout_rs_threshold=2.0", f"{key}.rollout_is_batch_normalize=true"])  # fmt: skip
+    cfg = load_config(
+        [
+            f"{key}.bypass_mode=true",
+            f"{key}.loss_type={loss_type}",
+            f"{key}.rollout_rs=token_k1",
+            f"{key}.rollout_rs_threshold=2.0",
+            f"{key}.rollout_is_batch_normalize=true",
+        ]
+    )
     rc = cfg.algorithm.rollout_correction.to_algo()
     assert rc.rs_bounds["token_k1"] == (0.5, 2.0) and rc.rollout_is_batch_normalize is True
 
@@ -141,7 +177,9 @@ def test_bypass_mode_takes_rejection_sampling_with_either_loss(loss_type):
 def test_a_task_factory_that_returns_no_task_is_a_config_error(tmp_path, monkeypatch):
     (tmp_path / "not_a_task_mod.py").write_text("def make(length):\n    return 'copy'\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match=r"task.name='not_a_task_mod:make': .*returned str; expected a dppo.tasks.Task"):
+    with pytest.raises(
+        ConfigError, match=r"task.name='not_a_task_mod:make': .*returned str; expected a dppo.tasks.Task"
+    ):
         load_config(["task.name=not_a_task_mod:make", "trainer.eval_prompts=0"])
 
 
@@ -162,8 +200,16 @@ def test_the_held_out_set_may_leave_few_training_prompts_but_not_none(tmp_path):
         ("trainer:\n  total_steps: many\n", ["trainer.total_steps", "many"]),
         ("trainer:\n  nope: 1\n", ["unknown config key 'trainer.nope'"]),
     ],
-    ids=["list", "scalar", "bad-yaml", "section-scalar", "section-null", "subsection-scalar", "bad-type",
-         "unknown-key"],  # fmt: skip
+    ids=[
+        "list",
+        "scalar",
+        "bad-yaml",
+        "section-scalar",
+        "section-null",
+        "subsection-scalar",
+        "bad-type",
+        "unknown-key",
+    ],
 )
 def test_a_bad_config_file_fails_with_one_line_naming_the_file_and_key(tmp_path, capsys, text, fragments):
     path = tmp_path / "my.yaml"

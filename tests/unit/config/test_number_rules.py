@@ -15,8 +15,15 @@ def from_file(tmp_path, text: str):
     return load_config([], config_file=path)
 
 
-@pytest.mark.parametrize("key, value", [("actor.lr", "1_000"), ("trainer.total_steps", "1_0"),
-                                        ("actor.grad_clip", "0.5_2"), ("rollout.temperature", "1_0e-1")])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("actor.lr", "1_000"),
+        ("trainer.total_steps", "1_0"),
+        ("actor.grad_clip", "0.5_2"),
+        ("rollout.temperature", "1_0e-1"),
+    ],
+)
 def test_a_number_written_with_underscores_is_refused_everywhere(tmp_path, key, value):
     expected = f"{key}={value}: write numbers without '_' separators (e.g. {value.replace('_', '')})"
     with pytest.raises(ConfigError, match=rf"^{expected.replace('.', '[.]').replace('(', '[(]').replace(')', '[)]')}"):
@@ -27,8 +34,10 @@ def test_a_number_written_with_underscores_is_refused_everywhere(tmp_path, key, 
 
 
 def test_in_a_threshold_underscore_separates_lo_and_hi_from_the_command_line_and_a_file(tmp_path):
-    for cfg in (load_config([f"{RC}.rollout_is_threshold=0.5_2"]),
-                from_file(tmp_path, "algorithm:\n  rollout_correction:\n    rollout_is_threshold: 0.5_2\n")):  # fmt: skip
+    for cfg in (
+        load_config([f"{RC}.rollout_is_threshold=0.5_2"]),
+        from_file(tmp_path, "algorithm:\n  rollout_correction:\n    rollout_is_threshold: 0.5_2\n"),
+    ):
         rc = cfg.algorithm.rollout_correction
         assert rc.rollout_is_threshold == "0.5_2"  # not YAML's 0.52
         assert rc.to_algo().is_bounds == (0.5, 2.0)
@@ -46,6 +55,9 @@ def test_eval_prompts_past_what_the_task_can_make_are_refused_by_counting(monkey
         raise AssertionError("the held-out set was drawn")
 
     monkeypatch.setattr(rules, "held_out_prompts", never)
-    with pytest.raises(ConfigError, match=r"trainer.eval_prompts=1000000: task 'copy' with task.length=3 has only "
-                                          r"1000 distinct prompts"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"trainer.eval_prompts=1000000: task 'copy' with task.length=3 has only "
+        r"1000 distinct prompts",
+    ):
         load_config(["trainer.eval_prompts=1000000", "task.length=3"])

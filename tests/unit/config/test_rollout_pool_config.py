@@ -24,16 +24,20 @@ def test_a_pool_of_one_worker_per_gpu_is_accepted():
 @pytest.mark.parametrize(
     "overrides, message",
     [
-        (["rollout.n_gpus_per_node=4"],
-         "rollout.num_workers=1, but the rollout's pool rollout.nnodes=1 x rollout.n_gpus_per_node=4 holds 4 GPUs, "
-         "one per rollout worker; set rollout.num_workers=4"),
-        (["rollout.nnodes=2", "rollout.n_gpus_per_node=2", "rollout.num_workers=2"],
-         "rollout.num_workers=2, but the rollout's pool rollout.nnodes=2 x rollout.n_gpus_per_node=2 holds 4 GPUs"),
+        (
+            ["rollout.n_gpus_per_node=4"],
+            "rollout.num_workers=1, but the rollout's pool rollout.nnodes=1 x rollout.n_gpus_per_node=4 holds 4 GPUs, "
+            "one per rollout worker; set rollout.num_workers=4",
+        ),
+        (
+            ["rollout.nnodes=2", "rollout.n_gpus_per_node=2", "rollout.num_workers=2"],
+            "rollout.num_workers=2, but the rollout's pool rollout.nnodes=2 x rollout.n_gpus_per_node=2 holds 4 GPUs",
+        ),
         (["rollout.nnodes=2"], "rollout.nnodes=2: expected 1 while rollout.n_gpus_per_node=0"),
         (["rollout.nnodes=0"], "rollout.nnodes=0: expected a value > 0"),
         (["rollout.n_gpus_per_node=-1"], "rollout.n_gpus_per_node=-1: expected a value >= 0"),
     ],
-)  # fmt: skip
+)
 def test_impossible_pools_are_refused(overrides, message):
     with pytest.raises(ConfigError) as err:
         load_config([*JOINED, *overrides])
@@ -42,8 +46,11 @@ def test_impossible_pools_are_refused(overrides, message):
 
 
 def test_a_pool_without_ray_is_refused():
-    with pytest.raises(ConfigError, match="rollout.n_gpus_per_node=1 gives the rollout workers GPUs of their own as "
-                                          "Ray actors; ray.enabled=false generates on this machine's CPU"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match="rollout.n_gpus_per_node=1 gives the rollout workers GPUs of their own as "
+        "Ray actors; ray.enabled=false generates on this machine's CPU",
+    ):
         load_config(["ray.enabled=false", "trainer.mode=sync", "rollout.n_gpus_per_node=1"])
 
 

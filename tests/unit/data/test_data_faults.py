@@ -14,8 +14,14 @@ ROWS, GROUP_ROWS = 300, 50
 
 
 def write_rows(path, truths, row_group_size=GROUP_ROWS) -> str:
-    rows = [{"prompt": [{"role": "user", "content": f"reverse {i} " + "x" * (i % 40)}], "data_source": "s",
-             "reward_model": {"style": "rule", "ground_truth": truth}} for i, truth in enumerate(truths)]  # fmt: skip
+    rows = [
+        {
+            "prompt": [{"role": "user", "content": f"reverse {i} " + "x" * (i % 40)}],
+            "data_source": "s",
+            "reward_model": {"style": "rule", "ground_truth": truth},
+        }
+        for i, truth in enumerate(truths)
+    ]
     pq.write_table(pa.Table.from_pylist(rows), path, row_group_size=row_group_size)
     return str(path)
 
@@ -67,22 +73,36 @@ def test_a_corrupt_page_stops_dppo_train_with_one_line_and_exit_code_6(text_args
     assert len(err) == 1 and err[0].startswith(f"dppo: error: data file {path!r}: row group 0 of "), err
 
 
-@pytest.mark.parametrize("truths", [[7, 42, 1000], [7.0, 42.5, 1e3], [True, False, True], ["7", "42", "1,000"]],
-                         ids=["int", "float", "bool", "str"])  # fmt: skip
+@pytest.mark.parametrize(
+    "truths",
+    [[7, 42, 1000], [7.0, 42.5, 1e3], [True, False, True], ["7", "42", "1,000"]],
+    ids=["int", "float", "bool", "str"],
+)
 def test_ground_truth_of_any_scalar_type_reaches_a_custom_reward_as_stored(tmp_path, truths):
     path = write_rows(tmp_path / "typed.parquet", truths)
     stored = read_parquet_files(path).ground_truth
     assert stored == truths and [type(t) for t in stored] == [type(t) for t in truths]
     reward = tmp_path / "typed_reward.py"
-    reward.write_text("def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                      "    return {'score': 1.0, 'seen': ground_truth}\n")  # fmt: skip
+    reward.write_text(
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    return {'score': 1.0, 'seen': ground_truth}\n"
+    )
     fn = RewardFunction(str(reward))
     seen = [fn.function()("s", "x", truth) for truth in stored]
     assert [s["seen"] for s in seen] == truths and [type(s["seen"]) for s in seen] == [type(t) for t in truths]
 
 
-@pytest.mark.parametrize("truth, response, score", [(42, "it is 42", 1.0), (42, "it is 41", 0.0), (42.0, "42", 1.0),
-                                                    (1000, "1,000", 1.0), (True, "True", 0.0), (7, "no number", 0.0)])  # fmt: skip
+@pytest.mark.parametrize(
+    "truth, response, score",
+    [
+        (42, "it is 42", 1.0),
+        (42, "it is 41", 0.0),
+        (42.0, "42", 1.0),
+        (1000, "1,000", 1.0),
+        (True, "True", 0.0),
+        (7, "no number", 0.0),
+    ],
+)
 def test_the_built_in_reward_compares_a_ground_truth_of_any_type_as_its_string(truth, response, score):
     assert gsm8k_compute_score("s", response, truth) == score
     assert RewardFunction()("s", response, truth, None, "row 0") == (score, {})

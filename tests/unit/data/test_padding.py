@@ -15,24 +15,44 @@ PAD = 0
 def _qwen2():
     from transformers import Qwen2Config, Qwen2ForCausalLM  # rotary: depends on relative positions only
 
-    return Qwen2ForCausalLM(Qwen2Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        tie_word_embeddings=False))  # fmt: skip
+    return Qwen2ForCausalLM(
+        Qwen2Config(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 def _gpt2():
     from transformers import GPT2Config, GPT2LMHeadModel  # learned absolute position embeddings (wpe)
 
-    return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
-                                      tie_word_embeddings=False))  # fmt: skip
+    return GPT2LMHeadModel(
+        GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64, tie_word_embeddings=False)
+    )
 
 
 def _opt():
     from transformers import OPTConfig, OPTForCausalLM  # learned absolute position embeddings (offset by 2)
 
-    return OPTForCausalLM(OPTConfig(vocab_size=VOCAB, hidden_size=32, ffn_dim=64, num_hidden_layers=2,
-                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=32,
-                                    pad_token_id=PAD, tie_word_embeddings=False))  # fmt: skip
+    return OPTForCausalLM(
+        OPTConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            ffn_dim=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            max_position_embeddings=64,
+            word_embed_proj_dim=32,
+            pad_token_id=PAD,
+            tie_word_embeddings=False,
+        )
+    )
 
 
 ARCHITECTURES = {"qwen2": _qwen2, "gpt2": _gpt2, "opt": _opt}
@@ -59,13 +79,23 @@ def test_log_probs_in_a_padded_batch_equal_those_of_each_sequence_alone(model):
     g = torch.Generator().manual_seed(1)
     lengths = [5, 2, 5, 4]  # responses right-padded after their end
     responses = [torch.randint(1, VOCAB, (n,), generator=g) for n in lengths]
-    groups = [Group(torch.from_numpy(p), r[None], torch.ones(1, len(r), dtype=torch.bool), torch.zeros(1, len(r)),
-                    torch.zeros(1), 0) for p, r in zip(prompts, responses)]  # fmt: skip
+    groups = [
+        Group(
+            torch.from_numpy(p),
+            r[None],
+            torch.ones(1, len(r), dtype=torch.bool),
+            torch.zeros(1, len(r)),
+            torch.zeros(1),
+            0,
+        )
+        for p, r in zip(prompts, responses)
+    ]
     batch = collate(groups, pad_token=PAD)
     assert batch.input_ids.shape == (4, 9 + 5) and batch.attention_mask is not None
     with torch.no_grad():
-        padded = response_log_probs(model, batch.input_ids, 5, 1.0, micro_batch_size=3,
-                                    attention_mask=batch.attention_mask)  # fmt: skip
+        padded = response_log_probs(
+            model, batch.input_ids, 5, 1.0, micro_batch_size=3, attention_mask=batch.attention_mask
+        )
         for i, (p, r) in enumerate(zip(prompts, responses)):
             alone = response_log_probs(model, torch.cat([torch.from_numpy(p), r])[None], len(r), 1.0, 1)
             torch.testing.assert_close(padded[i, : len(r)], alone[0], rtol=0, atol=1e-5)
@@ -77,8 +107,17 @@ def _padded_rows(model, seed=5):
     prompts = _prompts([3, 9, 6, 1], seed=seed)
     g = torch.Generator().manual_seed(seed + 1)
     responses = [torch.randint(1, VOCAB, (n,), generator=g) for n in [5, 2, 5, 4]]
-    groups = [Group(torch.from_numpy(p), r[None], torch.ones(1, len(r), dtype=torch.bool), torch.zeros(1, len(r)),
-                    torch.zeros(1), 0) for p, r in zip(prompts, responses)]  # fmt: skip
+    groups = [
+        Group(
+            torch.from_numpy(p),
+            r[None],
+            torch.ones(1, len(r), dtype=torch.bool),
+            torch.zeros(1, len(r)),
+            torch.zeros(1),
+            0,
+        )
+        for p, r in zip(prompts, responses)
+    ]
     rows = [torch.cat([torch.from_numpy(p), r])[None] for p, r in zip(prompts, responses)]
     return collate(groups, pad_token=PAD), rows, responses
 
@@ -110,8 +149,7 @@ def test_old_and_training_log_probs_and_gradients_of_a_padded_batch_equal_each_r
 
 def test_position_ids_count_each_rows_own_tokens_from_its_first_real_one():
     mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1], [0, 0, 0, 0, 1], [0, 1, 1, 1, 1]])
-    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0],
-                                                     [0, 0, 1, 2, 3]]  # fmt: skip
+    assert position_ids_from_mask(mask).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4], [0, 0, 0, 0, 0], [0, 0, 1, 2, 3]]
     bool_mask = mask.bool()  # a bool mask counts alike (collate's masks are long)
     assert torch.equal(position_ids_from_mask(bool_mask), position_ids_from_mask(mask))
     assert position_ids_from_mask(bool_mask).dtype == torch.long
@@ -123,8 +161,9 @@ def test_without_padding_the_mask_is_none_and_scores_are_bitwise_unchanged(model
     assert mask is None and ids.shape == (3, 6)
     ones = torch.ones_like(ids)
     with torch.no_grad():  # an all-ones mask changes nothing either (same positions, nothing masked)
-        torch.testing.assert_close(forward_logits(model, ids, attention_mask=ones), forward_logits(model, ids),
-                                   rtol=0, atol=1e-6)  # fmt: skip
+        torch.testing.assert_close(
+            forward_logits(model, ids, attention_mask=ones), forward_logits(model, ids), rtol=0, atol=1e-6
+        )
 
 
 def test_greedy_generation_of_a_padded_batch_equals_each_prompt_alone_and_stops_at_eos(model):
@@ -149,8 +188,9 @@ def test_every_kv_cache_step_of_a_padded_row_computes_the_logits_of_the_row_alon
     ids, mask = left_pad(prompts, PAD)
     step_logits = []
     handle = model.register_forward_hook(lambda module, args, out: step_logits.append(out.logits[:, -1].detach()))
-    responses, response_mask = sample_responses(model, ids, 5, 1.0, torch.Generator().manual_seed(0),
-                                                pad_token=PAD, attention_mask=mask)  # fmt: skip
+    responses, response_mask = sample_responses(
+        model, ids, 5, 1.0, torch.Generator().manual_seed(0), pad_token=PAD, attention_mask=mask
+    )
     handle.remove()
     assert len(step_logits) == 5 and response_mask.all()
     for i, prompt in enumerate(prompts):
@@ -161,13 +201,24 @@ def test_every_kv_cache_step_of_a_padded_row_computes_the_logits_of_the_row_alon
 
 
 def test_train_batch_rows_keep_groups_and_versions():
-    groups = [Group(torch.arange(n) + 1, torch.full((2, 3), n), torch.ones(2, 3, dtype=torch.bool), torch.zeros(2, 3),
-                    torch.tensor([n, n + 0.5]), version=10 + n) for n in (2, 4, 3)]  # fmt: skip
+    groups = [
+        Group(
+            torch.arange(n) + 1,
+            torch.full((2, 3), n),
+            torch.ones(2, 3, dtype=torch.bool),
+            torch.zeros(2, 3),
+            torch.tensor([n, n + 0.5]),
+            version=10 + n,
+        )
+        for n in (2, 4, 3)
+    ]
     batch = collate(groups)
     part = batch[2:5]  # the second group and the first row of the third
     assert part.num_sequences == 3
     assert part.group_index.tolist() == [0, 0, 1] and part.versions.tolist() == [14, 13]
-    assert torch.equal(part.input_ids, batch.input_ids[2:5]) and torch.equal(part.attention_mask, batch.attention_mask[2:5])
+    assert torch.equal(part.input_ids, batch.input_ids[2:5]) and torch.equal(
+        part.attention_mask, batch.attention_mask[2:5]
+    )
     picked = batch.select(torch.tensor([5, 0]))
     assert picked.group_index.tolist() == [1, 0] and picked.versions.tolist() == [12, 13]
     assert picked.scores.tolist() == [3.5, 2.0]

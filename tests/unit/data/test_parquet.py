@@ -15,8 +15,12 @@ from dppo.config import ConfigError
 
 
 def _row(content="reverse 12", source="s", truth="21", **extra):
-    return {"prompt": [{"role": "user", "content": content}], "data_source": source,
-            "reward_model": {"style": "rule", "ground_truth": truth}, **extra}  # fmt: skip
+    return {
+        "prompt": [{"role": "user", "content": content}],
+        "data_source": source,
+        "reward_model": {"style": "rule", "ground_truth": truth},
+        **extra,
+    }
 
 
 def _write(path, rows):
@@ -25,7 +29,10 @@ def _write(path, rows):
 
 
 def test_good_files_are_read_in_order_with_where_each_row_came_from(tmp_path):
-    first = _write(tmp_path / "a.parquet", [_row("reverse 1", "x", "1", extra_info={"i": 0}), _row("reverse 23", "y", "32", extra_info={"i": 1})])
+    first = _write(
+        tmp_path / "a.parquet",
+        [_row("reverse 1", "x", "1", extra_info={"i": 0}), _row("reverse 23", "y", "32", extra_info={"i": 1})],
+    )
     second = _write(tmp_path / "b.parquet", [_row("reverse 456", "x", "654")])  # no extra_info column
     rows = read_parquet_files([first, second])
     assert len(rows) == 3
@@ -151,7 +158,10 @@ def test_bad_data_stops_dppo_train_with_one_line_before_ray_starts(text_args, tm
     from dppo.cli import main
 
     monkeypatch.setattr(ray, "init", lambda **kwargs: pytest.fail("Ray started before the data was checked"))
-    bad = _write(tmp_path / "bad.parquet", [{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "1"}}])
+    bad = _write(
+        tmp_path / "bad.parquet",
+        [{"prompt": [{"role": "user", "content": "x"}], "reward_model": {"ground_truth": "1"}}],
+    )
     args = text_args(**{"data.train_files": bad, "ray.enabled": True, "trainer.mode": "separate_async"})
     assert main(["train", *args]) == 6
     err = capsys.readouterr().err.strip().splitlines()

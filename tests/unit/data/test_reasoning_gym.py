@@ -69,8 +69,12 @@ def test_rewards_are_the_datasets_verifier_on_the_extracted_answer(source):
     entry = rows.meta[0].extra_info
     answer = entry["answer"]
     wrong = str(int(answer) + 1)
-    texts = [f"{entry['question'].removeprefix('Calculate ').rstrip('.')} = {answer}", f"The answer is {wrong}.",
-             f"<answer>{answer} apples</answer>", f"<answer>{answer}</answer>"]  # fmt: skip
+    texts = [
+        f"{entry['question'].removeprefix('Calculate ').rstrip('.')} = {answer}",
+        f"The answer is {wrong}.",
+        f"<answer>{answer} apples</answer>",
+        f"<answer>{answer}</answer>",
+    ]
     import reasoning_gym  # here, not at the top: .venv-vllm (make test-vllm) collects this module without it
 
     verifier = reasoning_gym.create_dataset("basic_arithmetic", **CONFIG)
@@ -92,8 +96,11 @@ def test_prompts_are_the_chat_template_of_the_question_and_suffix(source, tiny_s
     kept = [e for e in entries if e["question"] not in held_out]
     assert len(source.train) == len(kept) and source.train.reward_rows[0].extra_info == kept[0]
     for ids, entry in zip(source.train.prompt_ids[:5], kept):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": f"{entry['question']} Give only the number."}],
-                                             add_generation_prompt=True, tokenize=False)  # fmt: skip
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": f"{entry['question']} Give only the number."}],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
         assert ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
         assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     val = source.eval_prompts()
@@ -103,8 +110,15 @@ def test_prompts_are_the_chat_template_of_the_question_and_suffix(source, tiny_s
 
 def test_no_training_problem_is_a_held_out_one(rg_args):
     """Two 1-digit terms and + only: few distinct questions, so other seeds repeat them; those are left out of training."""
-    cfg = load_config(rg_args(**{"data.reasoning_gym.config.max_digits": 1, "data.reasoning_gym.config.operators": "[+]",
-                                 "data.reasoning_gym.val_size": 32}))  # fmt: skip
+    cfg = load_config(
+        rg_args(
+            **{
+                "data.reasoning_gym.config.max_digits": 1,
+                "data.reasoning_gym.config.operators": "[+]",
+                "data.reasoning_gym.val_size": 32,
+            }
+        )
+    )
     source = make_prompt_source(cfg)
     train = [row.extra_info["question"] for row in source.train.reward_rows]
     val = {row.extra_info["question"] for row in source.eval_prompts().meta}
@@ -124,8 +138,10 @@ def test_a_model_without_a_chat_template_gets_plain_text(rg_args, tiny_smollm, t
         source = make_prompt_source(cfg)
     assert "has no chat template" in caplog.text and "plain text" in caplog.text
     entry = source.train.reward_rows[0].extra_info
-    assert source.train.prompt_ids[0].tolist() == source.tokenizer(f"{entry['question']} Be brief.",
-                                                                   add_special_tokens=False)["input_ids"]  # fmt: skip
+    assert (
+        source.train.prompt_ids[0].tolist()
+        == source.tokenizer(f"{entry['question']} Be brief.", add_special_tokens=False)["input_ids"]
+    )
 
 
 def test_the_dataset_config_is_a_mapping_in_a_yaml_file_or_keys_on_the_command_line(rg_args, tmp_path):
@@ -150,8 +166,9 @@ def test_the_dataset_config_is_a_mapping_in_a_yaml_file_or_keys_on_the_command_l
     ({"data.source": "task"}, ["data.reasoning_gym.dataset='basic_arithmetic' is for data.source=reasoning_gym"]),
     ({"custom_reward_function.path": __file__}, ["custom_reward_function.path", "data.source=reasoning_gym"]),
 ])  # fmt: skip
-def test_a_bad_dataset_or_setting_is_one_line_exit_2_before_anything_starts(override, fragments, rg_args, tmp_path,
-                                                                             capsys):  # fmt: skip
+def test_a_bad_dataset_or_setting_is_one_line_exit_2_before_anything_starts(
+    override, fragments, rg_args, tmp_path, capsys
+):
     assert main(["train", *rg_args(**override)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("dppo: error: "), err
@@ -166,7 +183,8 @@ def test_without_reasoning_gym_installed_it_is_one_line_naming_the_extra(rg_args
 
 
 def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_the_held_out_score(
-        rg_args, tiny_smollm, tmp_path, capsys, monkeypatch):  # fmt: skip
+    rg_args, tiny_smollm, tmp_path, capsys, monkeypatch
+):
     from dppo.trainer.rollout import InProcessRollout
 
     groups, fetch = [], InProcessRollout.fetch
@@ -200,7 +218,8 @@ def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_t
     for g in groups:
         prompt = tokenizer.decode(g.prompt)
         entry = entries[prompt.split("<|im_start|>user\n")[1].split("<|im_end|>")[0]]
-        texts = tokenizer.batch_decode([r[m].tolist() for r, m in zip(g.responses, g.response_mask)],
-                                       skip_special_tokens=True)  # fmt: skip
+        texts = tokenizer.batch_decode(
+            [r[m].tolist() for r, m in zip(g.responses, g.response_mask)], skip_special_tokens=True
+        )
         expected = [verifier.score_answer(extract_answer(t, entry["answer"]), entry) for t in texts]
         assert g.scores.tolist() == pytest.approx(expected, abs=0)

@@ -11,11 +11,13 @@ from dppo.data import RewardFunction, RewardFunctionError
 from dppo.data.rewards import RewardRow, score_texts
 from dppo.data.time_limit import CallTimeout, call_with_time_limit
 
-SLEEPS_FOREVER = ("import time\n"
-                  "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                  "    if solution_str == 'hang':\n"
-                  "        time.sleep(10**6)\n"
-                  "    return 1.0\n")  # fmt: skip
+SLEEPS_FOREVER = (
+    "import time\n"
+    "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+    "    if solution_str == 'hang':\n"
+    "        time.sleep(10**6)\n"
+    "    return 1.0\n"
+)
 
 
 def reward_file(tmp_path, body: str) -> str:
@@ -35,15 +37,19 @@ def test_a_reward_that_never_returns_is_one_line_naming_function_source_and_row(
     with pytest.raises(RewardFunctionError) as err:
         score_texts(RewardFunction(path, timeout_s=0.5), *stuck_rows())
     assert time.monotonic() - start < 3
-    assert str(err.value) == (f"reward function 'compute_score' in {path!r} did not return within 0.5 s "
-                              "(custom_reward_function.timeout_s) (data_source='math', row 7 of 'a.parquet')")  # fmt: skip
+    assert str(err.value) == (
+        f"reward function 'compute_score' in {path!r} did not return within 0.5 s "
+        "(custom_reward_function.timeout_s) (data_source='math', row 7 of 'a.parquet')"
+    )
     assert signal.getsignal(signal.SIGUSR2) is not signal.SIG_DFL  # the handler stays: later calls reuse it
 
 
 def test_the_limit_holds_off_the_main_thread_too(tmp_path):
     fn = RewardFunction(reward_file(tmp_path, SLEEPS_FOREVER), timeout_s=0.5)
     caught = []
-    worker = threading.Thread(target=lambda: caught.append(pytest.raises(RewardFunctionError, score_texts, fn, *stuck_rows())))
+    worker = threading.Thread(
+        target=lambda: caught.append(pytest.raises(RewardFunctionError, score_texts, fn, *stuck_rows()))
+    )
     start = time.monotonic()
     worker.start()
     worker.join(10)
@@ -52,14 +58,19 @@ def test_the_limit_holds_off_the_main_thread_too(tmp_path):
 
 
 def test_a_function_that_swallows_the_timeout_still_times_out(tmp_path):
-    path = reward_file(tmp_path, ("import time\n"
-                                  "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                  "    try:\n"
-                                  "        time.sleep(10**6)\n"
-                                  "    except Exception:\n"
-                                  "        pass\n"
-                                  "    time.sleep(10**6)\n"
-                                  "    return 0.0\n"))  # fmt: skip
+    path = reward_file(
+        tmp_path,
+        (
+            "import time\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    try:\n"
+            "        time.sleep(10**6)\n"
+            "    except Exception:\n"
+            "        pass\n"
+            "    time.sleep(10**6)\n"
+            "    return 0.0\n"
+        ),
+    )
     start = time.monotonic()
     with pytest.raises(RewardFunctionError, match="did not return within 0.3 s"):
         RewardFunction(path, timeout_s=0.3)("s", "x", "1", None, "row 0")
@@ -78,27 +89,39 @@ def test_fast_calls_are_untouched_and_no_late_signal_reaches_later_code():
 
 def test_a_function_using_its_own_alarm_signal_still_can(tmp_path):
     """Run on the main thread, where it is called: signal.alarm works inside it (math checkers use it)."""
-    path = reward_file(tmp_path, ("import signal\n"
-                                  "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                  "    previous = signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
-                                  "    signal.signal(signal.SIGALRM, previous)\n"
-                                  "    return 1.0\n"))  # fmt: skip
+    path = reward_file(
+        tmp_path,
+        (
+            "import signal\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    previous = signal.signal(signal.SIGALRM, signal.SIG_IGN)\n"
+            "    signal.signal(signal.SIGALRM, previous)\n"
+            "    return 1.0\n"
+        ),
+    )
     assert RewardFunction(path, timeout_s=5)("s", "x", "1", None, "row 0") == (1.0, {})
 
 
 def test_a_failing_reward_over_its_time_limit_stops_dppo_train_within_the_limit(text_args, tmp_path, capsys):
     from dppo.cli import main
 
-    path = reward_file(tmp_path, ("import time\n"
-                                  "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                  "    time.sleep(10**6)\n"))  # fmt: skip
+    path = reward_file(
+        tmp_path,
+        (
+            "import time\n"
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    time.sleep(10**6)\n"
+        ),
+    )
     start = time.monotonic()
     code = main(["train", *text_args(**{"custom_reward_function.path": path, "custom_reward_function.timeout_s": 2})])
     assert time.monotonic() - start < 2 + 10
     assert code == 6
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and err[0].startswith(f"dppo: error: reward function 'compute_score' in {path!r} did not "
-                                               "return within 2 s (custom_reward_function.timeout_s) (data_source=")  # fmt: skip
+    assert len(err) == 1 and err[0].startswith(
+        f"dppo: error: reward function 'compute_score' in {path!r} did not "
+        "return within 2 s (custom_reward_function.timeout_s) (data_source="
+    )
 
 
 def test_a_forked_process_gets_its_own_watchdog():

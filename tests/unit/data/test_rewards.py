@@ -30,13 +30,16 @@ def _reward_file(tmp_path, body, name="my_reward.py"):
 
 
 def test_a_custom_function_gets_verls_keyword_arguments_and_its_extras_are_kept(tmp_path):
-    path = _reward_file(tmp_path, (
-        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-        "    extra = {'length': len(solution_str), 'tag': 'text is not logged'}\n"
-        "    if extra_info['index'] == 1:\n"
-        "        extra['hit'] = True\n"
-        "    return {'score': float(solution_str == ground_truth), **extra}\n"
-    ))  # fmt: skip
+    path = _reward_file(
+        tmp_path,
+        (
+            "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+            "    extra = {'length': len(solution_str), 'tag': 'text is not logged'}\n"
+            "    if extra_info['index'] == 1:\n"
+            "        extra['hit'] = True\n"
+            "    return {'score': float(solution_str == ground_truth), **extra}\n"
+        ),
+    )
     fn = RewardFunction(path, "compute_score")
     rows = [RewardRow("s", "ab", {"index": i}, f"row {i}") for i in range(3)]
     scores, extras = score_texts(fn, rows, ["ab", "abc", "x"])
@@ -55,7 +58,9 @@ def test_a_custom_function_gets_verls_keyword_arguments_and_its_extras_are_kept(
     ("    return {'value': 1.0}\n", ["dict without 'score' (keys: value)"]),
     ("    return None\n", ["returned NoneType"]),
 ])  # fmt: skip
-def test_a_reward_that_raises_or_returns_no_finite_score_is_one_line_naming_function_source_and_row(tmp_path, body, fragments):
+def test_a_reward_that_raises_or_returns_no_finite_score_is_one_line_naming_function_source_and_row(
+    tmp_path, body, fragments
+):
     path = _reward_file(tmp_path, "def judge(data_source, solution_str, ground_truth, extra_info=None):\n" + body)
     fn = RewardFunction(path, "judge")
     rows = [RewardRow("gsm8k", "1", None, "row 0 of 'a.parquet'"), RewardRow("math", "2", None, "row 7 of 'a.parquet'")]
@@ -72,8 +77,12 @@ def test_a_reward_that_raises_or_returns_no_finite_score_is_one_line_naming_func
 def test_a_bad_reward_file_fails_when_it_is_loaded(tmp_path):
     with pytest.raises(DataFileError, match="cannot read it"):
         RewardFunction(str(tmp_path / "none.py"))
-    path = _reward_file(tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n")
-    with pytest.raises(RewardFunctionError, match="defines no function custom_reward_function.name='compute_score'; it defines: score"):
+    path = _reward_file(
+        tmp_path, "def score(data_source, solution_str, ground_truth, extra_info=None):\n    return 1.0\n"
+    )
+    with pytest.raises(
+        RewardFunctionError, match="defines no function custom_reward_function.name='compute_score'; it defines: score"
+    ):
         RewardFunction(path)
     broken = _reward_file(tmp_path, "def compute_score(:\n", name="broken.py")
     with pytest.raises(RewardFunctionError, match="broken.py' failed to load: SyntaxError"):
@@ -83,11 +92,16 @@ def test_a_bad_reward_file_fails_when_it_is_loaded(tmp_path):
 def test_a_failing_reward_stops_dppo_train_with_one_line(text_args, tmp_path, capsys):
     from dppo.cli import main
 
-    path = _reward_file(tmp_path, "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
-                                  "    raise KeyError('grader offline')\n")  # fmt: skip
+    path = _reward_file(
+        tmp_path,
+        "def compute_score(data_source, solution_str, ground_truth, extra_info=None):\n"
+        "    raise KeyError('grader offline')\n",
+    )
     assert main(["train", *text_args(**{"custom_reward_function.path": path})]) == 6
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1, err
-    assert err[0].startswith(f"dppo: error: reward function 'compute_score' in {path!r} raised KeyError: 'grader offline' "
-                             "(data_source='reverse_")  # fmt: skip
+    assert err[0].startswith(
+        f"dppo: error: reward function 'compute_score' in {path!r} raised KeyError: 'grader offline' "
+        "(data_source='reverse_"
+    )
     assert ".parquet')" in err[0] and ", row " in err[0]

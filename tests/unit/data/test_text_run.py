@@ -27,8 +27,11 @@ def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_
     records = [json.loads(line) for line in result.metrics_path.read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 2, 3]
     # the score and each extra of the reward function (exact_match, response_chars), per data source
-    val_keys = {f"val/{key}/{source}" for key in ("score", "exact_match", "response_chars")
-                for source in ("reverse_short", "reverse_long")}  # fmt: skip
+    val_keys = {
+        f"val/{key}/{source}"
+        for key in ("score", "exact_match", "response_chars")
+        for source in ("reverse_short", "reverse_long")
+    }
     assert val_keys <= set(records[1]) and val_keys <= set(records[2])  # test_freq=2, and the end
     assert not val_keys & set(records[0])
     assert set(result.evaluation) == val_keys
@@ -46,7 +49,7 @@ def test_a_text_run_logs_rewards_extras_and_the_evaluation_per_data_source(text_
     for g in groups_seen:
         for tokens, mask in zip(g.responses, g.response_mask):
             length = int(mask.sum())
-            assert mask[:length].all() and (tokens[:length - 1] != eos).all()
+            assert mask[:length].all() and (tokens[: length - 1] != eos).all()
             if length < g.responses.shape[1] or tokens[length - 1] == eos:
                 assert tokens[length - 1] == eos
                 ended += 1
@@ -80,9 +83,19 @@ def test_every_slot_reader_gives_the_cycle_start_old_log_probs_on_padded_batches
     """Decoupled PPO triggers k >= 1 read slot 0 with the reader; a deep copy of the cycle-start weights scores
     the same padded batches: the largest difference over the valid tokens must be 0 (CPU, fp32)."""
     # snapshot.score_ahead=false: in sync mode score-ahead would score triggers 1..3 at trigger 0, reading no slot
-    trainer = PPOTrainer(text_cfg(**{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8,
-                                     "trainer.total_steps": 1, "actor.lr": 0.05, "snapshot.strategy": reader,
-                                     "trainer.verify_old_log_prob": True, "snapshot.score_ahead": False}))  # fmt: skip
+    trainer = PPOTrainer(
+        text_cfg(
+            **{
+                "trainer.parameter_sync_step": 4,
+                "trainer.train_batch_size": 8,
+                "trainer.total_steps": 1,
+                "actor.lr": 0.05,
+                "snapshot.strategy": reader,
+                "trainer.verify_old_log_prob": True,
+                "snapshot.score_ahead": False,
+            }
+        )
+    )
     result = trainer.fit()
     source = trainer.actor_group.local_rank.pi_old.source  # ray.enabled=false: the one actor rank, here
     assert source.reader_name == reader
@@ -96,5 +109,7 @@ def test_the_training_forward_masks_padding_like_the_old_log_prob_forward(text_c
     """One optimizer step per cycle: the update's log-probs (with grad) on the padded batch equal the old
     log-probs scored just before, so the PPO ratio is exactly 1 (it would not be if one pass saw the padding)."""
     record = PPOTrainer(text_cfg(**{"trainer.parameter_sync_step": 1, "trainer.total_steps": 1})).fit().records[0]
-    assert record["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and record["actor/ratio_min"] == pytest.approx(1.0, abs=1e-6)
+    assert record["actor/ratio_max"] == pytest.approx(1.0, abs=1e-6) and record["actor/ratio_min"] == pytest.approx(
+        1.0, abs=1e-6
+    )
     assert record["actor/ppo_kl"] == pytest.approx(0.0, abs=1e-7)

@@ -27,10 +27,12 @@ def build_model_dir(path, module) -> int:
     ])  # fmt: skip
     bpe.decoder = decoders.ByteLevel()
     texts = [f"user\nreverse {n}\nassistant\n{str(n)[::-1]}\n" for n in range(100, 400)]
-    bpe.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=64, special_tokens=["<|im_start|>", "<|im_end|>"],
-                                                       show_progress=False))  # fmt: skip
-    tokenizer = transformers.Qwen2TokenizerFast(tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|im_end|>",
-                                                unk_token=None, bos_token=None)  # fmt: skip
+    bpe.train_from_iterator(
+        texts, trainers.BpeTrainer(vocab_size=64, special_tokens=["<|im_start|>", "<|im_end|>"], show_progress=False)
+    )
+    tokenizer = transformers.Qwen2TokenizerFast(
+        tokenizer_object=bpe, eos_token="<|im_end|>", pad_token="<|im_end|>", unk_token=None, bos_token=None
+    )
     tokenizer.chat_template = module.CHAT_TEMPLATE
     vocab_size = len(tokenizer)
     tokenizer.save_pretrained(path)
@@ -38,10 +40,18 @@ def build_model_dir(path, module) -> int:
     config = json.loads(config_path.read_text())
     config.pop("unk_token")
     config_path.write_text(json.dumps(config))
-    model_config = transformers.Qwen2Config(vocab_size=vocab_size, hidden_size=32, intermediate_size=64,
-                                            num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=2,
-                                            max_position_embeddings=128, tie_word_embeddings=False,
-                                            eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+    model_config = transformers.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=False,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
     transformers.Qwen2ForCausalLM(model_config).save_pretrained(path)
     return vocab_size
 
@@ -77,9 +87,11 @@ def test_a_pad_token_past_the_vocab_is_one_line_naming_it_and_both_sizes(text_ar
     finally:
         (path / "tokenizer_config.json").write_text(json.dumps(config))
     assert code == 6 and len(err) == 1, err
-    assert err[0] == (f"dppo: error: the tokenizer in model.path={str(path)!r} has {vocab_size + 1} tokens and the "
-                      f"model's vocab_size is {vocab_size}; 1 id(s) the model would be given lie past it: "
-                      f"'<|endoftext|>' (id {vocab_size}, the pad token)")  # fmt: skip
+    assert err[0] == (
+        f"dppo: error: the tokenizer in model.path={str(path)!r} has {vocab_size + 1} tokens and the "
+        f"model's vocab_size is {vocab_size}; 1 id(s) the model would be given lie past it: "
+        f"'<|endoftext|>' (id {vocab_size}, the pad token)"
+    )
 
 
 def test_a_prompt_holding_a_token_past_the_vocab_is_one_line_naming_its_row(text_args, loose_model, tmp_path, capsys):

@@ -27,8 +27,9 @@ LAZY_DPPO_IMPORTS = {
 
 def test_the_import_contracts_hold():
     lint = Path(sys.executable).with_name("lint-imports")
-    out = subprocess.run([str(lint), "--config", str(REPO / "pyproject.toml")], cwd=REPO, capture_output=True,
-                         text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [str(lint), "--config", str(REPO / "pyproject.toml")], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
     assert "broken" in out.stdout and " 0 broken" in out.stdout
 
@@ -87,16 +88,22 @@ def _function_level_dppo_imports(path: Path) -> list[str]:
     for fn in ast.walk(tree):
         if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
             for node in ast.walk(fn):
-                if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("dppo") or (
-                    isinstance(node, ast.Import) and any(a.name.startswith("dppo") for a in node.names)
+                if (
+                    isinstance(node, ast.ImportFrom)
+                    and (node.module or "").startswith("dppo")
+                    or (isinstance(node, ast.Import) and any(a.name.startswith("dppo") for a in node.names))
                 ):
                     found.append(f"{path.relative_to(REPO)}:{node.lineno}")
     return found
 
 
 def test_no_import_of_dppo_hides_inside_a_function():
-    hidden = [hit for path in sorted(DPPO.rglob("*.py")) if str(path.relative_to(REPO)) not in LAZY_DPPO_IMPORTS
-              for hit in _function_level_dppo_imports(path)]  # fmt: skip
+    hidden = [
+        hit
+        for path in sorted(DPPO.rglob("*.py"))
+        if str(path.relative_to(REPO)) not in LAZY_DPPO_IMPORTS
+        for hit in _function_level_dppo_imports(path)
+    ]
     assert hidden == []
 
 
@@ -125,8 +132,11 @@ def _anchors(markdown: str) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", h.strip().lower()).replace(" ", "-") for h in heads}
 
 
-@pytest.mark.parametrize("doc", sorted([REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("*.md")]),
-                         ids=lambda p: str(p.relative_to(REPO)))  # fmt: skip
+@pytest.mark.parametrize(
+    "doc",
+    sorted([REPO / "README.md", REPO / "tests" / "README.md", *(REPO / "docs").glob("*.md")]),
+    ids=lambda p: str(p.relative_to(REPO)),
+)
 def test_every_relative_link_resolves(doc: Path):
     if not doc.exists():
         pytest.fail(f"{doc.relative_to(REPO)} is linked from the README but missing")

@@ -39,8 +39,9 @@ class TinyLM(torch.nn.Module):
         super().__init__()
         self.embed = torch.nn.Embedding(vocab, dim)
         self.layers = torch.nn.ModuleList(
-            torch.nn.Sequential(torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(),
-                                torch.nn.Linear(2 * dim, dim))
+            torch.nn.Sequential(
+                torch.nn.LayerNorm(dim), torch.nn.Linear(dim, 2 * dim), torch.nn.GELU(), torch.nn.Linear(2 * dim, dim)
+            )
             for _ in range(layers)
         )
         self.head = torch.nn.Linear(dim, vocab, bias=False)

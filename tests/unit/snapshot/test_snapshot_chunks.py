@@ -18,12 +18,12 @@ def _tensors() -> dict[str, torch.Tensor]:
     """Contiguous and strided tensors, most larger than one page, so that every kind crosses a chunk."""
     gen = torch.Generator().manual_seed(0)
     return {
-        "w": torch.randn(10_000, generator=gen),                                         # 10 chunks
-        "t": torch.randn(64, 48, generator=gen).t(),                                     # strided, 3 chunks
-        "bf16_t": torch.randn(100, 70, generator=gen).to(torch.bfloat16).t(),            # strided, odd size
+        "w": torch.randn(10_000, generator=gen),  # 10 chunks
+        "t": torch.randn(64, 48, generator=gen).t(),  # strided, 3 chunks
+        "bf16_t": torch.randn(100, 70, generator=gen).to(torch.bfloat16).t(),  # strided, odd size
         "cl": torch.randn(2, 16, 9, 9, generator=gen).contiguous(memory_format=torch.channels_last),
-        "mask_t": (torch.randn(90, 91, generator=gen) > 0).t(),                          # strided bool
-        "tiny_t": torch.randn(3, 5, generator=gen).t(),                                  # strided, inside a chunk
+        "mask_t": (torch.randn(90, 91, generator=gen) > 0).t(),  # strided bool
+        "tiny_t": torch.randn(3, 5, generator=gen).t(),  # strided, inside a chunk
         "scalar": torch.tensor(2.5),
     }
 
@@ -62,8 +62,11 @@ def test_round_trips_are_bitwise_when_copies_split_at_chunk_boundaries(chunk_pag
 
 @pytest.mark.parametrize("bad", [-PAGE, 1000, PAGE + 1])
 def test_a_pinning_chunk_that_is_not_a_page_multiple_is_rejected(bad):
-    with pytest.raises(ValueError, match=rf"pin_chunk_bytes must be 0 or a positive multiple of the page size "
-                                         rf"\({PAGE}\), got {bad}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"pin_chunk_bytes must be 0 or a positive multiple of the page size "
+        rf"\({PAGE}\), got {bad}",
+    ):
         SnapshotPool({"w": torch.zeros(4)}, _pin_chunk_bytes=bad)
 
 

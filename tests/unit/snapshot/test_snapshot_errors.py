@@ -58,8 +58,14 @@ def _unchanged(model, pool, state, pool_state, assert_bitwise):
 def test_empty_slot_error_names_the_slot_and_the_filled_slots(setup, state, pool_state, assert_bitwise):
     model, pool = setup
     unchanged = _unchanged(model, pool, state, pool_state, assert_bitwise)
-    for op in (pool.restore, pool.view, pool.clear, pool.tier, lambda k: pool.swapped(k).__enter__(),
-               lambda k: pool.streamer(k, [["embed.weight"]])):
+    for op in (
+        pool.restore,
+        pool.view,
+        pool.clear,
+        pool.tier,
+        lambda k: pool.swapped(k).__enter__(),
+        lambda k: pool.streamer(k, [["embed.weight"]]),
+    ):
         with pytest.raises(EmptySlotError) as err:
             op(1)
         assert isinstance(err.value, KeyError) and isinstance(err.value, SnapshotError)
@@ -144,8 +150,9 @@ def test_added_parameter_is_a_layout_mismatch(setup, state, pool_state, assert_b
     ],
     ids=["shape", "dtype", "storage", "strides"],
 )
-def test_in_place_change_of_a_parameter_is_caught_in_cpp_before_any_byte_moves(setup, change, what, state,
-                                                                                pool_state, assert_bitwise):
+def test_in_place_change_of_a_parameter_is_caught_in_cpp_before_any_byte_moves(
+    setup, change, what, state, pool_state, assert_bitwise
+):
     model, pool = setup
     p = model.layers[1][3].weight
     original = p.data
@@ -167,8 +174,9 @@ def test_mapping_with_a_replaced_value_is_a_layout_mismatch():
         pool.restore(0)
 
 
-def test_max_host_bytes_error_gives_bytes_asked_and_available_and_loses_nothing(tiny_lm, state, pool_state,
-                                                                                  assert_bitwise):
+def test_max_host_bytes_error_gives_bytes_asked_and_available_and_loses_nothing(
+    tiny_lm, state, pool_state, assert_bitwise
+):
     model = tiny_lm()
     probe = SnapshotPool(model)
     probe.save(0)
@@ -262,10 +270,15 @@ except SnapshotMemoryError as err:
 def test_a_failed_arena_allocation_says_how_much_host_memory_is_available():
     root = str(Path(dppo.__file__).resolve().parent.parent)  # the child imports this dppo
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
-    out = subprocess.run([sys.executable, "-c", _NO_ADDRESS_SPACE], capture_output=True, text=True, timeout=120, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_ADDRESS_SPACE], capture_output=True, text=True, timeout=120, env=env
+    )
     assert out.returncode == 0, out.stderr
-    assert re.search(r"save\(0\): allocating a host arena of \d+ bytes failed: mmap: .*\(\d+ bytes of host memory "
-                     r"available\)", out.stdout), out.stdout
+    assert re.search(
+        r"save\(0\): allocating a host arena of \d+ bytes failed: mmap: .*\(\d+ bytes of host memory "
+        r"available\)",
+        out.stdout,
+    ), out.stdout
 
 
 def test_streamer_schedule_with_an_unknown_name_names_it(setup):

@@ -110,7 +110,9 @@ def test_a_failed_save_of_a_slot_cleared_meanwhile_is_raised_once_and_its_arena_
     pool.save(0)
     pool.clear(0)  # before the copy has failed
     pool.save(2)  # takes the arena that the failing save still writes; waits for it, then saves
-    with pytest.raises(SnapshotError, match=r"save\(0\) failed: injected failure .*slot 0 had been cleared or saved again"):
+    with pytest.raises(
+        SnapshotError, match=r"save\(0\) failed: injected failure .*slot 0 had been cleared or saved again"
+    ):
         pool.synchronize()
     pool.synchronize()
     stats = pool.stats()
@@ -123,7 +125,9 @@ def test_a_save_over_a_failing_save_keeps_the_later_save_and_reports_the_failure
     pool = SnapshotPool(tensors, _fail_copy_task=0, _copy_delay_s=0.2)
     pool.save(0)
     pool.save(0)  # overwrites in place while the first save is pending: it waits for it, then copies everything
-    with pytest.raises(SnapshotError, match=r"save\(0\) failed: injected failure .*slot 0 had been cleared or saved again"):
+    with pytest.raises(
+        SnapshotError, match=r"save\(0\) failed: injected failure .*slot 0 had been cleared or saved again"
+    ):
         pool.synchronize()
     pool.synchronize()
     stats = pool.stats()

@@ -9,8 +9,17 @@ from hypothesis import strategies as st
 
 from dppo.snapshot import SnapshotPool
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.bool, torch.float64, torch.int8,
-          torch.uint8, torch.complex64]
+DTYPES = [
+    torch.float32,
+    torch.bfloat16,
+    torch.float16,
+    torch.int64,
+    torch.bool,
+    torch.float64,
+    torch.int8,
+    torch.uint8,
+    torch.complex64,
+]
 SIZES = [0, 1, 3, 255, 257, 1023, (1 << 20) + 7]
 
 
@@ -254,4 +263,7 @@ def test_random_layouts_round_trip_bitwise(layout, seed):
     for k, t in tensors.items():
         assert t.shape == expected[k].shape
         dense = torch.empty(t.shape, dtype=t.dtype).copy_(t)
-        assert torch.equal(dense.reshape(-1).view(torch.uint8), torch.empty(t.shape, dtype=t.dtype).copy_(expected[k]).reshape(-1).view(torch.uint8))
+        assert torch.equal(
+            dense.reshape(-1).view(torch.uint8),
+            torch.empty(t.shape, dtype=t.dtype).copy_(expected[k]).reshape(-1).view(torch.uint8),
+        )

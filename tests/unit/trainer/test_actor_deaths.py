@@ -6,18 +6,22 @@ from ray import exceptions as rex
 
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 
-RAY_OOM = ("1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: "
-           "c50e95a2) was 9.58GB used / 23.54GB limit (0.406) OOM kill reason: Memory usage 10286063616B exceeded "
-           "threshold of 10163853312B Ray killed 1 worker(s) based on the killing policy Considered workers: [ "
-           "Selected to kill: (Task: job ID=01000000, task name=RolloutWorkerActor.step, pid=27320, actual memory "
-           "used=2.61GB, worker ID=b81c45d3) ] Top 10 memory users: PID MEM(GB) COMMAND 26245 1.01 python")  # fmt: skip
+RAY_OOM = (
+    "1 worker(s) were killed due to the node running low on memory. Memory on the node (IP: 192.0.2.2, ID: "
+    "c50e95a2) was 9.58GB used / 23.54GB limit (0.406) OOM kill reason: Memory usage 10286063616B exceeded "
+    "threshold of 10163853312B Ray killed 1 worker(s) based on the killing policy Considered workers: [ "
+    "Selected to kill: (Task: job ID=01000000, task name=RolloutWorkerActor.step, pid=27320, actual memory "
+    "used=2.61GB, worker ID=b81c45d3) ] Top 10 memory users: PID MEM(GB) COMMAND 26245 1.01 python"
+)
 
 
 def test_a_memory_kill_says_memory_and_the_process_size():
     err = rex.OutOfMemoryError(RAY_OOM)
     assert isinstance(err, process_gone_errors()) and not isinstance(err, rex.RayActorError)
-    assert death_in_words(err) == ("was killed for memory by Ray's memory monitor (its process used 2.61GB; the "
-                                   "node's memory was 9.58GB of 23.54GB)")  # fmt: skip
+    assert death_in_words(err) == (
+        "was killed for memory by Ray's memory monitor (its process used 2.61GB; the "
+        "node's memory was 9.58GB of 23.54GB)"
+    )
 
 
 @pytest.mark.parametrize("err, words", [

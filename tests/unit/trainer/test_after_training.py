@@ -44,11 +44,26 @@ def ws1_run(tmp_path_factory):
     from dppo.config import load_config
 
     out = tmp_path_factory.mktemp("ws1") / "run"
-    cfg = load_config([f"trainer.output_dir={out}", "trainer.total_steps=2", "trainer.parameter_sync_step=2",
-                       "trainer.train_batch_size=4", "trainer.eval_prompts=8", "trainer.progress_bar=false",
-                       "trainer.mode=sync", "trainer.checkpoint_every=1", "ray.enabled=false", "rollout.n=4",
-                       "rollout.groups_per_batch=2", "task.length=3", "model.hidden_size=32",
-                       "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64"])  # fmt: skip
+    cfg = load_config(
+        [
+            f"trainer.output_dir={out}",
+            "trainer.total_steps=2",
+            "trainer.parameter_sync_step=2",
+            "trainer.train_batch_size=4",
+            "trainer.eval_prompts=8",
+            "trainer.progress_bar=false",
+            "trainer.mode=sync",
+            "trainer.checkpoint_every=1",
+            "ray.enabled=false",
+            "rollout.n=4",
+            "rollout.groups_per_batch=2",
+            "task.length=3",
+            "model.hidden_size=32",
+            "model.num_hidden_layers=1",
+            "model.num_attention_heads=2",
+            "model.intermediate_size=64",
+        ]
+    )
     trainer = PPOTrainer(cfg)
     (trainer.output_dir / "config.yaml").write_text(to_yaml(cfg))  # as dppo.launch.run.run writes it
     trainer.fit()
@@ -124,8 +139,12 @@ def test_export_of_a_world_size_2_checkpoint_is_the_gathered_policy(small_cfg, t
     full_path = tmp_path / "full.pt"
 
     def write(staging):
-        mp.start_processes(train_and_save_shards, args=(cfg, vocab_size, _free_port(), str(staging / ACTOR_DIR), str(full_path)),
-                           nprocs=2, start_method="spawn")  # fmt: skip
+        mp.start_processes(
+            train_and_save_shards,
+            args=(cfg, vocab_size, _free_port(), str(staging / ACTOR_DIR), str(full_path)),
+            nprocs=2,
+            start_method="spawn",
+        )
         torch.save({"global_step": 1, "version": 1, "trigger": 0, "config": to_dict(cfg)}, staging / TRAINER_FILE)
 
     path = ckpt.CheckpointDir(tmp_path / "checkpoints").save(1, 1, write)
@@ -135,7 +154,9 @@ def test_export_of_a_world_size_2_checkpoint_is_the_gathered_policy(small_cfg, t
     gathered = build_model(cfg.model, vocab_size, seed=0)
     gathered.load_state_dict(torch.load(full_path, weights_only=True))
     assert_same_weights(exported, gathered)
-    assert not torch.equal(gathered.model.embed_tokens.weight, build_model(cfg.model, vocab_size, 0).model.embed_tokens.weight)
+    assert not torch.equal(
+        gathered.model.embed_tokens.weight, build_model(cfg.model, vocab_size, 0).model.embed_tokens.weight
+    )
     ids = token_rows(vocab_size)
     assert torch.equal(logp(exported, ids), logp(gathered, ids))
     policy = load_checkpoint_policy(path)
@@ -145,8 +166,15 @@ def test_export_of_a_world_size_2_checkpoint_is_the_gathered_policy(small_cfg, t
 def test_tied_weights_are_saved_once_and_come_back_tied(tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    config = Qwen2Config(vocab_size=16, hidden_size=8, intermediate_size=16, num_hidden_layers=1,
-                         num_attention_heads=2, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
+    config = Qwen2Config(
+        vocab_size=16,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        tie_word_embeddings=True,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).eval()
     out = save_hf_model(model, tmp_path / "tied")
@@ -222,18 +250,37 @@ def test_text_eval_of_a_checkpoint_and_its_export_reproduces_val_score(text_exam
     from dppo.config import load_config
     from dppo.commands.evaluate import run_eval
 
-    keys = {"data.val_files": text_example["val"], "custom_reward_function.path": text_example["reward"],
-            "data.max_prompt_length": 32, "data.max_response_length": 6}  # fmt: skip
-    cfg = load_config([f"model.path={text_example['model']}", f"data.train_files={text_example['train']}",
-                       *(f"{k}={v}" for k, v in keys.items()), f"trainer.output_dir={tmp_path / 'run'}",
-                       "trainer.total_steps=1", "trainer.parameter_sync_step=2", "trainer.train_batch_size=4",
-                       "trainer.progress_bar=false", "trainer.mode=sync", "trainer.checkpoint_every=1",
-                       "ray.enabled=false", "rollout.n=4", "rollout.groups_per_batch=2"])  # fmt: skip
+    keys = {
+        "data.val_files": text_example["val"],
+        "custom_reward_function.path": text_example["reward"],
+        "data.max_prompt_length": 32,
+        "data.max_response_length": 6,
+    }
+    cfg = load_config(
+        [
+            f"model.path={text_example['model']}",
+            f"data.train_files={text_example['train']}",
+            *(f"{k}={v}" for k, v in keys.items()),
+            f"trainer.output_dir={tmp_path / 'run'}",
+            "trainer.total_steps=1",
+            "trainer.parameter_sync_step=2",
+            "trainer.train_batch_size=4",
+            "trainer.progress_bar=false",
+            "trainer.mode=sync",
+            "trainer.checkpoint_every=1",
+            "ray.enabled=false",
+            "rollout.n=4",
+            "rollout.groups_per_batch=2",
+        ]
+    )
     trainer = PPOTrainer(cfg)
     trainer.fit()
     final = {k: v for k, v in trainer.metrics.records[-1].items() if k.startswith("val/")}
-    assert sorted(final) == [f"val/{key}/{source}" for key in ("exact_match", "response_chars", "score")
-                             for source in ("reverse_long", "reverse_short")]  # fmt: skip
+    assert sorted(final) == [
+        f"val/{key}/{source}"
+        for key in ("exact_match", "response_chars", "score")
+        for source in ("reverse_long", "reverse_short")
+    ]
     last = tmp_path / "run" / "checkpoints" / "step_00000001"
     assert run_eval(last).metrics == final
     exported = export_checkpoint(last, tmp_path / "exported")
@@ -250,8 +297,20 @@ def test_cli_export_and_eval_print_where_they_wrote_and_refuse_in_one_line(ws1_r
     last = ws1_run.output_dir / "checkpoints" / "step_00000002"
     assert main(["export", str(last), str(tmp_path / "hf")]) == 0
     assert f"exported {last} to {tmp_path / 'hf'}" in capsys.readouterr().out
-    assert main(["eval", str(tmp_path / "hf"), "--config", str(ws1_run.output_dir / "config.yaml"),
-                 "--out", str(tmp_path / "e.json"), "trainer.eval_prompts=4"]) == 0  # fmt: skip
+    assert (
+        main(
+            [
+                "eval",
+                str(tmp_path / "hf"),
+                "--config",
+                str(ws1_run.output_dir / "config.yaml"),
+                "--out",
+                str(tmp_path / "e.json"),
+                "trainer.eval_prompts=4",
+            ]
+        )
+        == 0
+    )
     printed = capsys.readouterr().out
     assert "eval/reward" in printed and f"written: {tmp_path / 'e.json'}" in printed
     assert json.loads((tmp_path / "e.json").read_text())["prompts"] == 4
@@ -281,11 +340,25 @@ def test_a_resumed_run_continues_its_tracker_runs(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     out = tmp_path / "run"
-    common = [f"trainer.output_dir={out}", "trainer.parameter_sync_step=2", "trainer.train_batch_size=4",
-              "trainer.eval_prompts=8", "trainer.progress_bar=false", "trainer.mode=sync", "trainer.checkpoint_every=1",
-              "ray.enabled=false", "rollout.n=4", "rollout.groups_per_batch=2", "task.length=3", "model.hidden_size=32",
-              "model.num_hidden_layers=1", "model.num_attention_heads=2", "model.intermediate_size=64",
-              "trainer.logger=[console,tensorboard,wandb,mlflow]", "trainer.experiment_name=resumed"]  # fmt: skip
+    common = [
+        f"trainer.output_dir={out}",
+        "trainer.parameter_sync_step=2",
+        "trainer.train_batch_size=4",
+        "trainer.eval_prompts=8",
+        "trainer.progress_bar=false",
+        "trainer.mode=sync",
+        "trainer.checkpoint_every=1",
+        "ray.enabled=false",
+        "rollout.n=4",
+        "rollout.groups_per_batch=2",
+        "task.length=3",
+        "model.hidden_size=32",
+        "model.num_hidden_layers=1",
+        "model.num_attention_heads=2",
+        "model.intermediate_size=64",
+        "trainer.logger=[console,tensorboard,wandb,mlflow]",
+        "trainer.experiment_name=resumed",
+    ]
     PPOTrainer(load_config([*common, "trainer.total_steps=2"])).fit()
     first = ckpt.load_torch(out / "checkpoints" / "step_00000002" / TRAINER_FILE)["trackers"]
     resumed = PPOTrainer(load_config([*common, "trainer.total_steps=3", "trainer.resume=true"]))
@@ -334,9 +407,16 @@ def test_a_mid_cycle_checkpoint_holds_the_live_weights_as_hf_model(small_cfg, mo
         return fetch(self, num_groups, trainer_version)
 
     monkeypatch.setattr(InProcessRollout, "fetch", failing_fetch)
-    trainer = PPOTrainer(small_cfg(**{"trainer.total_steps": 2, "trainer.checkpoint_every": 10,
-                                      "snapshot.score_ahead": False,
-                                      "actor.checkpoint.save_contents": "[model,optimizer,extra,hf_model]"}))  # fmt: skip
+    trainer = PPOTrainer(
+        small_cfg(
+            **{
+                "trainer.total_steps": 2,
+                "trainer.checkpoint_every": 10,
+                "snapshot.score_ahead": False,
+                "actor.checkpoint.save_contents": "[model,optimizer,extra,hf_model]",
+            }
+        )
+    )
     cycle_start = {k: v.clone() for k, v in trainer.actor_group.local_rank.model.state_dict().items()}  # pi_old
     with pytest.raises(RolloutFailedError, match="step_00000000_trigger_1"):
         trainer.fit()

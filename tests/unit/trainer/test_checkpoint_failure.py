@@ -63,8 +63,9 @@ def safetensors_write(staging: Path) -> None:
     save_file({"weights": torch.zeros(CHECKPOINT_BYTES // 4)}, str(staging / "model.safetensors"))
 
 
-@pytest.mark.parametrize("write", [torch_write, plain_write, safetensors_write],
-                         ids=["torch.save", "plain write", "safetensors"])  # fmt: skip
+@pytest.mark.parametrize(
+    "write", [torch_write, plain_write, safetensors_write], ids=["torch.save", "plain write", "safetensors"]
+)
 def test_a_full_disk_is_one_warning_with_the_free_and_needed_bytes_and_two_in_a_row_stop(small_disk, write, caplog):
     checkpoints = ckpt.CheckpointDir(small_disk / "checkpoints", keep=1)
     attempts = CheckpointAttempts(checkpoints, lambda: CHECKPOINT_BYTES)
@@ -78,9 +79,11 @@ def test_a_full_disk_is_one_warning_with_the_free_and_needed_bytes_and_two_in_a_
         assert save(2) is None
     [line] = warnings_of(caplog)
     free = os.statvfs(small_disk).f_bavail * os.statvfs(small_disk).f_frsize
-    assert line == (f"checkpoint {small_disk}/checkpoints/step_00000002 could not be written: no space left on device: "
-                    f"{size_in_words(free)} free, the checkpoint needs about 300 KB; the checkpoints before it are "
-                    "intact and training goes on (the next checkpoint is tried as usual)")  # fmt: skip
+    assert line == (
+        f"checkpoint {small_disk}/checkpoints/step_00000002 could not be written: no space left on device: "
+        f"{size_in_words(free)} free, the checkpoint needs about 300 KB; the checkpoints before it are "
+        "intact and training goes on (the next checkpoint is tried as usual)"
+    )
     assert sorted(os.listdir(small_disk / "checkpoints")) == [ckpt.LEDGER, "step_00000001"]  # no staging left
     assert checkpoints.newest(lambda path, manifest: manifest["step"])[1] == 1
 
@@ -88,9 +91,12 @@ def test_a_full_disk_is_one_warning_with_the_free_and_needed_bytes_and_two_in_a_
     assert save(3) is not None and attempts.failed_in_a_row == 0
     fill(small_disk, leave_bytes=100 * KB)
     assert save(4) is None
-    with pytest.raises(CheckpointWriteError, match=r"^2 checkpoints in a row could not be written, the last one "
-                       rf"{small_disk}/checkpoints/step_00000005: no space left on device: .* free, the checkpoint "
-                       r"needs about 300 KB; the run stopped$"):  # fmt: skip
+    with pytest.raises(
+        CheckpointWriteError,
+        match=r"^2 checkpoints in a row could not be written, the last one "
+        rf"{small_disk}/checkpoints/step_00000005: no space left on device: .* free, the checkpoint "
+        r"needs about 300 KB; the run stopped$",
+    ):
         save(5)
     assert sorted(os.listdir(small_disk / "checkpoints")) == [ckpt.LEDGER, "step_00000003"]
     assert checkpoints.newest(lambda path, manifest: manifest["step"])[1] == 3
@@ -117,25 +123,31 @@ def test_preflight_warns_when_the_output_dir_has_less_room_than_two_checkpoints(
         line = check_checkpoint_space(plan_run(cfg, source))
     assert line is not None and warnings_of(caplog) == [line]
     assert line.startswith(f"trainer.output_dir='{small_disk / 'run'}' has ") and "less than two checkpoints" in line
-    assert check_checkpoint_space(plan_run(small_cfg(**{"trainer.output_dir": small_disk / "run"}), source)) is None  # none due
+    assert (
+        check_checkpoint_space(plan_run(small_cfg(**{"trainer.output_dir": small_disk / "run"}), source)) is None
+    )  # none due
 
 
 def test_a_run_whose_checkpoints_exceed_a_file_size_limit_trains_on_then_stops_with_exit_code_3(tmp_path):
     """`dppo train` under RLIMIT_FSIZE of 100 KB: every file of the run fits but the ranks' shard file (about
     245 KB). The first checkpoint is a warning and step 2 is trained; the second stops the run, one line, code 3."""
     args = small_overrides(tmp_path, **{"trainer.checkpoint_every": 1, "trainer.total_steps": 4})
-    script = ("import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
-              "from dppo.cli import main; sys.exit(main(sys.argv[1:]))")  # fmt: skip
+    script = (
+        "import resource, sys; resource.setrlimit(resource.RLIMIT_FSIZE, (100_000, 100_000)); "
+        "from dppo.cli import main; sys.exit(main(sys.argv[1:]))"
+    )
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[3]), "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-c", script, "train", *args], capture_output=True, text=True, env=env,
-                          timeout=300)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", script, "train", *args], capture_output=True, text=True, env=env, timeout=300
+    )
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 3, done.stderr
     checkpoints = tmp_path / "run" / "checkpoints"
     cause = "file too large: a file size limit (ulimit -f) of 100 KB is in force, the checkpoint needs about "
     assert lines[0].startswith(f"dppo: warning: checkpoint {checkpoints}/step_00000001 could not be written: {cause}")
-    assert lines[1].startswith(f"dppo: error: 2 checkpoints in a row could not be written, the last one "
-                               f"{checkpoints}/step_00000002: {cause}")  # fmt: skip
+    assert lines[1].startswith(
+        f"dppo: error: 2 checkpoints in a row could not be written, the last one {checkpoints}/step_00000002: {cause}"
+    )
     assert len(lines) == 2 and lines[1].endswith("; the run stopped"), lines
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2  # step 2 was trained
     assert sorted(os.listdir(checkpoints)) == []  # no staging directory, no torn checkpoint, no ledger entry

@@ -43,8 +43,9 @@ def test_a_checkpoint_is_a_sealed_directory_listing_every_file(tmp_path):
     assert path == tmp_path / "step_00000007" and path.is_dir()
     manifest = json.loads((path / ckpt.MANIFEST).read_text())
     assert (manifest["step"], manifest["trigger"], manifest["version"]) == (7, 0, 3)
-    assert manifest["files"] == {name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-                                 for name, data in files.items()}  # fmt: skip
+    assert manifest["files"] == {
+        name: {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()} for name, data in files.items()
+    }
     ledger = json.loads((tmp_path / ckpt.LEDGER).read_text())
     recorded = ledger["checkpoints"]["step_00000007"]
     assert recorded["manifest_sha256"] == hashlib.sha256((path / ckpt.MANIFEST).read_bytes()).hexdigest()
@@ -101,8 +102,12 @@ def test_untrusted_newer_checkpoints_are_skipped_with_one_warning_each(tmp_path,
     assert (path.name, step) == ("step_00000002", 2)  # the newest one that checks out
     lines = warnings_of(caplog)
     assert len(lines) == 4
-    expected = [("step_00000011.pt", "not a checkpoint name"), ("step_00000005", "holds step 2 trigger 0 version 2"),
-                ("step_00000004", "not written by this run"), ("step_00000003", "content does not match")]  # fmt: skip
+    expected = [
+        ("step_00000011.pt", "not a checkpoint name"),
+        ("step_00000005", "holds step 2 trigger 0 version 2"),
+        ("step_00000004", "not written by this run"),
+        ("step_00000003", "content does not match"),
+    ]
     for line, (name, reason) in zip(lines, expected):
         assert line.startswith(f"skipped checkpoint {tmp_path / name}: ") and reason in line, line
 
@@ -117,7 +122,9 @@ def test_a_pickle_payload_is_never_run_even_when_the_ledger_vouches_for_it(tmp_p
             return (os.system, (f"touch {marker}",))
 
     save_step(tmp_path, 1)
-    hostile = ckpt.save_checkpoint(tmp_path, 2, 2, lambda d: (d / "trainer.pt").write_bytes(pickle.dumps(Payload(), protocol=2)))
+    hostile = ckpt.save_checkpoint(
+        tmp_path, 2, 2, lambda d: (d / "trainer.pt").write_bytes(pickle.dumps(Payload(), protocol=2))
+    )
     with caplog.at_level(logging.WARNING, logger="dppo.checkpoint"):
         path, step = ckpt.CheckpointDir(tmp_path).newest(load_step)
     assert not marker.exists()

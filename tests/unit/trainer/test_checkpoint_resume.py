@@ -92,8 +92,9 @@ def test_a_fresh_run_discards_an_earlier_runs_checkpoints(small_cfg):
     PPOTrainer(cfg).fit()
     out = cfg.trainer.output_dir
     assert names(f"{out}/checkpoints") == ["step_00000001", "step_00000002"]
-    fresh = PPOTrainer(small_cfg(**{"trainer.total_steps": 1, "trainer.checkpoint_every": 1,
-                                    "algorithm.prox_anchor": "current"}))  # fmt: skip
+    fresh = PPOTrainer(
+        small_cfg(**{"trainer.total_steps": 1, "trainer.checkpoint_every": 1, "algorithm.prox_anchor": "current"})
+    )
     assert names(f"{out}/checkpoints") == [] and os.listdir(f"{out}/checkpoints") == []
     fresh.fit()
     assert names(f"{out}/checkpoints") == ["step_00000001"]
@@ -146,16 +147,29 @@ def test_a_rollout_failure_mid_cycle_checkpoints_pi_old_and_the_resumed_run_is_b
     metrics so far), and the resumed run publishes the cycle-start weights as the cycle's version again and ends with
     exactly the weights and metrics of a run that never failed. In sync mode with score-ahead on, trigger 0 takes and
     scores the whole cycle, so no snapshot is taken and pi_old's weights come from the rollout's copy."""
-    common = {"trainer.total_steps": 3, "trainer.checkpoint_every": 10, "trainer.output_dir": None,
-              "snapshot.score_ahead": score_ahead, "actor.lr": 0.05, **PI_OLD_METHODS[method]}  # fmt: skip
+    common = {
+        "trainer.total_steps": 3,
+        "trainer.checkpoint_every": 10,
+        "trainer.output_dir": None,
+        "snapshot.score_ahead": score_ahead,
+        "actor.lr": 0.05,
+        **PI_OLD_METHODS[method],
+    }
     out = small_cfg().trainer.output_dir
     published = recording_publishes(monkeypatch)
     clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
     clean.fit()
-    expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean.actor_group.local_rank.model)
+    expected_records, expected_weights = (
+        read_metrics(f"{out}-clean/metrics.jsonl"),
+        weights(clean.actor_group.local_rank.model),
+    )
     cycle_start = dict(published)[1]  # what version 1 was: the weights at step 2's start
     if method == "auto":
-        assert [r["prox_approx/method"] for r in expected_records] == [1.0, 0.0, 1.0]  # the failure hits loglinear's cycle
+        assert [r["prox_approx/method"] for r in expected_records] == [
+            1.0,
+            0.0,
+            1.0,
+        ]  # the failure hits loglinear's cycle
 
     train_trigger = PPOTrainer.train_trigger
 
@@ -167,8 +181,11 @@ def test_a_rollout_failure_mid_cycle_checkpoints_pi_old_and_the_resumed_run_is_b
     from dppo.trainer.rollout import RolloutFailedError
 
     monkeypatch.setattr(PPOTrainer, "train_trigger", failing)
-    with pytest.raises(RolloutFailedError, match=r"^the replay buffer died; the trainer's state at step 1, trigger 1 "
-                                                 r"is checkpointed in .*step_00000001_trigger_1 "):  # fmt: skip
+    with pytest.raises(
+        RolloutFailedError,
+        match=r"^the replay buffer died; the trainer's state at step 1, trigger 1 "
+        r"is checkpointed in .*step_00000001_trigger_1 ",
+    ):
         PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out})).fit()
     monkeypatch.setattr(PPOTrainer, "train_trigger", train_trigger)
     assert names(f"{out}/checkpoints") == ["step_00000001_trigger_1"]
@@ -177,8 +194,10 @@ def test_a_rollout_failure_mid_cycle_checkpoints_pi_old_and_the_resumed_run_is_b
     assert state["anchor"] is slot_read
     assert state["pi_old"]["version"] == 1 and state["pi_old"]["weights"] == ("anchor" if slot_read else "file")
     if method == "auto":
-        assert state["pi_old"]["method"] == {"started": True, "switch": {"approx_ok": True, "cycles_since_check": 1,
-                                                                         "cycle_errs": [], "cycle_interp": 0.0}}  # fmt: skip
+        assert state["pi_old"]["method"] == {
+            "started": True,
+            "switch": {"approx_ok": True, "cycles_since_check": 1, "cycle_errs": [], "cycle_interp": 0.0},
+        }
 
     published.clear()
     resumed = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out, "trainer.resume": True}))
@@ -256,15 +275,20 @@ def test_dcp_values_load_without_running_code(tmp_path):
     assert planner.state_dict["optimizer.param_groups.0.lr"] == {"lr": 0.5, "betas": (0.9, 0.99)}
 
 
-def test_a_mid_cycle_checkpoint_of_an_older_dppo_without_pi_old_resumes_and_says_what_it_loses(small_cfg, monkeypatch,
-                                                                                              caplog):  # fmt: skip
+def test_a_mid_cycle_checkpoint_of_an_older_dppo_without_pi_old_resumes_and_says_what_it_loses(
+    small_cfg, monkeypatch, caplog
+):
     """A checkpoint written before the pi_old record existed (loglinear: no anchor, no pi_old.pt) still resumes; one
     warning line says the rest of its cycle samples with the live weights under the cycle's version."""
     from dppo.checkpoint.layout import PI_OLD_FILE
     from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 
-    common = {"trainer.total_steps": 3, "trainer.checkpoint_every": 10, "snapshot.score_ahead": False,
-              "algorithm.prox_logp_method": "loglinear"}  # fmt: skip
+    common = {
+        "trainer.total_steps": 3,
+        "trainer.checkpoint_every": 10,
+        "snapshot.score_ahead": False,
+        "algorithm.prox_logp_method": "loglinear",
+    }
     fetch, calls = InProcessRollout.fetch, []
 
     def failing_fetch(self, num_groups, trainer_version):

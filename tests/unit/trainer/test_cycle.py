@@ -129,8 +129,11 @@ def test_decoupled_takes_one_snapshot_per_cycle(small_cfg, ps):
 
 @pytest.mark.parametrize("bypass, anchor", [(False, "cycle_start"), (True, "cycle_start"), (False, "current")])
 def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
-    trainer = PPOTrainer(cycle_cfg(small_cfg, 1 if anchor == "cycle_start" and not bypass else 2, bypass,
-                                   **{"algorithm.prox_anchor": anchor}))  # fmt: skip
+    trainer = PPOTrainer(
+        cycle_cfg(
+            small_cfg, 1 if anchor == "cycle_start" and not bypass else 2, bypass, **{"algorithm.prox_anchor": anchor}
+        )
+    )
     source = trainer.actor_group.local_rank.pi_old.source
     assert source.pool is None
     assert not isinstance(source, SlotSource)
@@ -166,8 +169,9 @@ def test_exception_in_old_log_prob_leaves_weights_and_optimizer_intact(small_cfg
 def test_verify_old_log_prob_logs_exact_zero_on_cpu(small_cfg, anchor):
     """Slot 0's old log-probs, and the training forward's own where pi_old is the live weights (trigger 0, and
     every trigger of prox_anchor=current), against a deep copy of pi_old's weights."""
-    trainer = PPOTrainer(cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True,
-                                                            "algorithm.prox_anchor": anchor}))  # fmt: skip
+    trainer = PPOTrainer(
+        cycle_cfg(small_cfg, 4, False, **{"trainer.verify_old_log_prob": True, "algorithm.prox_anchor": anchor})
+    )
     result = trainer.fit()
     diffs = [r["debug/old_log_prob_max_abs_diff"] for r in result.records]
     assert diffs == [0.0, 0.0]
@@ -191,9 +195,21 @@ def test_verify_old_log_prob_reports_old_log_probs_that_are_off_and_resets_each_
 def test_metrics_of_a_cycle(small_cfg):
     result = PPOTrainer(cycle_cfg(small_cfg, 2, False)).fit()
     record = result.records[-1]
-    for key in ("step", "critic/score/mean", "actor/pg_loss", "actor/pg_clipfrac", "actor/ppo_kl", "staleness/mean",
-                "timing_s/step", "timing_s/gen_wait", "timing_s/old_log_prob", "timing_s/snapshot",
-                "timing_s/update_actor", "rollout_corr/weight_mean", "rollout_corr/kl_k1"):
+    for key in (
+        "step",
+        "critic/score/mean",
+        "actor/pg_loss",
+        "actor/pg_clipfrac",
+        "actor/ppo_kl",
+        "staleness/mean",
+        "timing_s/step",
+        "timing_s/gen_wait",
+        "timing_s/old_log_prob",
+        "timing_s/snapshot",
+        "timing_s/update_actor",
+        "rollout_corr/weight_mean",
+        "rollout_corr/kl_k1",
+    ):
         assert key in record, key
     assert record["step"] == 2 and record["version"] == 2
     assert record["staleness/mean"] == 0.0 and record["staleness/max"] == 0.0  # sync: always the current version

@@ -13,7 +13,8 @@ from dppo.trainer.ppo import PPOTrainer
 
 
 def test_the_trainers_evaluation_decodes_with_the_rollouts_engine_given_each_evaluated_versions_weights(
-        small_cfg, monkeypatch):  # fmt: skip
+    small_cfg, monkeypatch
+):
     """rollout.dtype=bfloat16 with the hf engine: every evaluation (steps 1 and 2 by test_freq, the final one at step 3)
     is one engine built once, given the weights of the version evaluated, and its figures are those of the final
     policy rounded to bfloat16 and decoded greedily by dppo's sampler."""
@@ -22,14 +23,22 @@ def test_the_trainers_evaluation_decodes_with_the_rollouts_engine_given_each_eva
     def make_engine(*args, **kwargs):
         engine = base_make_engine(*args, **kwargs)
         load = engine.load_weights
-        engine.load_weights = lambda weights: (loads.append({k: v.clone() for k, v in weights.items()}), load(weights))[1]
+        engine.load_weights = lambda weights: (loads.append({k: v.clone() for k, v in weights.items()}), load(weights))[
+            1
+        ]
         built.append(engine)
         return engine
 
     base_make_engine = base.make_engine
     monkeypatch.setattr(base, "make_engine", make_engine)
-    cfg = small_cfg(**{"trainer.total_steps": 3, "trainer.test_freq": 1, "trainer.eval_engine": "rollout",
-                       "rollout.dtype": "bfloat16"})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "trainer.total_steps": 3,
+            "trainer.test_freq": 1,
+            "trainer.eval_engine": "rollout",
+            "rollout.dtype": "bfloat16",
+        }
+    )
     trainer = PPOTrainer(cfg)
     result = trainer.fit()
     assert len(built) == 1 and next(built[0].model.parameters()).dtype == torch.bfloat16

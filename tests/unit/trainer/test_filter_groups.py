@@ -25,9 +25,16 @@ from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/co
 
 def group(scores, index: int = -1, **extra) -> Group:
     n = len(scores)
-    return Group(torch.zeros(3, dtype=torch.long), torch.zeros(n, 2, dtype=torch.long), torch.ones(n, 2, dtype=torch.bool),
-                 torch.zeros(n, 2), torch.tensor(scores, dtype=torch.float32), 0, index,
-                 {k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items()})  # fmt: skip
+    return Group(
+        torch.zeros(3, dtype=torch.long),
+        torch.zeros(n, 2, dtype=torch.long),
+        torch.ones(n, 2, dtype=torch.bool),
+        torch.zeros(n, 2),
+        torch.tensor(scores, dtype=torch.float32),
+        0,
+        index,
+        {k: torch.tensor(v, dtype=torch.float32) for k, v in extra.items()},
+    )
 
 
 # ---- the rule ----------------------------------------------------------------------------------------------------
@@ -50,10 +57,15 @@ def test_an_extra_metric_is_read_from_the_reward_functions_extra_outputs():
     varied_reward_same_acc = group([0.2, 0.9, 0.5, 0.5], acc=[1.0, 1.0, 1.0, 1.0])
     assert keeps(varied_reward_same_acc, "reward") and not keeps(varied_reward_same_acc, "acc")
     assert keeps(group([1.0, 1.0], acc=[0.0, 1.0]), "acc")
-    with pytest.raises(FilterMetricError, match=r"returned no 'acc' for some response of group 7 \(its extra outputs: "
-                                                r"none\)"):  # fmt: skip
+    with pytest.raises(
+        FilterMetricError,
+        match=r"returned no 'acc' for some response of group 7 \(its extra outputs: "
+        r"none\)",
+    ):
         keeps(group([1.0, 0.0], 7), "acc")
-    with pytest.raises(FilterMetricError, match=r"no 'acc' .*\(its extra outputs: acc\)"):  # NaN: that response's dict lacked it
+    with pytest.raises(
+        FilterMetricError, match=r"no 'acc' .*\(its extra outputs: acc\)"
+    ):  # NaN: that response's dict lacked it
         keeps(group([1.0, 0.0], acc=[1.0, float("nan")]), "acc")
 
 
@@ -167,9 +179,12 @@ def test_discarded_groups_free_the_wait_budget_so_a_trainer_drawing_more_never_w
 
 
 def test_a_task_run_refuses_a_metric_its_reward_does_not_have(small_cfg):
-    with pytest.raises(ConfigError, match=r"^algorithm.filter_groups.metric='acc': the run trains on task.name='copy', "
-                                          r"whose reward has no extra outputs \(only a custom_reward_function does\); "
-                                          r"use reward or score or seq_reward$"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^algorithm.filter_groups.metric='acc': the run trains on task.name='copy', "
+        r"whose reward has no extra outputs \(only a custom_reward_function does\); "
+        r"use reward or score or seq_reward$",
+    ):
         small_cfg(**{"algorithm.filter_groups.enable": True, "algorithm.filter_groups.metric": "acc"})
     assert small_cfg(**{"algorithm.filter_groups.metric": "acc"}).algorithm.filter_groups.metric == "acc"  # off: unread
 
@@ -214,7 +229,9 @@ def weights(trainer) -> dict[str, torch.Tensor]:
 TRAINED = [[1, 2], [4, 5], [7, 8], [10, 11], [13, 14], [16, 17]]  # groups 0, 3, ... dropped, the next ones taken
 
 
-def test_score_ahead_draws_the_same_groups_as_the_triggers_would_and_gives_bitwise_the_same_weights(small_cfg, monkeypatch):
+def test_score_ahead_draws_the_same_groups_as_the_triggers_would_and_gives_bitwise_the_same_weights(
+    small_cfg, monkeypatch
+):
     out = small_cfg().trainer.output_dir
     on, on_trained = recording_run(filter_cfg(small_cfg, **{"trainer.output_dir": f"{out}-on"}), monkeypatch)
     off, off_trained = recording_run(filter_cfg(small_cfg, **{"snapshot.score_ahead": False}), monkeypatch)
@@ -251,8 +268,9 @@ def test_a_mid_cycle_checkpoint_keeps_a_half_drawn_mini_batch_and_the_resumed_ru
     weights and metrics of a run that never failed."""
     common = {"trainer.checkpoint_every": 10, "trainer.output_dir": None}
     out = small_cfg().trainer.output_dir
-    clean, clean_trained = recording_run(filter_cfg(small_cfg, **{**common, "trainer.output_dir": f"{out}-clean"}),
-                                         monkeypatch)  # fmt: skip
+    clean, clean_trained = recording_run(
+        filter_cfg(small_cfg, **{**common, "trainer.output_dir": f"{out}-clean"}), monkeypatch
+    )
     expected_records, expected_weights = read_metrics(f"{out}-clean/metrics.jsonl"), weights(clean)
     assert clean_trained == TRAINED
 
@@ -279,24 +297,39 @@ def test_a_mid_cycle_checkpoint_keeps_a_half_drawn_mini_batch_and_the_resumed_ru
     assert state["rollout"]["next_grant"] == 17  # group 17, drawn by the failed trigger, is drawn again
 
     resumed, resumed_trained = recording_run(
-        filter_cfg(small_cfg, **{**common, "trainer.output_dir": out, "trainer.resume": True}), monkeypatch)
+        filter_cfg(small_cfg, **{**common, "trainer.output_dir": out, "trainer.resume": True}), monkeypatch
+    )
     assert resumed_trained == [[16, 17]]
     for name, tensor in weights(resumed).items():
         assert torch.equal(tensor, expected_weights[name]), name
     records = read_metrics(f"{out}/metrics.jsonl")
     assert [r["snapshot/scored_ahead_frac"] for r in records] == [1.0, 0.5]  # step 2: trigger 1's of 2 (clean: both)
     skip = ("timing_s/", "snapshot/scored_ahead_frac")
-    got, want = [[{k: v for k, v in r.items() if not k.startswith(skip)} for r in rs] for rs in (records, expected_records)]
+    got, want = [
+        [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rs] for rs in (records, expected_records)
+    ]
     assert [{k: (v, b.get(k)) for k, v in a.items() if b.get(k) != v} for a, b in zip(got, want)] == [{}] * len(want)
 
 
 def test_a_tiny_run_with_the_filter_learns(small_cfg):
     """The copy task at length 2 with the demo's model: the filter drops groups all along (the real rule, no patch)
     and the sampled reward still rises from chance."""
-    cfg = small_cfg(**{"task.length": 2, "trainer.total_steps": 40, "trainer.train_batch_size": 16, "rollout.n": 8,
-                       "rollout.groups_per_batch": 8, "actor.lr": 0.003, "trainer.eval_prompts": 16,
-                       "model.hidden_size": 64, "model.num_hidden_layers": 2, "model.num_attention_heads": 4,
-                       "model.intermediate_size": 128, "algorithm.filter_groups.enable": True})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "task.length": 2,
+            "trainer.total_steps": 40,
+            "trainer.train_batch_size": 16,
+            "rollout.n": 8,
+            "rollout.groups_per_batch": 8,
+            "actor.lr": 0.003,
+            "trainer.eval_prompts": 16,
+            "model.hidden_size": 64,
+            "model.num_hidden_layers": 2,
+            "model.num_attention_heads": 4,
+            "model.intermediate_size": 128,
+            "algorithm.filter_groups.enable": True,
+        }
+    )
     result = PPOTrainer(cfg).fit()
     rewards = [r["critic/score/mean"] for r in result.records]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards

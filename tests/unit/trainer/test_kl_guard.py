@@ -67,7 +67,8 @@ def test_a_planted_bad_update_is_caught_and_the_cycles_later_steps_are_not_taken
     assert len(lines) == 2
     for trigger, line in zip((1, 2), lines):
         assert line.startswith(f"step 2, trigger {trigger}: actor/ppo_kl=") and line.endswith(
-            " > actor.max_ppo_kl=0.1; the update was skipped (weights and optimizer state unchanged)")
+            " > actor.max_ppo_kl=0.1; the update was skipped (weights and optimizer state unchanged)"
+        )
         assert float(line.split("actor/ppo_kl=")[1].split(" ")[0]) > 0.1
 
 
@@ -79,11 +80,15 @@ def test_without_the_guard_the_same_run_applies_them(small_cfg, monkeypatch):
 
 
 def test_the_guard_is_refused_where_ppo_kl_is_always_0(small_cfg):
-    with pytest.raises(ConfigError, match=r"^actor.max_ppo_kl=0.1 guards on actor/ppo_kl, which algorithm.prox_anchor="
-                                          r"current makes 0 at every trigger"):  # fmt: skip
+    with pytest.raises(
+        ConfigError,
+        match=r"^actor.max_ppo_kl=0.1 guards on actor/ppo_kl, which algorithm.prox_anchor="
+        r"current makes 0 at every trigger",
+    ):
         small_cfg(**{"actor.max_ppo_kl": 0.1, "algorithm.prox_anchor": "current"})
     with pytest.raises(ConfigError, match=r"which trainer.parameter_sync_step=1 makes 0"):
         small_cfg(**{"actor.max_ppo_kl": 0.1, "trainer.parameter_sync_step": 1})
-    bypass = small_cfg(**{"actor.max_ppo_kl": 0.1, "trainer.parameter_sync_step": 1,
-                          "algorithm.rollout_correction.bypass_mode": True})  # ppo_kl against pi_behav  # fmt: skip
+    bypass = small_cfg(
+        **{"actor.max_ppo_kl": 0.1, "trainer.parameter_sync_step": 1, "algorithm.rollout_correction.bypass_mode": True}
+    )  # ppo_kl against pi_behav
     assert bypass.actor.max_ppo_kl == 0.1

@@ -25,8 +25,10 @@ def test_the_scores_lose_beta_times_each_sequences_kl_to_the_reference(small_cfg
     assert float(kld.abs().max()) > 1e-3  # the policy moved: the penalty is there
     torch.testing.assert_close(scores, batch.scores - 0.5 * kld.sum(-1), rtol=1e-5, atol=1e-6)
     per_seq = kld.sum(-1) / (batch.response_mask.sum(-1) + 1e-8)
-    assert metrics == {"actor/reward_kl_penalty": pytest.approx(float(per_seq.mean())),
-                       "actor/reward_kl_penalty_coeff": 0.5}  # fmt: skip
+    assert metrics == {
+        "actor/reward_kl_penalty": pytest.approx(float(per_seq.mean())),
+        "actor/reward_kl_penalty_coeff": 0.5,
+    }
     trainer.close()
 
 
@@ -46,8 +48,12 @@ def test_estimators_that_read_token_level_rewards_are_refused(tmp_path):
 
 
 def test_the_adaptive_coefficient_is_in_checkpoints_and_resumes(small_cfg):
-    adaptive = {**KL, "algorithm.kl_ctrl.type": "adaptive", "algorithm.kl_ctrl.horizon": 20,
-                "trainer.checkpoint_every": 1}  # fmt: skip
+    adaptive = {
+        **KL,
+        "algorithm.kl_ctrl.type": "adaptive",
+        "algorithm.kl_ctrl.horizon": 20,
+        "trainer.checkpoint_every": 1,
+    }
     trainer = PPOTrainer(small_cfg(**adaptive, **{"trainer.total_steps": 1}))
     trainer.fit()
     moved = trainer.kl_ctrl.value

@@ -146,8 +146,11 @@ def test_a_killed_worker_is_restarted_and_its_groups_generated_anew(tmp_path):
         assert local.stats()["rollout/worker_restarts"] == 1.0
         os.kill(local.workers[0].process.pid, signal.SIGKILL)  # max_restarts=1: used up
         local.workers[0].process.join()
-        with pytest.raises(RolloutFailedError, match=r"rollout worker 0 was killed by SIGKILL and its restarts are "
-                                                     r"used up \(1 of rollout.max_restarts=1\)"):  # fmt: skip
+        with pytest.raises(
+            RolloutFailedError,
+            match=r"rollout worker 0 was killed by SIGKILL and its restarts are "
+            r"used up \(1 of rollout.max_restarts=1\)",
+        ):
             local.fetch_ready(cfg.groups_per_trigger, 0)  # looks at the workers first (fetch may find groups ready)
     finally:
         local.close()
@@ -170,8 +173,9 @@ def test_a_worker_that_raises_fails_the_rollout_with_its_error(tmp_path):
 
 def test_the_workers_die_with_a_killed_trainer(tmp_path):
     """SIGKILL the trainer's process: its workers (forked, waiting for weights) are gone within seconds."""
-    overrides = small_overrides(tmp_path, **{"trainer.mode": "separate_async", "ray.enabled": False,
-                                             "rollout.num_workers": 2})  # fmt: skip
+    overrides = small_overrides(
+        tmp_path, **{"trainer.mode": "separate_async", "ray.enabled": False, "rollout.num_workers": 2}
+    )
     script = textwrap.dedent(f"""
         import os, sys, time
         sys.path.insert(0, {REPO!r})
@@ -187,8 +191,9 @@ def test_the_workers_die_with_a_killed_trainer(tmp_path):
         print(" ".join(str(w.process.pid) for w in rollout.workers), flush=True)
         time.sleep(600)
     """)
-    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "HF_HUB_OFFLINE": "1"})  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"}
+    )
     try:
         pids = [int(p) for p in proc.stdout.readline().split()]
         assert len(pids) == 2 and all(alive(p) for p in pids)

@@ -14,9 +14,15 @@ from dppo.trainer.rollout import InProcessRollout, RolloutFailedError
 from dppo.workers.actor.lr_schedule import lr_factor
 
 PS, STEPS, LR = 2, 4, 0.01
-SCHEDULE = {"trainer.parameter_sync_step": PS, "trainer.total_steps": STEPS, "actor.lr": LR,
-            "actor.optim.lr_warmup_steps": 3, "actor.optim.lr_scheduler_type": "cosine",
-            "actor.optim.min_lr_ratio": 0.1, "snapshot.score_ahead": False}  # fmt: skip
+SCHEDULE = {
+    "trainer.parameter_sync_step": PS,
+    "trainer.total_steps": STEPS,
+    "actor.lr": LR,
+    "actor.optim.lr_warmup_steps": 3,
+    "actor.optim.lr_scheduler_type": "cosine",
+    "actor.optim.min_lr_ratio": 0.1,
+    "snapshot.score_ahead": False,
+}
 
 
 def cycle_mean(values: list[float]) -> float:
@@ -32,8 +38,12 @@ def test_each_optimizer_step_takes_its_lr_from_the_schedule_and_logs_it(small_cf
     trainer.fit()
     factor = lr_factor(cfg.actor.optim, STEPS * PS)
     lrs = [LR * factor(k) for k in range(STEPS * PS)]
-    assert lrs[0] == 0.0 and lrs[1] == pytest.approx(LR / 3) and lrs[3] == LR  # verl's warmup from 0, then the cosine from the top
-    assert [r["actor/lr"] for r in trainer.metrics.records] == [cycle_mean(lrs[k : k + PS]) for k in range(0, STEPS * PS, PS)]
+    assert (
+        lrs[0] == 0.0 and lrs[1] == pytest.approx(LR / 3) and lrs[3] == LR
+    )  # verl's warmup from 0, then the cosine from the top
+    assert [r["actor/lr"] for r in trainer.metrics.records] == [
+        cycle_mean(lrs[k : k + PS]) for k in range(0, STEPS * PS, PS)
+    ]
     rank = trainer.actor_group.local_rank
     assert rank.lr_scheduler.last_epoch == STEPS * PS
     assert rank.optimizer.param_groups[0]["lr"] == LR * factor(STEPS * PS)  # the next step's: the run's floor
@@ -78,8 +88,10 @@ def test_a_run_resumed_mid_schedule_follows_the_same_curve_bitwise(small_cfg, mo
     for name, tensor in weights(resumed).items():
         assert torch.equal(tensor, expected_weights[name]), name
     assert rank.optimizer.param_groups[0]["lr"] == expected_lr
-    got, want = [[{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rs]
-                 for rs in (read_metrics(f"{out}/metrics.jsonl"), expected)]  # fmt: skip
+    got, want = [
+        [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rs]
+        for rs in (read_metrics(f"{out}/metrics.jsonl"), expected)
+    ]
     assert [{k: (v, b.get(k)) for k, v in a.items() if b.get(k) != v} for a, b in zip(got, want)] == [{}] * len(want)
 
 
@@ -88,7 +100,9 @@ def test_verls_names_are_taken_and_bad_values_refused(small_cfg):
     assert cfg.actor.lr == 5e-4 and cfg.actor.optim.lr_scheduler_type == "cosine"
     with pytest.raises(ConfigError, match=r"^actor.optim.lr=0.003: expected the same value as actor.lr=0.002"):
         small_cfg(**{"actor.lr": 0.002, "actor.optim.lr": 0.003})
-    with pytest.raises(ConfigError, match=r"^actor.optim.lr_scheduler_type='linear': expected one of 'constant', 'cosine'$"):
+    with pytest.raises(
+        ConfigError, match=r"^actor.optim.lr_scheduler_type='linear': expected one of 'constant', 'cosine'$"
+    ):
         small_cfg(**{"actor.optim.lr_scheduler_type": "linear"})
     with pytest.raises(ConfigError, match=r"^actor.optim.lr_warmup_steps=5: longer than the run's 4 optimizer steps"):
         small_cfg(**{"actor.optim.lr_warmup_steps": 5})

@@ -53,11 +53,17 @@ print(json.dumps({"peak": status_kib("VmHWM") * 1024, "base": base_kib * 1024, "
 
 
 def test_the_estimate_is_within_20_percent_of_what_a_training_process_holds(tmp_path):
-    overrides = small_overrides(tmp_path, **{"trainer.parameter_sync_step": 2, "rollout.max_new_tokens": 8,
-                                             "trainer.eval_prompts": 0})  # fmt: skip
+    overrides = small_overrides(
+        tmp_path, **{"trainer.parameter_sync_step": 2, "rollout.max_new_tokens": 8, "trainer.eval_prompts": 0}
+    )
     env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(tmp_path / "model"), *overrides], env=env,
-                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    out = subprocess.run(
+        [sys.executable, "-c", _CHILD, str(tmp_path / "model"), *overrides],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     got = json.loads(out.stdout.strip().splitlines()[-1])
     parts = got["parts"]
@@ -91,16 +97,26 @@ def test_a_run_that_cannot_fit_is_refused_in_one_line_before_ray_starts(small_ar
     err = [line for line in capsys.readouterr().err.strip().splitlines() if line]
     assert len(err) == 1 and err[0].startswith("dppo: error: ")
     line = err[0]
-    for words in ("GiB of host memory", "actor_rank", "rollout_worker", "object_store", "ray_runtime",
-                  "0.2 GiB is available", "model.dtype=bfloat16", "rollout.num_workers=1", "smaller batches"):  # fmt: skip
+    for words in (
+        "GiB of host memory",
+        "actor_rank",
+        "rollout_worker",
+        "object_store",
+        "ray_runtime",
+        "0.2 GiB is available",
+        "model.dtype=bfloat16",
+        "rollout.num_workers=1",
+        "smaller batches",
+    ):
         assert words in line, (words, line)
 
 
 @pytest.mark.parametrize("dtype, per_param", [("float32", 4), ("bfloat16", 2)])
 def test_the_actor_rank_shards_its_model_bytes_over_the_world_size(small_cfg, dtype, per_param):
     for ws in (1, 2):
-        cfg = small_cfg(**{"ray.enabled": True, "trainer.n_gpus_per_node": ws, "model.dtype": dtype,
-                           "trainer.device": "cpu"})  # fmt: skip
+        cfg = small_cfg(
+            **{"ray.enabled": True, "trainer.n_gpus_per_node": ws, "model.dtype": dtype, "trainer.device": "cpu"}
+        )
         memory = preflight.memory_estimate(plan_run(cfg, make_prompt_source(cfg)))
         rank = next(r for r in memory.roles if r.name == "actor rank")
         assert rank.count == ws
@@ -113,15 +129,25 @@ def test_the_actor_rank_shards_its_model_bytes_over_the_world_size(small_cfg, dt
 def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, sync):
     from dppo.launch.memory_estimate import PROCESS_BYTES, VLLM_IMPORT_BYTES
 
-    keys = {"ray.enabled": True, "trainer.device": "cpu", "model.hidden_size": 256, "model.num_hidden_layers": 4,
-            "model.num_attention_heads": 4, "model.intermediate_size": 512, "rollout.n": 8,
-            "rollout.groups_per_batch": 64, "rollout.weight_sync": sync}  # fmt: skip
+    keys = {
+        "ray.enabled": True,
+        "trainer.device": "cpu",
+        "model.hidden_size": 256,
+        "model.num_hidden_layers": 4,
+        "model.num_attention_heads": 4,
+        "model.intermediate_size": 512,
+        "rollout.n": 8,
+        "rollout.groups_per_batch": 64,
+        "rollout.weight_sync": sync,
+    }
     hf = small_cfg(**keys)
     cfg = small_cfg(**keys, **{"rollout.name": "vllm"})
     source = make_prompt_source(cfg)
     shape = plan_run(cfg, source).shape
     worker = next(r for r in preflight.memory_estimate(plan_run(cfg, source)).roles if r.name == "rollout worker").parts
-    hf_worker = next(r for r in preflight.memory_estimate(plan_run(hf, source)).roles if r.name == "rollout worker").parts
+    hf_worker = next(
+        r for r in preflight.memory_estimate(plan_run(hf, source)).roles if r.name == "rollout worker"
+    ).parts
     rows = 64 * 8  # rollout.groups_per_batch x n, which is more than a trigger's groups here
     tokens = rows * -(-(shape.prompt_length + shape.response_length + 1) // 32) * 32  # whole blocks of 32
     kv = tokens * 2 * 4 * 256 * 4  # K and V, 4 layers, 256 wide, fp32
@@ -136,22 +162,36 @@ def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, 
     (0, "drop", 8, 32),  # 8 ahead
     (3, "wait", 16, 32),  # 64 ahead: rollout.groups_per_batch bounds the ticket
 ])  # fmt: skip
-def test_an_hf_workers_batch_is_the_largest_ticket_the_replay_buffer_grants(small_cfg, threshold, strategy, batch,
-                                                                             per_ticket):  # fmt: skip
+def test_an_hf_workers_batch_is_the_largest_ticket_the_replay_buffer_grants(
+    small_cfg, threshold, strategy, batch, per_ticket
+):
     """The rows the estimate gives one generate call are those of the largest ticket a worker can get: asked for
     rollout.groups_per_batch groups, the replay buffer grants at most what it lets the rollout run ahead."""
     from dppo.launch.memory_estimate import generation_rows
     from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
-    cfg = small_cfg(**{"trainer.mode": "separate_async", "replay.max_off_policy_threshold": threshold,
-                       "replay.max_off_policy_strategy": strategy, "trainer.train_batch_size": batch,
-                       "rollout.groups_per_batch": per_ticket, "rollout.n": 8})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "trainer.mode": "separate_async",
+            "replay.max_off_policy_threshold": threshold,
+            "replay.max_off_policy_strategy": strategy,
+            "trainer.train_batch_size": batch,
+            "rollout.groups_per_batch": per_ticket,
+            "rollout.n": 8,
+        }
+    )
     buffer = ReplayBufferCore(threshold, strategy, batch)
     buffer.publish("weights", 0)
     first = buffer.acquire(-1, per_ticket)  # the first ticket is the largest: nothing is generated yet
-    assert generation_rows(plan_run(cfg, make_prompt_source(cfg))) == first.num_groups * 8 == min(per_ticket, (threshold + 1) * batch) * 8
+    assert (
+        generation_rows(plan_run(cfg, make_prompt_source(cfg)))
+        == first.num_groups * 8
+        == min(per_ticket, (threshold + 1) * batch) * 8
+    )
     sync = small_cfg(**{"trainer.mode": "sync", "rollout.n": 8})
-    assert generation_rows(plan_run(sync, make_prompt_source(sync))) == sync.groups_per_trigger * 8  # in process: a trigger's groups at a time
+    assert (
+        generation_rows(plan_run(sync, make_prompt_source(sync))) == sync.groups_per_trigger * 8
+    )  # in process: a trigger's groups at a time
 
 
 def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_cfg):
@@ -161,10 +201,27 @@ def test_an_hf_workers_batch_is_its_kv_cache_or_its_scoring_pass_not_both(small_
     from dppo.launch.memory_estimate import generation_rows, rollout_worker
     from dppo.launch.plan import RunShape
 
-    cfg = small_cfg(**{"trainer.mode": "separate_async", "trainer.train_batch_size": 8, "rollout.n": 8,
-                       "rollout.groups_per_batch": 32, "actor.micro_batch_size": 256})  # fmt: skip
-    shape = RunShape(params=134515008, vocab_size=49152, prompt_length=46, response_length=12, max_positions=None,
-                     layers=30, hidden=576, kv_width=192, intermediate=1536, embedding_params=28311552)  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "trainer.mode": "separate_async",
+            "trainer.train_batch_size": 8,
+            "rollout.n": 8,
+            "rollout.groups_per_batch": 32,
+            "actor.micro_batch_size": 256,
+        }
+    )
+    shape = RunShape(
+        params=134515008,
+        vocab_size=49152,
+        prompt_length=46,
+        response_length=12,
+        max_positions=None,
+        layers=30,
+        hidden=576,
+        kv_width=192,
+        intermediate=1536,
+        embedding_params=28311552,
+    )
     plan = dataclasses.replace(plan_run(cfg, make_prompt_source(cfg)), shape=shape)
     batch = rollout_worker(plan)["kv cache and logits"]
     rows, length, v = generation_rows(plan), 46 + 12, 49152
@@ -199,8 +256,14 @@ def test_an_eval_engine_is_counted_in_the_driver_as_a_rollout_workers_engine(sma
     logits; vLLM's import), on Ray and without it; policy adds nothing."""
     from dppo.launch.memory_estimate import VLLM_IMPORT_BYTES, estimate
 
-    keys = {"ray.enabled": ray, "trainer.device": "cpu", "trainer.mode": "separate_async", "rollout.name": engine,
-            "rollout.dtype": "bfloat16", "model.num_attention_heads": 1}  # fmt: skip
+    keys = {
+        "ray.enabled": ray,
+        "trainer.device": "cpu",
+        "trainer.mode": "separate_async",
+        "rollout.name": engine,
+        "rollout.dtype": "bfloat16",
+        "model.num_attention_heads": 1,
+    }
     plain = small_cfg(**keys)
     cfg = small_cfg(**keys, **{"trainer.eval_engine": "rollout"})
 

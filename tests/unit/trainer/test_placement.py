@@ -58,10 +58,13 @@ def test_one_node_too_small_for_both_is_refused_with_the_counts():
         plan_nodes(actor_pool(1, 4, True), rollout_pool(1, 1), nodes, here="a")
     message = str(err.value)
     assert "\n" not in message
-    for fragment in ("the actor's 4 ranks (trainer.nnodes=1 x trainer.n_gpus_per_node=4",
-                     "the rollout's 1 worker (rollout.nnodes=1 x rollout.n_gpus_per_node=1",
-                     "need {'GPU': 5, 'CPU': 5} in all", "its 1 alive node(s) have {'GPU': 4, 'CPU': 16} in all",
-                     "placed 1 of 1 actor node(s), 0 of 1 rollout node(s)"):  # fmt: skip
+    for fragment in (
+        "the actor's 4 ranks (trainer.nnodes=1 x trainer.n_gpus_per_node=4",
+        "the rollout's 1 worker (rollout.nnodes=1 x rollout.n_gpus_per_node=1",
+        "need {'GPU': 5, 'CPU': 5} in all",
+        "its 1 alive node(s) have {'GPU': 4, 'CPU': 16} in all",
+        "placed 1 of 1 actor node(s), 0 of 1 rollout node(s)",
+    ):
         assert fragment in message, message
 
 
@@ -126,8 +129,10 @@ def test_a_placement_is_found_exactly_when_one_exists(seed):
     import random
 
     rng = random.Random(seed)
-    nodes = [node(f"n{i}", gpus=rng.choice([0, 2, 4, 4, 8]), cpus=rng.choice([4, 16, 16]), alive=rng.random() > 0.1)
-             for i in range(rng.randint(2, 5))]  # fmt: skip
+    nodes = [
+        node(f"n{i}", gpus=rng.choice([0, 2, 4, 4, 8]), cpus=rng.choice([4, 16, 16]), alive=rng.random() > 0.1)
+        for i in range(rng.randint(2, 5))
+    ]
     actor = actor_pool(rng.randint(1, 2), rng.choice([1, 2, 4]), use_gpu=rng.random() > 0.2)
     rollout = rollout_pool(rng.randint(1, 2), rng.choice([1, 2, 4]))
     exists = _brute_force_exists(actor, rollout, nodes)

@@ -22,8 +22,16 @@ def plan_and_bytes(cfg, **resolved):
 
 @pytest.mark.parametrize("world_size, fits", [(1, False), (4, True)])
 def test_a_model_too_large_for_one_gpu_fits_when_sharded(small_cfg, monkeypatch, world_size, fits):
-    cfg = small_cfg(**{"model.hidden_size": 512, "model.intermediate_size": 2048, "model.num_hidden_layers": 8,
-                       "trainer.n_gpus_per_node": world_size, "ray.enabled": True, "trainer.mode": "sync"})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "model.hidden_size": 512,
+            "model.intermediate_size": 2048,
+            "model.num_hidden_layers": 8,
+            "trainer.n_gpus_per_node": world_size,
+            "ray.enabled": True,
+            "trainer.mode": "sync",
+        }
+    )
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     plan, copy_bytes = plan_and_bytes(cfg, trainer_on_gpu=True)
     _, update = preflight.batch_bytes(plan)
@@ -39,9 +47,19 @@ def test_a_model_too_large_for_one_gpu_fits_when_sharded(small_cfg, monkeypatch,
 
 @pytest.mark.parametrize("address, fits", [(None, False), ("10.0.0.7:6379", True)])
 def test_ranks_on_a_cluster_of_ones_own_take_no_host_memory_here(small_cfg, monkeypatch, address, fits):
-    cfg = small_cfg(**{"model.hidden_size": 512, "model.intermediate_size": 2048, "model.num_hidden_layers": 8,
-                       "trainer.n_gpus_per_node": 2, "ray.enabled": True, "trainer.mode": "sync",
-                       "ray.address": address, "trainer.device": "cpu", "rollout.num_workers": 1})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "model.hidden_size": 512,
+            "model.intermediate_size": 2048,
+            "model.num_hidden_layers": 8,
+            "trainer.n_gpus_per_node": 2,
+            "ray.enabled": True,
+            "trainer.mode": "sync",
+            "ray.address": address,
+            "trainer.device": "cpu",
+            "rollout.num_workers": 1,
+        }
+    )
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     plan, copy_bytes = plan_and_bytes(cfg)
     # less than the actor's 5 copies, more than the driver's process and its policy copy

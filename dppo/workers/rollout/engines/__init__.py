@@ -12,8 +12,17 @@ from dppo.workers.rollout.engines.vllm import VLLMEngine
 # vLLM 0.32's CPU attention kernels (vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes)
 VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
-__all__ = ["ROLLOUT_ENGINES", "RolloutEngine", "Samples", "VLLM_CPU_HEAD_SIZES", "WEIGHT_SYNC_MODES", "WeightSync", "make_engine",
-           "vllm_enforce_eager", "vllm_rows"]
+__all__ = [
+    "ROLLOUT_ENGINES",
+    "RolloutEngine",
+    "Samples",
+    "VLLM_CPU_HEAD_SIZES",
+    "WEIGHT_SYNC_MODES",
+    "WeightSync",
+    "make_engine",
+    "vllm_enforce_eager",
+    "vllm_rows",
+]
 
 
 def vllm_enforce_eager(rollout, device: torch.device) -> bool:
@@ -37,10 +46,25 @@ def make_engine(cfg, source, model_config, device: torch.device = torch.device("
     dtype = cfg.rollout.dtype or cfg.model.dtype
     max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
     if cfg.rollout.name == "vllm":
-        return VLLMEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token,
-                          source.pad_token, weight_sync=cfg.rollout.weight_sync,
-                          max_num_seqs=vllm_rows(cfg.rollout, cfg.groups_per_trigger),
-                          max_prompt_len=source.prompt_length,
-                          compile=not vllm_enforce_eager(cfg.rollout, torch.device(device)))  # fmt: skip
-    return HFEngine(model_config, dtype, cfg.rollout.temperature, max_new_tokens, source.eos_token, source.pad_token,
-                    cfg.actor.micro_batch_size, device)  # fmt: skip
+        return VLLMEngine(
+            model_config,
+            dtype,
+            cfg.rollout.temperature,
+            max_new_tokens,
+            source.eos_token,
+            source.pad_token,
+            weight_sync=cfg.rollout.weight_sync,
+            max_num_seqs=vllm_rows(cfg.rollout, cfg.groups_per_trigger),
+            max_prompt_len=source.prompt_length,
+            compile=not vllm_enforce_eager(cfg.rollout, torch.device(device)),
+        )
+    return HFEngine(
+        model_config,
+        dtype,
+        cfg.rollout.temperature,
+        max_new_tokens,
+        source.eos_token,
+        source.pad_token,
+        cfg.actor.micro_batch_size,
+        device,
+    )

@@ -89,8 +89,9 @@ class DeltaTracker:
         return next(iter(self.weights.values())).dtype if self.weights else None
 
 
-def reload_groups(weights: dict[str, torch.Tensor], changed_names: list[str],
-                  packed_modules: dict[str, list[str]]) -> dict[str, torch.Tensor]:  # fmt: skip
+def reload_groups(
+    weights: dict[str, torch.Tensor], changed_names: list[str], packed_modules: dict[str, list[str]]
+) -> dict[str, torch.Tensor]:
     """The tensors of weights to hand an engine so that every fused layer with a changed tensor gets all of its
     tensors. packed_modules: fused module -> the checkpoint modules it stacks (vLLM's packed_modules_mapping),
     e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""

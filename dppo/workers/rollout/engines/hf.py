@@ -20,8 +20,17 @@ from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync
 class HFEngine(RolloutEngine):
     reports_sync = False
 
-    def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
-                 pad_token: int, micro_batch_size: int, device: torch.device = torch.device("cpu")):  # fmt: skip
+    def __init__(
+        self,
+        model_config,
+        dtype: str,
+        temperature: float,
+        max_new_tokens: int,
+        eos_token: int | None,
+        pad_token: int,
+        micro_batch_size: int,
+        device: torch.device = torch.device("cpu"),
+    ):
         """model_config: the trainer model's transformers config (weights arrive with load_weights). device: where
         the model copy and the sampling loop run (samples come back on the host)."""
         self.device = torch.device(device)
@@ -44,17 +53,39 @@ class HFEngine(RolloutEngine):
         prompt_ids, prompt_mask = left_pad(rows, self.pad_token)  # (G n, P) each; mask None: no padding
         ids = prompt_ids.to(self.device)
         pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
-        responses, mask = sample_responses(self.model, ids, self.max_new_tokens, self.temperature,
-                                           self.generator, self.eos_token, self.pad_token, pad_mask)  # fmt: skip
+        responses, mask = sample_responses(
+            self.model,
+            ids,
+            self.max_new_tokens,
+            self.temperature,
+            self.generator,
+            self.eos_token,
+            self.pad_token,
+            pad_mask,
+        )
         attention_mask = None if pad_mask is None else torch.cat([pad_mask, mask.long()], 1)
-        behav_logp = response_log_probs(self.model, torch.cat([ids, responses], 1), responses.shape[1],
-                                        self.temperature, self.micro_batch_size, attention_mask=attention_mask)  # fmt: skip
+        behav_logp = response_log_probs(
+            self.model,
+            torch.cat([ids, responses], 1),
+            responses.shape[1],
+            self.temperature,
+            self.micro_batch_size,
+            attention_mask=attention_mask,
+        )
         return Samples(responses.cpu(), mask.cpu(), behav_logp.cpu())  # (G n, R) each: to the host
 
     @torch.no_grad()
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         prompt_ids, prompt_mask = left_pad(prompts, self.pad_token)  # (G, P) each
         pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
-        responses, mask = sample_responses(self.model, prompt_ids.to(self.device), self.max_new_tokens, 0.0,
-                                           self.generator, self.eos_token, self.pad_token, pad_mask)  # fmt: skip
+        responses, mask = sample_responses(
+            self.model,
+            prompt_ids.to(self.device),
+            self.max_new_tokens,
+            0.0,
+            self.generator,
+            self.eos_token,
+            self.pad_token,
+            pad_mask,
+        )
         return responses.cpu(), mask.cpu()

@@ -106,12 +106,14 @@ def kv_cache_bytes(model_config, dtype: str, num_seqs: int, seq_len: int, block_
     heads = model_config.num_attention_heads
     kv_heads = getattr(model_config, "num_key_value_heads", None) or heads
     head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // heads
-    return kv_bytes_of(model_config.num_hidden_layers, kv_heads * head_dim, DTYPES[dtype].itemsize, num_seqs, seq_len,
-                       block_tokens)  # fmt: skip
+    return kv_bytes_of(
+        model_config.num_hidden_layers, kv_heads * head_dim, DTYPES[dtype].itemsize, num_seqs, seq_len, block_tokens
+    )
 
 
-def kv_bytes_of(layers: int, kv_width: int, itemsize: int, num_seqs: int, seq_len: int,
-                block_tokens: int = KV_BLOCK_TOKENS) -> int:  # fmt: skip
+def kv_bytes_of(
+    layers: int, kv_width: int, itemsize: int, num_seqs: int, seq_len: int, block_tokens: int = KV_BLOCK_TOKENS
+) -> int:
     """kv_cache_bytes from the widths: kv_width = key-value heads x head size (also the run's memory estimate's)."""
     per_token = 2 * layers * kv_width * itemsize  # K and V
     blocks = num_seqs * -(-(seq_len + 1) // block_tokens)
@@ -126,9 +128,20 @@ def max_batched_tokens(max_num_seqs: int, seq_len: int) -> int:
 
 
 class VLLMEngine(RolloutEngine):
-    def __init__(self, model_config, dtype: str, temperature: float, max_new_tokens: int, eos_token: int | None,
-                 pad_token: int, weight_sync: str = "full", max_num_seqs: int = MAX_NUM_SEQS,
-                 max_prompt_len: int = 256, kv_bytes: int | None = None, compile: bool = False):  # fmt: skip
+    def __init__(
+        self,
+        model_config,
+        dtype: str,
+        temperature: float,
+        max_new_tokens: int,
+        eos_token: int | None,
+        pad_token: int,
+        weight_sync: str = "full",
+        max_num_seqs: int = MAX_NUM_SEQS,
+        max_prompt_len: int = 256,
+        kv_bytes: int | None = None,
+        compile: bool = False,
+    ):
         """model_config: the trainer model's transformers config; dtype: the engine's (float32, bfloat16, ...);
         weight_sync: full or delta. max_num_seqs: the rows of a ticket (groups x n), all run in one batch;
         max_prompt_len: the longest prompt; they size the KV cache (kv_bytes: that size instead). compile: vLLM's
@@ -148,14 +161,23 @@ class VLLMEngine(RolloutEngine):
         self._config_dir = tempfile.TemporaryDirectory(prefix="dppo-vllm-")
         model_config.save_pretrained(self._config_dir.name)  # config.json only: the weights come by sync
         with _host_state_kept():  # vLLM seeds the global generators of the process it starts in, and more
-            self.llm = LLM(model=self._config_dir.name, load_format="dummy", skip_tokenizer_init=True, dtype=dtype,
-                           enable_prefix_caching=True, logprobs_mode="processed_logprobs",
-                           kv_cache_memory_bytes=kv_bytes or kv_cache_bytes(model_config, dtype, max_num_seqs,
-                                                                            max_prompt_len + max_new_tokens),
-                           block_size=KV_BLOCK_TOKENS, max_num_seqs=max_num_seqs,
-                           max_num_batched_tokens=max_batched_tokens(max_num_seqs, max_prompt_len + max_new_tokens),
-                           max_model_len=model_config.max_position_embeddings, distributed_executor_backend="uni",
-                           enforce_eager=not compile, disable_log_stats=True)  # fmt: skip
+            self.llm = LLM(
+                model=self._config_dir.name,
+                load_format="dummy",
+                skip_tokenizer_init=True,
+                dtype=dtype,
+                enable_prefix_caching=True,
+                logprobs_mode="processed_logprobs",
+                kv_cache_memory_bytes=kv_bytes
+                or kv_cache_bytes(model_config, dtype, max_num_seqs, max_prompt_len + max_new_tokens),
+                block_size=KV_BLOCK_TOKENS,
+                max_num_seqs=max_num_seqs,
+                max_num_batched_tokens=max_batched_tokens(max_num_seqs, max_prompt_len + max_new_tokens),
+                max_model_len=model_config.max_position_embeddings,
+                distributed_executor_backend="uni",
+                enforce_eager=not compile,
+                disable_log_stats=True,
+            )
         # Set after LLM(), whose logging set-up resets vLLM's loggers: each in-place reload warns that a layer got no
         # weights, for the rotary embedding (it has none to get) and, with delta, for every unchanged layer (its
         # weights are put back as they were; the log-prob and delta tests after a sync confirm both).
@@ -203,7 +225,9 @@ class VLLMEngine(RolloutEngine):
 
     def engine_state_dict(self) -> dict[str, torch.Tensor]:
         """The engine's own parameters (vLLM names and layout) as CPU copies: what tests compare."""
-        return self.llm.apply_model(lambda model: {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})[0]
+        return self.llm.apply_model(lambda model: {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})[
+            0
+        ]
 
     # --- sampling --------------------------------------------------------------------------------------
     def seed(self, seed: int) -> None:
@@ -218,9 +242,19 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams  # vLLM lives in .venv-vllm only (make vllm)
 
         stop = [] if self.eos_token is None else [int(self.eos_token)]
-        params = [SamplingParams(n=n, temperature=self.temperature, max_tokens=self.max_new_tokens, logprobs=0,
-                                 seed=seed, stop_token_ids=stop, ignore_eos=True, detokenize=False)  # fmt: skip
-                  for seed in self._request_seeds(len(prompts))]
+        params = [
+            SamplingParams(
+                n=n,
+                temperature=self.temperature,
+                max_tokens=self.max_new_tokens,
+                logprobs=0,
+                seed=seed,
+                stop_token_ids=stop,
+                ignore_eos=True,
+                detokenize=False,
+            )
+            for seed in self._request_seeds(len(prompts))
+        ]
         requests = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # G n, prompt-major
@@ -230,8 +264,15 @@ class VLLMEngine(RolloutEngine):
         from vllm import SamplingParams  # vLLM lives in .venv-vllm only (make vllm)
 
         stop = [] if self.eos_token is None else [int(self.eos_token)]
-        params = SamplingParams(n=1, temperature=0.0, max_tokens=self.max_new_tokens, logprobs=0,
-                                stop_token_ids=stop, ignore_eos=True, detokenize=False)  # fmt: skip
+        params = SamplingParams(
+            n=1,
+            temperature=0.0,
+            max_tokens=self.max_new_tokens,
+            logprobs=0,
+            stop_token_ids=stop,
+            ignore_eos=True,
+            detokenize=False,
+        )
         requests = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         samples = _samples([out.outputs[0] for out in outputs], self.pad_token)

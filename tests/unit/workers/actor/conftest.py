@@ -21,16 +21,37 @@ def _qwen2():
 def _llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return LlamaForCausalLM(LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
-                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                        bos_token_id=None, eos_token_id=None, pad_token_id=None))  # fmt: skip
+    return LlamaForCausalLM(
+        LlamaConfig(
+            vocab_size=VOCAB,
+            hidden_size=32,
+            intermediate_size=48,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            pad_token_id=None,
+        )
+    )
 
 
 def _gpt2_tied():
     from transformers import GPT2Config, GPT2LMHeadModel
 
-    model = GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=2, n_positions=64,
-                                       bos_token_id=None, eos_token_id=None, tie_word_embeddings=True))  # fmt: skip
+    model = GPT2LMHeadModel(
+        GPT2Config(
+            vocab_size=VOCAB,
+            n_embd=32,
+            n_layer=2,
+            n_head=2,
+            n_positions=64,
+            bos_token_id=None,
+            eos_token_id=None,
+            tie_word_embeddings=True,
+        )
+    )
     assert model.lm_head.weight is model.transformer.wte.weight
     return model
 

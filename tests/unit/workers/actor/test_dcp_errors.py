@@ -12,8 +12,11 @@ from dppo.workers.actor.sharded_state import ShardedCheckpointError, _dcp_errors
 
 def test_a_write_error_is_one_line_per_rank():
     failures = {0: (OSError(28, "No space left on device"), None)}
-    with pytest.raises(ShardedCheckpointError, match=r"writing the checkpoint '/x' failed: rank 0: OSError: "
-                                                     r"\[Errno 28\] No space left on device"):  # fmt: skip
+    with pytest.raises(
+        ShardedCheckpointError,
+        match=r"writing the checkpoint '/x' failed: rank 0: OSError: "
+        r"\[Errno 28\] No space left on device",
+    ):
         with _dcp_errors("writing the checkpoint", "/x"):
             raise CheckpointException("failed", failures)
 

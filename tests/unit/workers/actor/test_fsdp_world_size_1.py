@@ -12,8 +12,14 @@ from dppo.workers.actor.fsdp import is_sharded
 def test_fsdp2_at_world_size_1_trains_as_the_plain_module_does(small_cfg):
     """(The other strategies allowed under FSDP2 are checked at world size 2: tests/integration/test_scale_out.py.)"""
     # score_ahead off: slot 0's reads under FSDP2 are under test (score-ahead at world size 2: test_scale_out.py)
-    common = {"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8, "actor.lr": 0.05,
-              "trainer.verify_old_log_prob": True, "actor.kl_loss_coef": 0.1, "snapshot.score_ahead": False}  # fmt: skip
+    common = {
+        "trainer.parameter_sync_step": 4,
+        "trainer.train_batch_size": 8,
+        "actor.lr": 0.05,
+        "trainer.verify_old_log_prob": True,
+        "actor.kl_loss_coef": 0.1,
+        "snapshot.score_ahead": False,
+    }
     plain = PPOTrainer(small_cfg(**common))
     plain_result = plain.fit()
     sharded = PPOTrainer(small_cfg(**common, **{"actor.fsdp": "always"}))

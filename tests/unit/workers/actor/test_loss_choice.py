@@ -14,8 +14,14 @@ def choice(*overrides):
 
 
 def test_reads_every_verl_key_from_its_place():
-    c = choice("actor.policy_loss.loss_mode=kl_cov", "actor.clip_ratio_high=0.28", "actor.tau_neg=2.0",
-               "actor.policy_loss.kl_cov_ratio=0.01", "actor.loss_scale_factor=64", "trainer.seed=5")  # fmt: skip
+    c = choice(
+        "actor.policy_loss.loss_mode=kl_cov",
+        "actor.clip_ratio_high=0.28",
+        "actor.tau_neg=2.0",
+        "actor.policy_loss.kl_cov_ratio=0.01",
+        "actor.loss_scale_factor=64",
+        "trainer.seed=5",
+    )
     assert set(c.settings) == set(POLICY_LOSS_DEFAULTS)
     assert (c.settings["clip_ratio_high"], c.settings["tau_neg"], c.settings["kl_cov_ratio"]) == (0.28, 2.0, 0.01)
     assert (c.loss_mode, c.loss_scale_factor, c.seed) == ("kl_cov", 64, 5)
@@ -65,11 +71,20 @@ def test_config_refuses(override, match):
 
 
 def test_config_takes_verl_names():
-    cfg = load_config(["actor.policy_loss.loss_mode=gspo", "algorithm.adv_estimator=reinforce_plus_plus",
-                       "actor.kl_loss_type=low_var_kl+", "actor.policy_loss.loss_mode=dro",
-                       "actor.policy_loss.dro_beta=0.1"])  # fmt: skip
+    cfg = load_config(
+        [
+            "actor.policy_loss.loss_mode=gspo",
+            "algorithm.adv_estimator=reinforce_plus_plus",
+            "actor.kl_loss_type=low_var_kl+",
+            "actor.policy_loss.loss_mode=dro",
+            "actor.policy_loss.dro_beta=0.1",
+        ]
+    )
     assert (cfg.actor.policy_loss.loss_mode, cfg.algorithm.adv_estimator, cfg.actor.kl_loss_type) == (
-        "dro", "reinforce_plus_plus", "low_var_kl+")
+        "dro",
+        "reinforce_plus_plus",
+        "low_var_kl+",
+    )
 
 
 def test_help_names_every_loss_mode_estimator_and_kl_name():
@@ -91,11 +106,19 @@ def test_help_names_every_loss_mode_estimator_and_kl_name():
 @pytest.mark.parametrize(
     "overrides, match",
     [
-        (["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
-         "bypass mode takes its loss from algorithm.rollout_correction.loss_type"),
-        (["actor.policy_loss.loss_mode=sapo", "actor.entropy_coeff=0.01",
-          "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0"],
-         "they must divide by the same count"),
+        (
+            ["algorithm.rollout_correction.bypass_mode=true", "actor.policy_loss.loss_mode=gspo"],
+            "bypass mode takes its loss from algorithm.rollout_correction.loss_type",
+        ),
+        (
+            [
+                "actor.policy_loss.loss_mode=sapo",
+                "actor.entropy_coeff=0.01",
+                "algorithm.rollout_correction.rollout_rs=token_k1",
+                "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+            ],
+            "they must divide by the same count",
+        ),
         (["algorithm.prox_logp_method=auto", "trainer.verify_old_log_prob=true"], "approximates"),
     ],
 )
@@ -105,5 +128,12 @@ def test_config_refuses_combinations(overrides, match):
 
 
 def test_sapo_with_a_seq_mode_and_rejection_is_accepted():
-    load_config(["actor.policy_loss.loss_mode=sapo", "actor.entropy_coeff=0.01", "actor.loss_agg_mode=seq-mean-token-sum",
-                 "algorithm.rollout_correction.rollout_rs=token_k1", "algorithm.rollout_correction.rollout_rs_threshold=2.0"])  # fmt: skip
+    load_config(
+        [
+            "actor.policy_loss.loss_mode=sapo",
+            "actor.entropy_coeff=0.01",
+            "actor.loss_agg_mode=seq-mean-token-sum",
+            "algorithm.rollout_correction.rollout_rs=token_k1",
+            "algorithm.rollout_correction.rollout_rs_threshold=2.0",
+        ]
+    )

@@ -32,7 +32,9 @@ def one_update(model, batch, precision):
 
     optimizer.step = recording_step
     actor_cfg = ActorConfig(micro_batch_size=3, grad_clip=0.0, entropy_coeff=0.01)
-    objective = decoupled_objective(actor_cfg, RolloutCorrectionConfig())(batch, batch.behav_logp + 0.1, advantages(batch))
+    objective = decoupled_objective(actor_cfg, RolloutCorrectionConfig())(
+        batch, batch.behav_logp + 0.1, advantages(batch)
+    )
     metrics = update_policy(model, optimizer, batch, objective, actor_cfg, 1.0, precision=precision)
     return grads, dict(model.named_parameters()), optimizer.state, metrics
 
@@ -67,8 +69,14 @@ def test_one_bf16_update_equals_the_fp32_update_within_bf16_rounding_and_keeps_f
         assert moments["exp_avg"].dtype == moments["exp_avg_sq"].dtype == torch.float32, name
 
 
-RUN = {"trainer.parameter_sync_step": 3, "trainer.train_batch_size": 6, "actor.lr": 0.05, "actor.kl_loss_coef": 0.1,
-       "trainer.verify_old_log_prob": True, "snapshot.score_ahead": False}  # fmt: skip
+RUN = {
+    "trainer.parameter_sync_step": 3,
+    "trainer.train_batch_size": 6,
+    "actor.lr": 0.05,
+    "actor.kl_loss_coef": 0.1,
+    "trainer.verify_old_log_prob": True,
+    "snapshot.score_ahead": False,
+}
 
 # Every way the loss gets its old log-probs: trigger 0 and prox_anchor=current from the training forward; slot 0 read
 # through functional_call (view, auto's pick on the CPU), streamed block by block, swapped in, or restored (reference);
@@ -89,8 +97,9 @@ def test_the_old_log_probs_of_every_path_are_bitwise_those_of_the_bf16_training_
     keys = {**RUN, **PATHS[path]}
     kl_inputs = []  # (logp, ref_logp) of every micro-batch's KL term
     kl_loss = update_module.kl_loss
-    monkeypatch.setattr(update_module, "kl_loss", lambda logp, ref, *a: kl_inputs.append((logp.detach(), ref))
-                        or kl_loss(logp, ref, *a))  # fmt: skip
+    monkeypatch.setattr(
+        update_module, "kl_loss", lambda logp, ref, *a: kl_inputs.append((logp.detach(), ref)) or kl_loss(logp, ref, *a)
+    )
     trainer = PPOTrainer(small_cfg(**keys, **{"actor.mixed_precision": "bfloat16"}))
     rank = trainer.actor_group.local_rank
     try:
@@ -131,10 +140,22 @@ def test_mixed_precision_needs_fp32_master_weights(small_args, capsys):
 def test_the_demo_learns_under_bf16(small_cfg):
     """The copy task in process (sync mode): a random policy scores about 0.1; 60 steps in bf16 bring the mean reward
     of the last 10 steps to 0.92 (2026-12-03; 0.92 in fp32 too)."""
-    cfg = small_cfg(**{"actor.mixed_precision": "bfloat16", "trainer.total_steps": 60, "trainer.train_batch_size": 32,
-                       "rollout.n": 8, "rollout.groups_per_batch": 8, "actor.lr": 0.003, "actor.micro_batch_size": 256,
-                       "model.hidden_size": 64, "model.num_hidden_layers": 2, "model.num_attention_heads": 4,
-                       "model.intermediate_size": 128, "trainer.eval_prompts": 0})  # fmt: skip
+    cfg = small_cfg(
+        **{
+            "actor.mixed_precision": "bfloat16",
+            "trainer.total_steps": 60,
+            "trainer.train_batch_size": 32,
+            "rollout.n": 8,
+            "rollout.groups_per_batch": 8,
+            "actor.lr": 0.003,
+            "actor.micro_batch_size": 256,
+            "model.hidden_size": 64,
+            "model.num_hidden_layers": 2,
+            "model.num_attention_heads": 4,
+            "model.intermediate_size": 128,
+            "trainer.eval_prompts": 0,
+        }
+    )
     trainer = PPOTrainer(cfg)
     try:
         scores = [r["critic/score/mean"] for r in trainer.fit().records]

@@ -19,8 +19,9 @@ def _stream(model, pool, ids):
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_streamed_view_and_swapped_old_log_probs_equal_the_deep_copy_bitwise(arch, snapshotted, token_batch, weights_of,
-                                                                              assert_same_weights):  # fmt: skip
+def test_streamed_view_and_swapped_old_log_probs_equal_the_deep_copy_bitwise(
+    arch, snapshotted, token_batch, weights_of, assert_same_weights
+):
     model, pool, anchor = snapshotted(arch)
     batch = token_batch(rows=5)
     ids, R = batch.input_ids, batch.response_length
@@ -46,8 +47,14 @@ def test_schedule_follows_the_forward_order_and_streams_a_tied_weight_twice(snap
     model, pool, _ = snapshotted("gpt2-tied")
     ids = token_batch().input_ids
     schedule = trace_schedule(model, lambda: forward_logits(model, ids[:1]))
-    assert [b.name for b in schedule.blocks] == ["transformer.wte", "transformer.wpe", "transformer.h.0",
-                                                 "transformer.h.1", "transformer.ln_f", "lm_head"]  # fmt: skip
+    assert [b.name for b in schedule.blocks] == [
+        "transformer.wte",
+        "transformer.wpe",
+        "transformer.h.0",
+        "transformer.h.1",
+        "transformer.ln_f",
+        "lm_head",
+    ]
     steps = schedule.steps
     assert steps[0] == ["transformer.wte.weight"] and steps[-1] == ["lm_head.weight"]
     views = pool.view(0)
@@ -60,8 +67,13 @@ def test_schedule_follows_the_forward_order_and_streams_a_tied_weight_twice(snap
 def test_schedule_of_qwen2_is_embedding_layers_norm_head(snapshotted, token_batch):
     model, _, _ = snapshotted("qwen2")
     schedule = trace_schedule(model, lambda: forward_logits(model, token_batch().input_ids[:1]))
-    assert [b.name for b in schedule.blocks] == ["model.embed_tokens", "model.layers.0", "model.layers.1",
-                                                 "model.norm", "lm_head"]  # fmt: skip
+    assert [b.name for b in schedule.blocks] == [
+        "model.embed_tokens",
+        "model.layers.0",
+        "model.layers.1",
+        "model.norm",
+        "lm_head",
+    ]
     assert len(schedule.steps[1]) == len(list(model.model.layers[0].parameters()))
 
 
@@ -227,8 +239,10 @@ def test_a_blocks_own_hooks_see_the_slot_weights(snapshotted, token_batch):
     stream = _stream(model, pool, ids)
     layer = model.model.layers[0]
     seen = []
-    handles = [layer.register_forward_pre_hook(lambda m, a: seen.append(m.self_attn.q_proj.weight.data_ptr())),
-               layer.register_forward_hook(lambda m, a, o: seen.append(m.self_attn.q_proj.weight.data_ptr()))]
+    handles = [
+        layer.register_forward_pre_hook(lambda m, a: seen.append(m.self_attn.q_proj.weight.data_ptr())),
+        layer.register_forward_hook(lambda m, a, o: seen.append(m.self_attn.q_proj.weight.data_ptr())),
+    ]
     with torch.no_grad():
         forward_logits(model, ids, stream)
     for handle in handles:

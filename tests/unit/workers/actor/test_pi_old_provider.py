@@ -66,9 +66,14 @@ class SpySource(PiOldSource):
 
 def make_batch() -> TrainBatch:
     gen = torch.Generator().manual_seed(0)
-    return TrainBatch(torch.randint(0, 5, (4, 6), generator=gen), torch.ones(4, 3, dtype=torch.bool),
-                      -torch.rand(4, 3, generator=gen), torch.zeros(4), torch.arange(4) // 2,
-                      torch.zeros(2, dtype=torch.long))  # fmt: skip
+    return TrainBatch(
+        torch.randint(0, 5, (4, 6), generator=gen),
+        torch.ones(4, 3, dtype=torch.bool),
+        -torch.rand(4, 3, generator=gen),
+        torch.zeros(4),
+        torch.arange(4) // 2,
+        torch.zeros(2, dtype=torch.long),
+    )
 
 
 def test_auto_between_its_checks_asks_the_source_for_nothing_and_on_a_check_cycle_for_every_trigger():

@@ -23,8 +23,15 @@ def run(switch, errs, triggers=2, interp=0.5):
 
 def test_checks_that_pass_stay_loglinear_between_checks():
     seen = run(AutoProxSwitch(check_every=3, max_is_err=0.01), [0.002] * 7)
-    assert [s[0] for s in seen] == ["recompute", "loglinear", "loglinear", "recompute", "loglinear", "loglinear",
-                                    "recompute"]  # fmt: skip
+    assert [s[0] for s in seen] == [
+        "recompute",
+        "loglinear",
+        "loglinear",
+        "recompute",
+        "loglinear",
+        "loglinear",
+        "recompute",
+    ]
     assert [s[1] for s in seen] == [True, False, False, True, False, False, True]
     assert seen[0][2] == 0.002 and seen[1][2] is None
 
@@ -34,8 +41,17 @@ def test_a_failed_check_switches_to_recompute_and_a_passing_one_back():
     seen = run(AutoProxSwitch(check_every=2, max_is_err=0.01), errs)
     # cycle 0 checks (passes), 1 loglinear, 2 checks (fails: 0.5), 3-5 recompute and check each cycle (0.5, 0.03,
     # 0.02 fail), 6 checks and passes (0.004), 7 loglinear (its 0.5 goes unseen), 8 checks and fails
-    assert [s[0] for s in seen] == ["recompute", "loglinear", "recompute", "recompute", "recompute", "recompute",
-                                    "recompute", "loglinear", "recompute"]  # fmt: skip
+    assert [s[0] for s in seen] == [
+        "recompute",
+        "loglinear",
+        "recompute",
+        "recompute",
+        "recompute",
+        "recompute",
+        "recompute",
+        "loglinear",
+        "recompute",
+    ]
     assert [s[2] for s in seen] == [0.002, None, 0.5, 0.5, 0.03, 0.02, 0.004, None, 0.5]
 
 
@@ -92,9 +108,16 @@ def run_auto(small_cfg, lr, cycles, fresh_from=None):
         make_rank,
     )
 
-    rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "auto", "algorithm.prox_check_every": 2,
-                                   "trainer.parameter_sync_step": 2, "trainer.train_batch_size": 8,
-                                   "actor.lr": lr})  # fmt: skip
+    rank = make_rank(
+        small_cfg,
+        **{
+            "algorithm.prox_logp_method": "auto",
+            "algorithm.prox_check_every": 2,
+            "trainer.parameter_sync_step": 2,
+            "trainer.train_batch_size": 8,
+            "actor.lr": lr,
+        },
+    )
     assert rank.pi_old.source.name == "slot" and rank.pi_old.method.name == "auto"
     batch, adv = make_batch(rank.model)
     batch.behav_logp = rank.score(rank.model, batch)
@@ -111,8 +134,10 @@ def run_auto(small_cfg, lr, cycles, fresh_from=None):
 
 
 def methods_and_errors(per_cycle):
-    return ([[m["prox_approx/method"] for m in metrics] for metrics, _ in per_cycle],
-            [metrics[1].get("prox_approx/is_weight_abs_err_mean") for metrics, _ in per_cycle])  # fmt: skip
+    return (
+        [[m["prox_approx/method"] for m in metrics] for metrics, _ in per_cycle],
+        [metrics[1].get("prox_approx/is_weight_abs_err_mean") for metrics, _ in per_cycle],
+    )
 
 
 def test_auto_on_a_rank_stays_loglinear_while_checks_pass(small_cfg):

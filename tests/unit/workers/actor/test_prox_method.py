@@ -16,8 +16,10 @@ from dppo.workers.actor.rank import ActorRank
 
 P, R, V, B = 3, 5, 12, 11
 # Rejects a good part of the tokens of the batch below, and whole sequences through the seq option.
-REJECTION = {"algorithm.rollout_correction.rollout_rs": "token_k1,seq_max_k2",
-             "algorithm.rollout_correction.rollout_rs_threshold": "1.5,0.5"}  # fmt: skip
+REJECTION = {
+    "algorithm.rollout_correction.rollout_rs": "token_k1,seq_max_k2",
+    "algorithm.rollout_correction.rollout_rs_threshold": "1.5,0.5",
+}
 
 
 def make_rank(small_cfg, **extra) -> ActorRank:
@@ -38,9 +40,14 @@ def make_batch(model, versions=(0, 0, 0, 0)) -> tuple[TrainBatch, torch.Tensor]:
     with torch.no_grad():
         logits = model(input_ids=input_ids).logits[:, P - 1 : -1]
         behav = torch.log_softmax(logits.float(), -1).gather(-1, input_ids[:, P:, None])[..., 0]
-    batch = TrainBatch(input_ids=input_ids, response_mask=mask, behav_logp=behav + 0.3 * torch.randn(B, R, generator=gen),
-                       scores=torch.rand(B, generator=gen), group_index=torch.arange(B) // 3,
-                       versions=torch.tensor(versions))  # fmt: skip
+    batch = TrainBatch(
+        input_ids=input_ids,
+        response_mask=mask,
+        behav_logp=behav + 0.3 * torch.randn(B, R, generator=gen),
+        scores=torch.rand(B, generator=gen),
+        group_index=torch.arange(B) // 3,
+        versions=torch.tensor(versions),
+    )
     return batch, torch.randn(B, R, generator=gen)
 
 
@@ -110,16 +117,24 @@ def test_is_batch_normalization_keeps_the_separate_pass(small_cfg):
 
 def test_loglinear_prox_in_the_loss_is_loglinear_prox_log_prob(small_cfg, monkeypatch):
     monkeypatch.setattr(dppo.snapshot, "SnapshotPool", None)  # loglinear must make no pool at all
-    rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "loglinear", "trainer.parameter_sync_step": 4,
-                                   "trainer.train_batch_size": 8})  # fmt: skip
+    rank = make_rank(
+        small_cfg,
+        **{"algorithm.prox_logp_method": "loglinear", "trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8},
+    )
     assert rank.pi_old.source.pool is None and rank.pi_old.source.name == "none"
     batch, adv = make_batch(rank.model, versions=(1, 2, 3, 3))  # optimizer steps 4, 8, 12, 12
     theta = rank.score(copy.deepcopy(rank.model), batch)  # (B, R) log pi_theta before the step, independently
     seen = capture_prox_of_loss(monkeypatch)
     forwards = count_forwards(rank.model)
     rank.update_actor(2, batch, adv, 3)  # v_prox = 12, v_theta = 14
-    expected = loglinear_prox_log_prob(theta, batch.behav_logp, batch.response_mask, v_prox=12, v_theta=14,
-                                       v_behav=torch.tensor([4, 8, 12, 12])[batch.group_index])  # fmt: skip
+    expected = loglinear_prox_log_prob(
+        theta,
+        batch.behav_logp,
+        batch.response_mask,
+        v_prox=12,
+        v_theta=14,
+        v_behav=torch.tensor([4, 8, 12, 12])[batch.group_index],
+    )
     used = torch.cat(seen)
     mask = batch.response_mask
     torch.testing.assert_close(used[mask], expected[mask], rtol=0, atol=0)
@@ -134,8 +149,15 @@ def test_loglinear_prox_in_the_loss_is_loglinear_prox_log_prob(small_cfg, monkey
 
 
 def test_metrics_reports_loglinear_error_against_the_exact_prox(small_cfg):
-    rank = make_rank(small_cfg, **{"algorithm.prox_logp_method": "metrics", "trainer.parameter_sync_step": 4,
-                                   "trainer.train_batch_size": 8, "actor.lr": 0.05})  # fmt: skip
+    rank = make_rank(
+        small_cfg,
+        **{
+            "algorithm.prox_logp_method": "metrics",
+            "trainer.parameter_sync_step": 4,
+            "trainer.train_batch_size": 8,
+            "actor.lr": 0.05,
+        },
+    )
     batch, adv = make_batch(rank.model, versions=(0, 1, 1, 1))
     anchor = copy.deepcopy(rank.model)  # pi_prox: the cycle-start weights (version 1, step 4)
     rank.update_actor(0, batch, adv, 1)

@@ -37,8 +37,16 @@ def test_auto_picks_the_fastest_reader_that_fits(device, tier, streamable, expec
 
 def strategy_cfg(small_cfg, ps=4, **extra):
     # snapshot.score_ahead=false: the readers of slot 0 are under test, which sync mode's score-ahead would not use
-    return small_cfg(**{"trainer.parameter_sync_step": ps, "trainer.train_batch_size": 2 * ps,
-                        "trainer.total_steps": 1, "actor.lr": 0.05, "snapshot.score_ahead": False, **extra})  # fmt: skip
+    return small_cfg(
+        **{
+            "trainer.parameter_sync_step": ps,
+            "trainer.train_batch_size": 2 * ps,
+            "trainer.total_steps": 1,
+            "actor.lr": 0.05,
+            "snapshot.score_ahead": False,
+            **extra,
+        }
+    )
 
 
 def read_embedding_outside_its_block(model):
@@ -66,8 +74,9 @@ class _FakeTierPool:
         return getattr(self._pool, name)
 
 
-@pytest.mark.parametrize("tier, model_streamable, expected", [
-    ("device", True, "view"), ("host", True, "stream"), ("host", False, "swap")])  # fmt: skip
+@pytest.mark.parametrize(
+    "tier, model_streamable, expected", [("device", True, "view"), ("host", True, "stream"), ("host", False, "swap")]
+)
 def test_auto_on_a_cuda_like_strategy_picks_by_tier_and_model(small_cfg, monkeypatch, tier, model_streamable, expected):
     monkeypatch.setattr(SlotSource, "device_type", property(lambda self: "cuda"))
     trainer = PPOTrainer(strategy_cfg(small_cfg))
@@ -110,7 +119,9 @@ def test_stream_out_of_device_memory_warns_and_swaps_with_the_same_old_log_probs
     from dppo._errors import SnapshotMemoryError
     from dppo.workers.actor.streaming import StreamedWeights
 
-    trainer = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "stream", "trainer.verify_old_log_prob": True}))
+    trainer = PPOTrainer(
+        strategy_cfg(small_cfg, **{"snapshot.strategy": "stream", "trainer.verify_old_log_prob": True})
+    )
     source = trainer.actor_group.local_rank.pi_old.source
     score = source.score
 
@@ -174,8 +185,14 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
     source = rank.pi_old.source
     before = {name: p.detach().clone() for name, p in rank.model.named_parameters()}
     ids = torch.randint(0, trainer.source.vocab_size, (8, 10), generator=torch.Generator().manual_seed(0))
-    batch = TrainBatch(ids, torch.ones(8, 4, dtype=torch.bool), torch.zeros(8, 4), torch.zeros(8),
-                       torch.arange(8), torch.zeros(8, dtype=torch.long))  # fmt: skip
+    batch = TrainBatch(
+        ids,
+        torch.ones(8, 4, dtype=torch.bool),
+        torch.zeros(8, 4),
+        torch.zeros(8),
+        torch.arange(8),
+        torch.zeros(8, dtype=torch.long),
+    )
     start = time.perf_counter()
     assert source.compute(0, batch) is None  # save(0); pi_old's log-probs will be the training forward's own
     assert time.perf_counter() - start < delay_s, "the save must not block the training forward pass"

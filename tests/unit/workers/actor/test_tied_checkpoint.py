@@ -7,8 +7,15 @@ from transformers import Qwen2Config, Qwen2ForCausalLM
 from dppo.checkpoint.hf_model import model_with_weights
 from dppo.workers.actor.sharded_state import load_full_weights, load_sharded, save_sharded
 
-CONFIG = Qwen2Config(vocab_size=4000, hidden_size=32, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
-                     num_key_value_heads=1, tie_word_embeddings=True)  # fmt: skip
+CONFIG = Qwen2Config(
+    vocab_size=4000,
+    hidden_size=32,
+    intermediate_size=16,
+    num_hidden_layers=1,
+    num_attention_heads=2,
+    num_key_value_heads=1,
+    tie_word_embeddings=True,
+)
 
 
 def trained() -> tuple[Qwen2ForCausalLM, torch.optim.AdamW]:

@@ -68,12 +68,14 @@ def reference_loss(model, batch, prox, adv, ref, actor_cfg, rc, bypass):
     logp = log_probs_from_logits(logits, batch.input_ids[:, P:])
     mode = actor_cfg.loss_agg_mode
     if bypass:
-        _, keep, _ = compute_rollout_correction_and_rejection_mask(logp.detach(), batch.behav_logp,
-                                                                   batch.response_mask, rc)  # fmt: skip
+        _, keep, _ = compute_rollout_correction_and_rejection_mask(
+            logp.detach(), batch.behav_logp, batch.response_mask, rc
+        )
         pg, m = bypass_policy_loss(logp, batch.behav_logp, adv, batch.response_mask, rc, loss_agg_mode=mode)
     else:
-        weights, keep, _ = compute_rollout_correction_and_rejection_mask(prox, batch.behav_logp,
-                                                                         batch.response_mask, rc)  # fmt: skip
+        weights, keep, _ = compute_rollout_correction_and_rejection_mask(
+            prox, batch.behav_logp, batch.response_mask, rc
+        )
         pg, m = policy_loss(logp, prox, adv, keep, weights=weights, loss_agg_mode=mode)
     assert 0 < keep.sum() < batch.response_mask.sum()  # the case under test: some tokens rejected, not all
     bonus, em = entropy_bonus(entropy_from_logits(logits), keep, actor_cfg.entropy_coeff, mode)
@@ -166,9 +168,14 @@ def test_a_mini_batch_past_the_kl_bound_takes_no_step_and_leaves_adam_as_it_was(
     for i, tensors in state.items():
         for key, value in tensors.items():
             assert torch.equal(after[i][key], value), (i, key)
-    assert "actor/skipped_updates" not in update_policy(model, optimizer, batch,  # the guard off: no such metric
-                                                        decoupled_objective(ActorConfig(micro_batch_size=4), rc)(batch, prox, adv),
-                                                        ActorConfig(micro_batch_size=4), 1.0)  # fmt: skip
+    assert "actor/skipped_updates" not in update_policy(
+        model,
+        optimizer,
+        batch,  # the guard off: no such metric
+        decoupled_objective(ActorConfig(micro_batch_size=4), rc)(batch, prox, adv),
+        ActorConfig(micro_batch_size=4),
+        1.0,
+    )
 
 
 class TwoRanks:

@@ -17,9 +17,16 @@ from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 
 def _group(version: int) -> Group:
     g = torch.Generator().manual_seed(version)
-    return Group(torch.randint(0, 9, (3,), generator=g), torch.randint(0, 9, (2, 4), generator=g),
-                 torch.rand(2, 4, generator=g) > 0.3, -torch.rand(2, 4, generator=g), torch.rand(2, generator=g), version,
-                 reward_extra={"acc": torch.tensor([1.0, float("nan")])}, baseline_score=0.25)  # fmt: skip
+    return Group(
+        torch.randint(0, 9, (3,), generator=g),
+        torch.randint(0, 9, (2, 4), generator=g),
+        torch.rand(2, 4, generator=g) > 0.3,
+        -torch.rand(2, 4, generator=g),
+        torch.rand(2, generator=g),
+        version,
+        reward_extra={"acc": torch.tensor([1.0, float("nan")])},
+        baseline_score=0.25,
+    )
 
 
 def _pickled(values) -> bytes:
@@ -31,23 +38,25 @@ def test_the_buffer_process_runs_without_torch():
     # A fresh interpreter (this one has imported torch): import the module, unpickle what a worker sends, run the
     # buffer's whole round (publish, acquire, put, stats, take) and pickle what the trainer gets, all without torch.
     sent = _pickled(([StoredGroup.of(_group(0)), StoredGroup.of(_group(0))], SyncCost.of(WeightSync(0.5, 100, 0.25))))
-    code = ("import asyncio, pickle, sys\n"
-            "from dppo.workers.rollout.replay_buffer import ReplayBufferActor\n"
-            "groups, sync = pickle.loads(sys.stdin.buffer.read())\n"
-            "async def main():\n"
-            "    buf = ReplayBufferActor(1, 'wait', 2)\n"
-            "    await buf.publish(['weights'], 0)\n"
-            "    ticket = await buf.acquire(-1, 2, 7)\n"
-            "    await buf.put(groups, ticket.first, 7, sync)\n"
-            "    stats = buf.stats()\n"
-            "    assert stats['rollout/weight_sync_bytes'] == 100 and stats['replay/size'] == 2, stats\n"
-            "    return await buf.take(2, 0)\n"
-            "taken = asyncio.run(main())\n"
-            "assert [g.index for g in taken[0]] == [0, 1], taken\n"
-            "loaded = sorted(m for m in ('torch', 'transformers', 'dppo.batch', 'dppo.workers.rollout.worker',\n"
-            "                            'dppo.workers.rollout.engines') if m in sys.modules)\n"
-            "assert loaded == [], loaded\n"
-            "sys.stdout.buffer.write(pickle.dumps(taken))\n")  # fmt: skip
+    code = (
+        "import asyncio, pickle, sys\n"
+        "from dppo.workers.rollout.replay_buffer import ReplayBufferActor\n"
+        "groups, sync = pickle.loads(sys.stdin.buffer.read())\n"
+        "async def main():\n"
+        "    buf = ReplayBufferActor(1, 'wait', 2)\n"
+        "    await buf.publish(['weights'], 0)\n"
+        "    ticket = await buf.acquire(-1, 2, 7)\n"
+        "    await buf.put(groups, ticket.first, 7, sync)\n"
+        "    stats = buf.stats()\n"
+        "    assert stats['rollout/weight_sync_bytes'] == 100 and stats['replay/size'] == 2, stats\n"
+        "    return await buf.take(2, 0)\n"
+        "taken = asyncio.run(main())\n"
+        "assert [g.index for g in taken[0]] == [0, 1], taken\n"
+        "loaded = sorted(m for m in ('torch', 'transformers', 'dppo.batch', 'dppo.workers.rollout.worker',\n"
+        "                            'dppo.workers.rollout.engines') if m in sys.modules)\n"
+        "assert loaded == [], loaded\n"
+        "sys.stdout.buffer.write(pickle.dumps(taken))\n"
+    )
     out = subprocess.run([sys.executable, "-c", code], input=sent, capture_output=True, timeout=300)
     assert out.returncode == 0, out.stderr.decode()[-2000:]
     stored, dropped = pickle.loads(out.stdout)

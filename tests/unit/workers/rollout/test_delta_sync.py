@@ -37,8 +37,16 @@ def test_signed_zero_counts_as_a_change():
 
 
 def test_a_fused_layer_is_reloaded_whole():
-    names = ["m.l0.attn.q_proj.weight", "m.l0.attn.q_proj.bias", "m.l0.attn.k_proj.weight", "m.l0.attn.v_proj.weight",
-             "m.l0.attn.o_proj.weight", "m.l1.attn.q_proj.weight", "m.l1.attn.k_proj.weight", "m.l1.attn.v_proj.weight"]
+    names = [
+        "m.l0.attn.q_proj.weight",
+        "m.l0.attn.q_proj.bias",
+        "m.l0.attn.k_proj.weight",
+        "m.l0.attn.v_proj.weight",
+        "m.l0.attn.o_proj.weight",
+        "m.l1.attn.q_proj.weight",
+        "m.l1.attn.k_proj.weight",
+        "m.l1.attn.v_proj.weight",
+    ]
     weights = {name: torch.zeros(1) for name in names}
     packed = {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}
     chosen = reload_groups(weights, ["m.l0.attn.k_proj.weight"], packed)

@@ -15,8 +15,14 @@ from dppo.models import build_model
 from dppo.batch import collate, left_pad
 from dppo.workers.rollout.worker import RolloutGenerator
 
-TINY = ["task.length=3", "rollout.n=3", "model.hidden_size=32", "model.num_hidden_layers=1",
-        "model.num_attention_heads=2", "model.intermediate_size=64"]  # fmt: skip
+TINY = [
+    "task.length=3",
+    "rollout.n=3",
+    "model.hidden_size=32",
+    "model.num_hidden_layers=1",
+    "model.num_attention_heads=2",
+    "model.intermediate_size=64",
+]
 
 
 def generator_for(*overrides):
@@ -35,15 +41,18 @@ def test_remax_groups_carry_the_greedy_responses_score():
     # the same prompts decoded greedily by hand, scored by the task
     prompts = [g.prompt for g in groups]
     ids, _ = left_pad([p.numpy() for p in prompts], source.pad_token)
-    responses, mask = sample_responses(model, ids, gen.engine.max_new_tokens, 0.0, None, source.eos_token, source.pad_token)
+    responses, mask = sample_responses(
+        model, ids, gen.engine.max_new_tokens, 0.0, None, source.eos_token, source.pad_token
+    )
     task_prompts = Prompts(ids.numpy())  # an integer task's prompts: token ids, no meta
     expected = [float(s) for s in source.score(task_prompts, responses.numpy(), mask.numpy()).scores]
     assert [g.baseline_score for g in groups] == pytest.approx(expected)
     batch = collate(groups, source.pad_token)
     assert torch.equal(batch.reward_baselines, torch.tensor(expected).repeat_interleave(3))
     assert torch.equal(batch[3:7].reward_baselines, batch.reward_baselines[3:7])
-    adv = get_advantage_estimator("remax")(batch.scores, batch.group_index, batch.response_mask,
-                                           reward_baselines=batch.reward_baselines)  # fmt: skip
+    adv = get_advantage_estimator("remax")(
+        batch.scores, batch.group_index, batch.response_mask, reward_baselines=batch.reward_baselines
+    )
     row = 4
     valid = batch.response_mask[row]
     assert torch.allclose(adv[row][valid], batch.scores[row] - batch.reward_baselines[row])

@@ -10,8 +10,14 @@ from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
 
 def group(version: int) -> Group:
-    return Group(torch.zeros(3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool),
-                 torch.zeros(2, 4), torch.zeros(2), version)  # fmt: skip
+    return Group(
+        torch.zeros(3, dtype=torch.long),
+        torch.zeros(2, 4, dtype=torch.long),
+        torch.ones(2, 4, dtype=torch.bool),
+        torch.zeros(2, 4),
+        torch.zeros(2),
+        version,
+    )
 
 
 def test_no_ticket_before_weights_and_tickets_carry_newer_weights_only():
@@ -82,13 +88,21 @@ def test_wait_strategy_takes_in_grant_order_so_a_slow_workers_groups_never_go_st
     assert (slow.first, fast.first) == (0, 1)
     buf.put([group(0)], fast.first)
     assert buf.take(1, trainer_version=0) is None  # grant 0 is still in flight: nothing is popped
-    assert buf.stats() == {"replay/size": 1.0, "replay/in_flight": 1.0, "replay/dropped_total": 0.0,
-                           "replay/regranted_total": 0.0}  # fmt: skip
+    assert buf.stats() == {
+        "replay/size": 1.0,
+        "replay/in_flight": 1.0,
+        "replay/dropped_total": 0.0,
+        "replay/regranted_total": 0.0,
+    }
     buf.put([group(0)], slow.first)
     taken, dropped = buf.take(2, trainer_version=0)
     assert [g.version for g in taken] == [0, 0] and dropped == 0
-    assert buf.stats() == {"replay/size": 0.0, "replay/in_flight": 0.0, "replay/dropped_total": 0.0,
-                           "replay/regranted_total": 0.0}  # fmt: skip
+    assert buf.stats() == {
+        "replay/size": 0.0,
+        "replay/in_flight": 0.0,
+        "replay/dropped_total": 0.0,
+        "replay/regranted_total": 0.0,
+    }
     with pytest.raises(ValueError, match="put of 1 groups at grant index 0 by holder None: no outstanding ticket"):
         buf.put([group(0)], slow.first)  # the same ticket twice
 

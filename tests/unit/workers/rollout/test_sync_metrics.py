@@ -8,8 +8,17 @@ from dppo.workers.rollout.replay_buffer import ReplayBufferCore
 
 
 def _groups(count: int) -> list[Group]:
-    return [Group(torch.zeros(3, dtype=torch.long), torch.zeros(2, 4, dtype=torch.long), torch.ones(2, 4, dtype=torch.bool),
-                  torch.zeros(2, 4), torch.zeros(2), 0) for _ in range(count)]  # fmt: skip
+    return [
+        Group(
+            torch.zeros(3, dtype=torch.long),
+            torch.zeros(2, 4, dtype=torch.long),
+            torch.ones(2, 4, dtype=torch.bool),
+            torch.zeros(2, 4),
+            torch.zeros(2),
+            0,
+        )
+        for _ in range(count)
+    ]
 
 
 def test_the_latest_load_of_each_live_worker_is_reported():

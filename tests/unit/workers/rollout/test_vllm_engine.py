@@ -17,8 +17,14 @@ pytestmark = pytest.mark.vllm
 TEMPERATURE = 0.7
 EOS, PAD = 3, 0
 # head size 32: vLLM's CPU attention has no kernel below 32; 256 positions: room for the two-block prompt below
-CONFIG = tiny_model_config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                           intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+CONFIG = tiny_model_config(
+    vocab_size=32,
+    hidden_size=64,
+    num_hidden_layers=2,
+    num_attention_heads=2,
+    intermediate_size=128,
+    max_position_embeddings=512,
+)
 
 
 def _model(seed: int):
@@ -89,7 +95,9 @@ def test_behavior_logp_match_the_trainer_before_and_after_a_sync(engine):
     before = engine.sample(prompts, 4)
     assert before.response_mask.sum() > 8 and before.responses.shape == before.behav_logp.shape
     assert _max_logp_error(model, before, prompts, 4) <= 1e-4
-    for row, length in enumerate(before.response_mask.sum(1).tolist()):  # a response shorter than the limit ended on EOS
+    for row, length in enumerate(
+        before.response_mask.sum(1).tolist()
+    ):  # a response shorter than the limit ended on EOS
         assert length == 12 or before.responses[row, length - 1] == EOS
     _perturb(model, 0.2, seed=1)
     sync = engine.load_weights(model.state_dict())
@@ -197,8 +205,14 @@ def test_a_tied_model_synced_by_delta_from_full_weights_matches_a_full_sync():
     it): the delta engine holds it once and reloads it under both names whenever it changes."""
     from transformers import Qwen2ForCausalLM
 
-    config = tiny_model_config(vocab_size=32, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
-                               intermediate_size=128, max_position_embeddings=512)  # fmt: skip
+    config = tiny_model_config(
+        vocab_size=32,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=128,
+        max_position_embeddings=512,
+    )
     config.tie_word_embeddings = True
     torch.manual_seed(5)
     model = Qwen2ForCausalLM(config).eval()
@@ -223,8 +237,6 @@ def test_a_tied_model_synced_by_delta_from_full_weights_matches_a_full_sync():
         delta.close()
 
 
-
-
 def test_a_ticket_whose_prompts_exceed_vllms_default_prefill_budget_is_prefilled_in_one_step():
     """32 prompts x 8 samples of 48-token prompts: 12,288 prefill tokens, past vLLM's CPU default of 4,096 per step.
     vLLM would prefill them in chunks and rewind each chunked seeded request's generator, which a CPU generator
@@ -234,8 +246,16 @@ def test_a_ticket_whose_prompts_exceed_vllms_default_prefill_budget_is_prefilled
     whole), and the samples must still be the ticket's."""
     rng = np.random.default_rng(3)
     prompts = [rng.integers(4, 32, size=48) for _ in range(32)]
-    eng = VLLMEngine(CONFIG, "float32", TEMPERATURE, max_new_tokens=6, eos_token=EOS, pad_token=PAD, max_num_seqs=256,
-                     max_prompt_len=48)  # fmt: skip
+    eng = VLLMEngine(
+        CONFIG,
+        "float32",
+        TEMPERATURE,
+        max_new_tokens=6,
+        eos_token=EOS,
+        pad_token=PAD,
+        max_num_seqs=256,
+        max_prompt_len=48,
+    )
     try:
         budget = eng.llm.llm_engine.vllm_config.scheduler_config.max_num_batched_tokens
         assert budget >= 256 * (48 + 6) > 4096, budget  # 4096: vLLM's default max_num_batched_tokens on the CPU

@@ -20,6 +20,9 @@ def test_a_gpu_from_ray_is_cuda_0_of_the_process():
 
 def test_a_gpu_torch_cannot_use_is_an_error_naming_it(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    with pytest.raises(RuntimeError, match=r"rollout worker 2 was given GPU\(s\) \['3'\] by Ray, but "
-                                           r"torch.cuda.is_available\(\) is False .*CUDA_VISIBLE_DEVICES='3'"):  # fmt: skip
+    with pytest.raises(
+        RuntimeError,
+        match=r"rollout worker 2 was given GPU\(s\) \['3'\] by Ray, but "
+        r"torch.cuda.is_available\(\) is False .*CUDA_VISIBLE_DEVICES='3'",
+    ):
         worker_device(2, [3], cuda_available=False)
