@@ -35,7 +35,6 @@ import torch
 from tqdm.auto import tqdm
 
 from dppo.batch import Group, TrainBatch, collate
-from dppo.checkpoint.hf_model import HF_MODEL_DIR
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
 from dppo.checkpoint.state import CycleProgress, TrainerState
@@ -47,7 +46,7 @@ from dppo.devices import resolve_device
 from dppo.models import policy_config
 from dppo.rng import seed_all
 from dppo.trainer.filter_groups import GroupFilter
-from dppo.trainer.outputs import PublishedPolicy, RunResult, write_results
+from dppo.trainer.outputs import PublishedPolicy, RunResult, finish_run
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
@@ -69,6 +68,23 @@ def _reward_extras(groups: list[Group]) -> dict[str, float]:
 
 def _state_field(name: str) -> property:
     return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value))
+
+
+def _published_policy(cfg: DppoConfig, source: PromptSource, model_config) -> PublishedPolicy:
+    """What the trainer evaluates and saves; with trainer.eval_engine=rollout, decoded by an engine like a worker's."""
+    device = resolve_device(cfg.trainer.device)
+
+    def engine():
+        return make_engine(cfg, source, model_config, device)
+
+    on_engine = cfg.trainer.eval_engine == "rollout"
+    return PublishedPolicy(model_config, cfg.model.dtype, device, source, cfg.model.path, engine if on_engine else None)
+
+
+def _progress_bar(t, initial: int) -> tqdm:
+    """The run's progress bar (t: the trainer section); disabled by trainer.progress_bar=false."""
+    off = not t.progress_bar
+    return tqdm(total=t.total_steps, initial=initial, unit="step", desc="dppo train", disable=off, dynamic_ncols=True)
 
 
 class BaseTrainer:
@@ -94,6 +110,7 @@ class BaseTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = RunCheckpoints(cfg, self.output_dir)
         self.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # how a trigger draws
+        self.pi_old_plan: PiOldPlan = plan_pi_old(cfg)  # which pi_old: the loop asks it whether trigger 0 scores ahead
         self.resumed_from: Path | None = None
         self.trackers, self._resumed_pi_old = Trackers([]), (PI_OLD_LIVE, None)
         if cfg.trainer.resume and resume_point is None:
@@ -126,15 +143,7 @@ class BaseTrainer:
         self.model_config = self.actor_group.model_config()
         if predicted is not None and self.model_config.to_dict() != predicted.to_dict():
             self._close_early_rollout()  # the ranks' model is not what the config said: fit() makes the rollout anew
-        device = resolve_device(cfg.trainer.device)
-        engine = (
-            (lambda: make_engine(cfg, self.source, self.model_config, device))
-            if cfg.trainer.eval_engine == "rollout"
-            else None
-        )
-        self.published = PublishedPolicy(
-            self.model_config, cfg.model.dtype, device, self.source, cfg.model.path, engine
-        )
+        self.published = _published_policy(cfg, self.source, self.model_config)
         tracker_state = self.resume(resume_point) if resume_point is not None else None
         continued = self.state.global_step if self.resumed_from else None
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", resume_step=continued)
@@ -172,11 +181,6 @@ class BaseTrainer:
         """Called after the last trigger of a cycle, before the weights go to the rollout; extra metrics."""
         return {}
 
-    @property
-    def pi_old_plan(self) -> PiOldPlan:
-        """Which pi_old the run uses (dppo.config.pi_old): the loop asks it whether trigger 0 scores ahead."""
-        return plan_pi_old(self.cfg)
-
     def close(self) -> None:
         """Release the actor's ranks, and the rollout the constructor started if fit() never ran."""
         try:
@@ -199,35 +203,16 @@ class BaseTrainer:
         start = time.perf_counter()
         try:
             self._train()
-            try:
-                evaluation = self.published.evaluate(self.response_length)
-            finally:
-                self.published.close()
-            if evaluation and self.metrics.records:  # the final evaluation joins the last step's line
-                self.metrics.amend_last(evaluation)
-                self.trackers.summary(evaluation, self.state.global_step)
-            hf_model_path = self.published.save(self.output_dir / HF_MODEL_DIR)
-            return write_results(
-                self.output_dir,
-                self.metrics.path,
-                self.metrics.records,
-                evaluation,
-                time.perf_counter() - start,
-                hf_model_path,
+            at = self.state.global_step
+            return finish_run(
+                self.published, self.response_length, self.metrics, self.trackers, at, self.output_dir, start
             )
         finally:
             self.trackers.close()
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
-        bar = tqdm(
-            total=t.total_steps,
-            initial=run.global_step,
-            unit="step",
-            desc="dppo train",
-            disable=not t.progress_bar,
-            dynamic_ncols=True,
-        )
+        bar = _progress_bar(t, run.global_step)
         self._early_rollout = False  # from here on fit() closes the rollout, whoever made it
         try:
             if self.rollout is None:
@@ -295,18 +280,10 @@ class BaseTrainer:
         draw = None if held else self.group_filter.fetch(self.rollout, version, progress.pending)
         groups = held.groups if held else draw.groups(self.cfg.groups_per_trigger)
         wait_s = time.perf_counter() - wait_start
-        ahead = (
-            take_ahead(
-                self.pi_old_plan,
-                self.rollout,
-                self.group_filter,
-                version,
-                self.source.pad_token,
-                self.actor_group.score_ahead,
-            )
-            if progress.trigger == 0
-            else None
-        )
+        ahead = None
+        if progress.trigger == 0:  # the cycle's later mini-batches, taken and scored ahead where the plan says so
+            pad, score = self.source.pad_token, self.actor_group.score_ahead
+            ahead = take_ahead(self.pi_old_plan, self.rollout, self.group_filter, version, pad, score)
         batch = collate(groups, self.source.pad_token)  # the ranks move their part of the batch to their device
         metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
         progress.metrics.add({"timing_s/gen_wait": wait_s})

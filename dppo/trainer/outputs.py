@@ -5,6 +5,7 @@ of them (the greedy evaluation, hf_model/, a checkpoint's actor/huggingface/), a
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -12,7 +13,7 @@ from typing import Callable
 import ray
 import torch
 
-from dppo.checkpoint.hf_model import has_tokenizer, model_with_weights, save_hf_model
+from dppo.checkpoint.hf_model import HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict, model_from_config
 from dppo.trainer.evaluation import EngineEvaluation, score_policy
@@ -123,3 +124,20 @@ def write_results(
     return RunResult(
         output_dir, metrics_path, plot_path, summary_path, records, evaluation, summary, wall_s, hf_model_path
     )
+
+
+def finish_run(
+    published: PublishedPolicy, response_length: int, metrics, trackers, step: int, output_dir: Path, start: float
+) -> RunResult:
+    """The end of a run: the final evaluation (joining the last step's line of metrics, a MetricsLog, and the
+    trackers' summary), hf_model/, training_curves.png and summary.json; start: the run's perf_counter at fit()."""
+    try:
+        evaluation = published.evaluate(response_length)
+    finally:
+        published.close()
+    if evaluation and metrics.records:
+        metrics.amend_last(evaluation)
+        trackers.summary(evaluation, step)
+    hf_model_path = published.save(output_dir / HF_MODEL_DIR)
+    wall_s = time.perf_counter() - start
+    return write_results(output_dir, metrics.path, metrics.records, evaluation, wall_s, hf_model_path)
