@@ -227,9 +227,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     work, started = Path(args.work), time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())
     results = []
+    # seed by seed, the settings in turn: a machine that gets busier for a while slows every setting alike
     for ps in args.sync_steps:
-        for setting in args.settings:
-            for seed in args.seeds:
+        for seed in args.seeds:
+            for setting in args.settings:
                 r = run_one(setting, ps, seed, work, Path(args.python))
                 results.append(r)
                 print(
