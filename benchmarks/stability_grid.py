@@ -47,15 +47,27 @@ LR_SCHEDULE = [
     "actor.optim.min_lr_ratio=0.1",
 ]
 KL_GUARD = ["actor.max_ppo_kl=0.1"]
+# dppo's defaults before 2026-12-03 (verl's): a constant lr from the first step. The lr schedule won the grid and became
+# the default; the baseline and each remedy alone keep the constant lr they were measured against.
+CONSTANT_LR = [
+    "actor.optim.lr_scheduler_type=constant",
+    "actor.optim.lr_warmup_steps_ratio=0",
+    "actor.optim.min_lr_ratio=0",
+]
 SETTINGS = {
-    "baseline": [],
+    "baseline": CONSTANT_LR,
     # at most 2 mini-batches' worth of groups a trigger: without a limit the last steps, where nearly every group
     # has one reward, take minutes each on this machine
-    "filter_groups": ["algorithm.filter_groups.enable=true", "algorithm.filter_groups.max_num_gen_batches=2"],
-    "lr_schedule": LR_SCHEDULE,  # a 5% warmup from 0, then a cosine down to 0.1 x lr at the last step
-    "kl_guard": KL_GUARD,
-    "dr_grpo": ["algorithm.norm_adv_by_std_in_grpo=false"],
-    "schedule_and_guard": [*LR_SCHEDULE, *KL_GUARD],  # the combination expected to win
+    "filter_groups": [
+        *CONSTANT_LR,
+        "algorithm.filter_groups.enable=true",
+        "algorithm.filter_groups.max_num_gen_batches=2",
+    ],
+    # a 5% warmup from 0, then a cosine down to 0.1 x lr at the last step: dppo's defaults since 2026-12-03
+    "lr_schedule": LR_SCHEDULE,
+    "kl_guard": [*CONSTANT_LR, *KL_GUARD],
+    "dr_grpo": [*CONSTANT_LR, "algorithm.norm_adv_by_std_in_grpo=false"],
+    "schedule_and_guard": [*LR_SCHEDULE, *KL_GUARD],  # the defaults and the guard
 }
 
 
