@@ -266,7 +266,11 @@ def base_main(args) -> int:
         greedy = score_engine(engine, source, prompts_per_batch=len(source.eval_prompts()))
         greedy_s = time.perf_counter() - start - ready_s
         sampled = score_engine(
-            engine, source, n=BASE_N, seed=cfg.trainer.seed, prompts_per_batch=max(1, vllm_rows(cfg) // BASE_N)
+            engine,
+            source,
+            n=BASE_N,
+            seed=cfg.trainer.seed,
+            prompts_per_batch=max(1, vllm_rows(cfg.rollout, cfg.groups_per_trigger) // BASE_N),
         )
     finally:
         engine.close()

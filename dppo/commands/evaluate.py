@@ -148,7 +148,7 @@ def _score_with_engine(cfg, source, policy: torch.nn.Module, device: torch.devic
     engine = make_engine(cfg, source, policy.config, device)
     try:
         engine.load_weights(policy.state_dict())
-        rows = vllm_rows(cfg)
+        rows = vllm_rows(cfg.rollout, cfg.groups_per_trigger)
         return score_engine(engine, source, n, cfg.trainer.seed, prompts_per_batch=max(1, rows // n))
     finally:
         engine.close()

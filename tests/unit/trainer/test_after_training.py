@@ -234,6 +234,21 @@ def test_eval_samples_rollout_n_per_prompt_when_asked(ws1_run):
         run_eval(last, ["rollout.n=3", "rollout.temperature=0"])
 
 
+def test_eval_through_the_rollouts_engine_reproduces_the_runs_final_evaluation_and_samples(ws1_run):
+    """trainer.eval_engine=rollout: the checkpoint's weights in an engine as rollout.name (hf here) builds it; greedy,
+    it decodes what the run's own evaluation decoded; with rollout.n it samples n per prompt, a batch of prompts at a
+    time sized by the rollout's rows."""
+    from dppo.commands.evaluate import run_eval
+
+    final = ws1_run.metrics.records[-1]
+    expected = {key: final[key] for key in ("eval/reward", "eval/accuracy", "eval/prompts")}
+    last = ws1_run.output_dir / "checkpoints" / "step_00000002"
+    greedy = run_eval(last, ["trainer.eval_engine=rollout"])
+    assert greedy.metrics == expected
+    sampled = run_eval(last, ["trainer.eval_engine=rollout", "rollout.n=3", "rollout.temperature=1.0"])
+    assert sampled.n == 3 and sampled.metrics["eval/prompts"] == 24.0
+
+
 def test_eval_refuses_what_is_neither_a_model_nor_a_checkpoint(tmp_path):
     from dppo.config import ConfigError
     from dppo.commands.evaluate import run_eval
