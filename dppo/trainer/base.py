@@ -110,7 +110,6 @@ class BaseTrainer:
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = RunCheckpoints(cfg, self.output_dir)
         self.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # how a trigger draws
-        self.pi_old_plan: PiOldPlan = plan_pi_old(cfg)  # which pi_old: the loop asks it whether trigger 0 scores ahead
         self.resumed_from: Path | None = None
         self.trackers, self._resumed_pi_old = Trackers([]), (PI_OLD_LIVE, None)
         if cfg.trainer.resume and resume_point is None:
@@ -181,6 +180,11 @@ class BaseTrainer:
         """Called after the last trigger of a cycle, before the weights go to the rollout; extra metrics."""
         return {}
 
+    @property
+    def pi_old_plan(self) -> PiOldPlan:
+        """Which pi_old the run uses (dppo.config.pi_old), of the config as it is now (a test may reconfigure)."""
+        return plan_pi_old(self.cfg)
+
     def close(self) -> None:
         """Release the actor's ranks, and the rollout the constructor started if fit() never ran."""
         try:
@@ -197,16 +201,13 @@ class BaseTrainer:
     # ---- the run ----------------------------------------------------------------------------------
 
     def fit(self) -> RunResult:
-        """Train until trainer.total_steps global steps are done; evaluate, plot and summarize. RolloutFailedError:
-        the rollout failed beyond recovery (the trainer's state was checkpointed first, the message says where);
-        RankDiedError: an actor rank died (the message names it and the last checkpoint)."""
+        """Train until trainer.total_steps global steps are done; evaluate, plot and summarize. RolloutFailedError (the
+        rollout failed beyond recovery; checkpointed first) or RankDiedError (a rank died): the message says where."""
         start = time.perf_counter()
         try:
             self._train()
-            at = self.state.global_step
-            return finish_run(
-                self.published, self.response_length, self.metrics, self.trackers, at, self.output_dir, start
-            )
+            p, m = self.published, self.metrics
+            return finish_run(p, self.response_length, m, self.trackers, self.state.global_step, self.output_dir, start)
         finally:
             self.trackers.close()
 
