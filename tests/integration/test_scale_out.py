@@ -58,6 +58,10 @@ def overrides(output_dir: Path, world_size: int, **extra) -> dict:
         "model.intermediate_size": 64,
         "actor.micro_batch_size": 2,  # 3 micro-batches on each rank, the last one of rank 1 padding only
         "actor.lr": 0.01,
+        # a constant lr: the tests run cycles of a 100-step run themselves, and the default's warmup (10 optimizer
+        # steps from lr 0) would leave the first ones without a step to compare
+        "actor.optim.lr_scheduler_type": "constant",
+        "actor.optim.lr_warmup_steps_ratio": 0,
         "actor.entropy_coeff": 0.01,
         "actor.kl_loss_coef": 0.1,  # a KL reference model, sharded like the policy
         **extra,
