@@ -328,6 +328,9 @@ def test_a_tiny_run_with_the_filter_learns(small_cfg):
             "model.num_attention_heads": 4,
             "model.intermediate_size": 128,
             "algorithm.filter_groups.enable": True,
+            # the lr and step count were chosen with a constant lr (the defaults' cosine lowers it over this short run)
+            "actor.optim.lr_scheduler_type": "constant",
+            "actor.optim.lr_warmup_steps_ratio": 0,
         }
     )
     result = PPOTrainer(cfg).fit()

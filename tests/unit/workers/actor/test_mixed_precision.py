@@ -154,6 +154,9 @@ def test_the_demo_learns_under_bf16(small_cfg):
             "model.num_attention_heads": 4,
             "model.intermediate_size": 128,
             "trainer.eval_prompts": 0,
+            # the lr and step count were chosen with a constant lr (the defaults' cosine lowers it over this short run)
+            "actor.optim.lr_scheduler_type": "constant",
+            "actor.optim.lr_warmup_steps_ratio": 0,
         }
     )
     trainer = PPOTrainer(cfg)
