@@ -77,14 +77,14 @@ def save_hf_model(
             model.config.use_cache = use_cache
         if has_tokenizer(tokenizer_dir):
             AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True).save_pretrained(staging)
-        _replace_dir(staging, out_dir)
+        replace_dir(staging, out_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
 
 
-def _replace_dir(new: Path, target: Path) -> None:
+def replace_dir(new: Path, target: Path) -> None:
     """Put directory new at target; an old target is moved aside first and deleted only once new is in place."""
     old = None
     if target.exists() or target.is_symlink():

@@ -17,6 +17,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
+from dppo.checkpoint.hf_model import replace_dir
+
 
 class OutputPathError(OSError):
     """The output exists (without --force), is of the other kind (a file for a directory), or cannot be written."""
@@ -59,7 +61,7 @@ def staged_output(out: Path, directory: bool) -> Iterator[Path]:
         raise OutputPathError(f"cannot write {str(out)!r}: {err.strerror or type(err).__name__}") from None
     try:
         yield staging
-        _replace(staging, out)
+        replace_dir(staging, out)
     except OutputPathError:
         _remove(staging)
         raise
@@ -75,16 +77,6 @@ def _umask() -> int:
     mask = os.umask(0)
     os.umask(mask)
     return mask
-
-
-def _replace(new: Path, target: Path) -> None:
-    old = None
-    if target.exists() or target.is_symlink():
-        old = Path(tempfile.mkdtemp(prefix=f".{target.name}.old.", dir=target.parent))
-        os.replace(target, old / target.name)
-    os.replace(new, target)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
 
 
 def _remove(path: Path) -> None:
