@@ -4,6 +4,7 @@ offline, each rewarded by its dataset's own verifier (score_answer).
     ReasoningGymSource.from_config(...)           a TextSource over generated problems (sampling, decoding, eval)
     dataset_config_class(name, config)             the dataset's config class; UnknownDatasetError, DatasetConfigError
     generate(name, config, size, seed)             the entries (question, answer, metadata) of items 0..size-1
+    split_entries(rg, run_seed)                    the training and held-out entries of a data.reasoning_gym section
     extract_answer(response, expected) -> str      the answer handed to score_answer
     ReasoningGymScore(name, config)                verl's reward signature over the dataset's score_answer
 
@@ -192,6 +193,22 @@ def _rows(name: str, entries: list[dict], seed: int, suffix: str) -> ParquetRows
     return rows
 
 
+def split_entries(rg, run_seed: int) -> tuple[list[dict], list[dict]]:
+    """(training entries, held-out entries) of the data.reasoning_gym section rg: items 0..size-1 at its seed without
+    the problems whose question is also a held-out one, and items 0..val_size-1 at val_seed (run_seed: trainer.seed,
+    where rg.seed is null). What the source trains and evaluates on; peers' benchmarks read the same problems."""
+    seed, val_seed = rg.resolved_seeds(run_seed)
+    val_entries = generate(rg.dataset, rg.config, rg.val_size, val_seed) if rg.val_size else []
+    held_out = {entry["question"] for entry in val_entries}
+    train_entries = [e for e in generate(rg.dataset, rg.config, rg.size, seed) if e["question"] not in held_out]
+    if not train_entries:
+        raise DatasetConfigError(
+            f"every one of the data.reasoning_gym.size={rg.size} training problems of "
+            f"{rg.dataset!r} is also a held-out one; raise size or lower val_size"
+        )
+    return train_entries, val_entries
+
+
 class ReasoningGymSource(TextSource):
     """A TextSource whose rows are reasoning-gym problems and whose reward is their dataset's verifier: the same
     sampling (every problem once per epoch, shuffled by data.shuffle / data.seed), decoding and evaluation
@@ -210,14 +227,7 @@ class ReasoningGymSource(TextSource):
                 f"the tokenizer of model.path={model_path!r} has no chat template: reasoning-gym prompts "
                 "go to the model as plain text (the question and data.reasoning_gym.prompt_suffix)"
             )
-        val_entries = generate(rg.dataset, rg.config, rg.val_size, val_seed) if rg.val_size else []
-        held_out = {entry["question"] for entry in val_entries}
-        train_entries = [e for e in generate(rg.dataset, rg.config, rg.size, seed) if e["question"] not in held_out]
-        if not train_entries:
-            raise DatasetConfigError(
-                f"every one of the data.reasoning_gym.size={rg.size} training problems of "
-                f"{rg.dataset!r} is also a held-out one; raise size or lower val_size"
-            )
+        train_entries, val_entries = split_entries(rg, run_seed)
 
         def tokenized(entries: list[dict], at_seed: int) -> TextRows:
             return tokenize_rows(
