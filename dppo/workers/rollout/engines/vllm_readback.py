@@ -42,7 +42,8 @@ def _packed_linear(module: torch.nn.Module, name: str, param: torch.Tensor) -> b
 
 def _unpack(module: torch.nn.Module, param: torch.Tensor) -> torch.Tensor:
     """The packed linear's weight (N, K), through its own kernel: linear(I_K) = W^T."""
-    eye = torch.eye(module.input_size_per_partition, dtype=param.dtype)
+    in_features = getattr(module, "input_size_per_partition", None) or module.input_size  # (GateLinear: no partition)
+    eye = torch.eye(in_features, dtype=param.dtype)
     return module.cpu_linear(eye, param, None).t().contiguous()
 
 
