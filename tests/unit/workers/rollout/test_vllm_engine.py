@@ -11,6 +11,7 @@ from dppo.workers.actor.publish_delta import DeltaPublisher  # noqa: E402
 from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from dppo.workers.rollout.worker import load_published  # noqa: E402
 from dppo.workers.weight_delta import bits  # noqa: E402
+from dppo.workers.weight_fingerprint import tied_names  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -198,6 +199,9 @@ def _assert_same_engine_weights(full, delta, model) -> None:
     state = model.state_dict()
     shapes = {name: tuple(t.shape) for name, t in state.items()}
     full_weights, delta_weights = full.engine_weights(shapes), delta.engine_weights(shapes)
+    for alias, owner in tied_names(state).items():  # a tied lm_head: one parameter in vLLM, under the embedding's name
+        assert alias not in full_weights and alias not in delta_weights
+        full_weights[alias], delta_weights[alias] = full_weights[owner], delta_weights[owner]
     assert full_weights.keys() == delta_weights.keys() == state.keys()
     for name, t in full_weights.items():
         assert t.dtype == delta_weights[name].dtype and torch.equal(bits(t), bits(delta_weights[name])), name
