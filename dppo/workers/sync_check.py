@@ -43,12 +43,16 @@ class WeightSyncUnverifiableError(TypeError):
 
 def verify(expected: WeightFingerprint, held: dict[str, TensorPrint], version: int) -> None:
     """WeightSyncMismatchError naming the first tensor (in the checkpoint's order) whose held print differs from the
-    expected one, or that the engine does not hold; held: what the engine reported, by checkpoint name (an alias may
-    be missing where its owner is there)."""
+    expected one, or that the engine does not hold; held: what the engine reported, by checkpoint name. A name the
+    engine holds no tensor of is a tied one (vLLM holds a tied lm_head once, as the embedding): accepted where it is
+    an alias of the publish, or where the engine holds, under another name, a tensor published with the same print
+    (a tie the publish did not keep in memory: an FSDP gather, a per-tensor copy). A reload that dropped a tensor
+    leaves the old one in place, which is reported and differs."""
+    matching = {(p.shape, p.checksum) for name, p in held.items() if expected.tensors.get(name) == p}
     for name, want in expected.tensors.items():
         got = held.get(name)
-        if got is None and name in expected.aliases and expected.aliases[name] in held:
-            got = held[expected.aliases[name]]
+        if got is None and (expected.aliases.get(name) in held or (want.shape, want.checksum) in matching):
+            continue
         if got is None:
             raise WeightSyncMismatchError(name, version, "is missing: the engine reported no such tensor")
         if got.shape != want.shape:

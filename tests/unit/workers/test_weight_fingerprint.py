@@ -61,6 +61,12 @@ def test_the_held_prints_of_the_published_weights_pass_and_a_tied_tensor_may_be_
     verify(expected, held, version=3)
     del held["lm_head.weight"]  # an engine that holds the tied tensor once (vLLM)
     verify(expected, held, version=3)
+    untied = fingerprint({k: v.clone() for k, v in state.items()}, torch.bfloat16)  # a publish that copied each tensor
+    assert untied.aliases == {}
+    verify(untied, held, version=3)  # the engine holds the embedding's print: lm_head is its tie
+    other = dict(state, **{"lm_head.weight": state["embed.weight"] + 1})  # an untied lm_head the engine lacks
+    with pytest.raises(WeightSyncMismatchError, match=r"version 3, the rollout engine's lm_head.weight is missing"):
+        verify(fingerprint(other, torch.bfloat16), held, version=3)
 
 
 def test_the_first_tensor_that_differs_is_named_with_the_version():
@@ -86,3 +92,19 @@ def test_the_error_survives_pickling_with_its_fields():
     err = pickle.loads(pickle.dumps(WeightSyncMismatchError("a.weight", 7, "differs")))
     assert isinstance(err, WeightSyncMismatchError) and (err.tensor, err.version) == ("a.weight", 7)
     assert str(err) == "after loading version 7, the rollout engine's a.weight differs"
+
+
+def test_a_checksum_in_bf16_of_fp32_weights_is_that_of_torchs_bf16_rounding_nans_and_infs_included():
+    """fp32 -> bf16 is rounded in numpy (per chunk): it must give torch's bits, ties, overflow, subnormals and NaNs
+    included, or every check of a bf16 engine fed by an fp32 trainer would fail."""
+    g = torch.Generator().manual_seed(2)
+    t = torch.randn(70_000, generator=g) * torch.logspace(-40, 38, 70_000)
+    t[:8] = torch.tensor([float("nan"), float("inf"), -float("inf"), 3.4e38, -0.0, 1e-40, 1.00390625, 1.01171875])
+    t[8] = torch.tensor(0x7FC12345, dtype=torch.int32).view(torch.float32)  # a NaN with a payload
+    assert checksum(t, torch.bfloat16) == checksum(t.to(torch.bfloat16))
+    assert checksum(t, torch.float16) == checksum(t.to(torch.float16))
+    assert checksum(t, torch.float32) == checksum(t)
+    assert checksum(t) != checksum(torch.where(t.isnan(), 0.0, t))  # a NaN is not a number that went missing
+    other_nan = t.clone()
+    other_nan[0] = -other_nan[0]  # another NaN: counted as the same
+    assert checksum(other_nan) == checksum(t) and checksum(other_nan, torch.bfloat16) == checksum(t, torch.bfloat16)
