@@ -96,6 +96,8 @@ def checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
     modulo 2**64 (as a signed int64). In numpy, single-threaded, a chunk at a time: torch's intra-op threads wait for
     each other at every op, which on a busy machine (rollout workers beside the trainer) made the same loop 10-100x
     slower with 2 threads than with 1, and so did converting the weights to bf16 (done here per chunk instead)."""
+    if tensor.device.type != "cpu":
+        return device_checksum(tensor, dtype)
     flat, convert = _engine_bits(tensor, dtype)  # (n,) integers of the element width
     total = 0
     step = _COLUMNS * _CHUNK_ROWS
@@ -109,6 +111,32 @@ def checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
             row_sums = (rows * _COLUMN_MULTIPLIERS).sum(1, dtype=np.int64)  # (r,), wrapping
             weighted = row_sums * _multipliers(start // _COLUMNS, rows.shape[0], _ROW_MUL, _ROW_ADD)
             total = (total + int(weighted.sum(dtype=np.int64))) & _MASK
+    return total - (1 << 64) if total >> 63 else total
+
+
+_DEVICE_CHUNK = 1 << 24  # elements at a time on a device (128 MiB of int64 temporaries)
+
+
+def device_checksum(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> int:
+    """checksum's value computed with torch where the tensor is (a GPU engine's weights: no copy to the host, and no
+    busy CPU threads to wait for); the same arithmetic, so the same int on any device (modular sums do not depend
+    on the order a GPU reduces in)."""
+    t = tensor.detach()
+    t = t if dtype is None or dtype == t.dtype else t.to(dtype)
+    flat = bits(t.contiguous())  # (n,)
+    if t.dtype in _NAN_BITS:
+        magnitude, inf, nan = _NAN_BITS[t.dtype]
+        flat = torch.where((flat & magnitude) > inf, torch.full_like(flat, nan), flat)
+    columns = torch.from_numpy(_COLUMN_MULTIPLIERS).to(t.device)
+    total = 0
+    for start in range(0, flat.numel(), _DEVICE_CHUNK):
+        chunk = flat[start : start + _DEVICE_CHUNK].to(torch.int64)
+        pad = -chunk.numel() % _COLUMNS
+        if pad:
+            chunk = torch.cat([chunk, chunk.new_zeros(pad)])
+        rows = chunk.view(-1, _COLUMNS)  # (r, C)
+        row_mults = torch.from_numpy(_multipliers(start // _COLUMNS, rows.shape[0], _ROW_MUL, _ROW_ADD)).to(t.device)
+        total = (total + int(((rows * columns).sum(1) * row_mults).sum())) & _MASK
     return total - (1 << 64) if total >> 63 else total
 
 

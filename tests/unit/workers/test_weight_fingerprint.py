@@ -8,7 +8,7 @@ import torch
 
 from dppo.workers.sync_check import TensorPrint, WeightSyncMismatchError, verify
 from dppo.workers.weight_delta import bits
-from dppo.workers.weight_fingerprint import checksum, fingerprint, prints_of
+from dppo.workers.weight_fingerprint import checksum, device_checksum, fingerprint, prints_of
 
 
 def _flipped(t: torch.Tensor, index: int, bit: int) -> torch.Tensor:
@@ -108,3 +108,14 @@ def test_a_checksum_in_bf16_of_fp32_weights_is_that_of_torchs_bf16_rounding_nans
     other_nan = t.clone()
     other_nan[0] = -other_nan[0]  # another NaN: counted as the same
     assert checksum(other_nan) == checksum(t) and checksum(other_nan, torch.bfloat16) == checksum(t, torch.bfloat16)
+
+
+def test_the_device_checksum_gives_the_hosts_value():
+    """A GPU engine's weights are checksummed where they are, with torch: the same arithmetic, the same int (run on
+    the CPU here; benchmarks/gpu_check.sh's cuda tests compare on a GPU)."""
+    g = torch.Generator().manual_seed(3)
+    t = torch.randn(3_000_003, generator=g)
+    t[7] = float("nan")
+    for dtype in (None, torch.bfloat16, torch.float16):
+        assert device_checksum(t, dtype) == checksum(t, dtype), dtype
+    assert device_checksum(torch.zeros(0)) == checksum(torch.zeros(0)) == 0
