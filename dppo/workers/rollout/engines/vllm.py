@@ -38,6 +38,7 @@ import torch
 from dppo.models import DTYPES
 from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
 from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
+from dppo.workers.rollout.engines.vllm_experts import repack_reloaded
 from dppo.workers.rollout.engines.vllm_readback import ReadBack
 from dppo.workers.weight_delta import WeightDelta
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
@@ -220,6 +221,8 @@ class VLLMEngine(RolloutEngine):
 
     def _reload(self, weights: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        # vLLM 0.32's CPU MoE layers skip their prepack on a reload: done here (vllm_experts)
+        self.llm.apply_model(lambda model: repack_reloaded(model, list(weights)))
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:

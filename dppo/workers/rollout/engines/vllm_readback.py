@@ -5,7 +5,8 @@ vLLM keeps weights in its own layout; each of its parameters is mapped back here
 - a fused layer of packed_modules_mapping (qkv_proj of q/k/v_proj, gate_up_proj of gate/up_proj) is sliced along
   its first dimension into its parts, at the sizes the published tensors have;
 - routed experts stacked as w13_weight (E, 2I, H) and w2_weight (E, H, I) are transformers' own stacked
-  experts.gate_up_proj and experts.down_proj, bit for bit (checked on Qwen2-MoE);
+  experts.gate_up_proj and experts.down_proj, bit for bit (checked on Qwen2-MoE), once the CPU build's prepacked
+  layout is undone (vllm_experts);
 - a vocabulary padded past the checkpoint's (embeddings, lm_head) is cut to the checkpoint's rows;
 - a tied lm_head is one parameter with the embedding: named once (the fingerprint's aliases cover the other name);
 - on vLLM's CPU build a linear layer keeps no weight tensor after loading: it packs the weight for oneDNN or its own
@@ -25,6 +26,7 @@ import weakref
 
 import torch
 
+from dppo.workers.rollout.engines.vllm_experts import prepack_isa, unpacked
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint, WeightSyncUnverifiableError
 from dppo.workers.weight_fingerprint import prints_of
 
@@ -88,8 +90,7 @@ class ReadBack:
         """Every parameter of model (run inside llm.apply_model) as checkpoint tensors (views where they can be)."""
         out = {}
         for name, module, param_name, param in _parameters(model):
-            tensor = _unpack(module, param) if _packed_linear(module, param_name, param) else param.detach()
-            out.update(to_checkpoint(name, tensor, shapes, self.packed_modules))
+            out.update(to_checkpoint(name, _held(module, param_name, param), shapes, self.packed_modules))
         return out
 
     def prints(self, model: torch.nn.Module, expected: WeightFingerprint) -> dict[str, TensorPrint]:
@@ -100,7 +101,8 @@ class ReadBack:
         out = {}
         for name, module, param_name, param in _parameters(model):
             if not _packed_linear(module, param_name, param):
-                out.update(prints_of(to_checkpoint(name, param.detach(), shapes, self.packed_modules), dtype))
+                held = _held(module, param_name, param)
+                out.update(prints_of(to_checkpoint(name, held, shapes, self.packed_modules), dtype))
                 continue
             kernel, held = self._unpacked.get(name, (None, None))
             if kernel is None or kernel() is not module.cpu_linear:
@@ -108,6 +110,15 @@ class ReadBack:
                 self._unpacked[name] = (weakref.ref(module.cpu_linear), held)
             out.update(held)
         return out
+
+
+def _held(module: torch.nn.Module, param_name: str, param: torch.Tensor) -> torch.Tensor:
+    """A parameter's weights in the checkpoint's layout: a packed CPU linear's read through its kernel, a CPU MoE
+    layer's prepacked experts unpacked (vllm_experts), any other as it is."""
+    if _packed_linear(module, param_name, param):
+        return _unpack(module, param)
+    isa = prepack_isa(module) if param_name in ("w13_weight", "w2_weight") else None
+    return param.detach() if isa is None else unpacked(param.detach(), isa)
 
 
 def _parameters(model: torch.nn.Module):
