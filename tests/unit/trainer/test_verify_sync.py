@@ -1,6 +1,6 @@
-"""rollout.verify_sync on the hf engine: a load that leaves one tensor as it was is caught, named with the version,
-and restarts a local worker (or ends the run once its restarts are used up, or in-process where nothing can be
-restarted); with the check off it passes unnoticed."""
+"""rollout.verify_sync on the hf engine: a load that leaves one tensor as it was (in-process), or weights garbled on
+their way to a local worker, are caught, named with the version; a local worker is restarted (the run ends once its
+restarts are used up, and in-process, where nothing can be restarted); with the check off it passes unnoticed."""
 
 from __future__ import annotations
 
@@ -11,9 +11,10 @@ from dppo.checkpoint.state import RolloutStart
 from dppo.config import load_config
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config
-from dppo.trainer.rollout import InProcessRollout, LocalRollout, RolloutFailedError
+from dppo.trainer.rollout import InProcessRollout, LocalRollout, RolloutFailedError, local_source
 from dppo.workers.rollout.engines import WeightSync
 from dppo.workers.rollout.engines.hf import HFEngine
+from dppo.workers.rollout.process import SharedState
 from tests.tiny_run import small_overrides
 
 DROPPED = "model.layers.0.mlp.down_proj.weight"
@@ -90,22 +91,39 @@ def test_a_correct_load_passes_the_check(tmp_path):
 
 
 def _local(tmp_path, monkeypatch, max_restarts: int):
-    """A local worker forked while the engine's load drops a tensor (the fork keeps the planted bug; a restarted
-    worker is spawned afresh, without it)."""
+    """A local rollout whose first publish reaches the workers with DROPPED garbled in its shared memory (the planted
+    transport bug), while the trainer's fingerprint is of what it meant to publish. Planted in this process (the
+    workers may be forked or spawned alike)."""
     cfg, source, model_config, state = _setup(
         tmp_path, **{"trainer.mode": "separate_async", "ray.enabled": False, "rollout.max_restarts": max_restarts}
     )
-    _drop_a_tensor(monkeypatch)
+
+    class Garbled(SharedState):
+        def __init__(self, state_dict):
+            super().__init__(state_dict)
+            self.state_dict()[DROPPED].add_(1.0)  # the views are the workers' memory
+
     local = LocalRollout(cfg, source, model_config, RolloutStart(), fork=True)
-    monkeypatch.undo()  # this process's engines load correctly again
+    monkeypatch.setattr(local_source, "SharedState", Garbled)
+    local.publish(state, 0)
+    monkeypatch.undo()
     return cfg, source, model_config, state, local
 
 
-def test_a_local_worker_whose_load_drops_a_tensor_is_restarted_and_its_groups_are_the_right_ones(tmp_path, monkeypatch):
+def _exited(process, timeout_s: float = 120.0) -> None:
+    """Wait for a worker's process to end (it exits once it reported its error)."""
+    process.join(timeout_s)
+    assert process.exitcode == 1, process.exitcode
+
+
+def test_a_local_worker_whose_load_fails_the_check_is_restarted_and_its_groups_are_the_right_ones(
+    tmp_path, monkeypatch
+):
     cfg, source, model_config, state, local = _local(tmp_path, monkeypatch, max_restarts=1)
     reference = InProcessRollout(cfg, source, model_config, RolloutStart())
     try:
-        local.publish(state, 0)
+        _exited(local.workers[0].process)  # it loaded the garbled tensor and failed the check
+        local._published.state_dict()[DROPPED].copy_(state[DROPPED])  # repaired: the next incarnation reads it right
         reference.publish(state, 0)
         got, _ = local.fetch(cfg.groups_per_trigger, 0)
         want, _ = reference.fetch(cfg.groups_per_trigger, 0)
@@ -121,9 +139,8 @@ def test_a_local_worker_whose_load_drops_a_tensor_is_restarted_and_its_groups_ar
 def test_a_local_worker_that_fails_the_check_with_no_restarts_left_ends_the_run_naming_the_tensor(
     tmp_path, monkeypatch
 ):
-    cfg, _, _, state, local = _local(tmp_path, monkeypatch, max_restarts=0)
+    cfg, _, _, _, local = _local(tmp_path, monkeypatch, max_restarts=0)
     try:
-        local.publish(state, 0)
         with pytest.raises(
             RolloutFailedError,
             match=rf"rollout worker 0 failed its weight sync check \(after loading version 0, the rollout engine's "
