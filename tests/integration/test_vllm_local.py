@@ -63,6 +63,7 @@ def test_a_local_async_vllm_run_learns_and_survives_a_killed_worker(tmp_path):
     assert max(r["staleness/max"] for r in steps) == 1  # the rollout ran ahead: asynchronous
     for r in steps:
         assert r["rollout/weight_sync_bytes"] > 0 and r["timing_s/rollout_weight_sync"] > 0
+        assert r["timing_s/weight_sync_verify"] > 0  # rollout.verify_sync (the default): every load checked, passed
     scores = [r["critic/score/mean"] for r in steps]
     assert np.mean(scores[-4:]) > np.mean(scores[:4]) + 0.08, scores
 

@@ -70,6 +70,7 @@ def test_sync_mode_with_vllm_learns_the_demo_task(ray_cluster, tmp_path):
     for r in steps:
         assert r["staleness/max"] == 0.0
         assert r["rollout/weight_sync_bytes"] > 0 and r["timing_s/rollout_weight_sync"] > 0
+        assert r["timing_s/weight_sync_verify"] > 0  # every load checked (rollout.verify_sync, the default)
         # an fp32 engine: pi_behav is pi_old up to other kernels' rounding
         assert abs(r["rollout_corr/kl_k1"]) < 1e-3, r
 
@@ -143,3 +144,4 @@ def test_text_run_with_vllm_tokenizer_and_chat_template(text_example_heads_2, tm
     for r in steps:
         assert 0.0 <= r["critic/score/mean"] <= 1.0 and "reward/extra/exact_match" in r
         assert 0.0 < r["rollout/weight_sync_changed_frac"] <= 1.0
+        assert r["timing_s/weight_sync_verify"] > 0  # rank 0's fingerprint, the delta's load checked against it

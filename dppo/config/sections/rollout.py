@@ -67,6 +67,12 @@ class RolloutConfig:
     """How new weights reach a vllm engine each cycle: full (every tensor) or delta (only the elements whose value
     in the engine's dtype changed since the last sync; bitwise the same engine weights)."""
 
+    verify_sync: bool = True
+    """Check every weight load into a rollout engine: the trainer fingerprints what it publishes (exact per-tensor
+    checksums in the engine's dtype), the worker reads back what its engine holds after the load and compares; a
+    difference names the first tensor that differs and restarts the worker (rollout.max_restarts) or ends the run.
+    Its time: timing_s/weight_sync_verify (vllm engine)."""
+
     dtype: Optional[str] = None
     """The rollout engine's dtype (float32, bfloat16, float16); null: model.dtype. A bfloat16 engine with an fp32
     trainer gives behavior log-probs that differ from the trainer's (algorithm.rollout_correction is for that)."""

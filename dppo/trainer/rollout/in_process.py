@@ -8,9 +8,11 @@ import torch
 from dppo.batch import Group
 from dppo.checkpoint.state import RolloutStart
 from dppo.data.source import PromptSource
-from dppo.trainer.rollout.common import RolloutSettings, buffer_core, cloned_state
+from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, cloned_state
 from dppo.trainer.rollout.source import RolloutSource
 from dppo.workers.rollout.worker import RolloutGenerator
+from dppo.workers.sync_check import WeightSyncMismatchError
+from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
 
 
 class InProcessRollout(RolloutSource):
@@ -21,6 +23,7 @@ class InProcessRollout(RolloutSource):
         reads RolloutSettings.of(cfg)."""
         self.buffer = buffer_core(RolloutSettings.of(cfg), start)
         self.worker = RolloutGenerator(cfg, source, model_config, 0)
+        self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
 
     @property
     def worker_restarts(self) -> int:
@@ -33,7 +36,7 @@ class InProcessRollout(RolloutSource):
         """A copy of state_dict (the rank's CPU state dict: the live tensors, which the cycle's steps move) is what the
         worker loads at its next ticket and what published_weights() gives back."""
         self._published = cloned_state(state_dict)
-        self.buffer.publish(self._published, version)
+        self.buffer.publish(self._published, version, fingerprint_for(self._published, self._print_dtype))
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """The weights of the last publish, exactly as published (the model's dtype)."""
@@ -47,7 +50,10 @@ class InProcessRollout(RolloutSource):
                 raise RuntimeError(f"replay buffer refused to grant groups in sync mode ({self.buffer.stats()})")
             sync = None
             if ticket.weights is not None:
-                sync = self.worker.load_weights(ticket.weights, ticket.version)
+                try:
+                    sync = self.worker.load_weights(ticket.weights, ticket.version, ticket.fingerprint)
+                except WeightSyncMismatchError as err:  # no worker process to restart: the engine is this one
+                    raise RolloutFailedError(f"the rollout engine failed its weight sync check: {err}") from None
             self.worker.seed_ticket(ticket.first)
             self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first, None, sync)
             made += ticket.num_groups

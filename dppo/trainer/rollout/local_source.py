@@ -40,6 +40,8 @@ from dppo.trainer.rollout.common import RolloutSettings, buffer_core
 from dppo.trainer.rollout.supervised import SupervisedRollout, Taken, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.process import SharedState, serve
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+from dppo.workers.sync_check import WeightSyncMismatchError
+from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
 
 POLL_S = 0.5  # how often a waiting fetch looks at the workers' processes
 # Threads a fork may leave behind: they hold no lock while they block (dppo.stopping's watcher reads a pipe).
@@ -73,6 +75,7 @@ class LocalWorker(WorkerRecord):
     process: Any = None
     conn: Any = None
     error: str | None = None  # what it reported before exiting with an error
+    error_type: str | None = None  # the type name of that error
     server: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -87,6 +90,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         super().__init__(RolloutSettings.of(cfg), start)
         self.buffer = _Buffer(buffer_core(self.settings, start))
         self._payload = cloudpickle.dumps((cfg, source, model_config))
+        self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
         ctx = self._context(fork)
         self.workers = [
             self._start(i, self.new_holder(), 0, ctx)  # all forked before any thread
@@ -142,7 +146,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
                 elif message[0] == "put":
                     self.buffer.call("put", message[1], message[2], worker.holder, message[3])
                 elif message[0] == "error":
-                    worker.error = f"{message[1]}: {message[2]}"
+                    worker.error, worker.error_type = f"{message[1]}: {message[2]}", message[1]
         except (EOFError, OSError):
             pass  # the worker exited (or was killed), or close() closed the pipe
         finally:
@@ -155,7 +159,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     def publish(self, state_dict, version: int) -> None:
         """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers."""
         self._published = SharedState(state_dict)
-        self.buffer.call("publish", self._published, version)
+        self.buffer.call("publish", self._published, version, fingerprint_for(state_dict, self._print_dtype))
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """The weights of the last publish, exactly as published: views of the shared-memory copy the workers load."""
@@ -191,6 +195,8 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         # its pipe is closed: the thread reads what the worker sent last, unless it waits for a ticket for the
         # dead worker (it then sends the stop ticket that _restart's release makes, into a closed pipe)
         worker.server.join(timeout=1.0)
+        if worker.error_type == WeightSyncMismatchError.__name__:
+            return WorkerEnd("mismatch", worker.error.split(": ", 1)[1])
         if worker.error is not None:
             return WorkerEnd("raised", worker.error)
         return WorkerEnd("died", _exit_in_words(worker.process.exitcode))

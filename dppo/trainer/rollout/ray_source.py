@@ -30,6 +30,8 @@ from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buf
 from dppo.trainer.rollout.supervised import SupervisedRollout, Taken, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
 from dppo.workers.rollout.worker import RolloutWorkerActor
+from dppo.workers.sync_check import WeightFingerprint, WeightSyncMismatchError
+from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
 
 BUFFER_TIMEOUT_S = 30.0  # how long a liveness check waits for the replay buffer to answer
 
@@ -63,6 +65,7 @@ class RayRollout(SupervisedRollout[RayWorker]):
         # register_task one; text data arrives tokenized, with the tokenizer and the reward function.
         self._worker_args = (cfg, ray.put(source), model_config)
         self._running = False
+        self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
         self.workers = [self._spawn(i, self.new_holder(), 0) for i in range(self.settings.rollout.num_workers)]
 
     def _spawn(self, index: int, holder: int, restarts: int) -> RayWorker:
@@ -85,9 +88,13 @@ class RayRollout(SupervisedRollout[RayWorker]):
     def publish(self, weights, version: int) -> None:
         """weights: [ObjectRef] of a state dict already in the object store (the actor's rank 0 put it there),
         or a state dict, put here once. The buffer hands the reference to each worker at its next boundary."""
-        refs = weights if isinstance(weights, list) else [ray.put(weights)]  # rank 0 put them there, or one put here
+        if isinstance(weights, list):  # rank 0 put them there, and fingerprinted them last (rollout.verify_sync)
+            fingerprint = weights[-1] if isinstance(weights[-1], WeightFingerprint) else None
+            refs = [w for w in weights if not isinstance(w, WeightFingerprint)]
+        else:  # one put here
+            refs, fingerprint = [ray.put(weights)], fingerprint_for(weights, self._print_dtype)
         self._published = refs
-        self._buffer_call("publish", refs, version)
+        self._buffer_call("publish", refs, version, fingerprint)
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """The weights of the last publish, read back from the object store (their owner, the actor's rank 0 or this
@@ -140,6 +147,8 @@ class RayRollout(SupervisedRollout[RayWorker]):
             return ray.get(ref), None
         except RayTaskError as err:  # first: a worker whose call to a dead buffer failed is both kinds
             cause = err.cause if getattr(err, "cause", None) is not None else err
+            if isinstance(cause, WeightSyncMismatchError):
+                return None, WorkerEnd("mismatch", one_line(cause))
             return None, WorkerEnd("raised", f"{type(cause).__name__}: {one_line(cause)}")
         except process_gone_errors() as err:  # the process is gone, however Ray says so
             return None, WorkerEnd("died", death_in_words(err))

@@ -7,8 +7,10 @@ the workers whenever it would wait for groups, and before it takes the groups th
 - a worker whose process died is restarted, up to rollout.max_restarts times per worker: its dead incarnation is
   retired, the buffer grants its outstanding tickets again (release), and a new incarnation with a new holder id
   takes its place, so the groups it was generating are generated anew (rollout/worker_restarts counts it);
-- a worker that raised, or whose loop stopped on its own, ends the rollout, and so does a death once its
-  restarts are used up: one RolloutFailedError line naming the worker and what happened.
+- a worker whose engine failed its weight sync check (rollout.verify_sync: it does not hold the weights it loaded)
+  is restarted the same way: the new incarnation loads the full weights afresh;
+- a worker that raised, or whose loop stopped on its own, ends the rollout, and so does a death or a failed check
+  once its restarts are used up: one RolloutFailedError line naming the worker and what happened.
 
 A subclass supplies only what differs: how a worker is spawned and retired, how its end is observed, how the buffer
 is reached, and the take that waits.
@@ -44,11 +46,12 @@ class WorkerRecord:
 
 @dataclass(frozen=True)
 class WorkerEnd:
-    """How a worker's incarnation ended: it died (its process is gone: restarted while restarts are left), raised,
-    or stopped on its own (both end the rollout). detail: how it died in words ("was killed by SIGKILL", "died"),
-    or what it raised ("RuntimeError: ...")."""
+    """How a worker's incarnation ended: it died (its process is gone) or its engine failed its weight sync check
+    (mismatch: WeightSyncMismatchError), both restarted while restarts are left; raised, or stopped on its own (both
+    end the rollout). detail: how it died in words ("was killed by SIGKILL", "died"), or what it raised
+    ("RuntimeError: ...", for mismatch the error's message)."""
 
-    kind: Literal["died", "raised", "stopped"]
+    kind: Literal["died", "mismatch", "raised", "stopped"]
     detail: str = ""
 
 
@@ -133,6 +136,9 @@ class SupervisedRollout(RolloutSource, Generic[W]):
         buffer's own failure, where the buffer is gone)."""
         if end.kind == "died":
             self._restart(worker, end.detail)
+            return
+        if end.kind == "mismatch":
+            self._restart(worker, f"failed its weight sync check ({end.detail})")
             return
         self._check_buffer()
         if end.kind == "raised":

@@ -48,6 +48,7 @@ from dppo.workers.actor.pi_old import VERIFIER_STATE, make_pi_old
 from dppo.workers.actor.pi_old_sources import with_weights
 from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.publish_delta import delta_publisher
+from dppo.workers.weight_fingerprint import fingerprint, print_dtype
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
@@ -73,6 +74,7 @@ class ActorRank:
         self.model: torch.nn.Module | None = None
         self._closed = False
         self._delta_publisher = delta_publisher(cfg.rollout, cfg.model.dtype) if rank == 0 else None
+        self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -333,11 +335,13 @@ class ActorRank:
         if to_object_store:
             import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 
+            # rollout.verify_sync: the fingerprint of what is published, last (the rollout source hands it out)
+            prints = [] if self._print_dtype is None else [fingerprint(state, self._print_dtype)]
             if self._delta_publisher is not None:  # rollout.weight_sync=delta: [ref, the delta since the last publish]
-                return self._delta_publisher.publish(state, ray.put(state))  # it reads its last publish back as a dict
+                return self._delta_publisher.publish(state, ray.put(state)) + prints  # reads its last publish back
             # numpy views of the state written straight into the store, a tied weight once (SharedWeights): no
             # pickled copy of the whole model on this rank; in a list: Ray hands the reference on, not the tensors
-            return [ray.put(SharedWeights.of(state, tied_aliases(self.model)))]
+            return [ray.put(SharedWeights.of(state, tied_aliases(self.model)))] + prints
         return state
 
     @register(RANK0)

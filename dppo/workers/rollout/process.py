@@ -144,7 +144,7 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
             sync = None
             if ticket.weights is not None:  # a SharedLayout; the memory's descriptor follows on the pipe
                 sync = core.load_weights(
-                    SharedState.attach(reduction.recv_handle(conn), ticket.weights), ticket.version
+                    SharedState.attach(reduction.recv_handle(conn), ticket.weights), ticket.version, ticket.fingerprint
                 )
             core.seed_ticket(ticket.first)
             groups = core.generate(ticket.num_groups)

@@ -65,10 +65,14 @@ class SyncCost:
     seconds: float
     bytes: int
     changed_fraction: float
+    verify_seconds: float | None = None  # its check (rollout.verify_sync); None: not checked
 
     @classmethod
     def of(cls, sync) -> SyncCost | None:
-        return None if sync is None else cls(float(sync.seconds), int(sync.bytes), float(sync.changed_fraction))
+        if sync is None:
+            return None
+        verify_s = None if sync.verify_seconds is None else float(sync.verify_seconds)
+        return cls(float(sync.seconds), int(sync.bytes), float(sync.changed_fraction), verify_s)
 
 
 @dataclass
@@ -80,6 +84,7 @@ class Ticket:
     weights: Any = None  # None: keep the current weights; else what ReplayBufferCore.publish got
     stop: bool = False
     first: int = 0  # grant index of the ticket's first group; the worker hands it back with the groups (put)
+    fingerprint: Any = None  # with weights: their WeightFingerprint (rollout.verify_sync), checked after the load
 
 
 class ReplayBufferCore:
@@ -105,6 +110,7 @@ class ReplayBufferCore:
         self.groups: dict[int, Group] = {}  # grant index -> a finished group not yet taken or dropped
         self.version = start_version  # newest published trainer version
         self.weights: Any = None
+        self.fingerprint: Any = None  # the published weights' WeightFingerprint (None: not verified)
         self.closed = False
         consumed = start_version * groups_per_version if start_consumed is None else start_consumed
         self.granted = consumed if start_grant is None else start_grant  # the grant index of the next new group
@@ -123,11 +129,12 @@ class ReplayBufferCore:
 
     # ---- trainer side ----------------------------------------------------------------------------
 
-    def publish(self, weights: Any, version: int) -> None:
-        """New weights for the workers; the trainer is now at this version."""
+    def publish(self, weights: Any, version: int, fingerprint: Any = None) -> None:
+        """New weights for the workers; the trainer is now at this version. fingerprint: the weights' WeightFingerprint,
+        handed out with them for the workers to check their loads against (None: not checked)."""
         if version < self.version or (version == self.version and self.weights is not None):
             raise ValueError(f"published version {version} is not newer than the current version {self.version}")
-        self.weights, self.version = weights, version
+        self.weights, self.version, self.fingerprint = weights, version, fingerprint
 
     def take(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
         """Pop num_groups groups no staler than the threshold, with the number dropped since the last take;
@@ -209,7 +216,9 @@ class ReplayBufferCore:
             first, self.granted = self.granted, self.granted + granted
         self._tickets[first] = (granted, holder)
         weights = self.weights if self.version > worker_version else None
-        return Ticket(granted, self.version, weights, first=first)
+        return Ticket(
+            granted, self.version, weights, first=first, fingerprint=None if weights is None else self.fingerprint
+        )
 
     def put(self, groups: list[Group], first: int, holder: Any = None, sync: Any = None) -> None:
         """holder's finished groups: those of its ticket whose first grant index is first, in order. sync: what
@@ -260,6 +269,9 @@ class ReplayBufferCore:
             stats["timing_s/rollout_weight_sync"] = max(float(s.seconds) for s in syncs)
             stats["rollout/weight_sync_bytes"] = float(sum(s.bytes for s in syncs))
             stats["rollout/weight_sync_changed_frac"] = float(np.mean([s.changed_fraction for s in syncs]))
+            verified = [float(s.verify_seconds) for s in syncs if s.verify_seconds is not None]
+            if verified:  # rollout.verify_sync: the check after each load (read back, checksummed, compared)
+                stats["timing_s/weight_sync_verify"] = max(verified)
         return stats
 
 
@@ -279,9 +291,9 @@ class ReplayBufferActor:
         async with self._condition():
             self._condition().notify_all()
 
-    async def publish(self, weights: list, version: int) -> None:
+    async def publish(self, weights: list, version: int, fingerprint=None) -> None:
         """weights is [ObjectRef] (wrapped in a list so Ray passes the reference, not the tensors)."""
-        self.core.publish(weights, version)
+        self.core.publish(weights, version, fingerprint)
         await self._notify()
 
     async def put(self, groups: list[StoredGroup], first: int, holder=None, sync: SyncCost | None = None) -> None:

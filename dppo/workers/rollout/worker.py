@@ -10,6 +10,7 @@ A worker that Ray gave a GPU (a bundle of the rollout's pool, rollout.n_gpus_per
 from __future__ import annotations
 
 import os
+import time
 
 import numpy as np
 import ray
@@ -22,6 +23,7 @@ from dppo.models import as_state_dict
 from dppo.batch import Group
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync, make_engine
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
+from dppo.workers.sync_check import WeightFingerprint, verify
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
 _TICKET_STREAM = 0x71C4E7
@@ -73,6 +75,7 @@ class RolloutGenerator:
         self.version = -1  # no weights loaded yet
         self.last_sync: WeightSync | None = None  # what the latest load_weights cost
         self.loaded_publish: str | None = None  # id of the Ray publish the engine holds (None: not one)
+        self.verify_sync = cfg.rollout.verify_sync  # check each load against the publish's fingerprint
 
     def seed_ticket(self, first: int) -> None:
         """Draw the next groups' prompts and samples from (trainer.seed, first), the grant index of the ticket's
@@ -82,21 +85,43 @@ class RolloutGenerator:
         self.prompts.start_ticket(first, int(prompt_seed))
         self.engine.seed(int(sample_seed))
 
-    def load_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> WeightSync | None:
-        """Load the weights of `version`; what the load cost, where the engine reports it (else None)."""
-        self.last_sync = self.engine.load_weights(state_dict)
-        self.version = version
+    def load_weights(
+        self, state_dict: dict[str, torch.Tensor], version: int, expected: WeightFingerprint | None = None
+    ) -> WeightSync | None:
+        """Load the weights of `version`; what the load cost, where the engine reports it (else None). expected: the
+        publish's fingerprint, checked against what the engine holds afterwards (check_load)."""
         self.loaded_publish = None
+        self.last_sync = self.check_load(self.engine.load_weights(state_dict), expected, version)
+        self.version = version
         return self.last_sync if self.engine.reports_sync else None
 
-    def load_published(self, published: list, version: int) -> WeightSync | None:
+    def load_published(
+        self, published: list, version: int, expected: WeightFingerprint | None = None
+    ) -> WeightSync | None:
         """Load `version` from what the trainer published into Ray's object store: [ObjectRef of the full weights],
         and with rollout.weight_sync=delta a PublishedDelta against its previous publish. Only the delta is read
         when the engine holds exactly that previous publish (else the full weights: a first load, a restarted
-        worker, one that skipped a version)."""
-        self.last_sync, self.loaded_publish = load_published(self.engine, published, self.loaded_publish)
+        worker, one that skipped a version). expected: as load_weights'."""
+        sync, self.loaded_publish = load_published(self.engine, published, self.loaded_publish)
+        self.last_sync = self.check_load(sync, expected, version)
         self.version = version
         return self.last_sync if self.engine.reports_sync else None
+
+    def check_load(self, sync: WeightSync, expected: WeightFingerprint | None, version: int) -> WeightSync:
+        """rollout.verify_sync: read back what the engine holds after loading `version` and compare it with the
+        fingerprint the trainer took of what it published (expected; None: the publish was not fingerprinted).
+        WeightSyncMismatchError naming the first tensor that differs (the worker is then restarted: its engine's
+        weights are not the policy its groups would be tagged with); sync with the check's seconds otherwise."""
+        if expected is None or not self.verify_sync:
+            return sync
+        start = time.perf_counter()
+        try:
+            verify(expected, self.engine.held_prints(expected), version)
+        except Exception:
+            self.loaded_publish = None  # whatever the engine holds now, it is not that publish
+            raise
+        sync.verify_seconds = time.perf_counter() - start
+        return sync
 
     @torch.no_grad()
     def generate(self, num_groups: int) -> list[Group]:
@@ -163,7 +188,7 @@ class RolloutWorkerActor:
             return 0
         sync = None
         if ticket.weights is not None:
-            sync = self.core.load_published(ticket.weights, ticket.version)
+            sync = self.core.load_published(ticket.weights, ticket.version, ticket.fingerprint)
         self.core.seed_ticket(ticket.first)
         groups = self.core.generate(ticket.num_groups)
         # torch-free forms: the buffer's process does not import torch (replay_buffer.py)

@@ -183,3 +183,68 @@ def test_a_dead_buffer_is_named_before_the_worker_it_took_down(end):
     with pytest.raises(RolloutFailedError, match=r"^the replay buffer died$"):
         rollout.fetch(2, 0)
     assert rollout.worker_restarts == 0 and rollout.calls == []
+
+
+MISMATCH = WorkerEnd("mismatch", "after loading version 2, the rollout engine's m.w differs from the published tensor")
+
+
+def test_a_worker_that_failed_its_weight_sync_check_is_restarted_until_its_restarts_are_used_up(caplog):
+    """rollout.verify_sync: an engine that does not hold what it loaded is a worker fault like a death (its groups would
+    be tagged with a policy it does not have): restarted, its tickets granted again; once too often, the run ends
+    with the tensor and the version named."""
+    rollout = ScriptedRollout(max_restarts=1)
+    rollout.workers[0].end = MISMATCH
+    with caplog.at_level(logging.WARNING, logger="dppo"):
+        rollout.fetch(2, 0)
+    assert rollout.worker_restarts == 1 and rollout.workers[0].restarts == 1
+    assert rollout.calls[:2] == [("retire", 0), ("release", 0)]
+    assert caplog.messages == [
+        "rollout worker 0 failed its weight sync check (after loading version 2, the rollout engine's m.w differs "
+        "from the published tensor); restarted it (1 of rollout.max_restarts=1); its 3 outstanding groups are "
+        "generated anew"
+    ]
+    rollout.workers[0].end = MISMATCH
+    with pytest.raises(RolloutFailedError) as err:
+        rollout.fetch(2, 0)
+    assert str(err.value) == (
+        "rollout worker 0 failed its weight sync check (after loading version 2, the rollout engine's m.w differs "
+        "from the published tensor) and its restarts are used up (1 of rollout.max_restarts=1)"
+    )
+
+
+def test_on_ray_a_failed_check_is_a_mismatch_and_the_fingerprint_rank_0_published_goes_to_the_buffer(monkeypatch):
+    """RayRollout's side, without a cluster: the WeightSyncMismatchError a worker's call raised (RayTaskError.cause)
+    ends it as a mismatch, any other error as a raise; a publish [ref, fingerprint] from rank 0 hands the buffer the
+    refs and the fingerprint apart."""
+    from ray.exceptions import RayTaskError
+
+    from dppo.trainer.rollout import ray_source
+    from dppo.workers.sync_check import WeightFingerprint, WeightSyncMismatchError
+
+    def raising(cause):
+        def get(ref, timeout=None):
+            raise RayTaskError("step", "traceback", cause)
+
+        return get
+
+    monkeypatch.setattr(ray_source.ray, "get", raising(WeightSyncMismatchError("m.w", 2, "differs")))
+    assert ray_source.RayRollout._result(None) == (
+        None,
+        WorkerEnd("mismatch", "after loading version 2, the rollout engine's m.w differs"),
+    )
+    monkeypatch.setattr(ray_source.ray, "get", raising(ValueError("bad reward")))
+    assert ray_source.RayRollout._result(None)[1] == WorkerEnd("raised", "ValueError: bad reward")
+
+    class Recorder:
+        calls: list = []
+
+        def _buffer_call(self, *args):
+            self.calls.append(args)
+
+    prints = WeightFingerprint("bfloat16")
+    source = Recorder()
+    ray_source.RayRollout.publish(source, ["full ref", "delta", prints], 4)
+    assert source.calls == [("publish", ["full ref", "delta"], 4, prints)] and source._published == [
+        "full ref",
+        "delta",
+    ]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dppo.workers.sync_check import TensorPrint, WeightFingerprint
+
 
 @dataclass
 class Samples:
@@ -30,6 +32,7 @@ class WeightSync:
     seconds: float  # wall time of the load (and of whatever the engine must do after it, e.g. a cache reset)
     bytes: int  # bytes handed to the engine (all tensors for a full sync; the changed ones for a delta sync)
     changed_fraction: float = 1.0  # engine-dtype elements that differ from the engine's previous weights
+    verify_seconds: float | None = None  # the check of the loaded weights (rollout.verify_sync), None: not checked
 
 
 class RolloutEngine(ABC):
@@ -53,6 +56,12 @@ class RolloutEngine(ABC):
     def load_delta(self, delta) -> WeightSync:
         """Apply a dppo.workers.weight_delta.WeightDelta computed against the weights loaded last."""
         raise NotImplementedError(f"{type(self).__name__} loads full weights only")
+
+    @abstractmethod
+    def held_prints(self, expected: WeightFingerprint) -> dict[str, TensorPrint]:
+        """The prints (dppo.workers.weight_fingerprint) of the weights the engine holds now, read back from the engine
+        itself (never from what it was handed), by checkpoint name, in expected's dtype. expected: the published
+        version's fingerprint, whose shapes tell fused tensors apart."""
 
     @abstractmethod
     def seed(self, seed: int) -> None:

@@ -13,8 +13,8 @@ A worker whose engine holds exactly the weights of the trainer's last publish ge
 trainer (dppo.workers.weight_delta.WeightDelta) instead of the full weights: apply_published() puts it into the
 copy. The full-weights path above remains for the first load, a restarted worker and one that skipped a version.
 
-Engines whose layers fuse several checkpoint tensors (vLLM's qkv_proj of q/k/v_proj) reload whole layers:
-reload_groups() widens the changed names to every tensor of the fused layers they belong to.
+Engines whose layers fuse several checkpoint tensors (vLLM's qkv_proj of q/k/v_proj, a MoE layer's stacked experts)
+reload whole layers: reload_groups() widens the changed names to every tensor of the fused layers they belong to.
 """
 
 from __future__ import annotations
@@ -89,15 +89,27 @@ class DeltaTracker:
         return next(iter(self.weights.values())).dtype if self.weights else None
 
 
+# Modules whose parameters an engine fuses in ways packed_modules_mapping does not describe: vLLM stacks every expert
+# of a MoE layer into one layer's w13_weight and w2_weight, whatever the checkpoint names them (stacked
+# experts.gate_up_proj/down_proj in transformers 5, experts.<i>.gate_proj.weight ... before). A layer that gets only
+# some of its tensors is rebuilt from uninitialized memory for the rest, so a change anywhere under such a module
+# reloads all of it (a conservative fallback: the whole module, never a part).
+WHOLE_MODULES = frozenset({"experts"})
+
+
 def reload_groups(
     weights: dict[str, torch.Tensor], changed_names: list[str], packed_modules: dict[str, list[str]]
 ) -> dict[str, torch.Tensor]:
     """The tensors of weights to hand an engine so that every fused layer with a changed tensor gets all of its
     tensors. packed_modules: fused module -> the checkpoint modules it stacks (vLLM's packed_modules_mapping),
-    e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}."""
+    e.g. {"qkv_proj": ["q_proj", "k_proj", "v_proj"]}; a module named in WHOLE_MODULES is one group, all of it."""
     fused_of = {part: fused for fused, parts in packed_modules.items() for part in parts}
 
     def group(name: str) -> str:
+        parts = name.split(".")
+        whole = [i for i, part in enumerate(parts[:-1]) if part in WHOLE_MODULES]
+        if whole:
+            return ".".join(parts[: whole[0] + 1])
         module, _, _param = name.rpartition(".")
         parent, _, leaf = module.rpartition(".")
         return f"{parent}.{fused_of[leaf]}" if leaf in fused_of else module

@@ -15,6 +15,8 @@ from dppo.generation import sample_responses
 from dppo.models import model_from_config, response_log_probs
 from dppo.batch import left_pad
 from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
+from dppo.workers.sync_check import TensorPrint, WeightFingerprint
+from dppo.workers.weight_fingerprint import prints_of
 
 
 class HFEngine(RolloutEngine):
@@ -43,6 +45,10 @@ class HFEngine(RolloutEngine):
         start = time.perf_counter()
         self.model.load_state_dict(state_dict)
         return WeightSync(time.perf_counter() - start, state_dict_bytes(state_dict))
+
+    def held_prints(self, expected: WeightFingerprint) -> dict[str, TensorPrint]:
+        """The model copy's own state dict (a tied lm_head under both names, as published)."""
+        return prints_of(self.model.state_dict(), getattr(torch, expected.dtype))
 
     def seed(self, seed: int) -> None:
         self.generator.manual_seed(seed)

@@ -24,6 +24,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import logging
 import os
 import random
@@ -37,7 +38,10 @@ import torch
 from dppo.models import DTYPES
 from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
 from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
+from dppo.workers.rollout.engines.vllm_experts import repack_reloaded
+from dppo.workers.rollout.engines.vllm_readback import ReadBack
 from dppo.workers.weight_delta import WeightDelta
+from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 
 # KV cache blocks of 32 tokens: vLLM's CPU default of 128 gives each sequence a block of 128 tokens, so a rollout
 # of short sequences (48 tokens) holds 2.7x the KV it uses and fits fewer sequences in a batch. 32: the smallest
@@ -159,7 +163,7 @@ class VLLMEngine(RolloutEngine):
         self.dtype = DTYPES[dtype]
         self.delta = DeltaTracker() if weight_sync == "delta" else None
         self._config_dir = tempfile.TemporaryDirectory(prefix="dppo-vllm-")
-        model_config.save_pretrained(self._config_dir.name)  # config.json only: the weights come by sync
+        with_architecture(model_config).save_pretrained(self._config_dir.name)  # config.json only: weights by sync
         with _host_state_kept():  # vLLM seeds the global generators of the process it starts in, and more
             self.llm = LLM(
                 model=self._config_dir.name,
@@ -183,6 +187,7 @@ class VLLMEngine(RolloutEngine):
         # weights are put back as they were; the log-prob and delta tests after a sync confirm both).
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.packed_modules = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
+        self.readback = ReadBack(self.packed_modules)
         self._ticket_seed = 0
 
     # --- weights ---------------------------------------------------------------------------------------
@@ -216,6 +221,8 @@ class VLLMEngine(RolloutEngine):
 
     def _reload(self, weights: dict[str, torch.Tensor]) -> None:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(weights.items())})
+        # vLLM 0.32's CPU MoE layers skip their prepack on a reload: done here (vllm_experts)
+        self.llm.apply_model(lambda model: repack_reloaded(model, list(weights)))
         self.reset_prefix_cache()
 
     def reset_prefix_cache(self) -> None:
@@ -223,11 +230,15 @@ class VLLMEngine(RolloutEngine):
         if not self.llm.reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache (requests still running)")
 
-    def engine_state_dict(self) -> dict[str, torch.Tensor]:
-        """The engine's own parameters (vLLM names and layout) as CPU copies: what tests compare."""
-        return self.llm.apply_model(lambda model: {k: v.detach().cpu().clone() for k, v in model.state_dict().items()})[
-            0
-        ]
+    def held_prints(self, expected: WeightFingerprint) -> dict[str, TensorPrint]:
+        """What the model holds now, read back from it (vllm_readback), as prints by checkpoint name."""
+        return self.llm.apply_model(lambda model: self.readback.prints(model, expected))[0]
+
+    def engine_weights(self, shapes: dict[str, tuple[int, ...]]) -> dict[str, torch.Tensor]:
+        """What the model holds now as CPU copies by checkpoint name (shapes: the checkpoint's): what tests compare.
+        On vLLM's CPU build the linear layers' weights are read through their kernels (vllm_readback)."""
+        read = lambda model: {k: v.detach().cpu().clone() for k, v in self.readback.tensors(model, shapes).items()}  # noqa: E731
+        return self.llm.apply_model(read)[0]
 
     # --- sampling --------------------------------------------------------------------------------------
     def seed(self, seed: int) -> None:
@@ -281,6 +292,22 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         del self.llm
         self._config_dir.cleanup()
+
+
+def with_architecture(model_config):
+    """model_config with `architectures` set (a copy) where it is unset, as a config built in code has it: vLLM
+    resolves a config.json without one by its model_type, and took qwen2_moe's for a pooling model (its start then
+    failed for want of a tokenizer)."""
+    if getattr(model_config, "architectures", None):
+        return model_config
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_config.model_type)
+    if architecture is None:
+        return model_config
+    config = copy.deepcopy(model_config)
+    config.architectures = [architecture]
+    return config
 
 
 def _samples(completions, pad_token: int) -> Samples:

@@ -13,6 +13,7 @@ import torch
 from dppo.batch import Group
 from dppo.workers.rollout.engines import WeightSync
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
+from dppo.workers.weight_fingerprint import fingerprint
 
 
 def _group(version: int) -> Group:
@@ -37,18 +38,22 @@ def _pickled(values) -> bytes:
 def test_the_buffer_process_runs_without_torch():
     # A fresh interpreter (this one has imported torch): import the module, unpickle what a worker sends, run the
     # buffer's whole round (publish, acquire, put, stats, take) and pickle what the trainer gets, all without torch.
-    sent = _pickled(([StoredGroup.of(_group(0)), StoredGroup.of(_group(0))], SyncCost.of(WeightSync(0.5, 100, 0.25))))
+    prints = fingerprint({"w": torch.ones(3)}, torch.float32)  # rollout.verify_sync's, handed out with the weights
+    sync = SyncCost.of(WeightSync(0.5, 100, 0.25, verify_seconds=0.25))
+    sent = _pickled(([StoredGroup.of(_group(0)), StoredGroup.of(_group(0))], sync, prints))
     code = (
         "import asyncio, pickle, sys\n"
         "from dppo.workers.rollout.replay_buffer import ReplayBufferActor\n"
-        "groups, sync = pickle.loads(sys.stdin.buffer.read())\n"
+        "groups, sync, prints = pickle.loads(sys.stdin.buffer.read())\n"
         "async def main():\n"
         "    buf = ReplayBufferActor(1, 'wait', 2)\n"
-        "    await buf.publish(['weights'], 0)\n"
+        "    await buf.publish(['weights'], 0, prints)\n"
         "    ticket = await buf.acquire(-1, 2, 7)\n"
+        "    assert ticket.fingerprint is prints\n"
         "    await buf.put(groups, ticket.first, 7, sync)\n"
         "    stats = buf.stats()\n"
         "    assert stats['rollout/weight_sync_bytes'] == 100 and stats['replay/size'] == 2, stats\n"
+        "    assert stats['timing_s/weight_sync_verify'] == 0.25, stats\n"
         "    return await buf.take(2, 0)\n"
         "taken = asyncio.run(main())\n"
         "assert [g.index for g in taken[0]] == [0, 1], taken\n"

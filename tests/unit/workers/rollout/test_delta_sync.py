@@ -71,3 +71,28 @@ def test_a_tied_tensor_is_held_once_and_reloaded_under_both_names():
     untied = DeltaTracker()
     untied.apply({**weights, "lm_head.weight": embed.clone()}, torch.bfloat16)  # equal values, own memory: two
     assert untied.weights["lm_head.weight"] is not untied.weights["embed.weight"]
+
+
+def test_a_moe_layers_experts_are_reloaded_whole_in_either_checkpoint_layout():
+    """vLLM stacks all experts of a layer into one layer (w13, w2), which packed_modules_mapping does not describe:
+    one changed expert tensor, stacked (transformers 5) or per expert (older checkpoints), reloads every expert
+    tensor of that layer, and nothing of the router, the shared expert or another layer."""
+    names = [
+        "m.l0.mlp.gate.weight",
+        "m.l0.mlp.experts.0.gate_proj.weight",
+        "m.l0.mlp.experts.0.up_proj.weight",
+        "m.l0.mlp.experts.0.down_proj.weight",
+        "m.l0.mlp.experts.1.gate_proj.weight",
+        "m.l0.mlp.experts.1.down_proj.weight",
+        "m.l0.mlp.shared_expert.gate_proj.weight",
+        "m.l1.mlp.experts.0.down_proj.weight",
+        "m.l1.mlp.experts.gate_up_proj",
+        "m.l1.mlp.experts.down_proj",
+    ]
+    weights = {name: torch.zeros(1) for name in names}
+    packed = {"gate_up_proj": ["gate_proj", "up_proj"]}
+    assert sorted(reload_groups(weights, ["m.l0.mlp.experts.1.down_proj.weight"], packed)) == sorted(names[1:6])
+    assert sorted(reload_groups(weights, ["m.l1.mlp.experts.gate_up_proj"], packed)) == sorted(names[7:])
+    assert sorted(reload_groups(weights, ["m.l0.mlp.gate.weight"], packed)) == ["m.l0.mlp.gate.weight"]
+    shared = reload_groups(weights, ["m.l0.mlp.shared_expert.gate_proj.weight"], packed)
+    assert sorted(shared) == ["m.l0.mlp.shared_expert.gate_proj.weight"]  # its own gate_up_proj (up_proj not here)

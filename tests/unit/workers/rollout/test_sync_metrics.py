@@ -4,7 +4,7 @@ import torch
 
 from dppo.batch import Group
 from dppo.workers.rollout.engines import WeightSync
-from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+from dppo.workers.rollout.replay_buffer import ReplayBufferCore, SyncCost
 
 
 def _groups(count: int) -> list[Group]:
@@ -36,3 +36,24 @@ def test_the_latest_load_of_each_live_worker_is_reported():
     assert buffer.stats()["rollout/weight_sync_bytes"] == 400
     buffer.release(1)  # worker 1 died: its loads no longer count
     assert buffer.stats()["rollout/weight_sync_bytes"] == 100
+
+
+def test_the_check_of_each_load_is_reported_and_its_fingerprint_handed_out_with_the_weights():
+    """rollout.verify_sync: the ticket that carries a version's weights carries their fingerprint (a ticket without
+    weights none); timing_s/weight_sync_verify is the slowest live worker's latest check."""
+    buffer = ReplayBufferCore(1, "wait", 8)
+    buffer.publish({"w": torch.zeros(1)}, 0, fingerprint="prints of version 0")
+    syncs = ((0, WeightSync(0.5, 100, 0.25, verify_seconds=0.125)), (1, WeightSync(0.2, 300, 0.75, verify_seconds=0.5)))
+    for holder, sync in syncs:
+        ticket = buffer.acquire(-1, 2, holder)
+        assert ticket.weights is not None and ticket.fingerprint == "prints of version 0"
+        buffer.put(_groups(2), ticket.first, holder, SyncCost.of(sync))
+    assert buffer.acquire(0, 2, 0).fingerprint is None  # holds version 0 already: no weights, nothing to check
+    assert buffer.stats()["timing_s/weight_sync_verify"] == 0.5
+    buffer.release(1)
+    assert buffer.stats()["timing_s/weight_sync_verify"] == 0.125
+    unchecked = ReplayBufferCore(1, "wait", 8)
+    unchecked.publish({"w": torch.zeros(1)}, 0)
+    ticket = unchecked.acquire(-1, 2, 0)
+    unchecked.put(_groups(2), ticket.first, 0, SyncCost.of(WeightSync(0.5, 100, 0.25)))
+    assert "timing_s/weight_sync_verify" not in unchecked.stats()  # rollout.verify_sync=false: no such timing

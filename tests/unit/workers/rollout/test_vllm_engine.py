@@ -11,6 +11,7 @@ from dppo.workers.actor.publish_delta import DeltaPublisher  # noqa: E402
 from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
 from dppo.workers.rollout.worker import load_published  # noqa: E402
 from dppo.workers.weight_delta import bits  # noqa: E402
+from dppo.workers.weight_fingerprint import tied_names  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
@@ -192,12 +193,19 @@ def test_delta_and_full_sync_give_bitwise_the_same_engine_weights(local_ray):
 
 
 def _assert_same_engine_weights(full, delta, model) -> None:
-    full_weights, delta_weights = full.engine_state_dict(), delta.engine_state_dict()
-    assert full_weights.keys() == delta_weights.keys()
+    """Every checkpoint tensor as the engines hold it (read back: on the CPU build the linear layers' weights exist
+    only inside their packed kernels, which the parameters' state dict shows as empty tensors) is bitwise the same in
+    both, and both are the trainer's latest weights rounded to bf16."""
+    state = model.state_dict()
+    shapes = {name: tuple(t.shape) for name, t in state.items()}
+    full_weights, delta_weights = full.engine_weights(shapes), delta.engine_weights(shapes)
+    for alias, owner in tied_names(state).items():  # a tied lm_head: one parameter in vLLM, under the embedding's name
+        assert alias not in full_weights and alias not in delta_weights
+        full_weights[alias], delta_weights[alias] = full_weights[owner], delta_weights[owner]
+    assert full_weights.keys() == delta_weights.keys() == state.keys()
     for name, t in full_weights.items():
         assert t.dtype == delta_weights[name].dtype and torch.equal(bits(t), bits(delta_weights[name])), name
-    # and both are the trainer's latest weights rounded to bf16
-    assert torch.equal(full_weights["model.norm.weight"], model.model.norm.weight.detach().to(torch.bfloat16))
+        assert torch.equal(bits(t.to(torch.bfloat16)), bits(state[name].detach().to(torch.bfloat16))), name
 
 
 def test_a_tied_model_synced_by_delta_from_full_weights_matches_a_full_sync():
