@@ -179,6 +179,13 @@ class ReplayBufferCore:
         """Stop the workers: every pending and later acquire gets a stop ticket."""
         self.closed = True
 
+    def newer(self, worker_version: int) -> tuple[int, Any] | None:
+        """rollout.partial_rollout: (the newest version, its weights as publish got them) where they are newer than
+        worker_version, else None (also once closed). Grants nothing: the worker's ticket stays the one it holds."""
+        if self.closed or self.weights is None or self.version <= worker_version:
+            return None
+        return self.version, self.weights
+
     # ---- worker side -----------------------------------------------------------------------------
 
     def grantable(self) -> int:
@@ -296,6 +303,9 @@ class ReplayBufferActor:
     async def close(self) -> None:
         self.core.close()
         await self._notify()
+
+    def newer(self, worker_version: int) -> tuple[int, list] | None:
+        return self.core.newer(worker_version)
 
     async def discard(self, count: int) -> None:
         self.core.discard(count)

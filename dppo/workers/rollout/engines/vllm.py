@@ -141,6 +141,7 @@ class VLLMEngine(RolloutEngine):
         max_prompt_len: int = 256,
         kv_bytes: int | None = None,
         compile: bool = False,
+        partial_chunk: int = 16,
     ):
         """model_config: the trainer model's transformers config; dtype: the engine's (float32, bfloat16, ...);
         weight_sync: full or delta. max_num_seqs: the rows of a ticket (groups x n), all run in one batch;
@@ -184,6 +185,7 @@ class VLLMEngine(RolloutEngine):
         logging.getLogger("vllm.model_executor.model_loader.reload.layerwise").setLevel(logging.ERROR)
         self.packed_modules = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
         self._ticket_seed = 0
+        self.partial_chunk = partial_chunk
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
