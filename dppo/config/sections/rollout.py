@@ -87,9 +87,11 @@ class RolloutConfig:
 
     partial_chunk: int = 16
     """rollout.partial_rollout: decode steps between two looks for newer weights (one poll each: a shared counter
-    without Ray, a non-blocking look at one buffer call kept in flight with Ray). 16: a new version waits at most 16
-    tokens, a small part of a response (64 tokens and up), while a poll costs next to nothing against 16 decode
-    steps of a batch; a smaller chunk only matters for responses of a few tokens."""
+    without Ray, a non-blocking look at one buffer call kept in flight with Ray). A look itself is nearly free (0.8 us
+    for the counter, 2.4 us for ray.wait(timeout=0), against 18 ms for one decode step of 256 rows of the demo model
+    on one CPU thread), but on Ray each answered look sends the next call to the one replay-buffer actor that every
+    worker and the trainer share (about 2 ms a round trip): 16 keeps that to one call per worker per 16 decode steps,
+    while a new version waits at most 16 tokens, a small part of a response of 64 tokens and more."""
 
     def __post_init__(self) -> None:
         check_numbers(self, "rollout")
