@@ -1,10 +1,11 @@
 """rollout.partial_rollout with local worker processes: a worker that finds a newer version on the trainer's shared
 counter mid-ticket asks for it over its pipe and the ticket's unfinished responses go on under it. Deterministic: the
-worker's first look waits until the test has published the newer version (the wait is patched into the forked
-worker, an event the test controls)."""
+worker's first look waits until the test has published the newer version (the wait is patched into the worker, forked
+from this process, an event the test controls)."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pytest
@@ -49,6 +50,8 @@ def _first_look_waits_for_version_1(monkeypatch) -> None:
         return real(conn, core, published, syncs)
 
     monkeypatch.setattr(process, "_refresh", refresh)
+    # forked always (LocalRollout spawns where other threads run, as after other tests here): the patch must reach it
+    monkeypatch.setattr(LocalRollout, "_context", staticmethod(lambda fork: multiprocessing.get_context("fork")))
 
 
 def test_a_local_worker_loads_a_version_published_mid_ticket_and_its_groups_carry_each_tokens_version(
