@@ -34,7 +34,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from dppo.batch import Group, TrainBatch, collate
+from dppo.batch import Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
 from dppo.checkpoint.state import CycleProgress, TrainerState
@@ -287,6 +287,7 @@ class BaseTrainer:
             ahead = take_ahead(self.pi_old_plan, self.rollout, self.group_filter, version, pad, score)
         batch = collate(groups, self.source.pad_token)  # the ranks move their part of the batch to their device
         metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
+        metrics.update(token_version_metrics(batch, version))
         progress.metrics.add({"timing_s/gen_wait": wait_s})
         progress.metrics.add(metrics)
         progress.staleness.append(version - batch.versions)

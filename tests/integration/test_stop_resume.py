@@ -231,3 +231,83 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
         assert torch.equal(weights[name], tensor), name
     untimed = lambda rs: [{k: v for k, v in r.items() if not k.startswith("timing_s/")} for r in rs]  # noqa: E731
     assert untimed(records(out / "metrics.jsonl")) == untimed(records(tmp_path / "clean" / "metrics.jsonl"))
+
+
+# `dppo train` without Ray whose (forked) rollout worker SIGKILLs the trainer inside a partial ticket: each ticket but
+# the first waits at its first look for the next publish (one ticket a version: it needs only the tickets before it)
+# and goes on under it; the ticket that has just loaded version argv[1] mid-way kills the trainer (the worker then
+# dies with it). Chosen, not raced.
+KILLED_IN_PARTIAL = """
+import os, signal, sys, time
+import dppo.workers.rollout.process as process
+
+kill_at, real, tickets = int(sys.argv[1]), process._refresh, []
+
+def refresh(conn, core, published, syncs):
+    if not any(s is syncs for s in tickets):
+        tickets.append(syncs)
+        deadline = time.monotonic() + 10
+        while len(tickets) > 1 and published.value <= core.version and time.monotonic() < deadline:
+            time.sleep(0.005)
+    load = real(conn, core, published, syncs)
+    if load is None:
+        return None
+
+    def load_then_kill():
+        version = load()
+        if version >= kill_at:
+            os.kill(os.getppid(), signal.SIGKILL)
+            time.sleep(60)  # the trainer's death signal ends this process
+        return version
+
+    return load_then_kill
+
+process._refresh = refresh
+from dppo.cli import main
+sys.exit(main(["train", *sys.argv[2:]]))
+"""
+
+
+def test_a_run_killed_inside_a_partial_ticket_resumes_and_counts_nothing_twice(tmp_path):
+    """rollout.partial_rollout, no Ray: the trainer SIGKILLed while its worker generates a ticket that has just gone
+    on under version 3 (checkpoint at step 2). The resumed run grants that ticket's groups again from the checkpoint's
+    grant index and generates them anew: 6 steps, each of 8 groups taken once (the next grant index 48), none
+    dropped."""
+    total, groups = 6, 8
+    args = tiny(
+        tmp_path / "out",
+        total,
+        "ray.enabled=null",
+        "trainer.checkpoint_every=2",
+        "rollout.partial_rollout=true",
+        "rollout.partial_chunk=1",
+        f"rollout.groups_per_batch={groups}",  # trainer.train_batch_size: one ticket a version
+    )
+    out, log = tmp_path / "out", tmp_path / "killed.log"
+    proc = start(args, log, ["-c", KILLED_IN_PARTIAL, "3"])
+    try:
+        proc.wait(timeout=120)
+    finally:
+        kill_session(proc.pid)
+    assert proc.returncode == -signal.SIGKILL, log.read_text()[-3000:]
+    killed = records(out / "metrics.jsonl")
+    assert [r["step"] for r in killed] == [1, 2, 3]  # version 3 published: step 3 done, its checkpoint not due
+    assert any(r["rollout/partial_frac"] > 0 for r in killed)  # the tickets before went partial too
+    assert newest_trainer_state(out / "checkpoints")["global_step"] == 2
+    resumed = subprocess.run(
+        [sys.executable, "-m", "dppo", "train", *args, "trainer.resume=true"],
+        cwd=REPO,
+        env=ENV,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"resumed from {out / 'checkpoints' / 'step_00000002'} (global step 2)" in resumed.stdout
+    steps = records(out / "metrics.jsonl")
+    assert [r["step"] for r in steps] == list(range(1, total + 1))
+    final = newest_trainer_state(out / "checkpoints")
+    assert final["global_step"] == total
+    assert final["rollout"]["next_grant"] == total * groups and final["rollout"]["dropped_total"] == 0
+    for r in steps:
+        assert r["staleness/token_max"] <= r["staleness/max"] <= THRESHOLD and r["replay/dropped_total"] == 0

@@ -1,6 +1,6 @@
 """dppo.launch.run on a local Ray cluster the caller started: sync mode on Ray, a worker that raises, a task registered in
 the driver, a rollout worker and the replay buffer SIGKILLed mid-run (`dppo train` as a process, stopped and resumed:
-test_stop_resume.py)."""
+test_stop_resume.py), and rollout.partial_rollout's look for newer weights against the replay-buffer actor."""
 
 import os
 import signal
@@ -18,6 +18,8 @@ from dppo.trainer.report import read_metrics
 
 from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 from processes import alive  # tests/processes.py
+from dppo.workers.rollout.replay_buffer import ReplayBufferActor
+from dppo.workers.rollout.worker import RolloutWorkerActor
 
 pytestmark = pytest.mark.integration
 
@@ -299,3 +301,49 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
     assert consumed == list(range(taken_before, taken_before + len(consumed)))  # on from the checkpoint
     for r in resumed:
         assert r["version"] == r["step"] and r["staleness/max"] <= THRESHOLD and r["replay/dropped_total"] == 0.0
+
+
+# rollout.partial_rollout on Ray: a rollout worker's look for newer weights (RolloutWorkerActor._refresh) against the
+# real replay-buffer actor: one call of the buffer's `newer` in flight, looked at without waiting; the weights are
+# loaded only when the buffer holds a newer version, and the worker's ticket is not touched. The worker's generator is
+# a recorder here: the look and what it hands the engine are under test, not the sampling.
+
+
+class _Core:
+    """What the actor's look touches of its RolloutGenerator: the version it holds and load_published."""
+
+    def __init__(self) -> None:
+        self.version, self.loaded = 0, []
+
+    def load_published(self, published, version):
+        self.loaded.append((published, version))
+        self.version = version
+        return None
+
+
+def test_a_workers_look_loads_a_newer_publish_mid_ticket_and_keeps_its_ticket(ray_cluster):
+    import ray
+
+    buffer = ray.remote(num_cpus=0)(ReplayBufferActor).remote(1, "wait", 4)
+    worker = object.__new__(RolloutWorkerActor)  # its look only: no engine, no Ray actor of its own
+    worker.buffer, worker.core, worker._poll, worker._sync = buffer, _Core(), None, None
+    ray.get(buffer.publish.remote(["v0"], 0))
+    ticket = ray.get(buffer.acquire.remote(-1, 4, "w"))
+    assert (ticket.version, ticket.first, ticket.num_groups) == (0, 0, 4)
+    assert worker._refresh() is None and worker._poll is not None  # the first look sends the call, waits for nothing
+    ray.wait([worker._poll])  # answered (nothing newer): the next look reads it and sends the next call
+    assert worker._refresh() is None and worker._poll is None
+    assert worker._refresh() is None and worker._poll is not None
+    ray.get(buffer.publish.remote(["v1"], 1))
+    ray.wait([worker._poll])  # the call sent before the publish may have been answered before it: None
+    load = worker._refresh()
+    if load is None:  # it was: the next call sees version 1
+        assert worker._refresh() is None
+        ray.wait([worker._poll])
+        load = worker._refresh()
+    assert worker.core.loaded == [] and load is not None  # nothing loaded before the engine asks
+    assert load() == 1 and worker.core.loaded == [(["v1"], 1)]
+    # the ticket granted at version 0 is still the worker's: its groups go in at their grant index
+    stats = ray.get(buffer.stats.remote())
+    assert stats["replay/in_flight"] == 4.0
+    ray.kill(buffer)

@@ -91,6 +91,8 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         self.buffer = _Buffer(buffer_core(self.settings, start))
         self._payload = cloudpickle.dumps((cfg, source, model_config))
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
+        # rollout.partial_rollout: the newest published version, which the workers read once per decode chunk
+        self._published_version = multiprocessing.RawValue("q", -1) if cfg.rollout.partial_rollout else None
         ctx = self._context(fork)
         self.workers = [
             self._start(i, self.new_holder(), 0, ctx)  # all forked before any thread
@@ -113,7 +115,10 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     def _start(self, index: int, holder: int, restarts: int, ctx) -> LocalWorker:
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(
-            target=serve, args=(theirs, self._payload, index, os.getpid()), name=f"dppo-rollout-{index}", daemon=True
+            target=serve,
+            args=(theirs, self._payload, index, os.getpid(), self._published_version),
+            name=f"dppo-rollout-{index}",
+            daemon=True,
         )
         process.start()
         theirs.close()  # the worker's end lives in the worker now: EOF here once it exits
@@ -143,6 +148,11 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
                     conn.send(ticket if shared is None else dataclasses.replace(ticket, weights=shared.layout))
                     if shared is not None:
                         reduction.send_handle(conn, shared.fd, worker.process.pid)
+                elif message[0] == "weights":  # rollout.partial_rollout: newer weights mid-ticket
+                    found = self.buffer.call("newer", message[1])
+                    conn.send(None if found is None else (found[0], found[1].layout, found[2]))
+                    if found is not None:
+                        reduction.send_handle(conn, found[1].fd, worker.process.pid)
                 elif message[0] == "put":
                     self.buffer.call("put", message[1], message[2], worker.holder, message[3])
                 elif message[0] == "error":
@@ -160,6 +170,8 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers."""
         self._published = SharedState(state_dict)
         self.buffer.call("publish", self._published, version, fingerprint_for(state_dict, self._print_dtype))
+        if self._published_version is not None:
+            self._published_version.value = version
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """The weights of the last publish, exactly as published: views of the shared-memory copy the workers load."""

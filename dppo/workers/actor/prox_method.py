@@ -40,13 +40,14 @@ class StepVersions:
 
     v_prox: int  # steps taken at the cycle start (pi_prox)
     v_theta: int  # v_prox + trigger (the weights being trained)
-    v_behav: torch.Tensor  # (B,) long: steps of the weights that sampled each row
+    v_behav: torch.Tensor  # (B, R) long: steps of the weights that sampled each token (rollout.partial_rollout: a
+    # response may span several versions)
 
     @classmethod
     def of(cls, batch: TrainBatch, version: int, trigger: int, parameter_sync_step: int) -> StepVersions:
-        """version: the trainer's policy version (sync cycles) at the cycle start; a group's version likewise."""
+        """version: the trainer's policy version (sync cycles) at the cycle start; a token's version likewise."""
         v_prox = int(version) * parameter_sync_step
-        v_behav = batch.versions[batch.group_index] * parameter_sync_step  # (B,)
+        v_behav = batch.behav_versions() * parameter_sync_step  # (B, R)
         return cls(v_prox, v_prox + int(trigger), v_behav)
 
 
@@ -136,10 +137,10 @@ class Metrics(Recompute):
 def interpolated_share(batch: TrainBatch, steps: StepVersions) -> float:
     """The share of the batch's valid tokens that loglinear interpolates (0 < alpha < 1: sampled before the cycle
     start, trained at a trigger k >= 1); elsewhere it is exact by construction. 0.0 without valid tokens."""
-    alpha = loglinear_alpha(steps.v_prox, steps.v_theta, steps.v_behav)  # (B,)
-    interpolated = ((alpha > 0) & (alpha < 1)).to(batch.response_mask.device)  # (B,)
+    alpha = loglinear_alpha(steps.v_prox, steps.v_theta, steps.v_behav)  # (B, R)
+    interpolated = ((alpha > 0) & (alpha < 1)).to(batch.response_mask.device)  # (B, R)
     valid = batch.response_mask.sum()
-    return float((batch.response_mask & interpolated[:, None]).sum() / valid) if valid else 0.0
+    return float((batch.response_mask & interpolated).sum() / valid) if valid else 0.0
 
 
 class Auto(ProxMethod):

@@ -7,10 +7,17 @@ the fork), or spawned afresh when it replaces a worker that died. The protocol o
 messages tuples:
 
     worker -> trainer   ("acquire", version held, groups wanted)   answered by a Ticket (stop=True: exit)
+                        ("weights", version held)                   rollout.partial_rollout, mid-ticket: answered by
+                                                                    None (nothing newer) or (version, SharedLayout,
+                                                                    its fingerprint) followed by the memory's descriptor
                         ("put", [StoredGroup], first, SyncCost | None)
                         ("error", type name, message)               then the worker exits with status 1
     trainer -> worker   Ticket, its weights (when newer) a SharedLayout, followed by the descriptor of the shared
                         memory that holds them (SCM_RIGHTS): the weights never go through the pipe as bytes
+
+rollout.partial_rollout: besides the pipe, the worker gets `published`, an 8-byte shared counter (a multiprocessing
+RawValue) that the trainer sets to each version it publishes. The worker reads it once per decode chunk, and asks
+over the pipe ("weights") only when it is newer than the version it holds: a look costs one memory read.
 
 The worker exits when the trainer's end of the pipe closes (the trainer stopped or died), and dies with the
 trainer's process (PR_SET_PDEATHSIG) if it is killed mid-generation.
@@ -24,6 +31,7 @@ import mmap
 import os
 import signal
 from dataclasses import dataclass
+from functools import partial
 from multiprocessing import reduction
 
 import cloudpickle
@@ -118,10 +126,30 @@ def die_with_parent(name: str) -> None:
         pass
 
 
-def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
+def _refresh(conn, core: RolloutGenerator, published, syncs: list):
+    """rollout.partial_rollout's look for newer weights, once per decode chunk: the shared counter read; where it is
+    newer than the weights held, the trainer asked for them over the pipe. A loader of them, or None."""
+    if published.value <= core.version:
+        return None
+    conn.send(("weights", core.version))
+    answer = conn.recv()
+    if answer is None:
+        return None
+    version, layout, fingerprint = answer
+    state = SharedState.attach(reduction.recv_handle(conn), layout)
+
+    def load() -> int:
+        syncs[0] = core.load_weights(state, version, fingerprint)
+        return version
+
+    return load
+
+
+def serve(conn, payload: bytes, worker_index: int, parent_pid: int, published=None) -> None:
     """The worker process's main: payload is cloudpickle.dumps((cfg, source, model_config)), the trainer's
     PromptSource object itself (a worker must not rebuild it: a register_task task exists in the trainer only);
-    parent_pid: the trainer's process."""
+    parent_pid: the trainer's process; published: the trainer's shared counter of its newest version (None: no
+    mid-ticket loads)."""
     die_with_parent(f"dppo-rollout-{worker_index}")
     if os.getppid() != parent_pid:
         return  # the trainer died before the death signal was armed
@@ -141,14 +169,15 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int) -> None:
             ticket = conn.recv()
             if ticket.stop:
                 return
-            sync = None
+            syncs = [None]  # the ticket's latest weight load
             if ticket.weights is not None:  # a SharedLayout; the memory's descriptor follows on the pipe
-                sync = core.load_weights(
+                syncs[0] = core.load_weights(
                     SharedState.attach(reduction.recv_handle(conn), ticket.weights), ticket.version, ticket.fingerprint
                 )
             core.seed_ticket(ticket.first)
-            groups = core.generate(ticket.num_groups)
-            conn.send(("put", [StoredGroup.of(g) for g in groups], ticket.first, SyncCost.of(sync)))
+            refresh = None if published is None else partial(_refresh, conn, core, published, syncs)
+            groups = core.generate(ticket.num_groups, refresh)
+            conn.send(("put", [StoredGroup.of(g) for g in groups], ticket.first, SyncCost.of(syncs[0])))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the trainer closed its end or is gone: nothing to report to
     except BaseException as err:  # noqa: BLE001  reported to the trainer, which raises it as the rollout's failure

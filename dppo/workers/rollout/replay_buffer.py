@@ -186,6 +186,14 @@ class ReplayBufferCore:
         """Stop the workers: every pending and later acquire gets a stop ticket."""
         self.closed = True
 
+    def newer(self, worker_version: int) -> tuple[int, Any, Any] | None:
+        """rollout.partial_rollout: (the newest version, its weights as publish got them, their fingerprint) where they
+        are newer than worker_version, else None (also once closed). Grants nothing: the worker's ticket stays the one
+        it holds. A mid-ticket load is checked against the fingerprint as a ticket's is (rollout.verify_sync)."""
+        if self.closed or self.weights is None or self.version <= worker_version:
+            return None
+        return self.version, self.weights, self.fingerprint
+
     # ---- worker side -----------------------------------------------------------------------------
 
     def grantable(self) -> int:
@@ -308,6 +316,9 @@ class ReplayBufferActor:
     async def close(self) -> None:
         self.core.close()
         await self._notify()
+
+    def newer(self, worker_version: int) -> tuple[int, list, Any] | None:
+        return self.core.newer(worker_version)
 
     async def discard(self, count: int) -> None:
         self.core.discard(count)

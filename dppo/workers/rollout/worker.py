@@ -5,6 +5,11 @@ RolloutWorkerActor only moves data: at each generation boundary it asks the repl
 loads the newer weights the ticket carries (one object-store get: the full weights, or with
 rollout.weight_sync=delta only what changed since the weights it holds), generates and hands the groups back.
 A worker that Ray gave a GPU (a bundle of the rollout's pool, rollout.n_gpus_per_node) generates on it.
+
+rollout.partial_rollout: while it generates, the actor keeps one call of the buffer's `newer` in flight and looks at it
+without waiting once per decode chunk (the engine's refresh); where the trainer has published a newer version it
+loads it mid-ticket and the unfinished responses go on under it. The ticket stays the one granted at its start: its
+groups keep their start version (staleness counts their oldest token) and the wait budget is unchanged.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from dppo.data.source import PromptSource
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import as_state_dict
 from dppo.batch import Group
-from dppo.workers.rollout.engines import RolloutEngine, WeightSync, make_engine
+from dppo.workers.rollout.engines import Refresh, RolloutEngine, WeightSync, make_engine
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 from dppo.workers.sync_check import WeightFingerprint, verify
 
@@ -71,6 +76,7 @@ class RolloutGenerator:
         self.seed = cfg.trainer.seed
         self.prompts = source.sampler([self.seed, _TICKET_STREAM])  # positioned per ticket
         self.n = cfg.rollout.n
+        self.partial = cfg.rollout.partial_rollout  # generate() takes a refresh (mid-ticket weights)
         self.greedy_baseline = cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS  # ReMax
         self.version = -1  # no weights loaded yet
         self.last_sync: WeightSync | None = None  # what the latest load_weights cost
@@ -124,15 +130,21 @@ class RolloutGenerator:
         return sync
 
     @torch.no_grad()
-    def generate(self, num_groups: int) -> list[Group]:
-        """num_groups fresh prompts, n sampled responses each, scored and tagged with the current version."""
+    def generate(self, num_groups: int, refresh: Refresh | None = None) -> list[Group]:
+        """num_groups fresh prompts, n sampled responses each, scored and tagged with the version they start with.
+        refresh: where rollout.partial_rollout is on, the engine's look for newer weights once per decode chunk (it
+        loads them through this generator); the groups then carry each token's version (token_versions)."""
         if self.version < 0:
             raise RuntimeError("RolloutGenerator.generate called before any weights were loaded")
-        source, n = self.source, self.n
+        source, n, start_version = self.source, self.n, self.version
         drawn = self.prompts.sample(num_groups)  # G prompts
         prompts = drawn.repeat(n)  # G n rows, prompt-major
-        samples = self.engine.sample(list(drawn.token_ids), n)  # (G n, R) each
+        refresh = refresh if self.partial else None
+        samples = self.engine.sample(list(drawn.token_ids), n, start_version, refresh)  # (G n, R) each
         responses, mask, behav_logp = samples.responses, samples.response_mask, samples.behav_logp
+        versions = samples.versions  # (G n, R); kept only where a response spans versions (else the group's own)
+        if versions is None or bool((versions == start_version).all()):
+            versions = None
         scored = source.score(prompts, responses.numpy(), mask.numpy())
         scores = torch.from_numpy(scored.scores)
         extra = {key: torch.from_numpy(values) for key, values in scored.extra.items()}
@@ -144,9 +156,10 @@ class RolloutGenerator:
                 mask[i : i + n],
                 behav_logp[i : i + n],
                 scores[i : i + n],
-                self.version,
+                start_version,
                 reward_extra={key: values[i : i + n] for key, values in extra.items()},
                 baseline_score=baselines[g],
+                token_versions=None if versions is None else versions[i : i + n],
             )
             for g, i in enumerate(range(0, responses.shape[0], n))
         ]
@@ -180,22 +193,45 @@ class RolloutWorkerActor:
         self.buffer = buffer
         self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch
+        self._poll = None  # rollout.partial_rollout: the buffer's `newer` call in flight (an ObjectRef), or None
+        self._sync: WeightSync | None = None  # the latest weight load of the ticket being generated
 
     def step(self, num_groups: int) -> int:
         """One generation boundary: wait for a ticket, load newer weights, generate; groups made (0: stopped)."""
         ticket = ray.get(self.buffer.acquire.remote(self.core.version, num_groups, self.holder))
         if ticket.stop:
             return 0
-        sync = None
+        self._sync = None
         if ticket.weights is not None:
-            sync = self.core.load_published(ticket.weights, ticket.version, ticket.fingerprint)
+            self._sync = self.core.load_published(ticket.weights, ticket.version, ticket.fingerprint)
         self.core.seed_ticket(ticket.first)
-        groups = self.core.generate(ticket.num_groups)
+        self._poll = None
+        groups = self.core.generate(ticket.num_groups, self._refresh)
         # torch-free forms: the buffer's process does not import torch (replay_buffer.py)
         ray.get(
-            self.buffer.put.remote([StoredGroup.of(g) for g in groups], ticket.first, self.holder, SyncCost.of(sync))
+            self.buffer.put.remote(
+                [StoredGroup.of(g) for g in groups], ticket.first, self.holder, SyncCost.of(self._sync)
+            )
         )
         return len(groups)
+
+    def _refresh(self):
+        """rollout.partial_rollout's look for newer weights, once per decode chunk: one call of the buffer's `newer`
+        kept in flight, looked at without waiting (ray.wait, timeout 0); a loader of the newer publish, or None."""
+        if self._poll is None or not ray.wait([self._poll], timeout=0)[0]:
+            if self._poll is None:
+                self._poll = self.buffer.newer.remote(self.core.version)
+            return None
+        found, self._poll = ray.get(self._poll), None
+        if found is None:
+            return None
+        version, published, fingerprint = found
+
+        def load() -> int:
+            self._sync = self.core.load_published(published, version, fingerprint)
+            return version
+
+        return load
 
     def run(self) -> None:
         """Separate-async mode: generate continuously until the buffer is closed."""

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from dppo.config.choices import ROLLOUT_ENGINES, WEIGHT_SYNC_MODES
-from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync
+from dppo.workers.rollout.engines.base import Refresh, RolloutEngine, Samples, WeightSync
 from dppo.workers.rollout.engines.hf import HFEngine
 from dppo.workers.rollout.engines.vllm import VLLMEngine
 
@@ -14,6 +14,7 @@ VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
 
 __all__ = [
     "ROLLOUT_ENGINES",
+    "Refresh",
     "RolloutEngine",
     "Samples",
     "VLLM_CPU_HEAD_SIZES",
@@ -57,6 +58,7 @@ def make_engine(cfg, source, model_config, device: torch.device = torch.device("
             max_num_seqs=vllm_rows(cfg.rollout, cfg.groups_per_trigger),
             max_prompt_len=source.prompt_length,
             compile=not vllm_enforce_eager(cfg.rollout, torch.device(device)),
+            partial_chunk=cfg.rollout.partial_chunk,
         )
     return HFEngine(
         model_config,
@@ -67,4 +69,5 @@ def make_engine(cfg, source, model_config, device: torch.device = torch.device("
         source.pad_token,
         cfg.actor.micro_batch_size,
         device,
+        cfg.rollout.partial_chunk,
     )

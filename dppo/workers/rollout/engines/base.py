@@ -8,6 +8,7 @@ this process) and `vllm` (vllm.LLM inside this process), chosen by rollout.name.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,6 +24,15 @@ class Samples:
     responses: torch.Tensor  # (B, R) long, pad_token after a response's end; R = the longest response
     response_mask: torch.Tensor  # (B, R) bool, 1 on response tokens (the EOS that ended one included)
     behav_logp: torch.Tensor  # (B, R) fp32, log pi_behav of each token at the sampling temperature; 0 on padding
+    # (B, R) long, the policy version of the weights that sampled each token (rollout.partial_rollout: a response
+    # may span several); on padding the version in effect when that position was reached
+    versions: torch.Tensor | None = None
+
+
+# A rollout.partial_rollout refresh: called by an engine between decode chunks; None (no newer weights), or a
+# function that loads the newer weights into the engine and returns their version. The engine calls the function
+# once it has done what it must with the old weights (the hf engine scores the tokens they sampled).
+Refresh = Callable[[], Callable[[], int] | None]
 
 
 @dataclass
@@ -68,8 +78,11 @@ class RolloutEngine(ABC):
         """Seed the samples that follow (a ticket's seed: its samples depend on it and the weights only)."""
 
     @abstractmethod
-    def sample(self, prompts: list[np.ndarray], n: int) -> Samples:
-        """n responses to each prompt (G token-id arrays, any lengths), their mask and behavior log-probs."""
+    def sample(self, prompts: list[np.ndarray], n: int, version: int = 0, refresh: Refresh | None = None) -> Samples:
+        """n responses to each prompt (G token-id arrays, any lengths), their mask, behavior log-probs and per-token
+        versions (version: that of the weights loaded now). refresh (rollout.partial_rollout): polled once per
+        decode chunk (rollout.partial_chunk tokens); where it hands newer weights, every unfinished response keeps
+        its tokens and their log-probs and continues under the new weights; finished ones are not touched."""
 
     @abstractmethod
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

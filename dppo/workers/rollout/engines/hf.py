@@ -2,6 +2,13 @@
 
 Its behavior log-probs are re-scored with a full forward pass by the function the trainer uses
 (dppo.models.response_log_probs), so pi_behav and pi_old agree bitwise when the weights agree.
+
+rollout.partial_rollout: every rollout.partial_chunk tokens the sampler asks the worker's refresh for newer weights.
+Where there are, the tokens sampled so far are scored under the old weights (one forward of prompt + those tokens),
+the new weights are loaded between two decode steps, and the KV cache is rebuilt with one prefill of prompt + the
+tokens so far; the random stream goes on. At the end the response is scored under the last weights, and each token
+takes its log-prob from the pass of the weights that sampled it: per segment, pi_behav is still bitwise a
+teacher-forced forward of those weights.
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ import torch
 from dppo.generation import sample_responses
 from dppo.models import model_from_config, response_log_probs
 from dppo.batch import left_pad
-from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
+from dppo.workers.rollout.engines.base import Refresh, RolloutEngine, Samples, WeightSync, state_dict_bytes
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 from dppo.workers.weight_fingerprint import prints_of
 
@@ -32,14 +39,17 @@ class HFEngine(RolloutEngine):
         pad_token: int,
         micro_batch_size: int,
         device: torch.device = torch.device("cpu"),
+        partial_chunk: int = 16,
     ):
         """model_config: the trainer model's transformers config (weights arrive with load_weights). device: where
-        the model copy and the sampling loop run (samples come back on the host)."""
+        the model copy and the sampling loop run (samples come back on the host). partial_chunk: decode steps between
+        two calls of a sample's refresh (rollout.partial_chunk)."""
         self.device = torch.device(device)
         self.model = model_from_config(model_config, dtype).requires_grad_(False).to(self.device)
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.eos_token, self.pad_token, self.micro_batch_size = eos_token, pad_token, micro_batch_size
         self.generator = torch.Generator(device=self.device)
+        self.partial_chunk = partial_chunk
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
         start = time.perf_counter()
@@ -54,11 +64,23 @@ class HFEngine(RolloutEngine):
         self.generator.manual_seed(seed)
 
     @torch.no_grad()
-    def sample(self, prompts: list[np.ndarray], n: int) -> Samples:
+    def sample(self, prompts: list[np.ndarray], n: int, version: int = 0, refresh: Refresh | None = None) -> Samples:
         rows = [ids for ids in prompts for _ in range(n)]  # G n prompts, prompt-major
         prompt_ids, prompt_mask = left_pad(rows, self.pad_token)  # (G n, P) each; mask None: no padding
         ids = prompt_ids.to(self.device)
         pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
+        # one per weight swap: (first token the next weights sample, their version, log-probs (B, t) of the tokens so
+        # far under the weights before the swap)
+        swaps: list[tuple[int, int, torch.Tensor]] = []
+
+        def swapped(responses: torch.Tensor, mask: torch.Tensor) -> bool:
+            load = refresh()
+            if load is None:
+                return False
+            old_logp = self._score(ids, pad_mask, responses, mask)  # (B, t): before the old weights go
+            swaps.append((responses.shape[1], load(), old_logp))
+            return True
+
         responses, mask = sample_responses(
             self.model,
             ids,
@@ -68,9 +90,23 @@ class HFEngine(RolloutEngine):
             self.eos_token,
             self.pad_token,
             pad_mask,
+            chunk=self.partial_chunk,
+            swapped=None if refresh is None else swapped,
         )
+        behav_logp = self._score(ids, pad_mask, responses, mask)  # (B, R) under the last weights
+        versions = torch.full_like(responses, version)  # (B, R)
+        start = 0
+        for first, new_version, old_logp in swaps:  # tokens [start, first) were sampled by the weights before
+            behav_logp[:, start:first] = old_logp[:, start:first]
+            versions[:, first:] = new_version
+            start = first
+        return Samples(responses.cpu(), mask.cpu(), behav_logp.cpu(), versions.cpu())  # (G n, R) each: to the host
+
+    def _score(self, ids: torch.Tensor, pad_mask, responses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """log pi of responses (B, t) after prompts ids (B, P) under the model's weights now: a full forward pass
+        of the trainer's own function (pi_behav bitwise the trainer's forward where the weights agree)."""
         attention_mask = None if pad_mask is None else torch.cat([pad_mask, mask.long()], 1)
-        behav_logp = response_log_probs(
+        return response_log_probs(
             self.model,
             torch.cat([ids, responses], 1),
             responses.shape[1],
@@ -78,7 +114,6 @@ class HFEngine(RolloutEngine):
             self.micro_batch_size,
             attention_mask=attention_mask,
         )
-        return Samples(responses.cpu(), mask.cpu(), behav_logp.cpu())  # (G n, R) each: to the host
 
     @torch.no_grad()
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:

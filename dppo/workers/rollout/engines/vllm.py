@@ -14,6 +14,13 @@
   as far as vLLM's logits do: they are bitwise reproducible for the same batch on the same engine, but a
   different batch composition (another scheduling, a prefix-cache hit, chunked prefill) may change logits in
   the last bits and so, rarely, a sampled token.
+- rollout.partial_rollout: sample() with a refresh drives the engine step by step (llm_engine.add_request / step:
+  one decode step each, every row its own request with the seed vLLM would give it as a sample of its prompt's
+  request) and asks the refresh once per rollout.partial_chunk steps. Where it hands newer weights, the unfinished
+  requests are aborted (their tokens and log-probs so far kept), the weights loaded (the prefix cache reset as after
+  any sync) and each resumed as a new request of prompt + its tokens so far, max_tokens reduced and a seed derived
+  from the ticket's, the row and the tokens so far. vLLM 0.32 has no pause that keeps a request's KV cache across a
+  weight reload, and that cache was computed by the old weights: resuming recomputes it (one prefill) either way.
 - rollout.weight_sync=delta: the trainer publishes, next to the full weights, the engine-dtype elements that
   changed since its last publish (dppo.workers.weight_delta); a worker that holds that last publish reads only
   them (load_delta) and applies them to the copy it holds (see DeltaTracker); others read the full weights and
@@ -36,7 +43,7 @@ import numpy as np
 import torch
 
 from dppo.models import DTYPES
-from dppo.workers.rollout.engines.base import RolloutEngine, Samples, WeightSync, state_dict_bytes
+from dppo.workers.rollout.engines.base import Refresh, RolloutEngine, Samples, WeightSync, state_dict_bytes
 from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
 from dppo.workers.rollout.engines.vllm_experts import repack_reloaded
 from dppo.workers.rollout.engines.vllm_readback import ReadBack
@@ -145,6 +152,7 @@ class VLLMEngine(RolloutEngine):
         max_prompt_len: int = 256,
         kv_bytes: int | None = None,
         compile: bool = False,
+        partial_chunk: int = 16,
     ):
         """model_config: the trainer model's transformers config; dtype: the engine's (float32, bfloat16, ...);
         weight_sync: full or delta. max_num_seqs: the rows of a ticket (groups x n), all run in one batch;
@@ -189,6 +197,7 @@ class VLLMEngine(RolloutEngine):
         self.packed_modules = self.llm.apply_model(lambda model: dict(getattr(model, "packed_modules_mapping", {})))[0]
         self.readback = ReadBack(self.packed_modules)
         self._ticket_seed = 0
+        self.partial_chunk = partial_chunk
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
@@ -249,7 +258,9 @@ class VLLMEngine(RolloutEngine):
         state = np.random.SeedSequence([self._ticket_seed, num_prompts]).generate_state(num_prompts)
         return [int(s) & 0x3FFFFFFF for s in state]
 
-    def sample(self, prompts: list[np.ndarray], n: int) -> Samples:
+    def sample(self, prompts: list[np.ndarray], n: int, version: int = 0, refresh: Refresh | None = None) -> Samples:
+        if refresh is not None:
+            return self._sample_resumable(prompts, n, version, refresh)
         from vllm import SamplingParams  # vLLM lives in .venv-vllm only (make vllm)
 
         stop = [] if self.eos_token is None else [int(self.eos_token)]
@@ -269,7 +280,83 @@ class VLLMEngine(RolloutEngine):
         requests = [{"prompt_token_ids": [int(t) for t in ids]} for ids in prompts]
         outputs = self.llm.generate(requests, params, use_tqdm=False)
         completions = [c for out in outputs for c in sorted(out.outputs, key=lambda c: c.index)]  # G n, prompt-major
-        return _samples(completions, self.pad_token)
+        samples = _samples(completions, self.pad_token)
+        samples.versions = torch.full_like(samples.responses, version)
+        return samples
+
+    def _params(self, max_tokens: int, seed: int):
+        from vllm import SamplingParams  # vLLM lives in .venv-vllm only (make vllm)
+        from vllm.sampling_params import RequestOutputKind
+
+        return SamplingParams(
+            n=1,
+            temperature=self.temperature,
+            max_tokens=max_tokens,
+            logprobs=0,
+            seed=seed,
+            stop_token_ids=[] if self.eos_token is None else [int(self.eos_token)],
+            ignore_eos=True,
+            detokenize=False,
+            output_kind=RequestOutputKind.CUMULATIVE,  # every step: each request's tokens so far
+        )
+
+    def _sample_resumable(self, prompts: list[np.ndarray], n: int, version: int, refresh: Refresh) -> Samples:
+        """sample() under rollout.partial_rollout (see the module docstring): rows resumed under newer weights."""
+        engine = self.llm.llm_engine
+        rows = [[int(t) for t in ids] for ids in prompts for _ in range(n)]  # G n prompts, prompt-major
+        seeds = [seed + i for seed in self._request_seeds(len(prompts)) for i in range(n)]  # vLLM's child seeds
+        tokens: list[list[int]] = [[] for _ in rows]  # per row: tokens, their log-probs and versions so far
+        logps: list[list[float]] = [[] for _ in rows]
+        versions: list[list[int]] = [[] for _ in rows]
+        running: dict[str, tuple[int, int]] = {}  # request id -> (row, tokens the row had when it was added)
+
+        def add(row: int, seed: int) -> None:
+            done = len(tokens[row])
+            request = {"prompt_token_ids": rows[row] + tokens[row]}
+            request_id = f"dppo-{self._ticket_seed}-{row}-{done}"  # outputs and aborts name it (vLLM adds a suffix)
+            engine.add_request(request_id, request, self._params(self.max_new_tokens - done, seed))
+            running[request_id] = (row, done)
+
+        for row, seed in enumerate(seeds):
+            add(row, seed)
+        steps = 0
+        while running:
+            for out in engine.step():
+                if out.request_id not in running:
+                    continue
+                row, done = running[out.request_id]
+                c = out.outputs[0]
+                new = list(c.token_ids)
+                del tokens[row][done:], logps[row][done:], versions[row][done:]
+                tokens[row] += new
+                logps[row] += [step[t].logprob for step, t in zip(c.logprobs, new)]
+                versions[row] += [version] * len(new)
+                if out.finished:
+                    del running[out.request_id]
+            steps += 1
+            if not running or steps % self.partial_chunk:
+                continue
+            load = refresh()
+            if load is None:
+                continue
+            engine.abort_request(list(running))
+            resumed = sorted(row for row, _ in running.values())
+            running.clear()
+            version = load()  # the newer weights; the prefix cache reset
+            for row in resumed:
+                state = np.random.SeedSequence([self._ticket_seed, row, len(tokens[row]), version])
+                add(row, int(state.generate_state(1)[0]) & 0x3FFFFFFF)
+        width = max((len(t) for t in tokens), default=0)
+        responses = torch.full((len(rows), width), self.pad_token, dtype=torch.long)
+        mask = torch.zeros((len(rows), width), dtype=torch.bool)
+        behav_logp = torch.zeros((len(rows), width), dtype=torch.float32)
+        token_versions = torch.full((len(rows), width), version, dtype=torch.long)
+        for i, (t, lp, v) in enumerate(zip(tokens, logps, versions)):
+            responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
+            mask[i, : len(t)] = True
+            behav_logp[i, : len(t)] = torch.tensor(lp, dtype=torch.float32)
+            token_versions[i, : len(t)] = torch.tensor(v, dtype=torch.long)
+        return Samples(responses, mask, behav_logp, token_versions)
 
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         from vllm import SamplingParams  # vLLM lives in .venv-vllm only (make vllm)

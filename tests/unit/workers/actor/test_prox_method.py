@@ -148,6 +148,36 @@ def test_loglinear_prox_in_the_loss_is_loglinear_prox_log_prob(small_cfg, monkey
     rank.close()
 
 
+def test_loglinear_takes_each_tokens_own_behavior_version(small_cfg, monkeypatch):
+    """rollout.partial_rollout: a response started at version 1 and finished at version 3 interpolates its early
+    tokens with alpha (12 - 4) / (14 - 4) and takes pi_behav on its late ones (sampled by pi_prox's weights): the
+    per-token versions reach the loss, not the response's start version for every token."""
+    rank = make_rank(
+        small_cfg,
+        **{"algorithm.prox_logp_method": "loglinear", "trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8},
+    )
+    batch, adv = make_batch(rank.model, versions=(1, 2, 3, 3))
+    token_versions = batch.versions[batch.group_index][:, None].repeat(1, R)  # (B, R)
+    token_versions[:6, 2:] = 3  # groups 0 and 1: their tokens from position 2 on were sampled by version 3
+    batch.token_versions = token_versions
+    theta = rank.score(copy.deepcopy(rank.model), batch)
+    seen = capture_prox_of_loss(monkeypatch)
+    rank.update_actor(2, batch, adv, 3)  # v_prox = 12, v_theta = 14
+    expected = loglinear_prox_log_prob(
+        theta, batch.behav_logp, batch.response_mask, v_prox=12, v_theta=14, v_behav=token_versions * 4
+    )
+    used, mask = torch.cat(seen), batch.response_mask
+    torch.testing.assert_close(used[mask], expected[mask], rtol=0, atol=0)
+    late = mask.clone()
+    late[6:], late[:, :2] = False, False
+    assert late.any()
+    torch.testing.assert_close(used[late], batch.behav_logp[late], rtol=0, atol=0)  # alpha 0: as new as pi_prox
+    early = mask.clone()
+    early[6:], early[:, 2:] = False, False
+    assert not torch.allclose(used[early], batch.behav_logp[early])  # interpolated: sampled before pi_prox
+    rank.close()
+
+
 def test_metrics_reports_loglinear_error_against_the_exact_prox(small_cfg):
     rank = make_rank(
         small_cfg,
