@@ -113,7 +113,23 @@ def write_task(path: Path, config: Path) -> dict:
             for e in entries
         ]
 
-    task = {"dataset": rg.dataset, "config": dict(rg.config), "train": rows(train), "val": rows(val)}
+    fixed = {  # trl_real.py's constants: the settings it matches
+        "trainer.train_batch_size": (cfg.trainer.train_batch_size, 8),
+        "rollout.n": (cfg.rollout.n, 8),
+        "data.max_response_length": (cfg.data.max_response_length, 12),
+    }
+    for key, (ours, theirs) in fixed.items():
+        if ours != theirs:
+            raise SystemExit(f"peer_real: {config} sets {key}={ours}, but trl_real.py runs {theirs}: change both")
+    task = {
+        "dataset": rg.dataset,
+        "config": dict(rg.config),
+        "train": rows(train),
+        "val": rows(val),
+        # what trl_real.py takes from the run's config
+        "lr": cfg.actor.lr,
+        "steps_per_generation": cfg.trainer.parameter_sync_step,
+    }
     path.write_text(json.dumps(task))
     return task
 
@@ -136,7 +152,7 @@ def run_dppo(seed: int, steps: int, out: Path, engine: str, python: Path, log) -
     return run
 
 
-def run_trl(seed: int, steps: int, out: Path, task_file: Path, log) -> Run:
+def run_trl(seed: int, steps: int, out: Path, task_file: Path, task: dict, log) -> Run:
     run_dir = out / f"trl_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     progress, result = run_dir / "progress.jsonl", run_dir / "result.json"
@@ -152,6 +168,10 @@ def run_trl(seed: int, steps: int, out: Path, task_file: Path, log) -> Run:
         str(seed),
         "--steps",
         str(steps),
+        "--lr",
+        str(task["lr"]),
+        "--steps-per-generation",
+        str(task["steps_per_generation"]),
         "--eval-every",
         str(EVAL_EVERY),
         "--progress",
@@ -270,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
                 if system == "dppo":
                     runs.append(run_dppo(seed, args.steps, out, engine, python, log))
                 else:
-                    runs.append(run_trl(seed, args.steps, out, task_file, log))
+                    runs.append(run_trl(seed, args.steps, out, task_file, task, log))
                 print(f"  {system} seed {seed}: {runs[-1].summary()}", flush=True)
     dppo = medians([r for r in runs if r.system == "dppo"])
     trl = medians([r for r in runs if r.system == "trl"])

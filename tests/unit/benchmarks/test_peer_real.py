@@ -60,7 +60,8 @@ def test_trl_gets_the_problems_of_dppo_s_source(bench, tmp_path, monkeypatch):
     config = tmp_path / "run.yaml"
     config.write_text(
         f"model:\n  path: {tmp_path}\n"  # needed by the config's checks; the problems do not read it
-        "data:\n  source: reasoning_gym\n  reasoning_gym:\n    dataset: basic_arithmetic\n"
+        "trainer:\n  train_batch_size: 8\n  parameter_sync_step: 4\nrollout:\n  n: 8\nactor:\n  lr: 3.0e-5\n"
+        "data:\n  max_response_length: 12\n  source: reasoning_gym\n  reasoning_gym:\n    dataset: basic_arithmetic\n"
         "    config: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1}\n"
         "    size: 60\n    seed: 5\n    val_size: 40\n    prompt_suffix: Answer with just the number.\n"
     )
@@ -76,3 +77,16 @@ def test_trl_gets_the_problems_of_dppo_s_source(bench, tmp_path, monkeypatch):
     assert len(generate("basic_arithmetic", rg.config, 60, 5)) == 60
     assert task["train"][0]["prompt"] == f"{train[0]['question']} Answer with just the number."
     assert task["dataset"] == "basic_arithmetic" and task["config"]["max_digits"] == 1
+    assert task["lr"] == 3e-5 and task["steps_per_generation"] == 4  # TRL runs the config's lr and cycle
+
+
+def test_a_config_trl_s_side_does_not_match_is_refused(bench, tmp_path):
+    pytest.importorskip("reasoning_gym")
+    config = tmp_path / "run.yaml"
+    config.write_text(
+        f"model:\n  path: {tmp_path}\ntrainer:\n  train_batch_size: 16\nrollout:\n  n: 8\n"
+        "data:\n  source: reasoning_gym\n  reasoning_gym:\n    dataset: basic_arithmetic\n    size: 20\n"
+    )
+    with pytest.raises(SystemExit, match="trainer.train_batch_size=16, but trl_real.py runs 8"):
+        bench.write_task(tmp_path / "task.json", config)
+    assert not (tmp_path / "task.json").exists()
