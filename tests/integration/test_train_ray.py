@@ -315,8 +315,8 @@ class _Core:
     def __init__(self) -> None:
         self.version, self.loaded = 0, []
 
-    def load_published(self, published, version):
-        self.loaded.append((published, version))
+    def load_published(self, published, version, expected=None):
+        self.loaded.append((published, version, expected))
         self.version = version
         return None
 
@@ -334,7 +334,7 @@ def test_a_workers_look_loads_a_newer_publish_mid_ticket_and_keeps_its_ticket(ra
     ray.wait([worker._poll])  # answered (nothing newer): the next look reads it and sends the next call
     assert worker._refresh() is None and worker._poll is None
     assert worker._refresh() is None and worker._poll is not None
-    ray.get(buffer.publish.remote(["v1"], 1))
+    ray.get(buffer.publish.remote(["v1"], 1, "fingerprint of v1"))
     ray.wait([worker._poll])  # the call sent before the publish may have been answered before it: None
     load = worker._refresh()
     if load is None:  # it was: the next call sees version 1
@@ -342,7 +342,8 @@ def test_a_workers_look_loads_a_newer_publish_mid_ticket_and_keeps_its_ticket(ra
         ray.wait([worker._poll])
         load = worker._refresh()
     assert worker.core.loaded == [] and load is not None  # nothing loaded before the engine asks
-    assert load() == 1 and worker.core.loaded == [(["v1"], 1)]
+    # loaded with the publish's fingerprint: a mid-ticket load is checked as a ticket's is (rollout.verify_sync)
+    assert load() == 1 and worker.core.loaded == [(["v1"], 1, "fingerprint of v1")]
     # the ticket granted at version 0 is still the worker's: its groups go in at their grant index
     stats = ray.get(buffer.stats.remote())
     assert stats["replay/in_flight"] == 4.0
