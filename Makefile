@@ -151,8 +151,8 @@ real: install $(VENV)/.smollm2 $(REAL_VLLM)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/real_run.py $(REAL_ARGS)
 
 # issue 35's point 5: dppo against TRL 1.16's GRPOTrainer on the real run's model, problems, reward and settings
-# (benchmarks/peer_real.py; seeds 0 and 1, about an hour here). TRL's side imports dppo's reward from the checkout and
-# needs reasoning-gym in .venv-trl for it.
+# (benchmarks/peer_real.py; seeds 0 and 1, 20 global steps each: about 40 minutes here). TRL's side imports dppo's
+# reward from the checkout and needs reasoning-gym in .venv-trl for it.
 PEERS_REAL_ARGS ?= --out bench_out/peers_real
 $(TRL_VENV)/.tasks: $(TRL_VENV)/.installed
 	$(TRL_VENV)/bin/python -m pip install "reasoning-gym>=0.1.25"

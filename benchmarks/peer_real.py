@@ -1,6 +1,6 @@
 """dppo against TRL's GRPOTrainer on `make real`'s work (issue 35, point 5): `make bench-peers-real`.
 
-    .venv/bin/python benchmarks/peer_real.py [--seeds 0 1] [--steps 30] [--out bench_out/peers_real] [--only dppo|trl]
+    .venv/bin/python benchmarks/peer_real.py [--seeds 0 1] [--steps 20] [--out bench_out/peers_real] [--only dppo|trl]
 
 The work: SmolLM2-135M-Instruct (models/smollm2-135m-instruct, imported first if missing, not timed) on two-term
 arithmetic, the problems, reward and settings of examples/real/smollm2_arithmetic.yaml. For each seed, alternating
@@ -263,7 +263,7 @@ def table(dppo: dict, trl: dict, verdict: dict) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=30, help="global steps of each run (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=20, help="global steps of each run (default %(default)s)")
     parser.add_argument("--out", default=str(REPO / "bench_out" / "peers_real"))
     parser.add_argument("--only", choices=["dppo", "trl"], help="run one system only")
     parser.add_argument("--engine", choices=["auto", "vllm", "hf"], default="auto", help="dppo's engine (real_run's)")

@@ -43,7 +43,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--progress", required=True)
     parser.add_argument("--result", required=True)
-    parser.add_argument("--steps", type=int, default=30, help="generation cycles (global steps)")
+    parser.add_argument("--steps", type=int, default=20, help="generation cycles (global steps)")
     parser.add_argument("--steps-per-generation", type=int, default=2)
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--eval-every", type=int, default=2, help="held-out evaluation every N cycles")
