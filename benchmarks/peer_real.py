@@ -27,7 +27,6 @@ import json
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -186,31 +185,18 @@ def run_trl(seed: int, steps: int, out: Path, task_file: Path, task: dict, log) 
     run = Run("trl", seed)
     seen: list[dict] = []
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=real_run._env())
-    done = threading.Event()
 
-    def poll() -> None:
-        while not done.is_set():
-            for line in real_run._jsonl(progress)[len(seen) :]:
-                at_s = time.perf_counter() - start
-                seen.append(line)
-                text = (
-                    f"step {line['step']:>3}  {at_s:6.0f} s  reward {line['reward']:.3f}  sampled acc {line['acc']:.3f}"
-                )
-                if "val_acc" in line:
-                    run.points.append((int(line["step"]), at_s, float(line["val_acc"])))
-                    text += f"  held-out greedy acc {line['val_acc']:.3f}"
-                print("  TRL " + text, flush=True)
-            done.wait(real_run.POLL_S)
+    def poll_once() -> None:
+        for line in real_run._jsonl(progress)[len(seen) :]:
+            at_s = time.perf_counter() - start
+            seen.append(line)
+            text = f"step {line['step']:>3}  {at_s:6.0f} s  reward {line['reward']:.3f}  sampled acc {line['acc']:.3f}"
+            if "val_acc" in line:
+                run.points.append((int(line["step"]), at_s, float(line["val_acc"])))
+                text += f"  held-out greedy acc {line['val_acc']:.3f}"
+            print("  TRL " + text, flush=True)
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    try:
-        rc = proc.wait()
-    finally:
-        done.set()
-        poller.join()
-    if rc != 0:
-        raise SystemExit(f"peer_real: trl_real.py exited with {rc}; see {log.name}")
+    real_run.follow(proc, poll_once, "trl_real.py", log)
     run.whole_s = time.perf_counter() - start
     run.steps = len(seen)
     run.final_acc = json.loads(result.read_text())["evaluation"]["acc"]

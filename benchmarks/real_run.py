@@ -320,6 +320,27 @@ def progress_line(record: dict, at_s: float) -> str:
     return "  ".join(parts)
 
 
+def follow(proc: subprocess.Popen, poll_once, what: str, log) -> None:
+    """Wait for proc, calling poll_once every POLL_S from a thread meanwhile; SystemExit naming what and the log if it
+    exits with an error. (real_run's training and peer_real's TRL run follow their progress files with it.)"""
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            poll_once()
+            done.wait(POLL_S)
+
+    poller = threading.Thread(target=poll, daemon=True)
+    poller.start()
+    try:
+        rc = proc.wait()
+    finally:
+        done.set()
+        poller.join()
+    if rc != 0:
+        raise SystemExit(f"{Path(__file__).stem}: {what} exited with {rc}; see {log.name}")
+
+
 def train(
     python: Path,
     config: Path,
@@ -336,28 +357,16 @@ def train(
     metrics = out_dir / "metrics.jsonl"
     stamped: list[tuple[dict, float]] = []
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, env=_env())
-    done = threading.Event()
 
-    def poll() -> None:
-        while not done.is_set():
-            records = _jsonl(metrics)
-            for record in records[len(stamped) :]:
-                at_s = time.perf_counter() - clock
-                stamped.append((record, at_s))
-                print(progress_line(record, at_s), flush=True)
-            if base is not None:
-                base.poll()
-            done.wait(POLL_S)
+    def poll_once() -> None:
+        for record in _jsonl(metrics)[len(stamped) :]:
+            at_s = time.perf_counter() - clock
+            stamped.append((record, at_s))
+            print(progress_line(record, at_s), flush=True)
+        if base is not None:
+            base.poll()
 
-    poller = threading.Thread(target=poll, daemon=True)
-    poller.start()
-    try:
-        rc = proc.wait()
-    finally:
-        done.set()
-        poller.join()
-    if rc != 0:
-        raise SystemExit(f"real_run: dppo train exited with {rc}; see {log.name}")
+    follow(proc, poll_once, "dppo train", log)
     # the final evaluation joined the last step's line after the loop: stamp it with the process's end
     final = _jsonl(metrics)
     if final and stamped and ACC_KEY in final[-1] and ACC_KEY not in stamped[-1][0]:
