@@ -7,7 +7,8 @@ right answers among N samples at the rollout's temperature, the unbiased pass@k 
 greedy answer; then both by kind of problem (addition with or without a carry, subtraction with or without a borrow,
 negative results).
 
-    .venv-vllm/bin/python benchmarks/real_coverage.py --model DIR [--n 64] [--json OUT] [key=value ...]
+    .venv-vllm/bin/python benchmarks/real_coverage.py --model DIR [--n 64] [--json OUT] [--greedy-out OUT.jsonl] \
+        [key=value ...]
 
 It uses the config of `make real` (examples/real/smollm2_arithmetic.yaml) and the engine of the run (rollout.name=vllm
 in bf16 by default, as real_run.py sets it).
@@ -90,6 +91,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default=str(CONFIG))
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--json", help="write the figures here")
+    parser.add_argument(
+        "--greedy-out",
+        help="write each problem's greedy response here (JSON lines: kind, question, answer, response, right)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value")
     args = parser.parse_args(argv)
 
@@ -119,6 +124,12 @@ def main(argv: list[str] | None = None) -> int:
         responses, mask = engine.greedy(ids)
         acc = source.score(prompts, responses.numpy(), mask.numpy()).extra["acc"]
         greedy = [bool(a == 1.0) for a in acc]
+        if args.greedy_out:
+            with open(args.greedy_out, "w") as out:
+                for entry, row, row_mask, ok in zip(entries, responses, mask, greedy):
+                    text = source.tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True)
+                    line = {"kind": kind(entry["question"]), "question": entry["question"], "answer": entry["answer"]}
+                    out.write(json.dumps({**line, "response": text, "right": ok}) + "\n")
         per_batch = 32
         for lo in range(0, len(prompts), per_batch):
             chunk = prompts[lo : lo + per_batch]
