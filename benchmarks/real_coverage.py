@@ -120,14 +120,13 @@ def main(argv: list[str] | None = None) -> int:
     right, greedy = [0] * len(prompts), [False] * len(prompts)
     try:
         engine.load_weights(model.state_dict())
-        ids = [np.asarray(p) for p in prompts.token_ids]
-        responses, mask = engine.greedy(ids)
+        responses, mask = engine.greedy([np.asarray(p) for p in prompts.token_ids])
         acc = source.score(prompts, responses.numpy(), mask.numpy()).extra["acc"]
         greedy = [bool(a == 1.0) for a in acc]
         if args.greedy_out:
             with open(args.greedy_out, "w") as out:
-                for entry, row, row_mask, ok in zip(entries, responses, mask, greedy):
-                    text = source.tokenizer.decode(row[row_mask.bool()].tolist(), skip_special_tokens=True)
+                texts = source.decode(responses.numpy(), mask.numpy())
+                for entry, text, ok in zip(entries, texts, greedy):
                     line = {"kind": kind(entry["question"]), "question": entry["question"], "answer": entry["answer"]}
                     out.write(json.dumps({**line, "response": text, "right": ok}) + "\n")
         per_batch = 32
