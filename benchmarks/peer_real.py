@@ -106,9 +106,15 @@ def write_task(path: Path, config: Path) -> dict:
     rg = cfg.data.reasoning_gym
     train, val = split_entries(rg, cfg.trainer.seed)
 
-    def rows(entries):
+    def rows(entries, config=None):
+        """config: the settings the entries were generated with where they are not rg.config's (score_answer's
+        extra_info then carries them, as dppo's source gives them)."""
         return [
-            {"prompt": prompt_text(e["question"], rg.prompt_suffix), "answer": e["answer"], "entry": json.dumps(e)}
+            {
+                "prompt": prompt_text(e["question"], rg.prompt_suffix),
+                "answer": e["answer"],
+                "entry": json.dumps(e if config is None else {"entry": json.dumps(e), "config": json.dumps(config)}),
+            }
             for e in entries
         ]
 
@@ -124,7 +130,7 @@ def write_task(path: Path, config: Path) -> dict:
         "dataset": rg.dataset,
         "config": dict(rg.config),
         "train": rows(train),
-        "val": rows(val),
+        "val": rows(val, None if rg.val_config is None else rg.held_out_config),
         # what trl_real.py takes from the run's config
         "lr": cfg.actor.lr,
         "steps_per_generation": cfg.trainer.parameter_sync_step,

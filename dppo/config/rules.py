@@ -223,12 +223,16 @@ def _check_reasoning_gym(rg, model, trainer_seed: int) -> None:
             f"(data.reasoning_gym.seed={seed}, size={rg.size}; reasoning-gym draws item i from seed + i); "
             f"use a val_seed >= {seed + rg.size} or null"
         )
+    key = "config"
     try:
         make_dataset(rg.dataset, rg.config, size=1, seed=seed)
+        if rg.val_config is not None:
+            key = "val_config"
+            make_dataset(rg.dataset, rg.held_out_config, size=1, seed=val_seed)
     except UnknownDatasetError as err:
         raise ConfigError(f"data.reasoning_gym.dataset={rg.dataset!r}: {err}") from None
     except DatasetConfigError as err:
-        raise ConfigError(f"data.reasoning_gym.config: {err}") from None
+        raise ConfigError(f"data.reasoning_gym.{key}: {err}") from None
     except MissingExtraError as err:
         raise ConfigError(str(err)) from None
 

@@ -15,7 +15,9 @@ Problems. reasoning-gym draws item i of a dataset from a generator seeded with s
 so the training problems are items 0..size-1 of data.reasoning_gym.seed and the held-out ones items 0..val_size-1
 of val_seed (null: seed + size, the next seeds): the config refuses seed ranges that overlap, and a training problem
 whose question is also a held-out one's is left out (a small problem space repeats questions under other seeds).
-All are generated and tokenized once, on the driver, before anything starts.
+The held-out problems take data.reasoning_gym.val_config's settings over config's where it is set (a curriculum:
+training on another mix of the task than the one evaluated). All are generated and tokenized once, on the
+driver, before anything starts.
 
 Prompts. The question, then a space and data.reasoning_gym.prompt_suffix when one is set, as one user message
 through the chat template of model.path's tokenizer (with the generation prompt). A tokenizer without a chat
@@ -153,26 +155,32 @@ class ReasoningGymScore:
     """A reward function with verl's signature whose score is dataset name's score_answer on the extracted answer.
 
     extra_info is the dataset's entry (as ReasoningGymSource stores it), or a dict whose "entry" holds it as JSON
-    (as `dppo data reasoning-gym` writes parquet rows). Picklable: the dataset is built again where it is first
-    used (its config may matter to score_answer; its seed and size do not)."""
+    (as `dppo data reasoning-gym` writes parquet rows) and whose "config", where present, holds as JSON the settings
+    that entry was generated with, in place of config (held-out rows under data.reasoning_gym.val_config). Picklable:
+    a dataset is built again where a config is first used (it may matter to score_answer; its seed and size do
+    not)."""
 
     def __init__(self, name: str, config: dict):
         self.name, self.config = name, dict(config)
-        self._dataset = None
+        self._datasets: dict[str, object] = {}  # by the config's JSON
 
     def __getstate__(self) -> dict:
-        return {**self.__dict__, "_dataset": None}
+        return {**self.__dict__, "_datasets": {}}
+
+    def _dataset(self, config_json: str):
+        if config_json not in self._datasets:
+            self._datasets[config_json] = make_dataset(self.name, json.loads(config_json), size=1, seed=0)
+        return self._datasets[config_json]
 
     def __call__(self, data_source: str, solution_str: str, ground_truth, extra_info=None) -> dict[str, float]:
         """{"score": the verifier's score, "acc": 1.0 where that is full marks, else 0.0}: acc is the exact accuracy
         that partial credit hides (basic_arithmetic scores "-7" for 7 as 0.5), logged as reward/extra/acc in training
         and val/acc/<dataset> in the evaluation (verl's name for it)."""
-        if self._dataset is None:
-            self._dataset = make_dataset(self.name, self.config, size=1, seed=0)
-        entry = extra_info
+        entry, config_json = extra_info, None
         if isinstance(extra_info, dict) and isinstance(extra_info.get("entry"), str):
-            entry = json.loads(extra_info["entry"])
-        score = float(self._dataset.score_answer(extract_answer(solution_str, ground_truth), entry=entry))
+            entry, config_json = json.loads(extra_info["entry"]), extra_info.get("config")
+        dataset = self._dataset(config_json if config_json is not None else json.dumps(self.config, sort_keys=True))
+        score = float(dataset.score_answer(extract_answer(solution_str, ground_truth), entry=entry))
         return {"score": score, "acc": float(score == 1.0)}
 
 
@@ -181,15 +189,18 @@ def prompt_text(question: str, suffix: str) -> str:
     return f"{question.rstrip()} {suffix}" if suffix else question
 
 
-def _rows(name: str, entries: list[dict], seed: int, suffix: str) -> ParquetRows:
-    """entries as rows for tokenize_rows: one user message each, the answer as ground truth, the entry as extra_info;
-    messages name a row as "row 17 of 'reasoning_gym:basic_arithmetic:seed=0'"."""
+def _rows(name: str, entries: list[dict], seed: int, suffix: str, config: dict | None = None) -> ParquetRows:
+    """entries as rows for tokenize_rows: one user message each, the answer as ground truth, the entry as extra_info
+    (with config given: {"entry": its JSON, "config": config's JSON}, for ReasoningGymScore); messages name a row
+    as "row 17 of 'reasoning_gym:basic_arithmetic:seed=0'"."""
     rows = ParquetRows(files=[f"reasoning_gym:{name}:seed={seed}"], file_rows=[len(entries)])
     for entry in entries:
         rows.messages.append([{"role": "user", "content": prompt_text(entry["question"], suffix)}])
         rows.data_source.append(name)
         rows.ground_truth.append(entry["answer"])
-        rows.extra_info.append(entry)
+        rows.extra_info.append(
+            entry if config is None else {"entry": json.dumps(entry), "config": json.dumps(config, sort_keys=True)}
+        )
     return rows
 
 
@@ -198,7 +209,7 @@ def split_entries(rg, run_seed: int) -> tuple[list[dict], list[dict]]:
     the problems whose question is also a held-out one, and items 0..val_size-1 at val_seed (run_seed: trainer.seed,
     where rg.seed is null). What the source trains and evaluates on; peers' benchmarks read the same problems."""
     seed, val_seed = rg.resolved_seeds(run_seed)
-    val_entries = generate(rg.dataset, rg.config, rg.val_size, val_seed) if rg.val_size else []
+    val_entries = generate(rg.dataset, rg.held_out_config, rg.val_size, val_seed) if rg.val_size else []
     held_out = {entry["question"] for entry in val_entries}
     train_entries = [e for e in generate(rg.dataset, rg.config, rg.size, seed) if e["question"] not in held_out]
     if not train_entries:
@@ -229,10 +240,10 @@ class ReasoningGymSource(TextSource):
             )
         train_entries, val_entries = split_entries(rg, run_seed)
 
-        def tokenized(entries: list[dict], at_seed: int) -> TextRows:
+        def tokenized(entries: list[dict], at_seed: int, config: dict | None = None) -> TextRows:
             return tokenize_rows(
                 tokenizer,
-                _rows(rg.dataset, entries, at_seed, rg.prompt_suffix),
+                _rows(rg.dataset, entries, at_seed, rg.prompt_suffix, config),
                 data.max_prompt_length,
                 data.truncation,
                 chat_template=chat,
@@ -247,7 +258,9 @@ class ReasoningGymSource(TextSource):
         source = cls(
             tokenizer,
             tokenized(train_entries, seed),
-            tokenized(val_entries, val_seed) if val_entries else None,
+            tokenized(val_entries, val_seed, None if rg.val_config is None else rg.held_out_config)
+            if val_entries
+            else None,
             reward,
             data.max_response_length,
             data.shuffle,

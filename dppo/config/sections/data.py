@@ -103,6 +103,12 @@ class ReasoningGymSection:
     max_digits, operators): a mapping in a --config file, or data.reasoning_gym.config.KEY=VALUE each. seed and
     size are this section's own keys."""
 
+    val_config: Optional[Dict[str, Any]] = None
+    """Settings of the held-out problems that differ from config's (config's, these on top); null: config's. For
+    a curriculum, training on another mix of the task than the one evaluated: basic_arithmetic with config's
+    operators ["+", "-", "-"] (reasoning-gym draws an operator from the list: two subtractions in three) and
+    val_config's operators ["+", "-"]. A held-out row's score_answer comes from a dataset of its own settings."""
+
     size: int = 1000
     """Training problems: items 0..size-1 of the dataset at seed, generated and tokenized once on the driver before
     anything starts (about 0.1 ms each for basic_arithmetic, 14 ms for countdown on a 2-core CPU); a run takes
@@ -129,6 +135,11 @@ class ReasoningGymSection:
         seed = trainer_seed if self.seed is None else self.seed
         return seed, seed + self.size if self.val_seed is None else self.val_seed
 
+    @property
+    def held_out_config(self) -> Dict[str, Any]:
+        """The settings of the held-out problems: config's with val_config's on top."""
+        return {**self.config, **(self.val_config or {})}
+
     def __post_init__(self) -> None:
         check_numbers(self, "data.reasoning_gym")
         if self.dataset is not None:
@@ -139,6 +150,10 @@ class ReasoningGymSection:
                 "a reasoning-gym dataset name",
             )
         require(isinstance(self.config, dict), "data.reasoning_gym.config", self.config, "a mapping of settings")
+        if self.val_config is not None:
+            require(
+                isinstance(self.val_config, dict), "data.reasoning_gym.val_config", self.val_config, "a mapping or null"
+            )
         positive("data.reasoning_gym.size", self.size)
         nonnegative("data.reasoning_gym.val_size", self.val_size)
         for key in ("seed", "val_seed"):

@@ -85,7 +85,7 @@ def test_rewards_are_the_datasets_verifier_on_the_extracted_answer(source):
     assert scores_of(source, rows, texts).extra["acc"].tolist() == [1.0, 0.0, 0.0, 1.0]
     # what a rollout worker gets: the source pickled (the dataset is built again there)
     copy = pickle.loads(cloudpickle.dumps(source))
-    assert copy.reward.builtin._dataset is None
+    assert copy.reward.builtin._datasets == {}
     assert scored(copy, rows, texts).tolist() == scored(source, rows, texts).tolist()
 
 
@@ -126,6 +126,35 @@ def test_no_training_problem_is_a_held_out_one(rg_args):
     assert 0 < len(train) < 64  # some were left out: the test has a case to check
 
 
+def test_a_curriculum_trains_on_one_mix_and_holds_out_the_task_as_evaluated(rg_args):
+    """data.reasoning_gym.val_config: subtractions only in training, the held-out problems with + and - (config's
+    other settings), and their rewards from a verifier built with the held-out settings."""
+    cfg = load_config(
+        rg_args(
+            **{"data.reasoning_gym.config.operators": "[-]"},
+            **{"data.reasoning_gym.val_config.operators": "[+,-]"},
+        )
+    )
+    assert cfg.data.reasoning_gym.val_config == {"operators": ["+", "-"]}  # config's other settings hold
+    assert cfg.data.reasoning_gym.held_out_config == CONFIG
+    source = make_prompt_source(cfg)
+    held_out = generate("basic_arithmetic", CONFIG, 8, seed=64)
+    val = source.eval_prompts()
+    assert [row.extra_info["entry"] for row in val.meta] == [json.dumps(e) for e in held_out]
+    assert any(" + " in e["question"] for e in held_out)  # the held-out mix is not the training one
+    train = [row.extra_info for row in source.train.reward_rows]
+    assert train == [e for e in generate("basic_arithmetic", {**CONFIG, "operators": ["-"]}, 64, seed=0)
+                     if e["question"] not in {h["question"] for h in held_out}]  # fmt: skip
+    assert all(" - " in e["question"] and " + " not in e["question"] for e in train)
+    answers = [e["answer"] for e in held_out]
+    assert scored(source, val, answers).tolist() == [1.0] * 8
+    assert scored(source, val, [str(int(a) + 1) for a in answers]).tolist() == [0.0] * 8
+    # the held-out rows were scored by a dataset of the held-out settings, not the training ones
+    assert list(source.reward.builtin._datasets) == [json.dumps(CONFIG, sort_keys=True)]
+    scored(source, source.train.prompts([0]), [train[0]["answer"]])
+    assert json.dumps({**CONFIG, "operators": ["-"]}, sort_keys=True) in source.reward.builtin._datasets
+
+
 def test_a_model_without_a_chat_template_gets_plain_text(rg_args, tiny_smollm, tmp_path, caplog):
     plain = tmp_path / "plain_model"
     shutil.copytree(tiny_smollm["model"], plain)
@@ -160,6 +189,9 @@ def test_the_dataset_config_is_a_mapping_in_a_yaml_file_or_keys_on_the_command_l
     ({"data.reasoning_gym.config.max_digit": 2}, ["has no setting 'max_digit'", "did you mean max_digits"]),
     ({"data.reasoning_gym.config.min_digits": 0}, ["refuses the settings", "min_digits must be positive"]),
     ({"data.reasoning_gym.config.seed": 3}, ["'seed'", "data.reasoning_gym.seed"]),
+    ({"data.reasoning_gym.val_config.max_digit": 2},
+     ["data.reasoning_gym.val_config:", "has no setting 'max_digit'", "did you mean max_digits"]),
+    ({"data.reasoning_gym.val_config.operators": "[x]"}, ["data.reasoning_gym.val_config:", "unsupported operator"]),
     ({"data.reasoning_gym.val_seed": 0}, ["val_seed=0", "overlap the training problems' 0..63"]),
     ({"data.reasoning_gym.val_seed": 40}, ["val_seed=40", "use a val_seed >= 64"]),
     ({"data.reasoning_gym.dataset": None}, ["needs data.reasoning_gym.dataset"]),
