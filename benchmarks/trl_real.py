@@ -10,9 +10,10 @@ module from the checkout: PYTHONPATH holds the repository; reasoning-gym is inst
 
 The settings match the real run's (peer_real.py checks them against the YAML): 8 prompts x 8 samples per generation,
 2 optimizer steps on them (steps_per_generation) with the generation-time weights as the old policy, up to 12
-completion tokens at temperature 1, AdamW at a constant lr 1e-5 (no warm-up, no decay), clip 0.2/0.2 with the two-sided
-clip delta=3 (dppo's dual clip c=3), token-mean ("dapo"), no KL, group-normalized advantages, bf16 compute over fp32
-weights (TRL's bf16=True: autocast, dppo's actor.mixed_precision=bfloat16). What is not matched (docs/benchmarks.md):
+completion tokens at temperature 1, AdamW at the YAML's constant lr (peer_real.py passes --lr: 2e-5), no warm-up, no
+decay, clip 0.2/0.2 with the two-sided clip delta=3 (dppo's dual clip c=3), token-mean ("dapo"), no KL,
+group-normalized advantages, bf16 compute over fp32 weights (TRL's bf16=True: autocast, dppo's
+actor.mixed_precision=bfloat16). What is not matched (docs/benchmarks.md):
 dppo's group filter (algorithm.filter_groups: DAPO's dynamic sampling; TRL trains on every group), the sampler (TRL's
 transformers `generate` in fp32; dppo's vLLM in bf16) and the prompt order.
 
