@@ -255,3 +255,21 @@ def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_t
         )
         expected = [verifier.score_answer(extract_answer(t, entry["answer"]), entry) for t in texts]
         assert g.scores.tolist() == pytest.approx(expected, abs=0)
+
+
+def test_make_reals_curriculum_trains_on_more_subtractions_and_holds_out_the_even_mix(tiny_smollm):
+    """examples/real/smollm2_arithmetic.yaml: two subtractions in three in training, and the 256 held-out problems of the
+    even mix that every earlier `make real` figure was measured on (items of seeds 3000..3255)."""
+    from pathlib import Path
+
+    from dppo.data.reasoning_gym import split_entries
+
+    yaml_file = Path(__file__).resolve().parents[3] / "examples" / "real" / "smollm2_arithmetic.yaml"
+    cfg = load_config([f"model.path={tiny_smollm['model']}"], config_file=yaml_file)
+    rg = cfg.data.reasoning_gym
+    even = {**rg.config, "operators": ["+", "-"]}
+    assert rg.held_out_config == even and rg.config["operators"] == ["+", "-", "-"]
+    train, val = split_entries(rg, cfg.trainer.seed)
+    assert val == generate("basic_arithmetic", even, 256, seed=3000)
+    subtractions = sum(" - " in e["question"] for e in train) / len(train)
+    assert 0.6 < subtractions < 0.72, subtractions  # 2/3 drawn; the even mix would give about 0.5
