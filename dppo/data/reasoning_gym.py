@@ -162,6 +162,7 @@ class ReasoningGymScore:
 
     def __init__(self, name: str, config: dict):
         self.name, self.config = name, dict(config)
+        self._config_json = json.dumps(self.config, sort_keys=True)  # the rows without a config of their own
         self._datasets: dict[str, object] = {}  # by the config's JSON
 
     def __getstate__(self) -> dict:
@@ -176,10 +177,10 @@ class ReasoningGymScore:
         """{"score": the verifier's score, "acc": 1.0 where that is full marks, else 0.0}: acc is the exact accuracy
         that partial credit hides (basic_arithmetic scores "-7" for 7 as 0.5), logged as reward/extra/acc in training
         and val/acc/<dataset> in the evaluation (verl's name for it)."""
-        entry, config_json = extra_info, None
+        entry, config_json = extra_info, self._config_json
         if isinstance(extra_info, dict) and isinstance(extra_info.get("entry"), str):
-            entry, config_json = json.loads(extra_info["entry"]), extra_info.get("config")
-        dataset = self._dataset(config_json if config_json is not None else json.dumps(self.config, sort_keys=True))
+            entry, config_json = json.loads(extra_info["entry"]), extra_info.get("config") or self._config_json
+        dataset = self._dataset(config_json)
         score = float(dataset.score_answer(extract_answer(solution_str, ground_truth), entry=entry))
         return {"score": score, "acc": float(score == 1.0)}
 
