@@ -119,3 +119,62 @@ def test_the_device_checksum_gives_the_hosts_value():
     for dtype in (None, torch.bfloat16, torch.float16):
         assert device_checksum(t, dtype) == checksum(t, dtype), dtype
     assert device_checksum(torch.zeros(0)) == checksum(torch.zeros(0)) == 0
+
+
+# fp32 bit patterns at the edges of the rounding to bf16: NaNs whose rounding carries out of the payload (all ones;
+# only in the low 16 bits), other NaNs of both signs, quiet and signalling; infinities, zeros, the largest finite
+# value (rounds up to inf), subnormals (one of them rounding up to the smallest normal), and ties to even
+_FP32_EDGES = {
+    "nan_ones": 0x7FFFFFFF,
+    "-nan_ones": 0xFFFFFFFF,
+    "snan_low": 0x7F800001,
+    "-snan_low": 0xFF800001,
+    "snan_tie": 0x7F808000,
+    "snan_high": 0x7FBFFFFF,
+    "qnan": 0x7FC00000,
+    "-qnan": 0xFFC00000,
+    "qnan_payload": 0x7FC12345,
+    "inf": 0x7F800000,
+    "-inf": 0xFF800000,
+    "zero": 0x00000000,
+    "-zero": 0x80000000,
+    "max": 0x7F7FFFFF,
+    "-max": 0xFF7FFFFF,
+    "subnormal_min": 0x00000001,
+    "-subnormal_max": 0x807FFFFF,
+    "subnormal_tie_down": 0x00008000,
+    "subnormal_tie_up": 0x00018000,
+    "tie_down": 0x3F808000,
+    "tie_up": 0x3F818000,
+    "one": 0x3F800000,
+}
+
+
+def _fp32(pattern: int) -> torch.Tensor:
+    """A one-element fp32 tensor of these bits."""
+    return torch.tensor([pattern - (1 << 32) if pattern >> 31 else pattern], dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("pattern", list(_FP32_EDGES.values()), ids=list(_FP32_EDGES))
+def test_the_numpy_rounding_to_bf16_fingerprints_each_edge_value_as_torchs_rounding_does(pattern):
+    """The fingerprint of fp32 weights in bf16 (rounded in numpy, per chunk) equals that of torch's .to(bfloat16),
+    value by value: a NaN whose rounding carries (0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001) is a NaN for torch, never a
+    zero or an infinity, or a bf16 engine fed NaN weights by an fp32 trainer would fail its check for nothing."""
+    t = _fp32(pattern)
+    published = fingerprint({"w": t}, torch.bfloat16)  # the numpy path
+    engine = fingerprint({"w": t.to(torch.bfloat16)}, torch.bfloat16)  # what a bf16 engine holds, checksummed as is
+    assert published.tensors == engine.tensors, hex(pattern)
+    assert device_checksum(t, torch.bfloat16) == published.tensors["w"].checksum  # torch's own conversion
+    if not t.isnan().any():  # a number: its checksum is not that of the one NaN
+        assert published.tensors["w"] != fingerprint({"w": _fp32(0x7FC00000)}, torch.bfloat16).tensors["w"]
+
+
+def test_the_numpy_rounding_to_bf16_fingerprints_edge_values_among_ordinary_ones_as_torch_does():
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(5_000, generator=g)
+    positions = torch.randperm(t.numel(), generator=g)[: len(_FP32_EDGES)]
+    t[positions] = torch.cat([_fp32(p) for p in _FP32_EDGES.values()])
+    assert (
+        fingerprint({"w": t}, torch.bfloat16).tensors
+        == fingerprint({"w": t.to(torch.bfloat16)}, torch.bfloat16).tensors
+    )
