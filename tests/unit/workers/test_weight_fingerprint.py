@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+from dppo.models import retied
 from dppo.workers.sync_check import TensorPrint, WeightSyncMismatchError, verify
 from dppo.workers.weight_delta import bits
 from dppo.workers.weight_fingerprint import checksum, device_checksum, fingerprint, prints_of
@@ -61,9 +62,14 @@ def test_the_held_prints_of_the_published_weights_pass_and_a_tied_tensor_may_be_
     verify(expected, held, version=3)
     del held["lm_head.weight"]  # an engine that holds the tied tensor once (vLLM)
     verify(expected, held, version=3)
-    untied = fingerprint({k: v.clone() for k, v in state.items()}, torch.bfloat16)  # a publish that copied each tensor
-    assert untied.aliases == {}
-    verify(untied, held, version=3)  # the engine holds the embedding's print: lm_head is its tie
+    copies = {k: v.clone() for k, v in state.items()}  # a publish that copied each tensor: the tie is lost
+    untied = fingerprint(copies, torch.bfloat16)
+    assert untied.aliases == {}  # so lm_head counts as a tensor of its own, which the engine does not report
+    with pytest.raises(WeightSyncMismatchError, match=r"version 3, the rollout engine's lm_head.weight is missing"):
+        verify(untied, held, version=3)
+    retied_print = fingerprint(retied(copies, {"lm_head.weight": "embed.weight"}), torch.bfloat16)  # the rank's
+    assert retied_print == expected
+    verify(retied_print, held, version=3)
     other = dict(state, **{"lm_head.weight": state["embed.weight"] + 1})  # an untied lm_head the engine lacks
     with pytest.raises(WeightSyncMismatchError, match=r"version 3, the rollout engine's lm_head.weight is missing"):
         verify(fingerprint(other, torch.bfloat16), held, version=3)
@@ -85,6 +91,35 @@ def test_the_first_tensor_that_differs_is_named_with_the_version():
     extra = dict(prints_of(state, torch.float32), **{"other.weight": TensorPrint((1,), 0)})
     with pytest.raises(WeightSyncMismatchError, match=r"other.weight was not published"):
         verify(expected, extra, version=4)
+
+
+def _norms_state(seed: int) -> dict[str, torch.Tensor]:
+    """A fresh decoder layer's tensors: its two norms' weights all ones and its bias all zeros (equal prints)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layers.0.input_layernorm.weight": torch.ones(8),
+        "layers.0.attn.weight": torch.randn(8, 8, generator=g),
+        "layers.0.attn.bias": torch.zeros(8),
+        "layers.0.post_attention_layernorm.weight": torch.ones(8),
+        "layers.0.mlp.bias": torch.zeros(8),
+        "norm.weight": torch.ones(8),
+    }
+
+
+@pytest.mark.parametrize("dropped", ["layers.0.post_attention_layernorm.weight", "norm.weight", "layers.0.mlp.bias"])
+def test_a_tensor_the_engine_never_reported_is_named_though_another_tensor_has_its_values(dropped):
+    """A read-back or name-mapping bug that loses one of several equal tensors (norm weights of ones, zero biases):
+    the check compares by name, so the other tensors of the same shape and values do not stand in for it."""
+    state = _norms_state(0)
+    expected = fingerprint(state, torch.bfloat16)
+    held = prints_of({k: v.to(torch.bfloat16) for k, v in state.items()}, torch.bfloat16)
+    verify(expected, held, version=2)
+    equal = [name for name, p in held.items() if name != dropped and p == held[dropped]]
+    assert equal  # what the engine still reports holds the dropped tensor's print under another name
+    del held[dropped]
+    with pytest.raises(WeightSyncMismatchError, match=rf"version 2, the rollout engine's {dropped} is missing") as err:
+        verify(expected, held, version=2)
+    assert err.value.tensor == dropped
 
 
 def test_the_error_survives_pickling_with_its_fields():
