@@ -192,6 +192,17 @@ def with_aliases(state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, s
     return out
 
 
+def retied(state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -> dict[str, torch.Tensor]:
+    """state_dict with each alias (tied_aliases) it holds as the very tensor of the name it shares: a tied weight that
+    a gather (FSDP's full state dict, a GPU model's per-tensor copies to the host) or a per-tensor clone made two
+    tensors of is one again, as what reads a publish tells ties by (its fingerprint, SharedState, cloned_state)."""
+    out = dict(state_dict)
+    for alias, name in aliases.items():
+        if alias in out and name in out:
+            out[alias] = out[name]
+    return out
+
+
 def as_state_dict(weights) -> dict[str, torch.Tensor]:
     """A state dict from what a publish carries: a state dict itself, or SharedWeights."""
     return weights.state_dict() if isinstance(weights, SharedWeights) else weights

@@ -318,8 +318,9 @@ class BaseTrainer:
         """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
         once); a cycle resumed mid-way publishes its pi_old instead: the ranks' anchor (anchor), or weights (the
         state dict of the checkpoint's pi_old.pt), which the rollout then takes as they are."""
-        self.published.set(weights if weights is not None else self.actor_group.rollout_weights(anchor), version)
-        self.rollout.publish(self.published.weights, version)
+        weights = weights if weights is not None else self.actor_group.rollout_weights(anchor)
+        self.rollout.publish(weights, version)
+        self.published.set(weights, version)  # only once the rollout has them: a failed publish published nothing
 
     # ---- what a checkpoint asks of the trainer (dppo.checkpoint.run.Checkpointed) ----------------------
 

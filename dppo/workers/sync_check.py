@@ -43,15 +43,16 @@ class WeightSyncUnverifiableError(TypeError):
 
 def verify(expected: WeightFingerprint, held: dict[str, TensorPrint], version: int) -> None:
     """WeightSyncMismatchError naming the first tensor (in the checkpoint's order) whose held print differs from the
-    expected one, or that the engine does not hold; held: what the engine reported, by checkpoint name. A name the
-    engine holds no tensor of is a tied one (vLLM holds a tied lm_head once, as the embedding): accepted where it is
-    an alias of the publish, or where the engine holds, under another name, a tensor published with the same print
-    (a tie the publish did not keep in memory: an FSDP gather, a per-tensor copy). A reload that dropped a tensor
-    leaves the old one in place, which is reported and differs."""
-    matching = {(p.shape, p.checksum) for name, p in held.items() if expected.tensors.get(name) == p}
+    expected one, or that the engine does not hold; held: what the engine reported, by checkpoint name (an engine
+    that keeps its own layout maps it back first: vLLM's fused q/k/v and gate/up, its stacked experts). Compared by
+    name only: two tensors of equal values are common (fresh norm weights of ones, zero biases), so a print found
+    under another name says nothing of the missing one. The one name an engine may leave out is a tied one (vLLM
+    holds a tied lm_head once, as the embedding): accepted where the publish says it is one tensor with a name the
+    engine holds (expected.aliases). A reload that dropped a tensor leaves the old one in place, which is reported
+    and differs."""
     for name, want in expected.tensors.items():
         got = held.get(name)
-        if got is None and (expected.aliases.get(name) in held or (want.shape, want.checksum) in matching):
+        if got is None and any(tied in held for tied in _tied_with(expected.aliases, name)):
             continue
         if got is None:
             raise WeightSyncMismatchError(name, version, "is missing: the engine reported no such tensor")
@@ -69,3 +70,9 @@ def verify(expected: WeightFingerprint, held: dict[str, TensorPrint], version: i
         raise WeightSyncMismatchError(
             extra[0], version, "was not published (the engine holds a tensor the trainer has none of)"
         )
+
+
+def _tied_with(aliases: dict[str, str], name: str) -> set[str]:
+    """The other names of name's tensor in a publish whose ties are aliases (alias -> the name whose tensor it is)."""
+    owner = aliases.get(name, name)
+    return ({owner} | {alias for alias, of in aliases.items() if of == owner}) - {name}

@@ -46,13 +46,20 @@ _COLUMN_MULTIPLIERS = _multipliers(0, _COLUMNS, _COL_MUL, _COL_ADD)
 
 def _bf16_bits(fp32_bits: np.ndarray) -> np.ndarray:
     """The bits of fp32 values (int32) rounded to bfloat16 as torch rounds them (to nearest, ties to even), as int16,
-    without torch (c10::BFloat16's round_to_nearest_even); a NaN's bits are left to _one_nan."""
+    without torch (c10::BFloat16's round_to_nearest_even); every NaN as bf16's one NaN (0x7FC0, what _one_nan makes of
+    any NaN). The rounding's carry would otherwise turn a NaN whose payload is all ones into a zero (0x7FFFFFFF ->
+    -0, 0xFFFFFFFF -> +0) and one whose payload lies in its low 16 bits into an infinity (0x7F800001 -> +inf), where
+    torch gives a NaN."""
     u = fp32_bits.view(np.uint32)
-    return (
+    rounded = (
         ((u + (np.uint32(0x7FFF) + ((u >> np.uint32(16)) & np.uint32(1)))) >> np.uint32(16))
         .astype(np.uint16)
         .view(np.int16)
     )
+    is_nan = (u & np.uint32(0x7FFFFFFF)) > np.uint32(0x7F800000)
+    if is_nan.any():
+        rounded[is_nan] = np.int16(0x7FC0)
+    return rounded
 
 
 # float dtype -> (the bits without the sign, the bits of inf, one NaN): any NaN is checksummed as that one
@@ -85,7 +92,7 @@ def _engine_bits(tensor: torch.Tensor, dtype: torch.dtype | None):
     if target == tensor.dtype:
         flat = bits(tensor.contiguous()).numpy()
     elif tensor.dtype == torch.float32 and target == torch.bfloat16:  # the usual fp32 trainer, bf16 engine: in numpy
-        return bits(tensor.contiguous()).numpy(), lambda chunk: _one_nan(_bf16_bits(chunk), target)
+        return bits(tensor.contiguous()).numpy(), _bf16_bits  # its NaNs already the one NaN
     else:
         flat = bits(tensor.to(target).contiguous()).numpy()
     return flat, lambda chunk: _one_nan(chunk, target)

@@ -71,7 +71,7 @@ class RolloutConfig:
     """Check every weight load into a rollout engine: the trainer fingerprints what it publishes (exact per-tensor
     checksums in the engine's dtype), the worker reads back what its engine holds after the load and compares; a
     difference names the first tensor that differs and restarts the worker (rollout.max_restarts) or ends the run.
-    Its time: timing_s/weight_sync_verify (vllm engine)."""
+    Its time: timing_s/weight_sync_verify (either engine)."""
 
     dtype: Optional[str] = None
     """The rollout engine's dtype (float32, bfloat16, float16); null: model.dtype. A bfloat16 engine with an fp32

@@ -34,9 +34,11 @@ class InProcessRollout(RolloutSource):
 
     def publish(self, state_dict, version: int) -> None:
         """A copy of state_dict (the rank's CPU state dict: the live tensors, which the cycle's steps move) is what the
-        worker loads at its next ticket and what published_weights() gives back."""
-        self._published = cloned_state(state_dict)
-        self.buffer.publish(self._published, version, fingerprint_for(self._published, self._print_dtype))
+        worker loads at its next ticket and, once the buffer has it, what published_weights() gives back (a publish
+        that failed leaves the last one's)."""
+        published = cloned_state(state_dict)
+        self.buffer.publish(published, version, fingerprint_for(published, self._print_dtype))
+        self._published = published
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """The weights of the last publish, exactly as published (the model's dtype)."""

@@ -167,9 +167,11 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         pass  # the workers ask for tickets as soon as they are up; the first one waits for the first publish
 
     def publish(self, state_dict, version: int) -> None:
-        """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers."""
-        self._published = SharedState(state_dict)
-        self.buffer.call("publish", self._published, version, fingerprint_for(state_dict, self._print_dtype))
+        """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers;
+        what published_weights() gives back once the buffer has it (a publish that failed leaves the last one's)."""
+        shared = SharedState(state_dict)
+        self.buffer.call("publish", shared, version, fingerprint_for(state_dict, self._print_dtype))
+        self._published = shared
         if self._published_version is not None:
             self._published_version.value = version
 

@@ -87,14 +87,16 @@ class RayRollout(SupervisedRollout[RayWorker]):
 
     def publish(self, weights, version: int) -> None:
         """weights: [ObjectRef] of a state dict already in the object store (the actor's rank 0 put it there),
-        or a state dict, put here once. The buffer hands the reference to each worker at its next boundary."""
+        or a state dict, put here once. The buffer hands the reference to each worker at its next boundary.
+        published_weights() gives them back only once the buffer has them: where it dies in this call, they stay the
+        last publish's (a checkpoint written after that failure saves them as the cycle's pi_old)."""
         if isinstance(weights, list):  # rank 0 put them there, and fingerprinted them last (rollout.verify_sync)
             fingerprint = weights[-1] if isinstance(weights[-1], WeightFingerprint) else None
             refs = [w for w in weights if not isinstance(w, WeightFingerprint)]
         else:  # one put here
             refs, fingerprint = [ray.put(weights)], fingerprint_for(weights, self._print_dtype)
-        self._published = refs
         self._buffer_call("publish", refs, version, fingerprint)
+        self._published = refs
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         """The weights of the last publish, read back from the object store (their owner, the actor's rank 0 or this

@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dppo.devices import resolve_device
 from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, tied_aliases
+from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
 from dppo.config.pi_old import PiOldPlan, plan_pi_old
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
@@ -332,6 +332,9 @@ class ActorRank:
             state = with_weights(self.model, weights, gathered)
         if self.rank != 0:
             return None
+        # a tied weight as one tensor (the gather or the copies above may have made two): a fingerprint records the
+        # tie by it, and the weight-sync check accepts an engine that holds the tied tensor once (vLLM) by that record
+        state = retied(state, tied_aliases(self.model))
         if to_object_store:
             import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 

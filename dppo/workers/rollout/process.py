@@ -10,7 +10,7 @@ messages tuples:
                         ("weights", version held)                   rollout.partial_rollout, mid-ticket: answered by
                                                                     None (nothing newer) or (version, SharedLayout,
                                                                     its fingerprint) followed by the memory's descriptor
-                        ("put", [StoredGroup], first, SyncCost | None)
+                        ("put", [StoredGroup], first, SyncCost | None)   what the metrics get of its load
                         ("error", type name, message)               then the worker exits with status 1
     trainer -> worker   Ticket, its weights (when newer) a SharedLayout, followed by the descriptor of the shared
                         memory that holds them (SCM_RIGHTS): the weights never go through the pipe as bytes
@@ -39,7 +39,7 @@ import torch
 
 from dppo._text import one_line
 from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
+from dppo.workers.rollout.replay_buffer import StoredGroup
 from dppo.workers.rollout.worker import RolloutGenerator, generation_step_bytes
 
 _PR_SET_PDEATHSIG = 1
@@ -177,7 +177,7 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int, published=No
             core.seed_ticket(ticket.first)
             refresh = None if published is None else partial(_refresh, conn, core, published, syncs)
             groups = core.generate(ticket.num_groups, refresh)
-            conn.send(("put", [StoredGroup.of(g) for g in groups], ticket.first, SyncCost.of(syncs[0])))
+            conn.send(("put", [StoredGroup.of(g) for g in groups], ticket.first, syncs[0]))
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the trainer closed its end or is gone: nothing to report to
     except BaseException as err:  # noqa: BLE001  reported to the trainer, which raises it as the rollout's failure

@@ -60,18 +60,23 @@ class StoredGroup:
 @dataclass(frozen=True)
 class SyncCost:
     """What the buffer keeps of a rollout engine's WeightSync (the class itself lives with the engines, which import
-    torch): the seconds, bytes and changed fraction of one weight load."""
+    torch): the seconds, bytes and changed fraction of one weight load, None where the engine does not report its
+    loads (the hf engine: RolloutEngine.reports_sync), and the seconds of the worker's check of it."""
 
-    seconds: float
-    bytes: int
-    changed_fraction: float
+    seconds: float | None
+    bytes: int | None
+    changed_fraction: float | None
     verify_seconds: float | None = None  # its check (rollout.verify_sync); None: not checked
 
     @classmethod
-    def of(cls, sync) -> SyncCost | None:
+    def of(cls, sync, load_reported: bool = True) -> SyncCost | None:
+        """sync's numbers (a WeightSync; None: no load); load_reported=False: its check's seconds alone (None where it
+        was not checked either)."""
         if sync is None:
             return None
         verify_s = None if sync.verify_seconds is None else float(sync.verify_seconds)
+        if not load_reported:
+            return None if verify_s is None else cls(None, None, None, verify_s)
         return cls(float(sync.seconds), int(sync.bytes), float(sync.changed_fraction), verify_s)
 
 
@@ -120,7 +125,7 @@ class ReplayBufferCore:
         self._tickets: dict[int, tuple[int, Any]] = {}  # first grant index -> (group count, holder), not yet put
         self._regrants: list[tuple[int, int]] = []  # (first, count) of dead holders' tickets, granted again first
         self._dead: set = set()  # holders released as dead
-        self._syncs: dict = {}  # holder -> its latest WeightSync
+        self._syncs: dict = {}  # holder -> its latest SyncCost
         self.regranted_total = 0
         self.dropped_total = start_dropped
         self._dropped_before = start_dropped
@@ -272,14 +277,15 @@ class ReplayBufferCore:
             "replay/dropped_total": float(self.dropped_total),
             "replay/regranted_total": float(self.regranted_total),
         }
-        if self._syncs:  # each live worker's latest weight load into its engine (once a cycle)
-            syncs = list(self._syncs.values())
-            stats["timing_s/rollout_weight_sync"] = max(float(s.seconds) for s in syncs)
-            stats["rollout/weight_sync_bytes"] = float(sum(s.bytes for s in syncs))
-            stats["rollout/weight_sync_changed_frac"] = float(np.mean([s.changed_fraction for s in syncs]))
-            verified = [float(s.verify_seconds) for s in syncs if s.verify_seconds is not None]
-            if verified:  # rollout.verify_sync: the check after each load (read back, checksummed, compared)
-                stats["timing_s/weight_sync_verify"] = max(verified)
+        syncs = list(self._syncs.values())  # each live worker's latest weight load into its engine (once a cycle)
+        loads = [s for s in syncs if s.seconds is not None]  # of engines that report their loads (not hf)
+        if loads:
+            stats["timing_s/rollout_weight_sync"] = max(float(s.seconds) for s in loads)
+            stats["rollout/weight_sync_bytes"] = float(sum(s.bytes for s in loads))
+            stats["rollout/weight_sync_changed_frac"] = float(np.mean([s.changed_fraction for s in loads]))
+        verified = [float(s.verify_seconds) for s in syncs if s.verify_seconds is not None]
+        if verified:  # rollout.verify_sync: the check after each load (read back, checksummed, compared), any engine
+            stats["timing_s/weight_sync_verify"] = max(verified)
         return stats
 
 

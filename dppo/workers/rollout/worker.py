@@ -93,17 +93,17 @@ class RolloutGenerator:
 
     def load_weights(
         self, state_dict: dict[str, torch.Tensor], version: int, expected: WeightFingerprint | None = None
-    ) -> WeightSync | None:
-        """Load the weights of `version`; what the load cost, where the engine reports it (else None). expected: the
-        publish's fingerprint, checked against what the engine holds afterwards (check_load)."""
+    ) -> SyncCost | None:
+        """Load the weights of `version`; what the run's metrics get of it (reported). expected: the publish's
+        fingerprint, checked against what the engine holds afterwards (check_load)."""
         self.loaded_publish = None
         self.last_sync = self.check_load(self.engine.load_weights(state_dict), expected, version)
         self.version = version
-        return self.last_sync if self.engine.reports_sync else None
+        return self.reported()
 
     def load_published(
         self, published: list, version: int, expected: WeightFingerprint | None = None
-    ) -> WeightSync | None:
+    ) -> SyncCost | None:
         """Load `version` from what the trainer published into Ray's object store: [ObjectRef of the full weights],
         and with rollout.weight_sync=delta a PublishedDelta against its previous publish. Only the delta is read
         when the engine holds exactly that previous publish (else the full weights: a first load, a restarted
@@ -111,7 +111,13 @@ class RolloutGenerator:
         sync, self.loaded_publish = load_published(self.engine, published, self.loaded_publish)
         self.last_sync = self.check_load(sync, expected, version)
         self.version = version
-        return self.last_sync if self.engine.reports_sync else None
+        return self.reported()
+
+    def reported(self) -> SyncCost | None:
+        """What the run's metrics get of the latest load: its cost where the engine reports its loads (the vllm
+        engine; the hf engine's is a load_state_dict into its own copy), and the check's seconds with any engine
+        (rollout.verify_sync: timing_s/weight_sync_verify); None where neither."""
+        return SyncCost.of(self.last_sync, load_reported=self.engine.reports_sync)
 
     def check_load(self, sync: WeightSync, expected: WeightFingerprint | None, version: int) -> WeightSync:
         """rollout.verify_sync: read back what the engine holds after loading `version` and compare it with the
@@ -194,7 +200,7 @@ class RolloutWorkerActor:
         self.holder = holder
         self.groups_per_batch = cfg.rollout.groups_per_batch
         self._poll = None  # rollout.partial_rollout: the buffer's `newer` call in flight (an ObjectRef), or None
-        self._sync: WeightSync | None = None  # the latest weight load of the ticket being generated
+        self._sync: SyncCost | None = None  # what the metrics get of the ticket's latest weight load
 
     def step(self, num_groups: int) -> int:
         """One generation boundary: wait for a ticket, load newer weights, generate; groups made (0: stopped)."""
@@ -208,11 +214,7 @@ class RolloutWorkerActor:
         self._poll = None
         groups = self.core.generate(ticket.num_groups, self._refresh)
         # torch-free forms: the buffer's process does not import torch (replay_buffer.py)
-        ray.get(
-            self.buffer.put.remote(
-                [StoredGroup.of(g) for g in groups], ticket.first, self.holder, SyncCost.of(self._sync)
-            )
-        )
+        ray.get(self.buffer.put.remote([StoredGroup.of(g) for g in groups], ticket.first, self.holder, self._sync))
         return len(groups)
 
     def _refresh(self):

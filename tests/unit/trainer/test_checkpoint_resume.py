@@ -215,6 +215,79 @@ def test_a_rollout_failure_mid_cycle_checkpoints_pi_old_and_the_resumed_run_is_b
     assert got == want
 
 
+# The cycles whose pi_old weights a mid-cycle checkpoint takes from the rollout's copy (pi_old.pt): no slot anchor
+# (loglinear; auto in a loglinear cycle), or a cycle scored wholly ahead at trigger 0
+PI_OLD_IN_FILE_CASES = {
+    "loglinear": {"algorithm.prox_logp_method": "loglinear", "snapshot.score_ahead": False},
+    "auto": {**PI_OLD_METHODS["auto"], "snapshot.score_ahead": False},
+    "recompute_scored_ahead": {"snapshot.score_ahead": True},
+}
+
+
+@pytest.mark.parametrize("case", list(PI_OLD_IN_FILE_CASES))
+def test_a_buffer_that_dies_in_the_end_of_cycle_publish_leaves_pi_old_of_the_cycle_and_the_run_resumes_bitwise(
+    small_cfg, monkeypatch, case
+):
+    """The replay buffer dies while step 2's weights are published as version 2 (every trigger of the cycle done): the
+    checkpoint written after the failure holds the cycle's pi_old as version 1's weights (what the rollout last
+    took), never version 2's under version 1's label; the resumed run publishes them as version 1, then version 2,
+    and ends with the weights and metrics of a run that never failed."""
+    from dppo.checkpoint.layout import PI_OLD_FILE
+    from dppo.trainer.rollout import RolloutFailedError
+    from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+
+    common = {
+        "trainer.total_steps": 3,
+        "trainer.checkpoint_every": 10,
+        "trainer.output_dir": None,
+        "actor.lr": 0.05,
+        **PI_OLD_IN_FILE_CASES[case],
+    }
+    out = small_cfg().trainer.output_dir
+    published = recording_publishes(monkeypatch)
+    clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
+    clean.fit()
+    expected_records = read_metrics(f"{out}-clean/metrics.jsonl")
+    expected_weights = weights(clean.actor_group.local_rank.model)
+    versions = dict(published)
+    assert not all(torch.equal(versions[1][k], versions[2][k]) for k in versions[1])  # the two differ
+
+    core_publish = ReplayBufferCore.publish
+
+    def dying(self, weights, version, fingerprint=None):
+        if version == 2:
+            raise RolloutFailedError("the replay buffer died")
+        return core_publish(self, weights, version, fingerprint)
+
+    monkeypatch.setattr(ReplayBufferCore, "publish", dying)
+    with pytest.raises(
+        RolloutFailedError,
+        match=r"^the replay buffer died; the trainer's state at step 1, trigger 2 is checkpointed in "
+        r".*step_00000001_trigger_2 ",
+    ):
+        PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out})).fit()
+    monkeypatch.setattr(ReplayBufferCore, "publish", core_publish)
+    checkpoint = Path(out) / "checkpoints" / "step_00000001_trigger_2"
+    state = saved_state(checkpoint.parent)
+    assert state["pi_old"]["version"] == 1 and state["pi_old"]["weights"] == "file"
+    pi_old = torch.load(checkpoint / PI_OLD_FILE, weights_only=True)
+    assert pi_old.keys() == versions[1].keys()
+    for name, tensor in pi_old.items():  # version 1's weights, not version 2's that the buffer never took
+        assert torch.equal(tensor, versions[1][name]), f"pi_old.pt's {name} is not version 1's"
+
+    published.clear()
+    resumed = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out, "trainer.resume": True}))
+    assert (resumed.global_step, resumed.progress.trigger) == (1, 2)
+    resumed.fit()
+    assert [version for version, _ in published] == [1, 2, 3]
+    for version, state_dict in published[:2]:
+        for name, tensor in state_dict.items():
+            assert torch.equal(tensor, versions[version][name]), f"version {version}'s {name}"
+    for name, tensor in weights(resumed.actor_group.local_rank.model).items():
+        assert torch.equal(tensor, expected_weights[name]), name
+    assert without_timing(read_metrics(f"{out}/metrics.jsonl")) == without_timing(expected_records)
+
+
 class _Payload:
     """Unpickling it writes a file: what a hostile checkpoint would do."""
 

@@ -8,12 +8,20 @@ import logging
 from dataclasses import dataclass
 
 import pytest
+import torch
 
 from dppo.checkpoint.state import RolloutStart
 from dppo.config import ReplayConfig, RolloutConfig
 from dppo.data import make_prompt_source
 from dppo.models import policy_config
-from dppo.trainer.rollout import InProcessRollout, LocalRollout, RolloutFailedError, RolloutSource, make_rollout
+from dppo.trainer.rollout import (
+    InProcessRollout,
+    LocalRollout,
+    RolloutFailedError,
+    RolloutSource,
+    local_source,
+    make_rollout,
+)
 from dppo.trainer.rollout.common import RolloutSettings
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
 
@@ -248,3 +256,72 @@ def test_on_ray_a_failed_check_is_a_mismatch_and_the_fingerprint_rank_0_publishe
         "full ref",
         "delta",
     ]
+
+
+# ---- a publish that fails leaves the last one as the published weights -----------------------------------------
+
+
+def _state(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {"m.weight": torch.randn(4, 3, generator=g), "m.bias": torch.randn(3, generator=g)}
+
+
+class _DyingCore:
+    """A replay buffer core whose publish of version `dies_at` fails as a dead buffer's does (RolloutFailedError)."""
+
+    def __init__(self, dies_at: int) -> None:
+        self.dies_at, self.versions = dies_at, []
+
+    def publish(self, weights, version: int, fingerprint=None) -> None:
+        if version == self.dies_at:
+            raise RolloutFailedError("the replay buffer died")
+        self.versions.append(version)
+
+
+def _ray_source(monkeypatch, dies_at: int):
+    """RayRollout's publish over references that rank 0 put (a dict stands in for the object store), the buffer
+    called through _buffer_call."""
+    from dppo.trainer.rollout import ray_source
+
+    store: dict[str, dict] = {}
+    core = _DyingCore(dies_at)
+    monkeypatch.setattr(ray_source.ray, "get", lambda ref, timeout=None: store[ref])
+    source = object.__new__(ray_source.RayRollout)
+    source._buffer_call = lambda name, *args: getattr(core, name)(*args)
+
+    def publish(state, version):
+        ref = f"ref of version {version}"
+        store[ref] = {k: v.clone() for k, v in state.items()}  # rank 0's ray.put
+        source.publish([ref], version)
+
+    return source, publish, core
+
+
+def _local_source(monkeypatch, dies_at: int):
+    source = object.__new__(LocalRollout)
+    core = _DyingCore(dies_at)
+    source.buffer, source._print_dtype, source._published_version = local_source._Buffer(core), None, None
+    return source, source.publish, core
+
+
+def _in_process_source(monkeypatch, dies_at: int):
+    source = object.__new__(InProcessRollout)
+    source.buffer, source._print_dtype = _DyingCore(dies_at), None
+    return source, source.publish, source.buffer
+
+
+@pytest.mark.parametrize("make", [_ray_source, _local_source, _in_process_source], ids=["ray", "local", "in_process"])
+def test_a_publish_the_buffer_died_in_leaves_the_last_publish_as_the_published_weights(monkeypatch, make):
+    """The end-of-cycle publish of version 2 fails (the buffer died in it): what a checkpoint written after the
+    failure saves as the cycle's pi_old (published_weights) is still version 1's weights, bitwise, never version 2's
+    under version 1's label."""
+    source, publish, core = make(monkeypatch, dies_at=2)
+    first, second = _state(1), _state(2)
+    publish(first, 1)
+    with pytest.raises(RolloutFailedError, match=r"^the replay buffer died$"):
+        publish(second, 2)
+    assert core.versions == [1]
+    got = source.published_weights()
+    assert got.keys() == first.keys()
+    for name, tensor in first.items():
+        assert torch.equal(got[name], tensor), f"{name} is not version 1's"

@@ -1,6 +1,7 @@
-"""rollout.verify_sync on the hf engine: a load that leaves one tensor as it was (in-process), or weights garbled on
-their way to a local worker, are caught, named with the version; a local worker is restarted (the run ends once its
-restarts are used up, and in-process, where nothing can be restarted); with the check off it passes unnoticed."""
+"""rollout.verify_sync on the hf engine: a load that leaves one tensor as it was or a tensor of the engine changed
+after the load (in-process), or weights garbled on their way to a local worker, are caught, named with the version;
+a local worker is restarted (the run ends once its restarts are used up, and in-process, where nothing can be
+restarted); with the check off it passes unnoticed. Its time reaches the run's metrics (timing_s/weight_sync_verify)."""
 
 from __future__ import annotations
 
@@ -84,10 +85,89 @@ def test_a_correct_load_passes_the_check(tmp_path):
     try:
         rollout.publish(state, 0)
         rollout.fetch(cfg.groups_per_trigger, 0)
-        assert rollout.worker.last_sync.verify_seconds is not None  # checked (the hf engine reports no metrics)
+        assert rollout.worker.last_sync.verify_seconds is not None  # checked
         assert rollout.buffer.fingerprint.dtype == "float32"
     finally:
         rollout.close()
+
+
+CORRUPTED = "model.layers.0.self_attn.o_proj.weight"
+
+
+def _corrupt_after_load(monkeypatch) -> None:
+    """The planted bug: something writes into the hf engine's model after a correct load (one element of CORRUPTED)."""
+    load_weights = HFEngine.load_weights
+
+    def corrupting(self, state_dict):
+        sync = load_weights(self, state_dict)
+        with torch.no_grad():
+            self.model.get_parameter(CORRUPTED).view(-1)[3] += 1.0
+        return sync
+
+    monkeypatch.setattr(HFEngine, "load_weights", corrupting)
+
+
+def test_in_process_a_tensor_of_the_engine_changed_after_a_correct_load_ends_the_run_naming_it(tmp_path, monkeypatch):
+    """The check reads the engine's own model after the load (never what it was handed), as the vllm engine's does:
+    one element changed there is a mismatch; no worker process to restart in-process, so the run ends."""
+    cfg, source, model_config, state = _setup(tmp_path)
+    _corrupt_after_load(monkeypatch)
+    rollout = InProcessRollout(cfg, source, model_config, RolloutStart())
+    try:
+        rollout.publish(state, 0)
+        with pytest.raises(
+            RolloutFailedError,
+            match=rf"failed its weight sync check: after loading version 0, the rollout engine's {CORRUPTED} "
+            rf"differs from the published tensor \(checksum -?0x[0-9a-f]+ in float32, published -?0x[0-9a-f]+\)",
+        ):
+            rollout.fetch(cfg.groups_per_trigger, 0)
+        assert rollout.buffer.stats()["replay/size"] == 0.0  # nothing generated with the wrong weights
+    finally:
+        rollout.close()
+
+
+def test_on_a_worker_a_changed_tensor_fails_the_load_as_the_vllm_engines_would_and_forgets_the_publish(
+    tmp_path, monkeypatch
+):
+    """The worker's side (RolloutGenerator.check_load, on Ray and in local processes alike): WeightSyncMismatchError,
+    which the sources answer with a restart, and no claim to hold the publish (the next load is a full one)."""
+    from dppo.workers.rollout.worker import RolloutGenerator
+    from dppo.workers.sync_check import WeightSyncMismatchError
+    from dppo.workers.weight_fingerprint import fingerprint
+
+    cfg, source, model_config, state = _setup(tmp_path)
+    _corrupt_after_load(monkeypatch)
+    generator = RolloutGenerator(cfg, source, model_config, 0)
+    generator.loaded_publish = "an earlier publish"
+    with pytest.raises(WeightSyncMismatchError) as err:
+        generator.load_weights(state, 3, fingerprint(state, torch.float32))
+    assert (err.value.tensor, err.value.version) == (CORRUPTED, 3) and generator.loaded_publish is None
+
+
+@pytest.mark.parametrize(
+    "mode, verify_sync",
+    [("sync", True), ("separate_async", True), ("sync", False)],
+    ids=["in_process", "local_workers", "in_process_unchecked"],
+)
+def test_a_tiny_run_on_the_hf_engine_reports_the_check_of_each_load_in_its_metrics(tmp_path, mode, verify_sync):
+    """rollout.verify_sync (the default) with the default engine: timing_s/weight_sync_verify in every record of
+    metrics.jsonl, whether the check ran in this process or in a worker's (the hf engine reports no other sync
+    metric); with the check off, no such key."""
+    from dppo.trainer.ppo import PPOTrainer
+    from dppo.trainer.report import read_metrics
+
+    overrides = {"trainer.mode": mode, "trainer.total_steps": 2, "rollout.verify_sync": verify_sync}
+    cfg = load_config(overrides=small_overrides(tmp_path, **overrides))
+    assert cfg.rollout.name == "hf"
+    PPOTrainer(cfg).fit()
+    records = read_metrics(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert "rollout/weight_sync_bytes" not in r and "timing_s/rollout_weight_sync" not in r
+        if verify_sync:
+            assert r["timing_s/weight_sync_verify"] > 0, r
+        else:
+            assert "timing_s/weight_sync_verify" not in r, r
 
 
 def _local(tmp_path, monkeypatch, max_restarts: int):

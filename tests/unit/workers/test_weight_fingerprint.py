@@ -6,6 +6,7 @@ import pickle
 import pytest
 import torch
 
+from dppo.models import retied
 from dppo.workers.sync_check import TensorPrint, WeightSyncMismatchError, verify
 from dppo.workers.weight_delta import bits
 from dppo.workers.weight_fingerprint import checksum, device_checksum, fingerprint, prints_of
@@ -61,9 +62,14 @@ def test_the_held_prints_of_the_published_weights_pass_and_a_tied_tensor_may_be_
     verify(expected, held, version=3)
     del held["lm_head.weight"]  # an engine that holds the tied tensor once (vLLM)
     verify(expected, held, version=3)
-    untied = fingerprint({k: v.clone() for k, v in state.items()}, torch.bfloat16)  # a publish that copied each tensor
-    assert untied.aliases == {}
-    verify(untied, held, version=3)  # the engine holds the embedding's print: lm_head is its tie
+    copies = {k: v.clone() for k, v in state.items()}  # a publish that copied each tensor: the tie is lost
+    untied = fingerprint(copies, torch.bfloat16)
+    assert untied.aliases == {}  # so lm_head counts as a tensor of its own, which the engine does not report
+    with pytest.raises(WeightSyncMismatchError, match=r"version 3, the rollout engine's lm_head.weight is missing"):
+        verify(untied, held, version=3)
+    retied_print = fingerprint(retied(copies, {"lm_head.weight": "embed.weight"}), torch.bfloat16)  # the rank's
+    assert retied_print == expected
+    verify(retied_print, held, version=3)
     other = dict(state, **{"lm_head.weight": state["embed.weight"] + 1})  # an untied lm_head the engine lacks
     with pytest.raises(WeightSyncMismatchError, match=r"version 3, the rollout engine's lm_head.weight is missing"):
         verify(fingerprint(other, torch.bfloat16), held, version=3)
@@ -85,6 +91,35 @@ def test_the_first_tensor_that_differs_is_named_with_the_version():
     extra = dict(prints_of(state, torch.float32), **{"other.weight": TensorPrint((1,), 0)})
     with pytest.raises(WeightSyncMismatchError, match=r"other.weight was not published"):
         verify(expected, extra, version=4)
+
+
+def _norms_state(seed: int) -> dict[str, torch.Tensor]:
+    """A fresh decoder layer's tensors: its two norms' weights all ones and its bias all zeros (equal prints)."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "layers.0.input_layernorm.weight": torch.ones(8),
+        "layers.0.attn.weight": torch.randn(8, 8, generator=g),
+        "layers.0.attn.bias": torch.zeros(8),
+        "layers.0.post_attention_layernorm.weight": torch.ones(8),
+        "layers.0.mlp.bias": torch.zeros(8),
+        "norm.weight": torch.ones(8),
+    }
+
+
+@pytest.mark.parametrize("dropped", ["layers.0.post_attention_layernorm.weight", "norm.weight", "layers.0.mlp.bias"])
+def test_a_tensor_the_engine_never_reported_is_named_though_another_tensor_has_its_values(dropped):
+    """A read-back or name-mapping bug that loses one of several equal tensors (norm weights of ones, zero biases):
+    the check compares by name, so the other tensors of the same shape and values do not stand in for it."""
+    state = _norms_state(0)
+    expected = fingerprint(state, torch.bfloat16)
+    held = prints_of({k: v.to(torch.bfloat16) for k, v in state.items()}, torch.bfloat16)
+    verify(expected, held, version=2)
+    equal = [name for name, p in held.items() if name != dropped and p == held[dropped]]
+    assert equal  # what the engine still reports holds the dropped tensor's print under another name
+    del held[dropped]
+    with pytest.raises(WeightSyncMismatchError, match=rf"version 2, the rollout engine's {dropped} is missing") as err:
+        verify(expected, held, version=2)
+    assert err.value.tensor == dropped
 
 
 def test_the_error_survives_pickling_with_its_fields():
@@ -119,3 +154,62 @@ def test_the_device_checksum_gives_the_hosts_value():
     for dtype in (None, torch.bfloat16, torch.float16):
         assert device_checksum(t, dtype) == checksum(t, dtype), dtype
     assert device_checksum(torch.zeros(0)) == checksum(torch.zeros(0)) == 0
+
+
+# fp32 bit patterns at the edges of the rounding to bf16: NaNs whose rounding carries out of the payload (all ones;
+# only in the low 16 bits), other NaNs of both signs, quiet and signalling; infinities, zeros, the largest finite
+# value (rounds up to inf), subnormals (one of them rounding up to the smallest normal), and ties to even
+_FP32_EDGES = {
+    "nan_ones": 0x7FFFFFFF,
+    "-nan_ones": 0xFFFFFFFF,
+    "snan_low": 0x7F800001,
+    "-snan_low": 0xFF800001,
+    "snan_tie": 0x7F808000,
+    "snan_high": 0x7FBFFFFF,
+    "qnan": 0x7FC00000,
+    "-qnan": 0xFFC00000,
+    "qnan_payload": 0x7FC12345,
+    "inf": 0x7F800000,
+    "-inf": 0xFF800000,
+    "zero": 0x00000000,
+    "-zero": 0x80000000,
+    "max": 0x7F7FFFFF,
+    "-max": 0xFF7FFFFF,
+    "subnormal_min": 0x00000001,
+    "-subnormal_max": 0x807FFFFF,
+    "subnormal_tie_down": 0x00008000,
+    "subnormal_tie_up": 0x00018000,
+    "tie_down": 0x3F808000,
+    "tie_up": 0x3F818000,
+    "one": 0x3F800000,
+}
+
+
+def _fp32(pattern: int) -> torch.Tensor:
+    """A one-element fp32 tensor of these bits."""
+    return torch.tensor([pattern - (1 << 32) if pattern >> 31 else pattern], dtype=torch.int32).view(torch.float32)
+
+
+@pytest.mark.parametrize("pattern", list(_FP32_EDGES.values()), ids=list(_FP32_EDGES))
+def test_the_numpy_rounding_to_bf16_fingerprints_each_edge_value_as_torchs_rounding_does(pattern):
+    """The fingerprint of fp32 weights in bf16 (rounded in numpy, per chunk) equals that of torch's .to(bfloat16),
+    value by value: a NaN whose rounding carries (0x7FFFFFFF, 0xFFFFFFFF, 0x7F800001) is a NaN for torch, never a
+    zero or an infinity, or a bf16 engine fed NaN weights by an fp32 trainer would fail its check for nothing."""
+    t = _fp32(pattern)
+    published = fingerprint({"w": t}, torch.bfloat16)  # the numpy path
+    engine = fingerprint({"w": t.to(torch.bfloat16)}, torch.bfloat16)  # what a bf16 engine holds, checksummed as is
+    assert published.tensors == engine.tensors, hex(pattern)
+    assert device_checksum(t, torch.bfloat16) == published.tensors["w"].checksum  # torch's own conversion
+    if not t.isnan().any():  # a number: its checksum is not that of the one NaN
+        assert published.tensors["w"] != fingerprint({"w": _fp32(0x7FC00000)}, torch.bfloat16).tensors["w"]
+
+
+def test_the_numpy_rounding_to_bf16_fingerprints_edge_values_among_ordinary_ones_as_torch_does():
+    g = torch.Generator().manual_seed(4)
+    t = torch.randn(5_000, generator=g)
+    positions = torch.randperm(t.numel(), generator=g)[: len(_FP32_EDGES)]
+    t[positions] = torch.cat([_fp32(p) for p in _FP32_EDGES.values()])
+    assert (
+        fingerprint({"w": t}, torch.bfloat16).tensors
+        == fingerprint({"w": t.to(torch.bfloat16)}, torch.bfloat16).tensors
+    )

@@ -51,7 +51,8 @@ class RolloutEngine(ABC):
     # Whether a run's metrics report this engine's weight loads (timing_s/rollout_weight_sync,
     # rollout/weight_sync_bytes, rollout/weight_sync_changed_frac). The hf engine's load is a load_state_dict
     # into its own model copy: not reported, so its runs' records stay what they were (a resumed run's records
-    # equal an uninterrupted run's, timings aside).
+    # equal an uninterrupted run's, timings aside). The worker's check of a load (rollout.verify_sync:
+    # timing_s/weight_sync_verify, a timing) is reported with any engine.
     reports_sync: bool = True
 
     @abstractmethod

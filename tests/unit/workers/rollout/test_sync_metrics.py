@@ -57,3 +57,20 @@ def test_the_check_of_each_load_is_reported_and_its_fingerprint_handed_out_with_
     ticket = unchecked.acquire(-1, 2, 0)
     unchecked.put(_groups(2), ticket.first, 0, SyncCost.of(WeightSync(0.5, 100, 0.25)))
     assert "timing_s/weight_sync_verify" not in unchecked.stats()  # rollout.verify_sync=false: no such timing
+
+
+def test_an_engine_that_does_not_report_its_loads_still_reports_their_check():
+    """The hf engine (RolloutEngine.reports_sync=False): its load's seconds and bytes stay out of the metrics, the
+    worker's check of it (rollout.verify_sync) does not; unchecked, it reports nothing."""
+    sync = WeightSync(0.5, 100, 1.0, verify_seconds=0.25)
+    assert SyncCost.of(sync, load_reported=False) == SyncCost(None, None, None, 0.25)
+    assert SyncCost.of(WeightSync(0.5, 100), load_reported=False) is None
+    buffer = ReplayBufferCore(1, "wait", 8)
+    buffer.publish({"w": torch.zeros(1)}, 0, fingerprint="prints of version 0")
+    ticket = buffer.acquire(-1, 2, 0)
+    buffer.put(_groups(2), ticket.first, 0, SyncCost.of(sync, load_reported=False))
+    stats = buffer.stats()
+    assert stats["timing_s/weight_sync_verify"] == 0.25
+    assert not {"timing_s/rollout_weight_sync", "rollout/weight_sync_bytes", "rollout/weight_sync_changed_frac"} & set(
+        stats
+    )
