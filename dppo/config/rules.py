@@ -124,12 +124,11 @@ def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
     """The lr warmup must end within the run; the ppo_kl guard needs a ppo_kl that can be non-zero; a task's reward
     has no extra outputs for algorithm.filter_groups.metric to name."""
     optim = actor.optim
-    total = t.total_steps * t.parameter_sync_step
-    if optim.warmup_steps(total) > total:
+    if optim.lr_warmup_steps > t.total_steps:  # the ratio's warmup is a fraction of the run
         raise ConfigError(
-            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
-            f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
-            f"{t.parameter_sync_step}); the lr would never reach actor.lr"
+            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {t.total_steps} global "
+            f"steps (trainer.total_steps; verl's unit: a global step is trainer.parameter_sync_step="
+            f"{t.parameter_sync_step} optimizer steps); the lr would never reach actor.lr"
         )
     if actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
         why = (

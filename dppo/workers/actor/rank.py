@@ -122,9 +122,8 @@ class ActorRank:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, fused=True
         )
-        total_steps = cfg.trainer.total_steps * cfg.trainer.parameter_sync_step
         self.lr_scheduler = make_lr_scheduler(
-            self.optimizer, cfg.actor.optim, total_steps
+            self.optimizer, cfg.actor.optim, cfg.trainer.total_steps, cfg.trainer.parameter_sync_step
         )  # actor.optim's schedule, stepped once per trigger
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
