@@ -186,7 +186,15 @@ class BaseTrainer:
         return plan_pi_old(self.cfg)
 
     def close(self) -> None:
-        """Release the actor's ranks, and the rollout the constructor started if fit() never ran."""
+        """Release the actor's ranks, the rollout the constructor started if fit() never ran, and the evaluation
+        engine (trainer.eval_engine=rollout: vLLM's processes and temporary directory, say)."""
+        try:
+            self._release_workers()
+        finally:
+            self.published.close()
+
+    def _release_workers(self) -> None:
+        """The actor's ranks and the constructor's rollout; the evaluation engine stays for the final evaluation."""
         try:
             self.actor_group.close()
         finally:
@@ -210,6 +218,7 @@ class BaseTrainer:
             return finish_run(p, self.response_length, m, self.trackers, self.state.global_step, self.output_dir, start)
         finally:
             self.trackers.close()
+            self.published.close()  # finish_run closed the evaluation engine; a run that raised before it, here
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
@@ -249,7 +258,7 @@ class BaseTrainer:
                 if self.rollout is not None:
                     self.rollout.close()
             finally:
-                self.close()
+                self._release_workers()
 
     def run_cycle(self) -> dict[str, float]:
         """One global step (the rest of it, for a cycle resumed mid-way); returns its metrics record."""
