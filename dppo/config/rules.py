@@ -140,7 +140,7 @@ def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
         )
         if why is not None:
             raise ConfigError(
-                f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
+                f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl_k3, which {why} makes 0 "
                 "at every trigger (pi_old is the live weights); the guard would never act: drop it"
             )
     fg = a.filter_groups

@@ -251,15 +251,17 @@ class ActorConfig:
     optim: ActorOptimSection = field(default_factory=ActorOptimSection)
 
     max_ppo_kl: Optional[float] = None
-    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl (the mean over its
-    valid tokens of log pi_old - log pi_theta, pi_theta the live weights before its step; merged over the ranks, so
-    every rank decides alike) exceeds this bound takes no optimizer step: its gradients are zeroed, and the weights
-    and Adam's moments and step count stay as they were (the lr schedule still counts the step). Counted in
-    actor/skipped_updates (triggers skipped in the global step) and logged in one line. ppo_kl is measured before the
-    step, so the guard stops a cycle's drift from pi_old once it passes the bound (and the cycle's later triggers
-    while it stays past it); it does not undo the steps that got there (see docs/training.md, "When a run
-    collapses"). Refused where ppo_kl is 0 by construction (prox_anchor=current, parameter_sync_step=1, outside
-    bypass mode)."""
+    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl_k3 exceeds this
+    bound takes no optimizer step: its gradients are zeroed, and the weights and Adam's moments and step count stay as
+    they were (the lr schedule still counts the step). actor/ppo_kl_k3 is k3's estimate of KL(pi_old || pi_theta)
+    (the KL penalty's k3: the mean over the loss-mask tokens of r - 1 - log r, r = pi_theta / pi_old, pi_theta the
+    live weights before the step; merged over the ranks, so every rank decides alike): every term is >= 0, so it
+    grows whenever the policy moves, where actor/ppo_kl (the signed mean of log pi_old - log pi_theta over tokens
+    sampled by pi_behav) can read about 0 or below. Counted in actor/skipped_updates (triggers skipped in the global
+    step) and logged in one line. It is measured before the step, so the guard stops a cycle's drift from pi_old once
+    it passes the bound (and the cycle's later triggers while it stays past it); it does not undo the steps that got
+    there (see docs/training.md, "When a run collapses"). Refused where it is 0 by construction (prox_anchor=current,
+    parameter_sync_step=1, outside bypass mode)."""
 
     def __post_init__(self) -> None:
         check_numbers(self, "actor")
