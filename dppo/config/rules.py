@@ -7,10 +7,27 @@ import numpy as np
 
 from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, shown
-from dppo.config.choices import FILTER_REWARD_METRICS, InexactUnderShardingError, check_reader_for_sharding
+from dppo.config.choices import (
+    FILTER_REWARD_METRICS,
+    PRECISION_AUTO,
+    InexactUnderShardingError,
+    check_reader_for_sharding,
+)
 from dppo.data.errors import MissingExtraError
 from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
+
+
+def require_resolved_precision(cfg) -> None:
+    """ConfigError where actor.mixed_precision or rollout.dtype is still auto: the machine decides those before a run
+    (dppo.launch.precision.resolve_precision, which `dppo train` and `dppo eval` call), and what runs (the trainer,
+    the run's plan, the engines) takes the decision, never the word."""
+    for key, value in (("actor.mixed_precision", cfg.actor.mixed_precision), ("rollout.dtype", cfg.rollout.dtype)):
+        if value == PRECISION_AUTO:
+            raise ConfigError(
+                f"{key}={value!r}: expected a resolved value; auto is decided from this machine before a run "
+                "(dppo train does it): cfg, line = dppo.launch.precision.resolve_precision(cfg)"
+            )
 
 
 def validate_combinations(cfg) -> None:
@@ -39,7 +56,7 @@ def validate_combinations(cfg) -> None:
             raise ConfigError(
                 f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})"
             ) from None
-    if cfg.actor.mixed_precision is not None and cfg.model.dtype != "float32":
+    if cfg.actor.mixed_precision not in (None, PRECISION_AUTO) and cfg.model.dtype != "float32":
         raise ConfigError(
             f"actor.mixed_precision={cfg.actor.mixed_precision} computes in it over fp32 master weights, "
             f"but model.dtype={cfg.model.dtype}: use model.dtype=float32, or actor.mixed_precision=null "

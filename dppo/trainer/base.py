@@ -40,6 +40,7 @@ from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
 from dppo.checkpoint.state import CycleProgress, TrainerState
 from dppo.config import DppoConfig, to_dict
 from dppo.config.pi_old import PiOldPlan, plan_pi_old
+from dppo.config.rules import require_resolved_precision
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
 from dppo.devices import resolve_device
@@ -101,6 +102,7 @@ class BaseTrainer:
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg)). rollout: where groups come
         from (default: started here, before the ranks, for a fresh run that has worker processes; else by fit()).
         resume_point: what trainer.resume=true continues from, if the caller found it already."""
+        require_resolved_precision(cfg)  # the ranks and engines take a dtype, not auto
         self.cfg, self.state = cfg, TrainerState()
         torch.set_num_threads(cfg.trainer.num_threads)
         seed_all(cfg.trainer.seed)

@@ -22,8 +22,9 @@ from dppo.config.checks import (
 )
 from dppo.config.choices import (
     FSDP_MODES,
-    MIXED_PRECISIONS,
     LR_SCHEDULER_TYPES,
+    MIXED_PRECISIONS,
+    PRECISION_AUTO,
     SAVE_CONTENTS,
 )
 
@@ -229,10 +230,14 @@ class ActorConfig:
     mixed_precision: Optional[str] = None
     """null: the actor computes in model.dtype. bfloat16: bf16 compute over fp32 master weights (verl's and TRL's
     default): weights, gradients and AdamW's moments stay fp32; the plain module runs its forward passes under
-    torch.autocast, FSDP2 gathers bf16 weights and reduces gradients in fp32. Every pass that gives the loss its log-probs
-    (the training forward, the old-log-prob passes, score-ahead, the KL reference) computes the same way, so the old
-    log-probs stay exact. Needs model.dtype=float32. The rollout keeps rollout.dtype (default model.dtype): its
-    behavior log-probs then differ from the trainer's by the precision gap, which the rollout correction weighs."""
+    torch.autocast, FSDP2 gathers bf16 weights and reduces gradients in fp32. Every pass that gives the loss its
+    log-probs (the training forward, the old-log-prob passes, score-ahead, the KL reference) computes the same way, so
+    the old log-probs stay exact. Needs model.dtype=float32. auto: bfloat16 where the actor's device computes it
+    faster (a GPU with bf16; a CPU whose bf16 matmul, timed at start, runs at least 1.5x its fp32 one: one with AMX,
+    not every one with avx512_bf16), else null (and null where model.dtype is not float32); decided once before
+    the run by dppo.launch.precision, logged in one line, and written resolved into the run's config.yaml. The
+    rollout keeps rollout.dtype (default model.dtype): its behavior log-probs then differ from the trainer's by the
+    precision gap, which the rollout correction weighs."""
 
     checkpoint: ActorCheckpointSection = field(default_factory=ActorCheckpointSection)
 
@@ -293,7 +298,7 @@ class ActorConfig:
         one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
         one_of("actor.fsdp", self.fsdp, FSDP_MODES)
         if self.mixed_precision is not None:
-            one_of("actor.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+            one_of("actor.mixed_precision", self.mixed_precision, (*MIXED_PRECISIONS, PRECISION_AUTO))
         if self.loss_scale_factor is not None:
             positive("actor.loss_scale_factor", self.loss_scale_factor)
         positive("actor.tau_pos", self.tau_pos)
