@@ -7,10 +7,11 @@ arithmetic, the problems, reward and settings of examples/real/smollm2_arithmeti
 which system goes first from seed to seed:
 
     dppo  `dppo train --config examples/real/smollm2_arithmetic.yaml` as `make real` runs it (its engine: vLLM from
-          .venv-vllm once `make vllm` has run, else hf), trainer.seed=S, trainer.total_steps=--steps, no base
-          measurement;
+          .venv-vllm once `make vllm` has run, else hf; actor.mixed_precision and rollout.dtype decided once at the
+          start, as real_run decides them), trainer.seed=S, trainer.total_steps=--steps, no base measurement;
     TRL   benchmarks/trl_real.py in .venv-trl: GRPOTrainer with the settings that match (its docstring lists them and
-          what is not matched), the same problems (written here with dppo's generator), the same reward.
+          what is not matched), the same problems (written here with dppo's generator), the same reward, bf16
+          compute where dppo's actor computes in it.
 
 Each run is one process, timed from its start to its exit; each progress line (dppo's metrics.jsonl, trl_real.py's
 line per generation cycle) is stamped when it appears. Both evaluate held-out greedy accuracy on the 256 problems
@@ -139,11 +140,13 @@ def write_task(path: Path, config: Path) -> dict:
     return task
 
 
-def run_dppo(seed: int, steps: int, out: Path, engine: str, python: Path, log) -> Run:
+def run_dppo(seed: int, steps: int, out: Path, engine: str, python: Path, log, precision: list[str]) -> Run:
+    """precision: actor.mixed_precision and rollout.dtype as main resolved them (real_run.precision_overrides)."""
     run_dir = out / f"dppo_seed{seed}"
     overrides = [
         f"model.path={real_run.MODEL_DIR}",
         *real_run.engine_overrides(engine),
+        *precision,
         f"trainer.output_dir={run_dir}",
         f"trainer.seed={seed}",
         f"trainer.total_steps={steps}",
@@ -157,7 +160,8 @@ def run_dppo(seed: int, steps: int, out: Path, engine: str, python: Path, log) -
     return run
 
 
-def run_trl(seed: int, steps: int, out: Path, task_file: Path, task: dict, log) -> Run:
+def run_trl(seed: int, steps: int, out: Path, task_file: Path, task: dict, log, bf16: bool) -> Run:
+    """bf16: TRL's bf16=True (autocast), where dppo's actor.mixed_precision resolved to bfloat16."""
     run_dir = out / f"trl_seed{seed}"
     run_dir.mkdir(parents=True, exist_ok=True)
     progress, result = run_dir / "progress.jsonl", run_dir / "result.json"
@@ -185,6 +189,7 @@ def run_trl(seed: int, steps: int, out: Path, task_file: Path, task: dict, log) 
         str(result),
         "--output-dir",
         str(run_dir / "trainer"),
+        "--bf16" if bf16 else "--no-bf16",
     ]
     print(f"TRL: {' '.join(cmd)}", flush=True)
     start = time.perf_counter()
@@ -273,6 +278,12 @@ def main(argv: list[str] | None = None) -> int:
         task_file = out / "task.json"
         task = write_task(task_file, real_run.CONFIG)
         print(f"{len(task['train'])} training and {len(task['val'])} held-out problems: {task_file}", flush=True)
+        # decided once, for both systems: dppo's two keys, and TRL's bf16 as dppo's actor
+        engine_keys = [f"model.path={real_run.MODEL_DIR}", *real_run.engine_overrides(engine)]
+        precision, precision_line = real_run.precision_overrides(real_run.CONFIG, engine_keys)
+        if precision_line is not None:
+            print(precision_line, flush=True)
+        bf16 = "actor.mixed_precision=bfloat16" in precision
         for i, seed in enumerate(args.seeds):
             order = ["dppo", "trl"] if i % 2 == 0 else ["trl", "dppo"]
             for system in order:
@@ -280,15 +291,16 @@ def main(argv: list[str] | None = None) -> int:
                     continue
                 print(f"--- seed {seed}: {system} ---", flush=True)
                 if system == "dppo":
-                    runs.append(run_dppo(seed, args.steps, out, engine, python, log))
+                    runs.append(run_dppo(seed, args.steps, out, engine, python, log, precision))
                 else:
-                    runs.append(run_trl(seed, args.steps, out, task_file, task, log))
+                    runs.append(run_trl(seed, args.steps, out, task_file, task, log, bf16))
                 print(f"  {system} seed {seed}: {runs[-1].summary()}", flush=True)
     dppo = medians([r for r in runs if r.system == "dppo"])
     trl = medians([r for r in runs if r.system == "trl"])
     verdict = verdicts(dppo, trl) if dppo and trl else {}
     result = {
         "engine": engine,
+        "precision": precision_line or " ".join(precision),
         "steps": args.steps,
         "seeds": args.seeds,
         "runs": [asdict(r) | {"summary": r.summary()} for r in runs],

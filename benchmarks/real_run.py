@@ -14,6 +14,9 @@
 3. `dppo train --config examples/real/smollm2_arithmetic.yaml` with that engine: vLLM's CPU build from .venv-vllm when
    `make vllm` has run, else dppo's own sampler (hf) from .venv. Its held-out greedy accuracy (val/acc/basic_arithmetic)
    is evaluated every trainer.test_freq steps; each step's line of metrics.jsonl is stamped when it appears.
+   actor.mixed_precision and rollout.dtype (the YAML's auto) are decided once at the start, from this machine
+   (dppo.launch.precision: bf16 only where it computes it faster), printed in one line and passed to the base
+   measurement and the training alike.
 4. The before/after figures: base greedy, base pass@8, final greedy, and the time from the start (import excluded) to
    the first evaluation at or above 0.5 and 0.7; printed, and written to OUT/real_run.json.
 
@@ -89,6 +92,7 @@ class Report:
     import_s: float = 0.0  # the model import, not on the clock
     steps: int = 0
     outputs: dict[str, str] = field(default_factory=dict)
+    precision: str = ""  # actor.mixed_precision and rollout.dtype as run (precision_overrides' line, where auto)
 
     def crossings(self) -> dict[str, dict]:
         return {
@@ -110,6 +114,7 @@ class Report:
         """(label, value) of each line of the report."""
         rows = [
             ("engine", self.engine),
+            ("precision", self.precision.removeprefix("precision: ") or "-"),
             ("base model, held-out greedy accuracy", _f(self.base_greedy)),
             (f"base model, pass@{BASE_N} at temperature 1", _f(self.base_pass_at_8)),
             ("base model, accuracy of those samples", _f(self.base_sampled)),
@@ -143,8 +148,25 @@ def _f(x: float | None) -> str:
 
 
 def engine_overrides(engine: str) -> list[str]:
-    """The keys of the engine: vLLM in bfloat16 (its CPU build), or dppo's sampler (hf) in bfloat16."""
-    return [f"rollout.name={engine}", "rollout.dtype=bfloat16"]
+    """The key of the engine: vLLM (its CPU build), or dppo's sampler (hf); its dtype is the YAML's rollout.dtype
+    (auto: precision_overrides decides it)."""
+    return [f"rollout.name={engine}"]
+
+
+def precision_overrides(config: Path, overrides: list[str], machine=None) -> tuple[list[str], str | None]:
+    """actor.mixed_precision and rollout.dtype of config with overrides, decided once here where either is auto
+    (dppo.launch.precision: bf16 only where this machine computes it faster), as key=value overrides that give the base
+    measurement, `dppo train` (and peer_real's TRL) the same precision; and the line that says what and why (None:
+    both were set). machine: dppo.launch.precision.Machine (tests); None: this one."""
+    from dppo.config import load_config
+    from dppo.launch.precision import resolve_precision
+
+    cfg, line = resolve_precision(load_config(overrides, config_file=config), machine)
+    keys = [
+        f"actor.mixed_precision={cfg.actor.mixed_precision or 'null'}",
+        f"rollout.dtype={cfg.rollout.dtype or 'null'}",
+    ]
+    return keys, line
 
 
 # ---- running ---------------------------------------------------------------------------------------
@@ -255,7 +277,10 @@ def base_main(args) -> int:
     from dppo.workers.rollout.engines import make_engine, vllm_rows
 
     torch.set_num_threads(args.threads)
-    cfg = load_config(args.overrides, config_file=args.config)
+    from dppo.launch.precision import resolve_precision
+
+    # real_run's main passes the precision it resolved; run alone with the YAML's auto, it decides here
+    cfg, _ = resolve_precision(load_config(args.overrides, config_file=args.config))
     start = time.perf_counter()
     source = make_prompt_source(cfg)
     model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
@@ -411,6 +436,10 @@ def main(argv: list[str] | None = None) -> int:
     with open(out_dir / "real_run.log", "w") as log:
         import_s = import_model(Path(args.model), log)
         clock = time.perf_counter()  # the clock: from here, the model import excluded
+        precision, precision_line = precision_overrides(Path(args.config), overrides)
+        overrides += precision
+        if precision_line is not None:
+            print(precision_line, flush=True)
         overlap = args.base == "overlap"
         print(
             f"measuring the base model ({engine}, {args.base_threads} thread(s)"
@@ -453,6 +482,7 @@ def main(argv: list[str] | None = None) -> int:
         import_s,
         int(stamped[-1][0]["step"]) if stamped else 0,
         outputs,
+        precision_line or " ".join(precision),
     )
     (out_dir / "real_run.json").write_text(json.dumps(report.to_json(), indent=2))
     print("\nmake real:\n" + "\n".join(report.lines()), flush=True)

@@ -12,10 +12,11 @@ The settings match the real run's (peer_real.py checks them against the YAML): 8
 2 optimizer steps on them (steps_per_generation) with the generation-time weights as the old policy, up to 12
 completion tokens at temperature 1, AdamW at the YAML's constant lr (peer_real.py passes --lr: 2e-5), no warm-up, no
 decay, clip 0.2/0.2 with the two-sided clip delta=3 (dppo's dual clip c=3), token-mean ("dapo"), no KL,
-group-normalized advantages, bf16 compute over fp32 weights (TRL's bf16=True: autocast, dppo's
-actor.mixed_precision=bfloat16). What is not matched (docs/benchmarks.md):
-dppo's group filter (algorithm.filter_groups: DAPO's dynamic sampling; TRL trains on every group), the sampler (TRL's
-transformers `generate` in fp32; dppo's vLLM in bf16) and the prompt order.
+group-normalized advantages, and dppo's actor precision: bf16 compute over fp32 weights (TRL's bf16=True: autocast)
+where dppo's actor.mixed_precision resolved to bfloat16 on this machine, fp32 where it did not (--no-bf16). What is
+not matched (docs/benchmarks.md): dppo's group filter (algorithm.filter_groups: DAPO's dynamic sampling; TRL trains on
+every group), the sampler (TRL's transformers `generate` in fp32; dppo's vLLM in its rollout.dtype, bf16 where auto
+chose it) and the prompt order.
 
 Held-out greedy accuracy on the 256 problems every --eval-every generation cycles and after the last, as dppo's
 trainer.test_freq: one left-padded batch through `generate` (greedy, 12 tokens), on the clock as dppo's evaluation is.
@@ -50,6 +51,12 @@ def main(argv=None) -> None:
     parser.add_argument("--eval-every", type=int, default=2, help="held-out evaluation every N cycles")
     parser.add_argument("--output-dir", default="/tmp/trl_real")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's, the cores)")
+    parser.add_argument(
+        "--bf16",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="bf16 compute over fp32 weights (TRL's bf16=True); peer_real.py passes dppo's actor.mixed_precision",
+    )
     args = parser.parse_args(argv)
 
     import torch
@@ -93,7 +100,7 @@ def main(argv=None) -> None:
         output_dir=args.output_dir,
         seed=args.seed,
         use_cpu=True,
-        bf16=True,
+        bf16=args.bf16,
         fp16=False,
         gradient_checkpointing=False,
         per_device_train_batch_size=PROMPTS_PER_STEP * SAMPLES // spg,
@@ -149,7 +156,14 @@ def main(argv=None) -> None:
         )
         trainer.train()
     final = evaluate(trainer.model, tokenizer, val, score, task["dataset"])
-    keys = ("per_device_train_batch_size", "steps_per_generation", "num_generations", "max_steps", "learning_rate")
+    keys = (
+        "per_device_train_batch_size",
+        "steps_per_generation",
+        "num_generations",
+        "max_steps",
+        "learning_rate",
+        "bf16",
+    )
     result = {
         "evaluation": final,
         "torch_threads": torch.get_num_threads(),

@@ -107,11 +107,11 @@ def main(argv=None) -> None:
         max_completion_length=reward.RESPONSE_TOKENS,
         temperature=1.0,
         learning_rate=args.lr,
-        # dppo's default schedule (actor.optim, issue 32): int(5% of the optimizer steps) of warmup from 0, then a
+        # dppo's default schedule (actor.optim, issue 32): int(5% of the global steps) of warmup from 0, then a
         # cosine down to 0.1 x lr at the last step; transformers' cosine_with_min_lr is the same curve
         lr_scheduler_type="cosine_with_min_lr",
         lr_scheduler_kwargs={"min_lr_rate": 0.1},
-        warmup_steps=int(0.05 * spg * args.steps),
+        warmup_steps=spg * int(0.05 * args.steps),
         weight_decay=0.0,
         max_grad_norm=1.0,
         epsilon=0.2,

@@ -24,6 +24,7 @@ from dppo.config import ConfigError, load_config, to_dict
 from dppo.data import make_prompt_source
 from dppo.devices import resolve_device
 from dppo.launch.machine import check_machine
+from dppo.launch.precision import resolve_precision
 from dppo.models import build_model
 from dppo.checkpoint.export import load_checkpoint_policy
 from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
@@ -41,10 +42,13 @@ class EvalResult:
     n: int
     temperature: float
     config: dict = field(repr=False, default_factory=dict)
+    precision: str | None = None  # how actor.mixed_precision / rollout.dtype auto were decided (None: neither was)
 
     def table(self) -> str:
         how = "greedy" if self.temperature == 0 else f"{self.n} sampled per prompt, temperature {self.temperature}"
         rows = [("model", self.target), ("prompts", str(self.prompts)), ("decoding", how)]
+        if self.precision is not None:
+            rows.append(("precision", self.precision.removeprefix("precision: ")))
         rows += [(key, f"{value:.4f}") for key, value in sorted(self.metrics.items())]
         width = max(len(label) for label, _ in rows)
         return "\n".join(f"  {label:<{width}}  {value}" for label, value in rows)
@@ -121,6 +125,7 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     overrides = list(overrides)
     policy, cfg = load_eval_target(target, overrides, config_file)
     check_machine(cfg)  # the device, the threads, the data files an override names
+    cfg, precision = resolve_precision(cfg)  # rollout.dtype=auto: the engine's dtype on this machine
     torch.set_num_threads(cfg.trainer.num_threads)
     source = make_prompt_source(cfg)
     if policy is None:  # a transformers directory: model.path is the target
@@ -139,7 +144,7 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     else:
         response_length = cfg.rollout.max_new_tokens or source.response_length
         metrics = score_policy(policy, source, response_length, device, n, temperature, cfg.trainer.seed)
-    return EvalResult(str(target), metrics, len(source.eval_prompts()), n, temperature, to_dict(cfg))
+    return EvalResult(str(target), metrics, len(source.eval_prompts()), n, temperature, to_dict(cfg), precision)
 
 
 def _score_with_engine(cfg, source, policy: torch.nn.Module, device: torch.device, n: int) -> dict[str, float]:

@@ -14,6 +14,9 @@ DEVICES = ("cpu", "cuda", "auto")
 DTYPES = tuple(MODEL_DTYPES)  # model.dtype, rollout.dtype (dppo.models.DTYPES maps each to its torch dtype)
 FSDP_MODES = ("auto", "always")
 MIXED_PRECISIONS = ("bfloat16",)  # actor.mixed_precision (dppo.workers.actor.precision)
+# actor.mixed_precision and rollout.dtype: bf16 where this machine computes it faster, decided before a run starts
+# (dppo.launch.precision); the config only holds the word, and what runs gets a concrete value
+PRECISION_AUTO = "auto"
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logger (dppo.trainer.trackers)
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
 ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)

@@ -7,10 +7,27 @@ import numpy as np
 
 from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, shown
-from dppo.config.choices import FILTER_REWARD_METRICS, InexactUnderShardingError, check_reader_for_sharding
+from dppo.config.choices import (
+    FILTER_REWARD_METRICS,
+    PRECISION_AUTO,
+    InexactUnderShardingError,
+    check_reader_for_sharding,
+)
 from dppo.data.errors import MissingExtraError
 from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
+
+
+def require_resolved_precision(cfg) -> None:
+    """ConfigError where actor.mixed_precision or rollout.dtype is still auto: the machine decides those before a run
+    (dppo.launch.precision.resolve_precision, which `dppo train` and `dppo eval` call), and what runs (the trainer,
+    the run's plan, the engines) takes the decision, never the word."""
+    for key, value in (("actor.mixed_precision", cfg.actor.mixed_precision), ("rollout.dtype", cfg.rollout.dtype)):
+        if value == PRECISION_AUTO:
+            raise ConfigError(
+                f"{key}={value!r}: expected a resolved value; auto is decided from this machine before a run "
+                "(dppo train does it): cfg, line = dppo.launch.precision.resolve_precision(cfg)"
+            )
 
 
 def validate_combinations(cfg) -> None:
@@ -39,7 +56,7 @@ def validate_combinations(cfg) -> None:
             raise ConfigError(
                 f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})"
             ) from None
-    if cfg.actor.mixed_precision is not None and cfg.model.dtype != "float32":
+    if cfg.actor.mixed_precision not in (None, PRECISION_AUTO) and cfg.model.dtype != "float32":
         raise ConfigError(
             f"actor.mixed_precision={cfg.actor.mixed_precision} computes in it over fp32 master weights, "
             f"but model.dtype={cfg.model.dtype}: use model.dtype=float32, or actor.mixed_precision=null "
@@ -124,12 +141,11 @@ def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
     """The lr warmup must end within the run; the ppo_kl guard needs a ppo_kl that can be non-zero; a task's reward
     has no extra outputs for algorithm.filter_groups.metric to name."""
     optim = actor.optim
-    total = t.total_steps * t.parameter_sync_step
-    if optim.warmup_steps(total) > total:
+    if optim.lr_warmup_steps > t.total_steps:  # the ratio's warmup is a fraction of the run
         raise ConfigError(
-            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {total} optimizer "
-            f"steps (trainer.total_steps={t.total_steps} x trainer.parameter_sync_step="
-            f"{t.parameter_sync_step}); the lr would never reach actor.lr"
+            f"actor.optim.lr_warmup_steps={optim.lr_warmup_steps}: longer than the run's {t.total_steps} global "
+            f"steps (trainer.total_steps; verl's unit: a global step is trainer.parameter_sync_step="
+            f"{t.parameter_sync_step} optimizer steps); the lr would never reach actor.lr"
         )
     if actor.max_ppo_kl is not None and not a.rollout_correction.bypass_mode:
         why = (
@@ -141,7 +157,7 @@ def _check_stability_remedies(t, actor, a, source: tuple[str, str]) -> None:
         )
         if why is not None:
             raise ConfigError(
-                f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl, which {why} makes 0 "
+                f"actor.max_ppo_kl={actor.max_ppo_kl} guards on actor/ppo_kl_k3, which {why} makes 0 "
                 "at every trigger (pi_old is the live weights); the guard would never act: drop it"
             )
     fg = a.filter_groups

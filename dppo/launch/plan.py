@@ -12,6 +12,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dppo.config import DppoConfig
 from dppo.config.pi_old import plan_pi_old
+from dppo.config.rules import require_resolved_precision
 from dppo.models import tiny_model_config
 from dppo.workers.rollout.engines import vllm_rows
 
@@ -87,7 +88,9 @@ class RunPlan:
 
 
 def plan_run(cfg: DppoConfig, source) -> RunPlan:
-    """The RunPlan of cfg with source (its dppo.data PromptSource: prompt and answer lengths, vocab)."""
+    """The RunPlan of cfg with source (its dppo.data PromptSource: prompt and answer lengths, vocab); cfg's precision
+    keys resolved (dppo.launch.precision: the plan's bytes depend on them)."""
+    require_resolved_precision(cfg)
     t, a, r, m = cfg.trainer, cfg.actor, cfg.rollout, cfg.model
     world_size = t.nnodes * t.n_gpus_per_node
     return RunPlan(

@@ -23,6 +23,7 @@ from dppo.launch.preflight import (
     check_training_memory,
 )
 from dppo.launch.machine import check_machine, resolve_ray
+from dppo.launch.precision import resolve_precision
 from dppo.launch.ray_cluster import init_ray, probe_cluster, shutdown_ray
 from dppo.trainer.trackers import check_installed
 
@@ -33,10 +34,15 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
 
     Before any Ray process starts: the output directory is written to, the model's training memory is checked
     against what is available, and the checkpoint to resume from (trainer.resume) is chosen and its trainer
-    state read. The actor's ranks (Ray actors with ray.enabled) then build the model and load their shards."""
+    state read. The actor's ranks (Ray actors with ray.enabled) then build the model and load their shards.
+    actor.mixed_precision=auto and rollout.dtype=auto are decided first (one line printed), and the run, its plan and
+    its config.yaml see the decision."""
     out = sys.stdout if out is None else out
     cfg = resolve_ray(cfg)  # ray.enabled=null decided with what only this machine knows
     check_machine(cfg)  # the GPU, the CPUs, the model directory and the data files the config names
+    cfg, precision = resolve_precision(cfg)  # actor.mixed_precision / rollout.dtype auto: bf16 where it is faster
+    if precision is not None:
+        print(precision, file=out, flush=True)
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_installed(cfg.trainer.logger)  # a tracker named but not installed: one line naming the extra
     check_rollout_engine(cfg.rollout, cfg.model)  # rollout.name=vllm without vLLM: one line naming `make vllm`

@@ -40,6 +40,7 @@ from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
 from dppo.checkpoint.state import CycleProgress, TrainerState
 from dppo.config import DppoConfig, to_dict
 from dppo.config.pi_old import PiOldPlan, plan_pi_old
+from dppo.config.rules import require_resolved_precision
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
 from dppo.devices import resolve_device
@@ -101,6 +102,7 @@ class BaseTrainer:
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg)). rollout: where groups come
         from (default: started here, before the ranks, for a fresh run that has worker processes; else by fit()).
         resume_point: what trainer.resume=true continues from, if the caller found it already."""
+        require_resolved_precision(cfg)  # the ranks and engines take a dtype, not auto
         self.cfg, self.state = cfg, TrainerState()
         torch.set_num_threads(cfg.trainer.num_threads)
         seed_all(cfg.trainer.seed)
@@ -186,7 +188,15 @@ class BaseTrainer:
         return plan_pi_old(self.cfg)
 
     def close(self) -> None:
-        """Release the actor's ranks, and the rollout the constructor started if fit() never ran."""
+        """Release the actor's ranks, the rollout the constructor started if fit() never ran, and the evaluation
+        engine (trainer.eval_engine=rollout: vLLM's processes and temporary directory, say)."""
+        try:
+            self._release_workers()
+        finally:
+            self.published.close()
+
+    def _release_workers(self) -> None:
+        """The actor's ranks and the constructor's rollout; the evaluation engine stays for the final evaluation."""
         try:
             self.actor_group.close()
         finally:
@@ -210,6 +220,7 @@ class BaseTrainer:
             return finish_run(p, self.response_length, m, self.trackers, self.state.global_step, self.output_dir, start)
         finally:
             self.trackers.close()
+            self.published.close()  # finish_run closed the evaluation engine; a run that raised before it, here
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
@@ -249,7 +260,7 @@ class BaseTrainer:
                 if self.rollout is not None:
                     self.rollout.close()
             finally:
-                self.close()
+                self._release_workers()
 
     def run_cycle(self) -> dict[str, float]:
         """One global step (the rest of it, for a cycle resumed mid-way); returns its metrics record."""

@@ -19,6 +19,7 @@ import torch
 from dppo.algo import apply_kl_penalty, get_advantage_estimator, get_kl_controller
 from dppo.batch import TrainBatch
 from dppo.trainer.base import BaseTrainer
+from dppo.workers.actor.update import GUARD_KL_KEY
 
 log = logging.getLogger("dppo.trainer")
 
@@ -55,8 +56,8 @@ class PPOTrainer(BaseTrainer):
         metrics = self.actor_group.update_actor(self.local_trigger_step, batch, advantages, self.version, prox_logp)
         if metrics.get("actor/skipped_updates"):
             log.warning(
-                f"step {self.global_step + 1}, trigger {self.local_trigger_step}: actor/ppo_kl="
-                f"{metrics.get('actor/ppo_kl', float('nan')):.4g} > actor.max_ppo_kl={self.cfg.actor.max_ppo_kl:g}; "
+                f"step {self.global_step + 1}, trigger {self.local_trigger_step}: {GUARD_KL_KEY}="
+                f"{metrics.get(GUARD_KL_KEY, float('nan')):.4g} > actor.max_ppo_kl={self.cfg.actor.max_ppo_kl:g}; "
                 "the update was skipped (weights and optimizer state unchanged)"
             )
         metrics.update(kl_metrics)

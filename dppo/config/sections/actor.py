@@ -22,8 +22,9 @@ from dppo.config.checks import (
 )
 from dppo.config.choices import (
     FSDP_MODES,
-    MIXED_PRECISIONS,
     LR_SCHEDULER_TYPES,
+    MIXED_PRECISIONS,
+    PRECISION_AUTO,
     SAVE_CONTENTS,
 )
 
@@ -103,29 +104,35 @@ class PolicyLossSection:
 @dataclass
 class ActorOptimSection:
     """actor.optim: the learning-rate schedule, with verl's keys of actor_rollout_ref.actor.optim and verl's
-    schedules (verl.utils.torch_functional's get_constant_schedule_with_warmup and get_cosine_schedule_with_warmup).
-    dppo counts the schedule in optimizer steps, one per trigger: a run has trainer.total_steps x
-    trainer.parameter_sync_step of them (verl steps its scheduler once per trainer step, whose update takes several
-    optimizer steps). The step count is part of every checkpoint: a resumed run follows the same curve."""
+    schedules (verl.utils.torch_functional's get_constant_schedule_with_warmup and get_cosine_schedule_with_warmup),
+    in verl's units. verl's step is a global step (one train batch, whose update takes several optimizer steps: its
+    scheduler steps once, after the last of them); dppo's global step is one sync cycle of
+    trainer.parameter_sync_step optimizer steps (triggers). So lr_warmup_steps and the curve count global steps, a
+    run has trainer.total_steps of them, and trigger j of global step k gets verl's factor at k + j /
+    parameter_sync_step: verl's own at every cycle's trigger 0 (tests/oracle), a straight line to the next global
+    step's between (verl holds one lr through a step's optimizer steps; dppo's warmup rises through them). The
+    schedule is stepped once per optimizer step and its count is part of every checkpoint: a resumed run follows the
+    same curve."""
 
     lr: Optional[float] = None
     """verl's name of actor.lr; null: actor.lr. Set, it is the lr (and actor.lr, if also set, must be equal)."""
 
     lr_warmup_steps: int = -1
-    """Optimizer steps of the linear warmup from 0 to the lr; 0 or less: lr_warmup_steps_ratio decides (verl's
-    rule)."""
+    """Global steps of the linear warmup from 0 to the lr, verl's unit: a config ported from verl warms up over the
+    same share of the run (each global step is trainer.parameter_sync_step optimizer steps); 0 or less:
+    lr_warmup_steps_ratio decides (verl's rule)."""
 
     lr_warmup_steps_ratio: float = 0.05
-    """Where lr_warmup_steps <= 0: the warmup's length as a fraction of the run's optimizer steps, int(ratio x
-    total) (verl's rounding); 0: no warmup. dppo's default 0.05 (verl's is 0) with the cosine below: the demo ends
-    at exact match 1.000 in 20 of 20 seeds at parameter_sync_step 4 and 8, against 18 and 5 of 20 with a constant lr
-    (benchmarks/RESULTS.md, issue 32)."""
+    """Where lr_warmup_steps <= 0: the warmup's length as a fraction of the run, as in verl, rounded down to whole
+    global steps as verl rounds it, int(ratio x trainer.total_steps); 0: no warmup. dppo's default 0.05 (verl's is
+    0) with the cosine below: the demo ends at exact match 1.000 in 20 of 20 seeds at parameter_sync_step 4 and 8,
+    against 18 and 5 of 20 with a constant lr (benchmarks/RESULTS.md, issue 32)."""
 
     lr_scheduler_type: str = "cosine"
     """After the warmup: constant (the lr) or cosine (a cosine from the lr down to min_lr_ratio x lr, reached at
-    the run's last optimizer step with num_cycles=0.5). dppo's default cosine (verl's is constant; set constant,
-    lr_warmup_steps_ratio=0 and min_lr_ratio=0 for verl's): late in a run nearly every group has one reward, and
-    Adam's steps of about lr in the noise's direction collapse a constant-lr run after its peak."""
+    the end of the run's last global step with num_cycles=0.5). dppo's default cosine (verl's is constant; set
+    constant, lr_warmup_steps_ratio=0 and min_lr_ratio=0 for verl's): late in a run nearly every group has one
+    reward, and Adam's steps of about lr in the noise's direction collapse a constant-lr run after its peak."""
 
     warmup_style: Optional[str] = None
     """verl's older (deprecated) name of lr_scheduler_type: set, it is used as lr_scheduler_type."""
@@ -134,12 +141,13 @@ class ActorOptimSection:
     """cosine: the floor of the lr, as a fraction of the lr (dppo's default 0.1; verl's 0)."""
 
     num_cycles: float = 0.5
-    """cosine: waves of the cosine over the steps after the warmup (0.5: one half-wave, from the lr down to the
-    floor)."""
+    """cosine: waves of the cosine over the global steps after the warmup (0.5: one half-wave, from the lr down to
+    the floor)."""
 
     zero_indexed_step: bool = True
-    """cosine (verl's key): true counts the first optimizer step as step 0, so with a warmup its lr is 0; false
-    counts it as step 1 (torchtitan's convention). verl's constant schedule always counts from 0."""
+    """cosine (verl's key): true counts the first global step as step 0, so with a warmup the run's first optimizer
+    step has lr 0; false counts it as step 1 (torchtitan's convention), the curve one global step ahead. verl's
+    constant schedule always counts from 0."""
 
     def __post_init__(self) -> None:
         check_numbers(self, "actor.optim")
@@ -165,9 +173,14 @@ class ActorOptimSection:
         require(0 <= self.min_lr_ratio <= 1, "actor.optim.min_lr_ratio", self.min_lr_ratio, "a fraction in [0, 1]")
         positive("actor.optim.num_cycles", self.num_cycles)
 
-    def warmup_steps(self, total_steps: int) -> int:
-        """The warmup's optimizer steps in a run of total_steps optimizer steps (verl's rule)."""
-        return self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * total_steps)
+    def warmup_steps(self, total_steps: int, parameter_sync_step: int) -> int:
+        """The warmup's optimizer steps in a run of total_steps global steps of parameter_sync_step optimizer steps
+        each: lr_warmup_steps global steps, else int(lr_warmup_steps_ratio x total_steps) (verl's rule, in verl's
+        unit)."""
+        global_steps = (
+            self.lr_warmup_steps if self.lr_warmup_steps > 0 else int(self.lr_warmup_steps_ratio * total_steps)
+        )
+        return global_steps * parameter_sync_step
 
 
 @dataclass
@@ -217,10 +230,14 @@ class ActorConfig:
     mixed_precision: Optional[str] = None
     """null: the actor computes in model.dtype. bfloat16: bf16 compute over fp32 master weights (verl's and TRL's
     default): weights, gradients and AdamW's moments stay fp32; the plain module runs its forward passes under
-    torch.autocast, FSDP2 gathers bf16 weights and reduces gradients in fp32. Every pass that gives the loss its log-probs
-    (the training forward, the old-log-prob passes, score-ahead, the KL reference) computes the same way, so the old
-    log-probs stay exact. Needs model.dtype=float32. The rollout keeps rollout.dtype (default model.dtype): its
-    behavior log-probs then differ from the trainer's by the precision gap, which the rollout correction weighs."""
+    torch.autocast, FSDP2 gathers bf16 weights and reduces gradients in fp32. Every pass that gives the loss its
+    log-probs (the training forward, the old-log-prob passes, score-ahead, the KL reference) computes the same way, so
+    the old log-probs stay exact. Needs model.dtype=float32. auto: bfloat16 where the actor's device computes it
+    faster (a GPU with bf16; a CPU whose bf16 matmul, timed at start, runs at least 1.5x its fp32 one: one with AMX,
+    not every one with avx512_bf16), else null (and null where model.dtype is not float32); decided once before
+    the run by dppo.launch.precision, logged in one line, and written resolved into the run's config.yaml. The
+    rollout keeps rollout.dtype (default model.dtype): its behavior log-probs then differ from the trainer's by the
+    precision gap, which the rollout correction weighs."""
 
     checkpoint: ActorCheckpointSection = field(default_factory=ActorCheckpointSection)
 
@@ -239,15 +256,17 @@ class ActorConfig:
     optim: ActorOptimSection = field(default_factory=ActorOptimSection)
 
     max_ppo_kl: Optional[float] = None
-    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl (the mean over its
-    valid tokens of log pi_old - log pi_theta, pi_theta the live weights before its step; merged over the ranks, so
-    every rank decides alike) exceeds this bound takes no optimizer step: its gradients are zeroed, and the weights
-    and Adam's moments and step count stay as they were (the lr schedule still counts the step). Counted in
-    actor/skipped_updates (triggers skipped in the global step) and logged in one line. ppo_kl is measured before the
-    step, so the guard stops a cycle's drift from pi_old once it passes the bound (and the cycle's later triggers
-    while it stays past it); it does not undo the steps that got there (see docs/training.md, "When a run
-    collapses"). Refused where ppo_kl is 0 by construction (prox_anchor=current, parameter_sync_step=1, outside
-    bypass mode)."""
+    """A guard against a collapsing update; null: off. A trigger whose mini-batch's actor/ppo_kl_k3 exceeds this
+    bound takes no optimizer step: its gradients are zeroed, and the weights and Adam's moments and step count stay as
+    they were (the lr schedule still counts the step). actor/ppo_kl_k3 is k3's estimate of KL(pi_old || pi_theta)
+    (the KL penalty's k3: the mean over the loss-mask tokens of r - 1 - log r, r = pi_theta / pi_old, pi_theta the
+    live weights before the step; merged over the ranks, so every rank decides alike): every term is >= 0, so it
+    grows whenever the policy moves, where actor/ppo_kl (the signed mean of log pi_old - log pi_theta over tokens
+    sampled by pi_behav) can read about 0 or below. Counted in actor/skipped_updates (triggers skipped in the global
+    step) and logged in one line. It is measured before the step, so the guard stops a cycle's drift from pi_old once
+    it passes the bound (and the cycle's later triggers while it stays past it); it does not undo the steps that got
+    there (see docs/training.md, "When a run collapses"). Refused where it is 0 by construction (prox_anchor=current,
+    parameter_sync_step=1, outside bypass mode)."""
 
     def __post_init__(self) -> None:
         check_numbers(self, "actor")
@@ -279,7 +298,7 @@ class ActorConfig:
         one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
         one_of("actor.fsdp", self.fsdp, FSDP_MODES)
         if self.mixed_precision is not None:
-            one_of("actor.mixed_precision", self.mixed_precision, MIXED_PRECISIONS)
+            one_of("actor.mixed_precision", self.mixed_precision, (*MIXED_PRECISIONS, PRECISION_AUTO))
         if self.loss_scale_factor is not None:
             positive("actor.loss_scale_factor", self.loss_scale_factor)
         positive("actor.tau_pos", self.tau_pos)

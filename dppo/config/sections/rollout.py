@@ -20,6 +20,7 @@ from dppo.config.checks import (
 from dppo.config.choices import (
     DTYPES,
     OFF_POLICY_STRATEGIES,
+    PRECISION_AUTO,
     ROLLOUT_ENGINES,
     WEIGHT_SYNC_MODES,
 )
@@ -75,7 +76,10 @@ class RolloutConfig:
 
     dtype: Optional[str] = None
     """The rollout engine's dtype (float32, bfloat16, float16); null: model.dtype. A bfloat16 engine with an fp32
-    trainer gives behavior log-probs that differ from the trainer's (algorithm.rollout_correction is for that)."""
+    trainer gives behavior log-probs that differ from the trainer's (algorithm.rollout_correction is for that).
+    auto: bfloat16 where the engine's device computes it faster (a GPU with bf16: rollout.n_gpus_per_node > 0, or
+    vllm on a machine with one; else this CPU, by the timed matmul of actor.mixed_precision=auto), else model.dtype;
+    decided once before the run (dppo.launch.precision) and logged in one line."""
 
     enforce_eager: Optional[bool] = None
     """vllm engine (verl's key): true runs the model eagerly; false lets vLLM compile it (torch.compile, and CUDA
@@ -115,7 +119,7 @@ class RolloutConfig:
         one_of("rollout.name", self.name, ROLLOUT_ENGINES)
         one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         if self.dtype is not None:
-            one_of("rollout.dtype", self.dtype, DTYPES)
+            one_of("rollout.dtype", self.dtype, (*DTYPES, PRECISION_AUTO))
         self._check_pool()
 
     def _check_pool(self) -> None:

@@ -1,9 +1,17 @@
-"""The actor's learning-rate schedule (actor.optim): verl's two schedules, counted in optimizer steps.
+"""The actor's learning-rate schedule (actor.optim): verl's two schedules, in verl's unit, the global step.
 
     factor(step)   the lr of optimizer step `step` (0-based) is actor.lr x factor(step)
-    constant       step / warmup during the warmup, then 1                 (verl's get_constant_schedule_with_warmup)
-    cosine         step / warmup during the warmup, then a cosine from 1 down to min_lr_ratio, reached at the run's
-                   last step with num_cycles=0.5                          (verl's get_cosine_schedule_with_warmup)
+    constant       x / warmup during the warmup, then 1                   (verl's get_constant_schedule_with_warmup)
+    cosine         x / warmup during the warmup, then a cosine from 1 down to min_lr_ratio, reached at the end of the
+                   run's last global step with num_cycles=0.5             (verl's get_cosine_schedule_with_warmup)
+
+x is the optimizer step's place in global steps: trigger j of global step k (step = k p + j, p =
+trainer.parameter_sync_step) is at x = k + j / p. verl's step is a global step: its scheduler steps once per update
+call, after the update's last optimizer step, over verl's trainer.total_training_steps; lr_warmup_steps is counted in
+them. So at every cycle's trigger 0 dppo's factor is verl's of that global step, bitwise
+(tests/oracle/test_oracle_lr_schedule.py); between, where verl holds that lr through the step's optimizer steps, dppo
+goes on along the same curve. The arithmetic is in optimizer steps (integers: k p + j against the warmup's and the
+run's global steps times p), so at j = 0 the quotients are verl's exactly.
 
 The schedule is a torch LambdaLR over the rank's optimizer, stepped once per trigger whether or not the trigger's
 update was applied (actor.max_ppo_kl, a non-finite gradient), as verl steps its scheduler after every update call.
@@ -21,10 +29,13 @@ import torch
 from torch.optim.lr_scheduler import LambdaLR
 
 
-def lr_factor(optim_cfg, total_steps: int) -> Callable[[int], float]:
-    """factor(step) of actor.optim's schedule in a run of total_steps optimizer steps: verl's formulas, term by term
-    (tests/oracle compares them with verl's own functions)."""
-    warmup = optim_cfg.warmup_steps(total_steps)
+def lr_factor(optim_cfg, total_steps: int, parameter_sync_step: int) -> Callable[[int], float]:
+    """factor(step) of actor.optim's schedule in a run of total_steps global steps (trainer.total_steps) of
+    parameter_sync_step optimizer steps each: verl's formulas, term by term, in optimizer steps (tests/oracle compares
+    them with verl's own functions)."""
+    per_global = parameter_sync_step
+    total = total_steps * per_global  # optimizer steps
+    warmup = optim_cfg.warmup_steps(total_steps, per_global)  # optimizer steps: whole global steps
     if optim_cfg.lr_scheduler_type == "constant":
 
         def constant(step: int) -> float:
@@ -39,19 +50,21 @@ def lr_factor(optim_cfg, total_steps: int) -> Callable[[int], float]:
 
     def cosine(step: int) -> float:
         if not zero_indexed:
-            step += 1
+            step += per_global  # verl's step + 1: one global step
         if step < warmup:
             return float(step) / float(max(1, warmup))
-        progress = float(step - warmup) / float(max(1, total_steps - warmup))
+        progress = float(step - warmup) / float(max(1, total - warmup))
         return max(floor, math.cos(math.pi * float(cycles) * 2.0 * progress) * coef + intercept)
 
     return cosine
 
 
-def make_lr_scheduler(optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int) -> LambdaLR:
-    """The schedule of optim_cfg (actor.optim) over optimizer (its lr is actor.lr), for the run's total_steps optimizer
-    steps (trainer.total_steps x trainer.parameter_sync_step); the optimizer's lr is set to step 0's."""
-    return LambdaLR(optimizer, lr_factor(optim_cfg, total_steps))
+def make_lr_scheduler(
+    optimizer: torch.optim.Optimizer, optim_cfg, total_steps: int, parameter_sync_step: int
+) -> LambdaLR:
+    """The schedule of optim_cfg (actor.optim) over optimizer (its lr is actor.lr), for the run's total_steps global
+    steps of parameter_sync_step optimizer steps; the optimizer's lr is set to step 0's."""
+    return LambdaLR(optimizer, lr_factor(optim_cfg, total_steps, parameter_sync_step))
 
 
 def step_lr(scheduler: LambdaLR) -> None:

@@ -17,6 +17,7 @@ Per trigger the update calls, in this order:
                                                           scored ahead, or nothing: the method approximates);
                                                           the prox the loss uses (a tensor, or a ProxFn)
     ... the update ...
+    pi_old.record_step(applied)                           whether the update took its optimizer step
     pi_old.record_used(batch, prox_logp)                  what the loss used (the verifier checks it)
     pi_old.metrics(logp, prox_logp, batch, prox.steps)    the method's metrics of the step (this rank's)
     pi_old.take_snapshot_s()                              timing_s/snapshot
@@ -46,8 +47,9 @@ from dppo.workers.actor.prox_method import ProxFn, ProxMethod, StepVersions, mak
 from dppo.workers.actor.slot_readers import ScoreFn
 
 # The keys of PiOldProvider.state(), as a mid-cycle checkpoint's pi_old record has held them since issue 31: the
-# method's state across cycles, and the verifier's within the cycle ("strategy": the name of its owner then).
-METHOD_STATE, VERIFIER_STATE = "method", "strategy"
+# method's state across cycles, and the verifier's within the cycle ("strategy": the name of its owner then); since
+# issue 42 also the cycle's skipped updates (a checkpoint without it: none).
+METHOD_STATE, VERIFIER_STATE, SKIPPED_STATE = "method", "strategy", "skipped"
 
 
 @dataclass(frozen=True)
@@ -73,6 +75,7 @@ class PiOldProvider:
         self.plan, self.model = plan, model
         self.source, self.method, self.verifier = source, method, verifier
         self._own_pool: snapshot.SnapshotPool | None = None  # for verl's snapshot calls where the source keeps none
+        self._skipped = 0  # the current cycle's triggers whose update was not applied (StepVersions.v_theta)
 
     # ---- a trigger ---------------------------------------------------------------------------------
 
@@ -80,10 +83,12 @@ class PiOldProvider:
         """Begin the trigger and give the prox its loss uses. version: the trainer's policy version at the cycle
         start; scored: batch's old log-probs (b, R) scored ahead at trigger 0 (on batch's device), or None."""
         self.method.begin_trigger(trigger)
+        if trigger == 0:
+            self._skipped = 0
         start = time.perf_counter()
         old_logp = self._old_log_probs(trigger, batch, scored)  # (b, R), or None: from the training forward
         old_log_prob_s = time.perf_counter() - start
-        steps = StepVersions.of(batch, version, trigger, self.plan.parameter_sync_step)
+        steps = StepVersions.of(batch, version, trigger, self.plan.parameter_sync_step, self._skipped)
         return TriggerProx(self.method.prox(old_logp, batch, steps), steps, old_log_prob_s)
 
     def _old_log_probs(self, trigger: int, batch: TrainBatch, scored: torch.Tensor | None) -> torch.Tensor | None:
@@ -96,6 +101,12 @@ class PiOldProvider:
             return None
         self.verifier.expect(trigger, batch)
         return self.source.compute(trigger, batch)
+
+    def record_step(self, applied: bool) -> None:
+        """After the update: whether it took its optimizer step (False: actor.max_ppo_kl or a non-finite gradient
+        skipped it, and the weights did not move); the cycle's later triggers count only the applied ones."""
+        if not applied:
+            self._skipped += 1
 
     def record_used(self, batch: TrainBatch, prox_logp: torch.Tensor) -> None:
         """After the update: the old log-probs (b, R) its loss used."""
@@ -142,14 +153,15 @@ class PiOldProvider:
         self.verifier.load_published(weights, build)
 
     def state(self) -> dict:
-        """What a checkpoint keeps of pi_old besides its weights: the method's state across cycles (auto's switch)
-        and the verifier's within the cycle."""
-        return {METHOD_STATE: self.method.state(), VERIFIER_STATE: self.verifier.state()}
+        """What a checkpoint keeps of pi_old besides its weights: the method's state across cycles (auto's switch),
+        the verifier's and the count of skipped updates within the cycle."""
+        return {METHOD_STATE: self.method.state(), VERIFIER_STATE: self.verifier.state(), SKIPPED_STATE: self._skipped}
 
     def load_state(self, state: dict) -> None:
         """Continue from state() of a checkpointed run (a missing part: nothing kept)."""
         self.method.load_state(state.get(METHOD_STATE) or {})
         self.verifier.load_state(state.get(VERIFIER_STATE) or {})
+        self._skipped = int(state.get(SKIPPED_STATE, 0))
 
     # ---- the rest ----------------------------------------------------------------------------------
 

@@ -36,19 +36,30 @@ ProxFn = Callable[[torch.Tensor, slice], torch.Tensor]
 
 @dataclass(frozen=True)
 class StepVersions:
-    """The optimizer-step counts of loglinear's three policies at one trigger."""
+    """The optimizer-step counts of loglinear's three policies at one trigger.
+
+    Within the cycle v_theta counts only the updates applied: a trigger skipped by actor.max_ppo_kl (or a non-finite
+    gradient) left the weights where they were, and loglinear interpolating as if they had moved would put pi_prox
+    between pi_behav and weights that are pi_prox's own. Across cycles a version counts parameter_sync_step steps
+    whatever was skipped in it: the skips of earlier cycles are not kept (that would take every version's applied
+    count back to the oldest token's, in every checkpoint); a skipped step there only overstates how far pi_prox is
+    from pi_behav, and the guard skips steps rarely."""
 
     v_prox: int  # steps taken at the cycle start (pi_prox)
-    v_theta: int  # v_prox + trigger (the weights being trained)
+    v_theta: int  # v_prox + the cycle's updates applied before this trigger (the weights being trained)
     v_behav: torch.Tensor  # (B, R) long: steps of the weights that sampled each token (rollout.partial_rollout: a
     # response may span several versions)
+    step: int  # v_prox + trigger: the trigger's optimizer step, applied or not (seeds the losses that draw tokens)
 
     @classmethod
-    def of(cls, batch: TrainBatch, version: int, trigger: int, parameter_sync_step: int) -> StepVersions:
-        """version: the trainer's policy version (sync cycles) at the cycle start; a token's version likewise."""
+    def of(
+        cls, batch: TrainBatch, version: int, trigger: int, parameter_sync_step: int, skipped: int = 0
+    ) -> StepVersions:
+        """version: the trainer's policy version (sync cycles) at the cycle start; a token's version likewise.
+        skipped: the cycle's triggers before this one whose update was not applied."""
         v_prox = int(version) * parameter_sync_step
         v_behav = batch.behav_versions() * parameter_sync_step  # (B, R)
-        return cls(v_prox, v_prox + int(trigger), v_behav)
+        return cls(v_prox, v_prox + int(trigger) - int(skipped), v_behav, v_prox + int(trigger))
 
 
 def live_prox(logp: torch.Tensor, sl: slice) -> torch.Tensor:

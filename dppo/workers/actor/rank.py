@@ -122,9 +122,8 @@ class ActorRank:
         self.optimizer = torch.optim.AdamW(
             self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, fused=True
         )
-        total_steps = cfg.trainer.total_steps * cfg.trainer.parameter_sync_step
         self.lr_scheduler = make_lr_scheduler(
-            self.optimizer, cfg.actor.optim, total_steps
+            self.optimizer, cfg.actor.optim, cfg.trainer.total_steps, cfg.trainer.parameter_sync_step
         )  # actor.optim's schedule, stepped once per trigger
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
@@ -233,7 +232,7 @@ class ActorRank:
         batch, advantages = batch.to(self.device), advantages.to(self.device)  # (b, R)
         scored = None if prox_logp is None else prox_logp.to(self.device)
         prox = self.pi_old.prox(trigger, batch, version, scored)  # log pi_prox (b, R), or a ProxFn of the training pass
-        objective = self.objective(batch, prox.value, advantages, prox.steps.v_theta)  # the rollout correction too
+        objective = self.objective(batch, prox.value, advantages, prox.steps.step)  # the rollout correction too
         ref_logp = self.score(self.ref_model, batch) if self.ref_model is not None else None
         start = time.perf_counter()
         metrics = update_policy(
@@ -248,6 +247,7 @@ class ActorRank:
             self.precision,
         )
         update_s = time.perf_counter() - start
+        self.pi_old.record_step(not (metrics["actor/step_skipped"] or metrics.get("actor/skipped_updates")))
         metrics["actor/lr"] = self.optimizer.param_groups[0]["lr"]  # the lr of this step (applied or not)
         step_lr(self.lr_scheduler)
         logp = objective.logp()  # (b, R) the training forward's, detached: log pi_theta before the step

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dppo.algo import (
+    KL_PENALTIES,
     LOSS_AGG_MODES,
     LossNormalizers,
     agg_divisor,
@@ -49,6 +50,9 @@ _SUM_NORMALIZERS = LossNormalizers(batch_num_tokens=1, global_batch_size=1)
 
 # Metrics aggregated with the mini-batch's normalizers: the micro-batches' values add up to the mini-batch's.
 _SUMMED_METRICS = ("actor/pg_loss", "actor/entropy", "actor/kl_loss")
+
+# What actor.max_ppo_kl bounds (guard_kl, past_kl_bound): k3's estimate of KL(pi_old || pi_theta), never negative.
+GUARD_KL_KEY = "actor/ppo_kl_k3"
 
 
 @dataclass
@@ -115,10 +119,11 @@ def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callabl
     The loss is actor_cfg.policy_loss.loss_mode; seed (trainer.seed) and step (the optimizer step) seed the losses
     that draw tokens."""
     choice = LossChoice.of_actor(actor_cfg, seed)
+    guarded = actor_cfg.max_ppo_kl is not None
 
     def objective(batch: TrainBatch, prox, advantages: torch.Tensor, step: int = 0) -> Objective:
         if not isinstance(prox, torch.Tensor):
-            return _per_micro_batch(batch, prox, advantages, rollout_correction, choice, step)
+            return _per_micro_batch(batch, prox, advantages, rollout_correction, choice, step, guarded)
         weights, loss_mask, metrics = compute_rollout_correction_and_rejection_mask(
             prox, batch.behav_logp, batch.response_mask, rollout_correction
         )  # (B, R) each
@@ -127,7 +132,7 @@ def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callabl
             w = None if weights is None else weights[sl]
             generator = choice.generator(step, batch.input_ids[sl])
             loss, m = choice.pg_loss(logp, prox[sl], advantages[sl], loss_mask[sl], w, normalizers, generator)
-            return loss, loss_mask[sl], m
+            return loss, loss_mask[sl], {**m, **guard_kl(logp, prox[sl], loss_mask[sl])} if guarded else m
 
         return Objective(pg_loss, loss_mask, metrics)
 
@@ -135,9 +140,16 @@ def decoupled_objective(actor_cfg, rollout_correction, seed: int = 0) -> Callabl
 
 
 def _per_micro_batch(
-    batch: TrainBatch, prox_of, advantages: torch.Tensor, rollout_correction, choice: LossChoice, step: int
+    batch: TrainBatch,
+    prox_of,
+    advantages: torch.Tensor,
+    rollout_correction,
+    choice: LossChoice,
+    step: int,
+    guarded: bool,
 ) -> Objective:
-    """decoupled_objective's Objective when log pi_prox comes from the training forward (prox_of, a ProxFn)."""
+    """decoupled_objective's Objective when log pi_prox comes from the training forward (prox_of, a ProxFn);
+    guarded: actor.max_ppo_kl is set (each micro-batch reports guard_kl)."""
 
     def pg_loss(logp, sl, normalizers):
         prox = prox_of(logp.detach(), sl)  # (b, R)
@@ -147,7 +159,7 @@ def _per_micro_batch(
         )  # (b, R) each
         generator = choice.generator(step, batch.input_ids[sl])
         loss, m = choice.pg_loss(logp, prox, advantages[sl], loss_mask, weights, normalizers, generator)
-        return loss, loss_mask, m
+        return loss, loss_mask, {**m, **guard_kl(logp, prox, loss_mask)} if guarded else m
 
     def finish(logp: torch.Tensor) -> dict[str, float]:
         return compute_rollout_correction_and_rejection_mask(
@@ -164,6 +176,7 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
     mask and the weights of the rollout_correction.loss_type loss, as verl's compute_policy_loss_bypass_mode."""
     clip = _clip_settings(actor_cfg)
     loss_fn = get_policy_loss(rollout_correction.loss_type)
+    guarded = actor_cfg.max_ppo_kl is not None
 
     def objective(batch: TrainBatch, prox_logp: torch.Tensor, advantages: torch.Tensor, step: int = 0) -> Objective:
         def pg_loss(logp, sl, normalizers):
@@ -172,7 +185,8 @@ def bypass_objective(actor_cfg, rollout_correction) -> Callable[..., Objective]:
                 logp.detach(), behav_logp, batch.response_mask[sl], rollout_correction
             )  # (b, R) each
             loss, m = loss_fn(logp, behav_logp, advantages[sl], loss_mask, weights, normalizers=normalizers, **clip)
-            return loss, loss_mask, {**m, **rc_metrics}
+            guard = guard_kl(logp, behav_logp, loss_mask) if guarded else {}  # pi_old is pi_behav here
+            return loss, loss_mask, {**m, **rc_metrics, **guard}
 
         known = batch.response_mask if rollout_correction.rollout_rs is None else None  # nothing is rejected
         return Objective(pg_loss, known)
@@ -322,15 +336,30 @@ def update_policy(
     return metrics
 
 
+def guard_kl(logp: torch.Tensor, old_logp: torch.Tensor, loss_mask: torch.Tensor) -> dict[str, float]:
+    """actor.max_ppo_kl's measure on one micro-batch, {GUARD_KL_KEY: value}: the mean over its loss-mask tokens of
+    k3 = r - 1 - log r, r = pi_theta / pi_old (logp, old_logp: (b, R) log-probs), k3's estimate of KL(pi_old ||
+    pi_theta) as the KL penalty's k3 computes it (dppo.algo.KL_PENALTIES, verl's clamps), 0.0 without such tokens.
+
+    Every term is >= 0 and 0 only where the token's probability did not move. actor/ppo_kl, the mean of log pi_old -
+    log pi_theta, is k1's estimate of the same KL, unbiased only on tokens drawn from pi_old: on these, drawn from
+    pi_behav, its terms of both signs cancel, so it can read about 0, or below it, while the policy moved (k3's r - 1
+    is what takes that noise out; its mean is k1's plus that of r - 1)."""
+    log_ratio = torch.where(loss_mask, old_logp.float() - logp.detach().float(), 0.0)  # log pi_old / pi_theta (b, R)
+    per_token = torch.where(loss_mask, KL_PENALTIES["k3"](log_ratio), 0.0)  # (b, R): NaN stays NaN (past the bound)
+    count = int(loss_mask.sum())
+    return {GUARD_KL_KEY: float(per_token.sum()) / count if count else 0.0}
+
+
 def past_kl_bound(metrics: dict[str, float], bound: float, peers: RankGroup) -> bool:
-    """actor.max_ppo_kl's guard: whether the mini-batch's actor/ppo_kl exceeds bound (a NaN one counts as past it).
-    metrics holds this rank's share of it (_merge); the shares are summed over the ranks here, so every rank
-    compares the same value and decides alike (a rank without valid tokens has no share: 0).
+    """actor.max_ppo_kl's guard: whether the mini-batch's GUARD_KL_KEY (guard_kl's k3) exceeds bound (a NaN one
+    counts as past it). metrics holds this rank's share of it (_merge); the shares are summed over the ranks here, so
+    every rank compares the same value and decides alike (a rank without valid tokens has no share: 0).
 
     Skipping the step, rather than rolling the weights back to pi_old, is the guard's choice: a skipped step leaves
     the weights and Adam's state exactly as they were, on every rank, at the cost of one sum; a rollback would need
     pi_old's weights at every trigger (a cycle scored wholly ahead keeps no snapshot of them) and Adam's state of the
     cycle start (its moments hold the drift's direction and would push the same way again)."""
-    share = torch.tensor([metrics.get("actor/ppo_kl", 0.0)], dtype=torch.float64)
-    ppo_kl = float(peers.all_reduce_sum(share)[0])
-    return not ppo_kl <= bound
+    share = torch.tensor([metrics.get(GUARD_KL_KEY, 0.0)], dtype=torch.float64)
+    guard = float(peers.all_reduce_sum(share)[0])
+    return not guard <= bound

@@ -146,6 +146,9 @@ class RolloutGenerator:
         drawn = self.prompts.sample(num_groups)  # G prompts
         prompts = drawn.repeat(n)  # G n rows, prompt-major
         refresh = refresh if self.partial else None
+        # ReMax's baseline before the samples: under rollout.partial_rollout they may load newer weights, and the
+        # baseline is the start version's greedy response (it draws nothing, so the samples stay the same)
+        baselines = self.greedy_baseline_scores(drawn) if self.greedy_baseline else [float("nan")] * num_groups
         samples = self.engine.sample(list(drawn.token_ids), n, start_version, refresh)  # (G n, R) each
         responses, mask, behav_logp = samples.responses, samples.response_mask, samples.behav_logp
         versions = samples.versions  # (G n, R); kept only where a response spans versions (else the group's own)
@@ -154,7 +157,6 @@ class RolloutGenerator:
         scored = source.score(prompts, responses.numpy(), mask.numpy())
         scores = torch.from_numpy(scored.scores)
         extra = {key: torch.from_numpy(values) for key, values in scored.extra.items()}
-        baselines = self.greedy_baseline_scores(drawn) if self.greedy_baseline else [float("nan")] * num_groups
         return [
             Group(
                 torch.as_tensor(np.asarray(drawn.token_ids[g]), dtype=torch.long),
@@ -171,8 +173,9 @@ class RolloutGenerator:
         ]
 
     def greedy_baseline_scores(self, prompts) -> list[float]:
-        """The score of one greedy response to each of prompts (G rows): ReMax's baseline, generated with the group
-        and not trained on (no random draw, so the ticket's samples are those of any other estimator)."""
+        """The score of one greedy response to each of prompts (G rows): ReMax's baseline, decoded with the weights the
+        group starts with (before its samples, which rollout.partial_rollout may finish under newer ones) and not
+        trained on (no random draw, so the ticket's samples are those of any other estimator)."""
         responses, mask = self.engine.greedy(list(prompts.token_ids))  # (G, R) each
         return self.source.score(prompts, responses.numpy(), mask.numpy()).scores.astype(float).tolist()
 

@@ -86,3 +86,31 @@ def test_a_missing_figure_reads_n_a(bench):
     rows = dict(report.rows())
     assert rows["base model, held-out greedy accuracy"] == "n/a" and rows["held-out greedy accuracy by step"] == "-"
     assert rows["time to greedy accuracy 0.5"] == "not reached; target 300 s: NOT met"
+
+
+def test_the_yamls_auto_precision_is_decided_once_for_the_base_measurement_and_the_training_alike(bench):
+    """make real's YAML says auto for both keys; real_run decides them once (a fake machine here) and passes the
+    result as overrides to both processes, and the report says what was run; set keys pass through."""
+    from dppo.config import load_config
+    from dppo.launch.precision import Machine
+
+    yaml_cfg = load_config([], config_file=str(bench.CONFIG))
+    assert (yaml_cfg.actor.mixed_precision, yaml_cfg.rollout.dtype) == ("auto", "auto")
+    assert bench.engine_overrides("vllm") == ["rollout.name=vllm"]  # no dtype of its own any more
+    slow = Machine(False, False, frozenset({"avx512_bf16"}), lambda: 0.57)
+    keys, line = bench.precision_overrides(bench.CONFIG, ["rollout.name=hf"], slow)
+    assert keys == ["actor.mixed_precision=null", "rollout.dtype=float32"]
+    assert line == (
+        "precision: actor.mixed_precision=auto -> null, rollout.dtype=auto -> float32 "
+        "(CPU without AMX: bf16 matmul 0.57x fp32)"
+    )
+    fast = Machine(False, False, frozenset({"amx_bf16"}), lambda: 6.0)
+    assert bench.precision_overrides(bench.CONFIG, [], fast)[0] == [
+        "actor.mixed_precision=bfloat16",
+        "rollout.dtype=bfloat16",
+    ]
+    given = ["actor.mixed_precision=bfloat16", "rollout.dtype=float32"]
+    assert bench.precision_overrides(bench.CONFIG, given, slow) == (given, None)  # a user's keys stand
+    report = bench.Report("hf", None, None, None, 0.0, None, precision=line)
+    rows = dict(report.rows())
+    assert rows["precision"] == line.removeprefix("precision: ")

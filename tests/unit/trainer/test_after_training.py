@@ -4,6 +4,7 @@ directory whose model gives bitwise the trained policy's log-probs on the CPU in
 from __future__ import annotations
 
 import json
+import re
 import socket
 
 import pytest
@@ -247,6 +248,23 @@ def test_eval_through_the_rollouts_engine_reproduces_the_runs_final_evaluation_a
     assert greedy.metrics == expected
     sampled = run_eval(last, ["trainer.eval_engine=rollout", "rollout.n=3", "rollout.temperature=1.0"])
     assert sampled.n == 3 and sampled.metrics["eval/prompts"] == 24.0
+
+
+def test_eval_decides_rollout_dtype_auto_from_the_machine_and_says_so(ws1_run, monkeypatch):
+    """rollout.dtype=auto on a fake machine whose bf16 is slow: the engine decodes in model.dtype, exactly as the run's
+    own evaluation did, and the table says why."""
+    from dppo.commands.evaluate import run_eval
+    from dppo.launch import precision
+
+    slow = precision.Machine(False, False, frozenset({"avx512_bf16"}), lambda: 0.57)
+    monkeypatch.setattr(precision.Machine, "this", classmethod(lambda cls: slow))
+    final = ws1_run.metrics.records[-1]
+    last = ws1_run.output_dir / "checkpoints" / "step_00000002"
+    result = run_eval(last, ["trainer.eval_engine=rollout", "rollout.dtype=auto"])
+    assert result.metrics == {key: final[key] for key in ("eval/reward", "eval/accuracy", "eval/prompts")}
+    assert result.config["rollout"]["dtype"] == "float32"
+    assert result.precision == "precision: rollout.dtype=auto -> float32 (CPU without AMX: bf16 matmul 0.57x fp32)"
+    assert re.search(r"^  precision +rollout.dtype=auto -> float32 \(CPU without AMX", result.table(), re.M)
 
 
 def test_eval_refuses_what_is_neither_a_model_nor_a_checkpoint(tmp_path):

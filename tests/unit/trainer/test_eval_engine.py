@@ -54,6 +54,41 @@ def test_the_trainers_evaluation_decodes_with_the_rollouts_engine_given_each_eva
     assert trainer.published.engine.engine is None  # closed with the run
 
 
+def test_a_run_that_raises_after_an_evaluation_closes_the_evaluation_engine(small_cfg, monkeypatch):
+    """trainer.eval_engine=rollout: step 1's evaluation builds the engine, step 2's trigger raises; fit() re-raises
+    with the engine closed (vLLM's processes and temporary directory go then, not at the process's exit), and close()
+    of a trainer whose engine was built closes it too."""
+    built, closed = [], []
+
+    def make_engine(*args, **kwargs):
+        engine = base_make_engine(*args, **kwargs)
+        close = engine.close
+        engine.close = lambda: (closed.append(engine), close())[1]
+        built.append(engine)
+        return engine
+
+    base_make_engine = base.make_engine
+    monkeypatch.setattr(base, "make_engine", make_engine)
+    train_trigger = PPOTrainer.train_trigger
+
+    def failing(self, batch, prox_logp=None):
+        if self.global_step == 1:
+            raise RuntimeError("a bug in step 2")
+        return train_trigger(self, batch, prox_logp)
+
+    monkeypatch.setattr(PPOTrainer, "train_trigger", failing)
+    cfg = small_cfg(**{"trainer.total_steps": 3, "trainer.test_freq": 1, "trainer.eval_engine": "rollout"})
+    trainer = PPOTrainer(cfg)
+    with pytest.raises(RuntimeError, match="a bug in step 2"):
+        trainer.fit()
+    assert len(built) == 1 and closed == built  # step 1's evaluation built it; closed once
+    assert trainer.published.engine.engine is None
+    trainer.published.evaluate(trainer.response_length)  # a new engine, as a caller evaluating again would get
+    assert len(built) == 2
+    trainer.close()
+    assert closed == built and trainer.published.engine.engine is None
+
+
 def test_best_of_n_is_the_mean_over_prompts_of_each_prompts_best_response(text_cfg):
     """Rows prompt-major, n=2: the score's and each extra's best of a prompt's two responses, averaged per data
     source; an extra no response of a prompt has stays out of that prompt's average."""

@@ -1,6 +1,7 @@
 """actor.optim's lr schedule in a whole (in-process) run: each optimizer step's lr is actor.lr x factor(its index),
-logged as actor/lr; a run checkpointed mid-schedule (mid-cycle, after a rollout failure) and resumed ends with the
-weights, lr and metrics of the run that never stopped. verl's formulas: tests/oracle/test_oracle_lr_schedule.py."""
+logged as actor/lr, its warmup counted in verl's unit (global steps); a run checkpointed mid-schedule (mid-cycle,
+after a rollout failure) and resumed ends with the weights, lr and metrics of the run that never stopped. verl's
+formulas: tests/oracle/test_oracle_lr_schedule.py."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ SCHEDULE = {
     "trainer.parameter_sync_step": PS,
     "trainer.total_steps": STEPS,
     "actor.lr": LR,
-    "actor.optim.lr_warmup_steps": 3,
+    "actor.optim.lr_warmup_steps": 2,  # global steps: optimizer steps 0-3
     "actor.optim.lr_scheduler_type": "cosine",
     "actor.optim.min_lr_ratio": 0.1,
     "snapshot.score_ahead": False,
@@ -36,11 +37,10 @@ def test_each_optimizer_step_takes_its_lr_from_the_schedule_and_logs_it(small_cf
     cfg = small_cfg(**SCHEDULE)
     trainer = PPOTrainer(cfg)
     trainer.fit()
-    factor = lr_factor(cfg.actor.optim, STEPS * PS)
+    factor = lr_factor(cfg.actor.optim, STEPS, PS)
     lrs = [LR * factor(k) for k in range(STEPS * PS)]
-    assert (
-        lrs[0] == 0.0 and lrs[1] == pytest.approx(LR / 3) and lrs[3] == LR
-    )  # verl's warmup from 0, then the cosine from the top
+    # verl's warmup from 0 over 2 global steps (4 optimizer steps, not 2), then the cosine from the top
+    assert lrs[:5] == pytest.approx([0.0, LR / 4, LR / 2, 3 * LR / 4, LR], rel=1e-15)
     assert [r["actor/lr"] for r in trainer.metrics.records] == [
         cycle_mean(lrs[k : k + PS]) for k in range(0, STEPS * PS, PS)
     ]
@@ -83,7 +83,7 @@ def test_a_run_resumed_mid_schedule_follows_the_same_curve_bitwise(small_cfg, mo
     rank = resumed.actor_group.local_rank
     assert resumed.resumed_from.name == "step_00000002_trigger_1"
     assert rank.lr_scheduler.last_epoch == 2 * PS + 1
-    assert rank.optimizer.param_groups[0]["lr"] == LR * lr_factor(resumed.cfg.actor.optim, STEPS * PS)(2 * PS + 1)
+    assert rank.optimizer.param_groups[0]["lr"] == LR * lr_factor(resumed.cfg.actor.optim, STEPS, PS)(2 * PS + 1)
     resumed.fit()
     for name, tensor in weights(resumed).items():
         assert torch.equal(tensor, expected_weights[name]), name
@@ -104,7 +104,7 @@ def test_verls_names_are_taken_and_bad_values_refused(small_cfg):
         ConfigError, match=r"^actor.optim.lr_scheduler_type='linear': expected one of 'constant', 'cosine'$"
     ):
         small_cfg(**{"actor.optim.lr_scheduler_type": "linear"})
-    with pytest.raises(ConfigError, match=r"^actor.optim.lr_warmup_steps=5: longer than the run's 4 optimizer steps"):
-        small_cfg(**{"actor.optim.lr_warmup_steps": 5})
+    with pytest.raises(ConfigError, match=r"^actor.optim.lr_warmup_steps=3: longer than the run's 2 global steps"):
+        small_cfg(**{"actor.optim.lr_warmup_steps": 3})  # 3 global steps of a run of 2 (of 4 optimizer steps)
     with pytest.raises(ConfigError, match=r"^actor.optim.min_lr_ratio=1.5: expected a fraction in \[0, 1\]$"):
         small_cfg(**{"actor.optim.min_lr_ratio": 1.5})

@@ -178,6 +178,57 @@ def test_loglinear_takes_each_tokens_own_behavior_version(small_cfg, monkeypatch
     rank.close()
 
 
+def test_loglinear_counts_only_the_updates_applied_in_the_cycle(small_cfg, monkeypatch):
+    """actor.max_ppo_kl skips trigger 1's update: the weights stay where trigger 0 left them, so trigger 2 is one
+    applied step past pi_prox, v_theta = 12 + 1, not 12 + 2. The count is part of pi_old's checkpointed state, and
+    the next cycle starts from none skipped."""
+    rank = make_rank(
+        small_cfg,
+        **{
+            "algorithm.prox_logp_method": "loglinear",
+            "trainer.parameter_sync_step": 4,
+            "trainer.train_batch_size": 8,
+            "actor.max_ppo_kl": 0.5,
+        },
+    )
+    batch, adv = make_batch(rank.model, versions=(1, 2, 3, 3))
+    guard, calls = dppo.workers.actor.update.past_kl_bound, []
+
+    def skip_trigger_1(metrics, bound, peers):
+        calls.append(bound)
+        return len(calls) == 2 or guard(metrics, bound, peers)
+
+    monkeypatch.setattr(dppo.workers.actor.update, "past_kl_bound", skip_trigger_1)
+    rank.update_actor(0, batch, adv, 3)
+    before_skip = params(rank.model)
+    assert rank.update_actor(1, batch, adv, 3)["actor/skipped_updates"] == 1.0
+    assert all(torch.equal(p, before_skip[name]) for name, p in params(rank.model).items())  # nothing moved
+    theta = rank.score(copy.deepcopy(rank.model), batch)
+    seen = capture_prox_of_loss(monkeypatch)
+    assert rank.update_actor(2, batch, adv, 3)["actor/skipped_updates"] == 0.0
+    expected = loglinear_prox_log_prob(
+        theta,
+        batch.behav_logp,
+        batch.response_mask,
+        v_prox=12,
+        v_theta=13,
+        v_behav=torch.tensor([4, 8, 12, 12])[batch.group_index],
+    )
+    used, mask = torch.cat(seen), batch.response_mask
+    torch.testing.assert_close(used[mask], expected[mask], rtol=0, atol=0)
+    state = rank.pi_old_state()
+    assert state["skipped"] == 1
+    resumed = make_rank(
+        small_cfg,
+        **{"algorithm.prox_logp_method": "loglinear", "trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8},
+    )
+    resumed.load_pi_old_state(state)
+    assert resumed.pi_old.prox(3, batch, 3).steps.v_theta == 12 + 3 - 1
+    assert resumed.pi_old.prox(0, batch, 4).steps.v_theta == 16  # a new cycle: none skipped yet
+    rank.close()
+    resumed.close()
+
+
 def test_metrics_reports_loglinear_error_against_the_exact_prox(small_cfg):
     rank = make_rank(
         small_cfg,

@@ -193,9 +193,9 @@ class TwoRanks:
 def test_the_guard_compares_the_kl_summed_over_the_ranks_shares():
     from dppo.workers.actor.update import past_kl_bound
 
-    # this rank's share 0.3 alone is within 0.5; with the other rank's 0.4 the mini-batch's ppo_kl is 0.7
-    assert past_kl_bound({"actor/ppo_kl": 0.3}, 0.5, TwoRanks(0.4))
-    assert not past_kl_bound({"actor/ppo_kl": 0.3}, 0.5, TwoRanks(0.1))
+    # this rank's share 0.3 alone is within 0.5; with the other rank's 0.4 the mini-batch's ppo_kl_k3 is 0.7
+    assert past_kl_bound({"actor/ppo_kl_k3": 0.3}, 0.5, TwoRanks(0.4))
+    assert not past_kl_bound({"actor/ppo_kl_k3": 0.3}, 0.5, TwoRanks(0.1))
     assert past_kl_bound({}, 0.5, TwoRanks(0.6))  # a rank without valid tokens has no share, and decides alike
-    assert past_kl_bound({"actor/ppo_kl": float("nan")}, 0.5, TwoRanks(0.0))  # NaN: something broke; no step
-    assert not past_kl_bound({"actor/ppo_kl": 0.5}, 0.5, TwoRanks(0.0))  # at the bound: within it
+    assert past_kl_bound({"actor/ppo_kl_k3": float("nan")}, 0.5, TwoRanks(0.0))  # NaN: something broke; no step
+    assert not past_kl_bound({"actor/ppo_kl_k3": 0.5}, 0.5, TwoRanks(0.0))  # at the bound: within it

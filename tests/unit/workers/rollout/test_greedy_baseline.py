@@ -63,3 +63,40 @@ def test_other_estimators_generate_no_baseline():
     groups = gen.generate(2)
     assert all(math.isnan(g.baseline_score) for g in groups)
     assert collate(groups, source.pad_token).reward_baselines is None
+
+
+def test_under_partial_rollouts_the_baseline_is_decoded_with_the_groups_start_weights():
+    """rollout.partial_rollout: the samples load newer weights at their first decode chunk; the greedy baseline is the
+    start version's (decoded before them), and the samples are those of an estimator without a baseline."""
+    partial = ("rollout.partial_rollout=true", "rollout.partial_chunk=1")
+    newer = build_model(load_config(TINY).model, make_prompt_source(load_config(TINY)).vocab_size, seed=7)
+
+    def generate(estimator: str):
+        gen, source, model = generator_for(f"algorithm.adv_estimator={estimator}", *partial)
+        greedy, decoded_at = gen.engine.greedy, []
+
+        def recording_greedy(prompts):
+            decoded_at.append(gen.version)
+            return greedy(prompts)
+
+        gen.engine.greedy = recording_greedy
+        swapped = []
+
+        def refresh():  # newer weights (version 1) at the first poll, as a trainer publishing mid-ticket
+            if swapped:
+                return None
+            swapped.append(True)
+            return lambda: (gen.load_weights(newer.state_dict(), 1), 1)[1]
+
+        return gen.generate(4, refresh), decoded_at, source, model, gen.engine.max_new_tokens
+
+    groups, decoded_at, source, model, max_new_tokens = generate("remax")
+    assert decoded_at == [0]  # once, under the start weights
+    assert all(g.version == 0 for g in groups) and any(g.token_versions is not None for g in groups)  # a swap happened
+    ids, _ = left_pad([g.prompt.numpy() for g in groups], source.pad_token)
+    responses, mask = sample_responses(model, ids, max_new_tokens, 0.0, None, source.eos_token, source.pad_token)
+    expected = source.score(Prompts(ids.numpy()), responses.numpy(), mask.numpy()).scores.astype(float).tolist()
+    assert [g.baseline_score for g in groups] == expected  # the start weights' greedy responses, scored
+    plain, *_ = generate("grpo")
+    for a, b in zip(groups, plain):
+        assert torch.equal(a.responses, b.responses) and torch.equal(a.behav_logp, b.behav_logp)
