@@ -58,12 +58,20 @@ __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
 
 
 def _reward_extras(groups: list[Group]) -> dict[str, float]:
-    """reward/extra/<key>: the mean over the groups' responses of each extra number of the reward function."""
+    """reward/extra/<key>: the mean of each extra number of the reward function over the groups' responses that have
+    it (a group scored in a batch where no response had the key carries none; one that others had, NaN rows); a key
+    none of them has is left out rather than logged as NaN."""
     extras: dict[str, list[torch.Tensor]] = {}
     for group in groups:
         for key, values in group.reward_extra.items():
             extras.setdefault(key, []).append(values)
-    return {f"reward/extra/{key}": float(torch.cat(parts).nanmean()) for key, parts in extras.items()}
+    metrics = {}
+    for key, parts in extras.items():
+        values = torch.cat(parts)
+        present = values[~values.isnan()]
+        if len(present):
+            metrics[f"reward/extra/{key}"] = float(present.mean())
+    return metrics
 
 
 def _state_field(name: str) -> property:
