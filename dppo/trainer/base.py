@@ -32,7 +32,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from dppo.batch import Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
@@ -47,6 +46,7 @@ from dppo.models import policy_config
 from dppo.rng import seed_all
 from dppo.trainer.filter_groups import GroupFilter
 from dppo.trainer.outputs import PublishedPolicy, RunResult, finish_run
+from dppo.trainer.progress import make_progress
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
@@ -87,12 +87,6 @@ def _published_policy(cfg: DppoConfig, source: PromptSource, model_config) -> Pu
 
     on_engine = cfg.trainer.eval_engine == "rollout"
     return PublishedPolicy(model_config, cfg.model.dtype, device, source, cfg.model.path, engine if on_engine else None)
-
-
-def _progress_bar(t, initial: int) -> tqdm:
-    """The run's progress bar (t: the trainer section); disabled by trainer.progress_bar=false."""
-    off = not t.progress_bar
-    return tqdm(total=t.total_steps, initial=initial, unit="step", desc="dppo train", disable=off, dynamic_ncols=True)
 
 
 class BaseTrainer:
@@ -221,7 +215,7 @@ class BaseTrainer:
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
-        bar = _progress_bar(t, run.global_step)
+        progress = make_progress(t.total_steps, run.global_step, t.progress_bar)
         self._early_rollout = False  # from here on fit() closes the rollout, whoever made it
         try:
             if self.rollout is None:
@@ -236,8 +230,7 @@ class BaseTrainer:
                     record["timing_s/testing"] = time.perf_counter() - eval_start
                 self.metrics.write(record)
                 self.trackers.log(record, run.global_step)
-                bar.update(1)
-                bar.set_postfix(
+                progress.step(
                     reward=f"{record['critic/score/mean']:.3f}",
                     stale=f"{record['staleness/mean']:.2f}",
                     step_s=f"{record['timing_s/step']:.2f}",
@@ -251,7 +244,7 @@ class BaseTrainer:
             where = self.checkpoints.last_in_words()
             raise RankDiedError(f"{err}; the run stopped after global step {run.global_step}, {where}") from None
         finally:
-            bar.close()
+            progress.close()
             self.metrics.close()
             try:
                 if self.rollout is not None:
