@@ -57,7 +57,7 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
     if model_cfg.path is not None:
         if not os.path.isdir(model_cfg.path):
             raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
-        with _quiet_loading():
+        with quiet_transformers():
             # loaded straight into dtype (each tensor cast as it is read): no whole fp32 copy beside the bf16 one
             model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=dtype).to(dtype)
         if model.config.vocab_size < vocab_size:
@@ -99,8 +99,9 @@ def policy_config(model_cfg, vocab_size: int):
 
 
 @contextlib.contextmanager
-def _quiet_loading():
-    """Within: transformers shows no progress bar (a run's terminal output is its own progress bar and summary)."""
+def quiet_transformers():
+    """Within: transformers shows no progress bar (a run's terminal output is its own progress and summary; a bar's
+    carriage returns would also land in a log)."""
     shown = hf_logging.is_progress_bar_enabled()
     hf_logging.disable_progress_bar()
     try:

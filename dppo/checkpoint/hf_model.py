@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from dppo.models import model_from_config, tied_aliases, with_aliases
+from dppo.models import model_from_config, quiet_transformers, tied_aliases, with_aliases
 
 HF_MODEL_DIR = "hf_model"  # under trainer.output_dir: the policy at the end of the run
 CHECKPOINT_HF_DIR = "huggingface"  # under a checkpoint's actor/ directory (actor.checkpoint.save_contents: hf_model)
@@ -72,7 +72,8 @@ def save_hf_model(
         model.config.use_cache = True  # the trainer turns the KV cache off for its passes; generation wants it
         try:
             model.generation_config = _generation_config(model, tokenizer_dir, eos_token, pad_token)
-            model.save_pretrained(staging, safe_serialization=True)
+            with quiet_transformers():  # its "Writing model shards" bar
+                model.save_pretrained(staging, safe_serialization=True)
         finally:
             model.config.use_cache = use_cache
         if has_tokenizer(tokenizer_dir):

@@ -53,6 +53,17 @@ class Scores:
     scores: np.ndarray  # (N,) fp32
     extra: dict[str, np.ndarray] = field(default_factory=dict)  # key -> (N,) fp32, NaN where absent
 
+    @classmethod
+    def concat(cls, parts: list[Scores]) -> Scores:
+        """The rows of parts in order. An extra that some parts lack (a reward that returns a key for some responses
+        only, none of them in a part) is NaN on those parts' rows, so every extra keeps one value per row."""
+        keys = sorted({key for part in parts for key in part.extra})
+        extra = {
+            key: np.concatenate([part.extra.get(key, np.full(len(part.scores), np.nan, np.float32)) for part in parts])
+            for key in keys
+        }
+        return cls(np.concatenate([part.scores for part in parts]), extra)
+
 
 class TrainingPrompts(Protocol):
     """What source.sampler() returns: the training prompts of the replay buffer's tickets.

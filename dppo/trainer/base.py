@@ -32,7 +32,6 @@ from functools import partial
 from pathlib import Path
 
 import torch
-from tqdm.auto import tqdm
 
 from dppo.batch import Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
@@ -48,6 +47,7 @@ from dppo.models import policy_config
 from dppo.rng import seed_all
 from dppo.trainer.filter_groups import GroupFilter
 from dppo.trainer.outputs import PublishedPolicy, RunResult, finish_run
+from dppo.trainer.progress import make_progress
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
@@ -59,12 +59,20 @@ __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
 
 
 def _reward_extras(groups: list[Group]) -> dict[str, float]:
-    """reward/extra/<key>: the mean over the groups' responses of each extra number of the reward function."""
+    """reward/extra/<key>: the mean of each extra number of the reward function over the groups' responses that have
+    it (a group scored in a batch where no response had the key carries none; one that others had, NaN rows); a key
+    none of them has is left out rather than logged as NaN."""
     extras: dict[str, list[torch.Tensor]] = {}
     for group in groups:
         for key, values in group.reward_extra.items():
             extras.setdefault(key, []).append(values)
-    return {f"reward/extra/{key}": float(torch.cat(parts).nanmean()) for key, parts in extras.items()}
+    metrics = {}
+    for key, parts in extras.items():
+        values = torch.cat(parts)
+        present = values[~values.isnan()]
+        if len(present):
+            metrics[f"reward/extra/{key}"] = float(present.mean())
+    return metrics
 
 
 def _state_field(name: str) -> property:
@@ -80,12 +88,6 @@ def _published_policy(cfg: DppoConfig, source: PromptSource, model_config) -> Pu
 
     on_engine = cfg.trainer.eval_engine == "rollout"
     return PublishedPolicy(model_config, cfg.model.dtype, device, source, cfg.model.path, engine if on_engine else None)
-
-
-def _progress_bar(t, initial: int) -> tqdm:
-    """The run's progress bar (t: the trainer section); disabled by trainer.progress_bar=false."""
-    off = not t.progress_bar
-    return tqdm(total=t.total_steps, initial=initial, unit="step", desc="dppo train", disable=off, dynamic_ncols=True)
 
 
 class BaseTrainer:
@@ -224,7 +226,7 @@ class BaseTrainer:
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
-        bar = _progress_bar(t, run.global_step)
+        progress = make_progress(t.total_steps, run.global_step, t.progress_bar)
         self._early_rollout = False  # from here on fit() closes the rollout, whoever made it
         try:
             if self.rollout is None:
@@ -239,8 +241,7 @@ class BaseTrainer:
                     record["timing_s/testing"] = time.perf_counter() - eval_start
                 self.metrics.write(record)
                 self.trackers.log(record, run.global_step)
-                bar.update(1)
-                bar.set_postfix(
+                progress.step(
                     reward=f"{record['critic/score/mean']:.3f}",
                     stale=f"{record['staleness/mean']:.2f}",
                     step_s=f"{record['timing_s/step']:.2f}",
@@ -254,7 +255,7 @@ class BaseTrainer:
             where = self.checkpoints.last_in_words()
             raise RankDiedError(f"{err}; the run stopped after global step {run.global_step}, {where}") from None
         finally:
-            bar.close()
+            progress.close()
             self.metrics.close()
             try:
                 if self.rollout is not None:

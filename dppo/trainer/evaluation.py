@@ -91,14 +91,12 @@ def _score(decode: Decode, source: PromptSource, n: int, prompts_per_batch: int)
     prompts = source.eval_prompts()
     if len(prompts) == 0:
         return {}
-    scores, extra = [], []
+    parts = []
     for start in range(0, len(prompts), prompts_per_batch):
         chunk = prompts[start : start + prompts_per_batch]
         responses, response_mask = decode(chunk, n)
-        scored = source.score(chunk.repeat(n), responses.numpy(), response_mask.numpy())
-        scores.append(scored.scores)
-        extra.append(scored.extra)
-    every = Scores(np.concatenate(scores), _concat_extra(extra))
+        parts.append(source.score(chunk.repeat(n), responses.numpy(), response_mask.numpy()))
+    every = Scores.concat(parts)  # one row per response, an extra's NaN on the batches without it
     metrics = source.eval_metrics(prompts.repeat(n), every)
     if n > 1:
         metrics.update(best_of(source, prompts, every, n))
@@ -123,11 +121,6 @@ def _nanmax_rows(values: np.ndarray) -> np.ndarray:
 def _best_key(key: str, n: int) -> str:
     head, _, rest = key.partition("/")
     return f"{head}/best@{n}/{rest}"
-
-
-def _concat_extra(parts: list[dict[str, np.ndarray]]) -> dict[str, np.ndarray]:
-    keys = sorted({key for part in parts for key in part})
-    return {key: np.concatenate([part[key] for part in parts if key in part]) for key in keys}
 
 
 class EngineEvaluation:

@@ -385,13 +385,27 @@ def test_tensors_on_two_devices_are_rejected_naming_both():
 
 
 def test_pool_destruction_waits_for_pending_copies(spin):
+    """Dropping a pool whose save is still queued behind a 200 ms kernel returns only once the copy into its host
+    arenas has run (arenas are unpinned and freed only after it): by then the kernel the copy was ordered after has
+    finished too, no copy faulted on freed memory, and the tensors the copies read are untouched."""
     params = _params(2, 64 * MiB // 4, seed=7)
+    before = {k: p.detach().clone() for k, p in params.items()}
+    stream = torch.cuda.current_stream()
     for _ in range(3):
         pool = SnapshotPool(params)
-        spin(20)
         pool.save(0)
-        del pool  # arenas are unpinned and freed only after the copy finished
-    torch.cuda.synchronize()
+        pool.synchronize()  # arenas allocated and pinned: the next save is only queued (as in the test above)
+        torch.cuda.synchronize()
+        spin(200)
+        t0 = time.perf_counter()
+        pool.save(0)
+        assert not stream.query(), "the kernel was done before the save was queued: no copy was pending at del"
+        del pool
+        waited_s = time.perf_counter() - t0
+        assert stream.query(), "del returned while the kernel the save's copy waits for was still running"
+        assert waited_s >= 0.15, f"del returned after {waited_s:.3f} s, before the 200 ms kernel and the copy behind it"
+    torch.cuda.synchronize()  # a copy into unpinned, unmapped memory would surface here as a CUDA error
+    assert all(_equal(params[k], before[k]) for k in params)
 
 
 def test_inference_tensors_restore_and_swap_bitwise_including_strided_ones_across_chunks():

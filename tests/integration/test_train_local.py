@@ -74,13 +74,57 @@ def test_a_killed_rollout_worker_is_restarted_and_the_run_completes(tmp_path):
     assert all(r["replay/dropped_total"] == 0 for r in steps)
 
 
-def test_a_resumed_run_spawns_its_workers_and_goes_on(tmp_path, capfd, monkeypatch):
-    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+# `dppo train` that prints how each local rollout worker was started, read from the worker's own /proc/<pid>/cmdline
+# once the trainer has fetched groups (so the worker has run): a forked worker still has this process's command line
+# (this script's), a spawned one is a fresh interpreter running multiprocessing's spawn_main.
+_REPORT_WORKER_STARTS = textwrap.dedent("""
+    import sys
+    from pathlib import Path
+    from dppo.cli import main
+    from dppo.trainer.rollout.local_source import LocalRollout
+
+    fetch, seen, ours = LocalRollout.fetch, set(), Path("/proc/self/cmdline").read_bytes()
+
+    def reporting_fetch(self, *args, **kwargs):
+        taken = fetch(self, *args, **kwargs)
+        for worker in self.workers:
+            if worker.process.pid not in seen:
+                seen.add(worker.process.pid)
+                theirs = Path(f"/proc/{worker.process.pid}/cmdline").read_bytes()
+                spawned = theirs != ours and b"from multiprocessing.spawn import spawn_main" in theirs
+                how = "fork" if theirs == ours else "spawn" if spawned else repr(theirs)
+                print(f"test: rollout worker {worker.index} started by {how}", file=sys.stderr)
+        return taken
+
+    LocalRollout.fetch = reporting_fetch
+    sys.exit(main(["train", *sys.argv[1:]]))
+""")
+
+
+def _train_reporting_worker_starts(args: list[str]) -> tuple[subprocess.CompletedProcess, list[str]]:
+    """`dppo train args` in a process of its own (a fresh run's workers are forked from it: no other thread has run
+    there), and how each of its rollout workers was started."""
+    run = subprocess.run(
+        [sys.executable, "-c", _REPORT_WORKER_STARTS, *args],
+        cwd=REPO,
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO), "RAY_ADDRESS": ""},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    return run, re.findall(r"test: rollout worker \d+ started by (.+)", run.stderr)
+
+
+def test_a_resumed_run_spawns_its_workers_and_goes_on(tmp_path):
+    """The fresh run forks its worker (the control: the same process would fork the resumed run's too, were it allowed);
+    the resumed run, whose rollout starts after the actor's rank was built, spawns it, and trains steps 3 and 4."""
     out = tmp_path / "out"
-    assert main(["train", *overrides(out, 2)]) == 0
-    assert main(["train", *overrides(out, 4, "trainer.resume=true")]) == 0
-    text = capfd.readouterr().out
-    assert "resumed from" in text and "(global step 2)" in text
+    _, fresh = _train_reporting_worker_starts(overrides(out, 2))
+    assert fresh == ["fork"]
+    resumed_run, resumed = _train_reporting_worker_starts(overrides(out, 4, "trainer.resume=true"))
+    assert resumed == ["spawn"]
+    assert "resumed from" in resumed_run.stdout and "(global step 2)" in resumed_run.stdout
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3, 4]
 
 

@@ -90,7 +90,8 @@ class TrainerConfig:
     instead of hanging (a dead rank is noticed by the driver at once)."""
 
     progress_bar: bool = True
-    """Show a tqdm progress bar over global steps."""
+    """Show the progress over global steps on stderr: a tqdm bar on a terminal; elsewhere (a log file, CI, nohup) a
+    plain line every total_steps / 20 steps or 30 s, whichever comes first, without the bar's carriage returns."""
 
     logger: Any = field(default_factory=lambda: ["console", "jsonl"])
     """Where the metrics go (verl's key), a list: console (the progress bar and the summary) and jsonl

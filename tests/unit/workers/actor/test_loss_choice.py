@@ -4,8 +4,10 @@ import pytest
 import torch
 
 from dppo.algo import POLICY_LOSS_DEFAULTS, get_policy_loss_fn
+from dppo.algo.aggregation import LOSS_AGG_MODES
 from dppo.config import load_config
 from dppo.workers.actor.loss_choice import LossChoice
+from dppo.workers.actor.update import _check_one_divisor
 
 
 def choice(*overrides):
@@ -128,7 +130,10 @@ def test_config_refuses_combinations(overrides, match):
 
 
 def test_sapo_with_a_seq_mode_and_rejection_is_accepted():
-    load_config(
+    """sapo aggregates its policy loss with seq-mean-token-mean; with a seq-mean-* actor.loss_agg_mode for the entropy
+    term both divide by the number of sequences, so rejection sampling (the loss mask found per micro-batch) is
+    accepted as given: by the config, and by the update's own check of one divisor."""
+    cfg = load_config(
         [
             "actor.policy_loss.loss_mode=sapo",
             "actor.entropy_coeff=0.01",
@@ -137,3 +142,9 @@ def test_sapo_with_a_seq_mode_and_rejection_is_accepted():
             "algorithm.rollout_correction.rollout_rs_threshold=2.0",
         ]
     )
+    correction = cfg.algorithm.rollout_correction
+    assert (correction.rollout_rs, correction.rollout_rs_threshold, cfg.actor.entropy_coeff) == ("token_k1", 2.0, 0.01)
+    c = LossChoice.of_actor(cfg.actor, cfg.trainer.seed)
+    assert (c.loss_mode, c.pg_agg_mode, c.loss_agg_mode) == ("sapo", "seq-mean-token-mean", "seq-mean-token-sum")
+    assert LOSS_AGG_MODES[c.pg_agg_mode].normalizer == LOSS_AGG_MODES[c.loss_agg_mode].normalizer
+    assert _check_one_divisor(c.pg_agg_mode, c.loss_agg_mode) is None  # the update takes it too (it raises otherwise)
