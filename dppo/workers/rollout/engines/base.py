@@ -3,6 +3,11 @@
 A worker (dppo.workers.rollout.worker.RolloutGenerator) draws a ticket's prompts, hands them to its engine and
 scores what comes back; the engine only samples. Engines: `hf` (dppo's own sampler over a transformers model,
 this process) and `vllm` (vllm.LLM inside this process), chosen by rollout.name.
+
+Agents (dppo.workers.rollout.agent) ask for completions one at a time, token ids in and token ids out, as they get to
+each turn: engine.token_stream(version, refresh) takes TokenRequests as they come (add) and returns each one's
+TokenOutput once it is done (step). An engine with continuous batching (vLLM) adds a request to the batch in flight;
+the default stream runs what was added since the last step as one batch (engine.complete).
 """
 
 from __future__ import annotations
@@ -43,6 +48,96 @@ class WeightSync:
     bytes: int  # bytes handed to the engine (all tensors for a full sync; the changed ones for a delta sync)
     changed_fraction: float = 1.0  # engine-dtype elements that differ from the engine's previous weights
     verify_seconds: float | None = None  # the check of the loaded weights (rollout.verify_sync), None: not checked
+
+
+@dataclass(frozen=True)
+class TokenRequest:
+    """One completion an agent asked for: the prompt's token ids (every earlier turn included), at most max_tokens new
+    tokens; greedy: temperature 0 and no log-probs (evaluation), else sampled at the engine's temperature."""
+
+    prompt: tuple[int, ...]
+    max_tokens: int
+    greedy: bool = False
+
+
+@dataclass
+class TokenOutput:
+    """What a TokenRequest got: the tokens sampled (the stop token included where one ended it), each one's log-prob
+    under the distribution it was sampled from (None for a greedy request), the version of the weights that sampled
+    each, and why it ended: "stop" (the stop token) or "length" (max_tokens)."""
+
+    token_ids: list[int]
+    logprobs: list[float] | None
+    versions: list[int]
+    finish_reason: str
+
+
+class TokenStream(ABC):
+    """Completions of TokenRequests that arrive while others run (see the module docstring). Not thread-safe: one
+    thread adds and steps."""
+
+    @abstractmethod
+    def add(self, key: int, request: TokenRequest) -> None:
+        """Start request; its output comes back from a later step() under key (a non-negative int, unique among those
+        running)."""
+
+    @abstractmethod
+    def step(self) -> list[tuple[int, TokenOutput]]:
+        """Advance the requests added so far; the (key, output) of those that finished."""
+
+    @property
+    @abstractmethod
+    def running(self) -> int:
+        """Requests added and not yet returned by step()."""
+
+    @property
+    @abstractmethod
+    def version(self) -> int:
+        """The version of the weights the stream samples with now (a refresh may have loaded newer ones)."""
+
+
+class BatchStream(TokenStream):
+    """The default TokenStream: each step() runs every request added since the last one as one batch of
+    engine.complete (no request joins a batch in flight)."""
+
+    def __init__(self, engine: RolloutEngine, version: int, refresh: Refresh | None) -> None:
+        self._engine, self._version, self._refresh = engine, version, refresh
+        self._pending: dict[int, TokenRequest] = {}
+
+    def add(self, key: int, request: TokenRequest) -> None:
+        if key in self._pending:
+            raise KeyError(f"a request with key {key!r} is running already")
+        self._pending[key] = request
+
+    def step(self) -> list[tuple[int, TokenOutput]]:
+        if not self._pending:
+            return []
+        keys, requests = list(self._pending), list(self._pending.values())
+        self._pending.clear()
+        outputs = self._engine.complete(requests, self._version, self._refreshing)
+        return list(zip(keys, outputs))
+
+    def _refreshing(self):
+        """The worker's refresh, noting the version that a load it hands out brings."""
+        if self._refresh is None:
+            return None
+        load = self._refresh()
+        if load is None:
+            return None
+
+        def loaded() -> int:
+            self._version = load()
+            return self._version
+
+        return loaded
+
+    @property
+    def running(self) -> int:
+        return len(self._pending)
+
+    @property
+    def version(self) -> int:
+        return self._version
 
 
 class RolloutEngine(ABC):
@@ -89,6 +184,15 @@ class RolloutEngine(ABC):
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         """One greedy response to each prompt (temperature 0, no random draw): responses (G, R) long and their mask
         (G, R) bool, on the host. ReMax's baseline: scored, never trained on, so no log-probs."""
+
+    def complete(self, requests: list[TokenRequest], version: int, refresh: Refresh | None = None) -> list[TokenOutput]:
+        """One batch of agent completions (TokenRequests of any lengths), in order; version: that of the weights
+        loaded now; refresh (rollout.partial_rollout): as sample()'s, for the sampled requests."""
+        raise NotImplementedError(f"the {type(self).__name__} rollout engine does not serve agents (rollout.agent)")
+
+    def token_stream(self, version: int, refresh: Refresh | None = None) -> TokenStream:
+        """A stream of agent completions over the weights of version loaded now (see the module docstring)."""
+        return BatchStream(self, version, refresh)
 
     def close(self) -> None:
         """Free what the engine holds (processes, caches); the default holds nothing that needs it."""

@@ -21,7 +21,15 @@ import torch
 from dppo.generation import sample_responses
 from dppo.models import model_from_config, response_log_probs
 from dppo.batch import left_pad
-from dppo.workers.rollout.engines.base import Refresh, RolloutEngine, Samples, WeightSync, state_dict_bytes
+from dppo.workers.rollout.engines.base import (
+    Refresh,
+    RolloutEngine,
+    Samples,
+    TokenOutput,
+    TokenRequest,
+    WeightSync,
+    state_dict_bytes,
+)
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 from dppo.workers.weight_fingerprint import prints_of
 
@@ -66,7 +74,51 @@ class HFEngine(RolloutEngine):
     @torch.no_grad()
     def sample(self, prompts: list[np.ndarray], n: int, version: int = 0, refresh: Refresh | None = None) -> Samples:
         rows = [ids for ids in prompts for _ in range(n)]  # G n prompts, prompt-major
-        prompt_ids, prompt_mask = left_pad(rows, self.pad_token)  # (G n, P) each; mask None: no padding
+        responses, mask, behav_logp, versions = self._sample_rows(rows, self.max_new_tokens, version, refresh)
+        return Samples(responses.cpu(), mask.cpu(), behav_logp.cpu(), versions.cpu())  # (G n, R) each: to the host
+
+    @torch.no_grad()
+    def complete(self, requests: list[TokenRequest], version: int, refresh: Refresh | None = None) -> list[TokenOutput]:
+        """Sampled requests as one batch, greedy ones as another, each decoded to the longest max_tokens among them
+        and cut at its own (a causal model's log-prob of a token does not depend on the tokens after it)."""
+        outputs: list[TokenOutput | None] = [None] * len(requests)
+        for greedy in (False, True):
+            where = [i for i, r in enumerate(requests) if r.greedy == greedy]
+            if where:
+                batch = [requests[i] for i in where]
+                for i, out in zip(where, self._complete(batch, version, None if greedy else refresh)):
+                    outputs[i] = out
+        return outputs
+
+    def _complete(self, requests: list[TokenRequest], version: int, refresh: Refresh | None) -> list[TokenOutput]:
+        greedy = requests[0].greedy
+        short = [r.max_tokens for r in requests if r.max_tokens < 1]
+        if short:
+            raise ValueError(f"a completion needs max_tokens >= 1; got {short[0]}")
+        prompts = [np.asarray(r.prompt, dtype=np.int64) for r in requests]
+        longest = max(r.max_tokens for r in requests)
+        responses, mask, behav_logp, versions = self._sample_rows(prompts, longest, version, refresh, greedy)
+        outputs = []
+        for i, request in enumerate(requests):
+            length = min(int(mask[i].sum()), request.max_tokens)  # the row's tokens are a prefix
+            tokens = responses[i, :length].tolist()
+            stopped = self.eos_token is not None and length > 0 and tokens[-1] == self.eos_token
+            outputs.append(
+                TokenOutput(
+                    tokens,
+                    None if behav_logp is None else behav_logp[i, :length].tolist(),
+                    versions[i, :length].tolist(),
+                    "stop" if stopped else "length",
+                )
+            )
+        return outputs
+
+    def _sample_rows(
+        self, rows: list[np.ndarray], max_new_tokens: int, version: int, refresh: Refresh | None, greedy: bool = False
+    ):
+        """Responses to rows (B prompts, any lengths) and their mask (B, R), each token's behavior log-prob (B, R;
+        None when greedy: not scored) and version (B, R), on the engine's device."""
+        prompt_ids, prompt_mask = left_pad(rows, self.pad_token)  # (B, P) each; mask None: no padding
         ids = prompt_ids.to(self.device)
         pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
         # one per weight swap: (first token the next weights sample, their version, log-probs (B, t) of the tokens so
@@ -84,8 +136,8 @@ class HFEngine(RolloutEngine):
         responses, mask = sample_responses(
             self.model,
             ids,
-            self.max_new_tokens,
-            self.temperature,
+            max_new_tokens,
+            0.0 if greedy else self.temperature,
             self.generator,
             self.eos_token,
             self.pad_token,
@@ -93,14 +145,16 @@ class HFEngine(RolloutEngine):
             chunk=self.partial_chunk,
             swapped=None if refresh is None else swapped,
         )
-        behav_logp = self._score(ids, pad_mask, responses, mask)  # (B, R) under the last weights
         versions = torch.full_like(responses, version)  # (B, R)
+        if greedy:
+            return responses, mask, None, versions
+        behav_logp = self._score(ids, pad_mask, responses, mask)  # (B, R) under the last weights
         start = 0
         for first, new_version, old_logp in swaps:  # tokens [start, first) were sampled by the weights before
             behav_logp[:, start:first] = old_logp[:, start:first]
             versions[:, first:] = new_version
             start = first
-        return Samples(responses.cpu(), mask.cpu(), behav_logp.cpu(), versions.cpu())  # (G n, R) each: to the host
+        return responses, mask, behav_logp, versions
 
     def _score(self, ids: torch.Tensor, pad_mask, responses: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """log pi of responses (B, t) after prompts ids (B, P) under the model's weights now: a full forward pass
@@ -117,16 +171,5 @@ class HFEngine(RolloutEngine):
 
     @torch.no_grad()
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
-        prompt_ids, prompt_mask = left_pad(prompts, self.pad_token)  # (G, P) each
-        pad_mask = None if prompt_mask is None else prompt_mask.to(self.device)
-        responses, mask = sample_responses(
-            self.model,
-            prompt_ids.to(self.device),
-            self.max_new_tokens,
-            0.0,
-            self.generator,
-            self.eos_token,
-            self.pad_token,
-            pad_mask,
-        )
+        responses, mask, _, _ = self._sample_rows(list(prompts), self.max_new_tokens, 0, None, greedy=True)
         return responses.cpu(), mask.cpu()

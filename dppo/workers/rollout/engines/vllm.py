@@ -14,13 +14,11 @@
   as far as vLLM's logits do: they are bitwise reproducible for the same batch on the same engine, but a
   different batch composition (another scheduling, a prefix-cache hit, chunked prefill) may change logits in
   the last bits and so, rarely, a sampled token.
-- rollout.partial_rollout: sample() with a refresh drives the engine step by step (llm_engine.add_request / step:
-  one decode step each, every row its own request with the seed vLLM would give it as a sample of its prompt's
-  request) and asks the refresh once per rollout.partial_chunk steps. Where it hands newer weights, the unfinished
-  requests are aborted (their tokens and log-probs so far kept), the weights loaded (the prefix cache reset as after
-  any sync) and each resumed as a new request of prompt + its tokens so far, max_tokens reduced and a seed derived
-  from the ticket's, the row and the tokens so far. vLLM 0.32 has no pause that keeps a request's KV cache across a
-  weight reload, and that cache was computed by the old weights: resuming recomputes it (one prefill) either way.
+- rollout.partial_rollout: sample() with a refresh drives the engine step by step (vllm_stream.VLLMTokenStream, every
+  row its own request with the seed vLLM would give it as a sample of its prompt's request) and asks the refresh once
+  per rollout.partial_chunk steps; where it hands newer weights, unfinished rows resume under them.
+- Agents (engine.token_stream): the same stream, continuous batching: a completion an agent asks for joins the batch
+  in flight at the next decode step.
 - rollout.weight_sync=delta: the trainer publishes, next to the full weights, the engine-dtype elements that
   changed since its last publish (dppo.workers.weight_delta); a worker that holds that last publish reads only
   them (load_delta) and applies them to the copy it holds (see DeltaTracker); others read the full weights and
@@ -43,10 +41,19 @@ import numpy as np
 import torch
 
 from dppo.models import DTYPES
-from dppo.workers.rollout.engines.base import Refresh, RolloutEngine, Samples, WeightSync, state_dict_bytes
+from dppo.workers.rollout.engines.base import (
+    Refresh,
+    RolloutEngine,
+    Samples,
+    TokenOutput,
+    TokenRequest,
+    WeightSync,
+    state_dict_bytes,
+)
 from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
 from dppo.workers.rollout.engines.vllm_experts import repack_reloaded
 from dppo.workers.rollout.engines.vllm_readback import ReadBack
+from dppo.workers.rollout.engines.vllm_stream import VLLMTokenStream
 from dppo.workers.weight_delta import WeightDelta
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 
@@ -284,78 +291,59 @@ class VLLMEngine(RolloutEngine):
         samples.versions = torch.full_like(samples.responses, version)
         return samples
 
-    def _params(self, max_tokens: int, seed: int):
+    @property
+    def ticket_seed(self) -> int:
+        """The seed of the ticket being generated (seed()): every request's seed is drawn from it."""
+        return self._ticket_seed
+
+    def request_params(self, max_tokens: int, seed: int, greedy: bool = False):
+        """The SamplingParams of one request of a TokenStream: the engine's temperature (0: greedy, without
+        log-probs), its stop token, every step's output cumulative."""
         from vllm import SamplingParams  # vLLM lives in .venv-vllm only (make vllm)
         from vllm.sampling_params import RequestOutputKind
 
         return SamplingParams(
             n=1,
-            temperature=self.temperature,
+            temperature=0.0 if greedy else self.temperature,
             max_tokens=max_tokens,
-            logprobs=0,
-            seed=seed,
+            logprobs=None if greedy else 0,
+            seed=None if greedy else seed,
             stop_token_ids=[] if self.eos_token is None else [int(self.eos_token)],
             ignore_eos=True,
             detokenize=False,
             output_kind=RequestOutputKind.CUMULATIVE,  # every step: each request's tokens so far
         )
 
+    def token_stream(self, version: int, refresh: Refresh | None = None) -> VLLMTokenStream:
+        """Continuous batching (vllm_stream): a request joins the batch in flight at the next decode step."""
+        return VLLMTokenStream(self, version, refresh, self.partial_chunk)
+
+    def complete(self, requests: list[TokenRequest], version: int, refresh: Refresh | None = None) -> list[TokenOutput]:
+        stream = self.token_stream(version, refresh)
+        for key, request in enumerate(requests):
+            stream.add(key, request)
+        return [out for _, out in sorted(_drain(stream))]
+
     def _sample_resumable(self, prompts: list[np.ndarray], n: int, version: int, refresh: Refresh) -> Samples:
-        """sample() under rollout.partial_rollout (see the module docstring): rows resumed under newer weights."""
-        engine = self.llm.llm_engine
-        rows = [[int(t) for t in ids] for ids in prompts for _ in range(n)]  # G n prompts, prompt-major
+        """sample() under rollout.partial_rollout: every row a request of its own on a TokenStream, with the seed
+        vLLM would give it as a sample of its prompt's request; rows resumed under newer weights (vllm_stream)."""
+        stream = self.token_stream(version, refresh)
         seeds = [seed + i for seed in self._request_seeds(len(prompts)) for i in range(n)]  # vLLM's child seeds
-        tokens: list[list[int]] = [[] for _ in rows]  # per row: tokens, their log-probs and versions so far
-        logps: list[list[float]] = [[] for _ in rows]
-        versions: list[list[int]] = [[] for _ in rows]
-        running: dict[str, tuple[int, int]] = {}  # request id -> (row, tokens the row had when it was added)
-
-        def add(row: int, seed: int) -> None:
-            done = len(tokens[row])
-            request = {"prompt_token_ids": rows[row] + tokens[row]}
-            request_id = f"dppo-{self._ticket_seed}-{row}-{done}"  # outputs and aborts name it (vLLM adds a suffix)
-            engine.add_request(request_id, request, self._params(self.max_new_tokens - done, seed))
-            running[request_id] = (row, done)
-
-        for row, seed in enumerate(seeds):
-            add(row, seed)
-        steps = 0
-        while running:
-            for out in engine.step():
-                if out.request_id not in running:
-                    continue
-                row, done = running[out.request_id]
-                c = out.outputs[0]
-                new = list(c.token_ids)
-                del tokens[row][done:], logps[row][done:], versions[row][done:]
-                tokens[row] += new
-                logps[row] += [step[t].logprob for step, t in zip(c.logprobs, new)]
-                versions[row] += [version] * len(new)
-                if out.finished:
-                    del running[out.request_id]
-            steps += 1
-            if not running or steps % self.partial_chunk:
-                continue
-            load = refresh()
-            if load is None:
-                continue
-            engine.abort_request(list(running))
-            resumed = sorted(row for row, _ in running.values())
-            running.clear()
-            version = load()  # the newer weights; the prefix cache reset
-            for row in resumed:
-                state = np.random.SeedSequence([self._ticket_seed, row, len(tokens[row]), version])
-                add(row, int(state.generate_state(1)[0]) & 0x3FFFFFFF)
-        width = max((len(t) for t in tokens), default=0)
+        rows = [tuple(int(t) for t in ids) for ids in prompts for _ in range(n)]  # G n prompts, prompt-major
+        for row, (prompt, seed) in enumerate(zip(rows, seeds)):
+            stream.add(row, TokenRequest(prompt, self.max_new_tokens), seed)
+        outputs = [out for _, out in sorted(_drain(stream))]
+        width = max((len(o.token_ids) for o in outputs), default=0)
         responses = torch.full((len(rows), width), self.pad_token, dtype=torch.long)
         mask = torch.zeros((len(rows), width), dtype=torch.bool)
         behav_logp = torch.zeros((len(rows), width), dtype=torch.float32)
-        token_versions = torch.full((len(rows), width), version, dtype=torch.long)
-        for i, (t, lp, v) in enumerate(zip(tokens, logps, versions)):
-            responses[i, : len(t)] = torch.tensor(t, dtype=torch.long)
-            mask[i, : len(t)] = True
-            behav_logp[i, : len(t)] = torch.tensor(lp, dtype=torch.float32)
-            token_versions[i, : len(t)] = torch.tensor(v, dtype=torch.long)
+        token_versions = torch.full((len(rows), width), stream.version, dtype=torch.long)
+        for i, out in enumerate(outputs):
+            r = len(out.token_ids)
+            responses[i, :r] = torch.tensor(out.token_ids, dtype=torch.long)
+            mask[i, :r] = True
+            behav_logp[i, :r] = torch.tensor(out.logprobs, dtype=torch.float32)
+            token_versions[i, :r] = torch.tensor(out.versions, dtype=torch.long)
         return Samples(responses, mask, behav_logp, token_versions)
 
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,6 +367,14 @@ class VLLMEngine(RolloutEngine):
     def close(self) -> None:
         del self.llm
         self._config_dir.cleanup()
+
+
+def _drain(stream: VLLMTokenStream) -> list[tuple[int, TokenOutput]]:
+    """Step stream until every request added to it has finished; their (key, output)."""
+    outputs = []
+    while stream.running:
+        outputs += stream.step()
+    return outputs
 
 
 def with_architecture(model_config):
