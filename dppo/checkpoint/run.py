@@ -179,7 +179,8 @@ class RunCheckpoints:
         self.attempts.save(lambda: self.save(trainer), ckpt.CheckpointId(trainer.state.global_step).name)
 
     def after_failure(self, trainer: Checkpointed) -> str:
-        """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""
+        """Checkpoint the intact trainer after a failure that left its state as it was (the rollout failed, or
+        algorithm.filter_groups kept nothing); what happened, for the error message."""
         self._trainer = trainer
         run = trainer.state
         if self.cfg.trainer.checkpoint_every == 0:

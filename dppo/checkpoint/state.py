@@ -21,8 +21,9 @@ from dppo.batch import Group
 # ---- the current sync cycle -----------------------------------------------------------------------------
 
 
-# Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips)
-COUNTED_METRICS = ("actor/skipped_updates",)
+# Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips,
+# algorithm.filter_groups' triggers at its limit)
+COUNTED_METRICS = ("actor/skipped_updates", "filter_groups/at_limit")
 
 
 @dataclass
