@@ -65,7 +65,9 @@ EXIT_CODES = (
         6,
         "the data cannot be used: a data file that is missing or damaged, a column or row, the tokenizer of "
         "model.path, or the reward function (it raised, returned no finite score or ran past "
-        "custom_reward_function.timeout_s in this process; on a Ray worker that ends the rollout, code 1, same line); "
+        "custom_reward_function.timeout_s in this process; on a Ray worker that ends the rollout, code 1, same line), "
+        "or gives no group to learn from (algorithm.filter_groups without max_num_gen_batches kept none of 10 "
+        "mini-batches' worth: a constant reward; checkpointed first); "
         "dppo import-gguf: SRC is missing, a directory, not a GGUF file, or a GGUF that transformers cannot load as "
         "a causal LM",
     ),

@@ -179,7 +179,8 @@ class RunCheckpoints:
         self.attempts.save(lambda: self.save(trainer), ckpt.CheckpointId(trainer.state.global_step).name)
 
     def after_failure(self, trainer: Checkpointed) -> str:
-        """Checkpoint the intact trainer after a rollout failure; what happened, for the error message."""
+        """Checkpoint the intact trainer after a failure that left its state as it was (the rollout failed, or
+        algorithm.filter_groups kept nothing); what happened, for the error message."""
         self._trainer = trainer
         run = trainer.state
         if self.cfg.trainer.checkpoint_every == 0:
@@ -252,20 +253,29 @@ class RunCheckpoints:
         run.global_step, run.version = int(state["global_step"]), int(state["version"])
         if "cycle" in state:
             run.progress = CycleProgress.from_state(state["cycle"])
-        rollout, t = state["rollout"], self.cfg.trainer
-        progress = run.progress
+        rollout = state["rollout"]
         run.rollout_start = RolloutStart(
             version=run.version,
-            consumed=run.version * t.train_batch_size
-            + progress.trigger * self.cfg.groups_per_trigger
-            + sum(held.num_groups for held in progress.ahead)
-            + (progress.pending.num_kept if progress.pending else 0),
+            consumed=int(rollout["consumed"]) if "consumed" in rollout else self._consumed_if_full(run),
             next_grant=int(rollout["next_grant"]),
             dropped_total=int(rollout["dropped_total"]),
             worker_restarts=int(rollout["worker_restarts"]),
         )
         pi_old = self._pi_old_of(trainer, path, state)
         return ResumedRun(path, dict(state.get("algorithm") or {}), state.get("trackers"), *pi_old)
+
+    def _consumed_if_full(self, run: TrainerState) -> int:
+        """The groups consumed, for a checkpoint of an older dppo that did not keep the count: as if every trigger
+        had trained on a full mini-batch of G groups. Exact unless algorithm.filter_groups' limit left a trigger
+        fewer; then it counts too many, and the resumed buffer lets its workers run that many groups less far ahead
+        than the uninterrupted run's did."""
+        progress = run.progress
+        return (
+            run.version * self.cfg.trainer.train_batch_size
+            + progress.trigger * self.cfg.groups_per_trigger
+            + sum(held.num_groups for held in progress.ahead)
+            + (progress.pending.num_kept if progress.pending else 0)
+        )
 
     def _pi_old_of(self, trainer: Checkpointed, path: Path, state: dict) -> tuple[str, dict | None]:
         """Where the resumed run's first publish takes pi_old from, and the ranks' pi_old state loaded. A checkpoint

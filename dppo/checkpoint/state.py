@@ -21,8 +21,9 @@ from dppo.batch import Group
 # ---- the current sync cycle -----------------------------------------------------------------------------
 
 
-# Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips)
-COUNTED_METRICS = ("actor/skipped_updates",)
+# Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips,
+# algorithm.filter_groups' triggers at its limit)
+COUNTED_METRICS = ("actor/skipped_updates", "filter_groups/at_limit")
 
 
 @dataclass
@@ -212,13 +213,17 @@ class RolloutStart:
     """
 
     version: int = 0
-    consumed: int = 0  # groups the trainer has consumed (taken, held ahead too) before this start, each version as B
+    # groups the trainer has consumed before this start (taken to train on, held ahead too): the replay
+    # buffer's wait budget counts from it. Fewer than B a version where algorithm.filter_groups' limit left a
+    # trigger fewer than G groups, so a checkpoint keeps the count rather than computing it
+    consumed: int = 0
     next_grant: int = 0  # grant index of the first group this start grants (one past the last one taken)
     dropped_total: int = 0
     worker_restarts: int = 0
 
     def to_state(self) -> dict:
         return {
+            "consumed": self.consumed,
             "next_grant": self.next_grant,
             "dropped_total": self.dropped_total,
             "worker_restarts": self.worker_restarts,

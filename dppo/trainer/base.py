@@ -20,8 +20,9 @@ train_trigger (and may use begin_cycle / end_cycle / close); they never re-imple
 orchestrates: the math lives in dppo.algo, called here on whole groups (advantages) or on the ranks.
 
 A cycle's progress is committed trigger by trigger (state.progress). When the rollout fails beyond recovery
-(RolloutFailedError), the trainer's own state is intact: fit() checkpoints it, mid-cycle if need be, before it
-re-raises, and a resumed run picks up at that very trigger. When an actor rank dies (RankDiedError) its shards are
+(RolloutFailedError), or algorithm.filter_groups kept nothing within its default limit (NothingKeptError), the
+trainer's own state is intact: fit() checkpoints it, mid-cycle if need be, before it re-raises, and a resumed run
+picks up at that very trigger. When an actor rank dies (RankDiedError) its shards are
 lost: the run ends, and the last checkpoint is where it resumes.
 """
 
@@ -45,7 +46,7 @@ from dppo.data.source import PromptSource
 from dppo.devices import resolve_device
 from dppo.models import policy_config
 from dppo.rng import seed_all
-from dppo.trainer.filter_groups import GroupFilter
+from dppo.trainer.filter_groups import GroupFilter, NothingKeptError
 from dppo.trainer.outputs import PublishedPolicy, RunResult, finish_run
 from dppo.trainer.progress import make_progress
 from dppo.trainer.report import MetricsLog
@@ -251,6 +252,8 @@ class BaseTrainer:
             self.published.pin()  # the final weights, before the ranks (which own them in Ray) go
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self.checkpoints.after_failure(self)}") from None
+        except NothingKeptError as err:  # the filter's draw stopped before the trigger trained: the state is intact
+            raise NothingKeptError(f"{err}; {self.checkpoints.after_failure(self)}") from None
         except RankDiedError as err:
             where = self.checkpoints.last_in_words()
             raise RankDiedError(f"{err}; the run stopped after global step {run.global_step}, {where}") from None

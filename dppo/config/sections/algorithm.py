@@ -109,11 +109,13 @@ class KLControlSection:
 class FilterGroupsSection:
     """algorithm.filter_groups: DAPO's dynamic sampling, with verl's keys. A group whose metric is the same for all
     its responses has no advantage under any group-relative estimator (nothing to learn from it); it is dropped
-    before the update and the trigger takes more groups from the rollout until its mini-batch is full."""
+    before the update and the trigger takes more groups from the rollout until its mini-batch is full, or until
+    its limit (max_num_gen_batches)."""
 
     enable: bool = False
     """Drop the groups whose metric has zero variance (verl's rule: more than one response, std == 0) and take
-    more, in the order the rollout granted them (filter_groups/kept_frac, filter_groups/extra_batches)."""
+    more, in the order the rollout granted them (filter_groups/draws, filter_groups/kept_frac,
+    filter_groups/at_limit)."""
 
     metric: str = "reward"
     """What must vary within a group for it to be kept: reward (verl's default; score and seq_reward name the same:
@@ -121,11 +123,13 @@ class FilterGroupsSection:
     outputs (the numeric entries of its dict besides score, logged as reward/extra/<key>, e.g. acc)."""
 
     max_num_gen_batches: int = 0
-    """How many generation batches a trigger may draw (verl's key; 0 or less: no limit). dppo draws a trigger's
-    groups from the replay buffer: a trigger takes at most this many times its mini-batch (train_batch_size /
-    parameter_sync_step groups), each draw only the groups still missing. When the limit is reached it trains on
-    the groups kept so far, or, if none was kept, on the last mini-batch's worth it took (the update the run
-    without the filter would have made; verl raises an error there instead)."""
+    """How many generation batches a trigger may draw (verl's key): a trigger takes at most this many times its
+    mini-batch (train_batch_size / parameter_sync_step groups), each draw only the groups still missing. When the
+    limit is reached it trains on the groups kept so far, or, if none was kept, on the last mini-batch's worth it
+    took (the update the run without the filter would have made; verl raises an error there instead). 0 or less
+    (verl: no limit, which draws without end where no group varies): at most 10 mini-batches' worth (verl's DAPO
+    recipe's limit), where a trigger trains on the groups it kept with a warning line, and one that kept none stops
+    the run after a checkpoint (one line, exit code 6)."""
 
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm.filter_groups")

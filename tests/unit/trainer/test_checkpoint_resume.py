@@ -11,6 +11,9 @@ from pathlib import Path
 import pytest
 import torch
 
+import dppo.trainer.base as base
+import dppo.trainer.filter_groups as filter_groups
+import dppo.trainer.rollout.local_source as local_source
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.layout import ACTOR_DIR, TRAINER_FILE
 from dppo.trainer.ppo import PPOTrainer
@@ -393,3 +396,70 @@ def test_a_mid_cycle_checkpoint_of_an_older_dppo_without_pi_old_resumes_and_says
     assert (resumed.global_step, resumed.progress.trigger) == (1, 1)
     resumed.fit()
     assert [r["step"] for r in read_metrics(out / "metrics.jsonl")] == [1, 2, 3]
+
+
+# what recorded_run wraps, as they are before any test patches them
+BUFFER_CORE, REWARD_EXTRAS, RUN_CYCLE = local_source.buffer_core, base._reward_extras, base.BaseTrainer.run_cycle
+
+
+def recorded_run(cfg, monkeypatch) -> tuple[list, list, list]:
+    """fit() a PPOTrainer for cfg (separate_async without Ray: local worker processes, the replay buffer here):
+    (version, consumed, next_grant) of each replay buffer made, the grant indices each trigger trained on, and
+    (consumed, next_grant) after each step."""
+    starts, trained, after = [], [], []
+
+    def recording_core(settings, start, *args):
+        starts.append((start.version, start.consumed, start.next_grant))
+        return BUFFER_CORE(settings, start, *args)
+
+    def recording_cycle(self):
+        record = RUN_CYCLE(self)
+        after.append((self.rollout_start.consumed, self.rollout_start.next_grant))
+        return record
+
+    monkeypatch.setattr(local_source, "buffer_core", recording_core)
+    monkeypatch.setattr(
+        base, "_reward_extras", lambda groups: trained.append([g.index for g in groups]) or REWARD_EXTRAS(groups)
+    )
+    monkeypatch.setattr(base.BaseTrainer, "run_cycle", recording_cycle)
+    PPOTrainer(cfg).fit()
+    return starts, trained, after
+
+
+def test_a_run_whose_triggers_train_on_fewer_groups_resumes_with_the_groups_it_consumed(small_cfg, monkeypatch):
+    """algorithm.filter_groups with max_num_gen_batches=2, and one group in four varying: each trigger (G = 2) takes
+    4 groups and trains on 1, so a step consumes 2 groups, not B = 4. A run stopped after step 2's checkpoint and
+    resumed starts its replay buffer with the count (the wait budget's base) and goes on with the grants of the run
+    that never stopped; a checkpoint of an older dppo, without the count, still resumes (counted as if full)."""
+    monkeypatch.setattr(filter_groups, "keeps", lambda group, metric: group.index % 4 == 3)
+    out = Path(small_cfg().trainer.output_dir)
+    common = {
+        "trainer.mode": "separate_async",
+        "trainer.checkpoint_every": 2,
+        "algorithm.filter_groups.enable": True,
+        "algorithm.filter_groups.max_num_gen_batches": 2,
+        "replay.max_off_policy_threshold": 3,  # the run's last version: no group is ever dropped, whatever the timing
+    }
+    starts, trained, after = recorded_run(
+        small_cfg(**common, **{"trainer.total_steps": 4, "trainer.output_dir": f"{out}-whole"}), monkeypatch
+    )
+    assert starts == [(0, 0, 0)]
+    assert trained == [[3], [7], [11], [15], [19], [23], [27], [31]]
+    assert after == [(2, 8), (4, 16), (6, 24), (8, 32)]
+
+    assert recorded_run(small_cfg(**common), monkeypatch)[2] == after[:2]
+    assert saved_state(out / "checkpoints")["rollout"]["consumed"] == 4
+    resumed = recorded_run(small_cfg(**common, **{"trainer.total_steps": 4, "trainer.resume": True}), monkeypatch)
+    assert resumed == ([(2, 4, 16)], trained[4:], after[2:])
+
+    path = out / "checkpoints" / "step_00000004"  # as an older dppo wrote it: no consumed count
+    state = torch.load(path / TRAINER_FILE, weights_only=True)
+    del state["rollout"]["consumed"]
+    torch.save(state, path / TRAINER_FILE)
+    forge(path)
+    older = PPOTrainer(small_cfg(**common, **{"trainer.total_steps": 5, "trainer.resume": True}))
+    try:
+        assert older.resumed_from == path
+        assert (older.rollout_start.consumed, older.rollout_start.next_grant) == (4 * 4, 32)  # 4 versions x B
+    finally:
+        older.close()

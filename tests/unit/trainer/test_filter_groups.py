@@ -4,17 +4,23 @@ and a run that learns. The rule itself is checked against verl's own code in tes
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
 import dppo.trainer.base as base
 import dppo.trainer.filter_groups as filter_groups
 from dppo.config import ConfigError
+from dppo.data import DataError
 from dppo.batch import Group
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.layout import TRAINER_FILE
+from dppo.cli import main
+from dppo.tasks import TASKS, Task, digit_task
 from dppo.trainer.filter_groups import FilterMetricError, GroupFilter, keeps
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
@@ -82,6 +88,8 @@ class ScriptedRollout:
         self.fetches, self.discards = [], []
 
     def fetch(self, num_groups, version):
+        if self.next + num_groups > len(self.groups):  # a draw that does not stop: fail, never spin on empty takes
+            raise AssertionError(f"a take of {num_groups} groups past the script's {len(self.groups)}")
         self.fetches.append(num_groups)
         taken = self.groups[self.next : self.next + num_groups]
         self.next += num_groups
@@ -117,7 +125,11 @@ def test_a_draw_takes_only_the_missing_groups_until_the_mini_batch_is_full():
     assert indices(draw.taken) == [0, 1, 2, 3, 4] and draw.kept == [False, True, False, False, True]
     assert indices(draw.groups(2)) == [1, 4]
     assert rollout.discards == [1, 1, 1] and draw.discarded == 3  # told at once, one fetch at a time
-    assert make_filter().metrics(draw) == {"filter_groups/kept_frac": 2 / 5, "filter_groups/extra_batches": 1.5}
+    assert make_filter().metrics(draw) == {
+        "filter_groups/draws": 2.5,
+        "filter_groups/kept_frac": 2 / 5,
+        "filter_groups/at_limit": 0.0,
+    }
 
 
 def test_without_the_filter_a_draw_is_one_fetch_of_the_mini_batch():
@@ -135,12 +147,47 @@ def test_at_the_limit_the_trigger_trains_on_what_it_kept():
     assert rollout.discards == [1, 1, 1]
 
 
+def test_without_a_limit_a_draw_stops_at_the_default_limit_and_trains_on_what_it_kept():
+    """max_num_gen_batches=0: verl would draw until G groups are kept; dppo stops at DEFAULT_MAX_BATCHES x G taken."""
+    assert filter_groups.DEFAULT_MAX_BATCHES == 10
+    rollout = ScriptedRollout([SAME] * 5 + [VARIED] + [SAME] * 40)
+    draw = make_filter().fetch(rollout, 0)
+    assert rollout.fetches == [2, 2, 2] + [1] * 14 and rollout.next == 20  # 10 x 2 groups taken, not one more
+    assert indices(draw.groups(2)) == [5]  # one group: a smaller mini-batch
+    assert sum(rollout.discards) == draw.discarded == 19
+    assert make_filter().metrics(draw) == {
+        "filter_groups/draws": 10.0,
+        "filter_groups/kept_frac": 1 / 20,
+        "filter_groups/at_limit": 1.0,
+    }
+
+
+@pytest.mark.parametrize("ready", [False, True])
+def test_without_a_limit_a_draw_that_keeps_nothing_stops_with_an_error_at_the_default_limit(ready):
+    rollout = ScriptedRollout([SAME] * 40)
+    fetch = make_filter().fetch_ready if ready else make_filter().fetch
+    with pytest.raises(
+        filter_groups.NothingKeptError,
+        match=r"^algorithm.filter_groups kept none of the 20 groups a trigger drew \(10 mini-batches' worth, its "
+        r"limit where max_num_gen_batches=0 sets none\): reward was the same for every response of each ",
+    ):
+        fetch(rollout, 0)
+    assert rollout.next == 20
+    assert isinstance(filter_groups.NothingKeptError("x"), DataError)  # exit code 6
+    draw = make_filter(limit=10).fetch(ScriptedRollout([SAME] * 40), 0)  # a limit set: the last mini-batch
+    assert indices(draw.groups(2)) == [18, 19]
+
+
 def test_at_the_limit_with_nothing_kept_the_trigger_trains_on_the_last_mini_batch_taken():
     rollout = ScriptedRollout([SAME, SAME, SAME, [0.0] * 4, VARIED])
     draw = make_filter(limit=2).fetch(rollout, 0)
     assert rollout.fetches == [2, 2] and indices(draw.groups(2)) == [2, 3]
     assert rollout.discards == [2]  # the first two only: the last two are trained on
-    assert make_filter(limit=2).metrics(draw) == {"filter_groups/kept_frac": 0.0, "filter_groups/extra_batches": 1.0}
+    assert make_filter(limit=2).metrics(draw) == {
+        "filter_groups/draws": 2.0,
+        "filter_groups/kept_frac": 0.0,
+        "filter_groups/at_limit": 1.0,
+    }
 
 
 def test_a_draw_from_ready_groups_stops_where_they_end_and_its_trigger_finishes_it_as_one_draw_would():
@@ -211,11 +258,13 @@ def drop_every_third(group: Group, metric: str) -> bool:
     return group.index % 3 != 0
 
 
-def recording_run(cfg, monkeypatch, rollout=None):
-    """fit() a trainer for cfg under drop_every_third; (trainer, grant indices of each trained trigger's groups)."""
-    monkeypatch.setattr(filter_groups, "keeps", drop_every_third)
+def recording_run(cfg, monkeypatch, rollout=None, rule=drop_every_third):
+    """fit() a trainer for cfg under rule (keeps' stand-in); (trainer, grant indices of each trained trigger's
+    groups). rollout(trainer): the rollout source to use instead of the one the trainer makes."""
+    monkeypatch.setattr(filter_groups, "keeps", rule)
     trainer = PPOTrainer(cfg)
-    trainer.rollout = rollout(trainer) if rollout else None
+    if rollout:
+        trainer.rollout = rollout(trainer)
     trained = []
     monkeypatch.setattr(base, "_reward_extras", lambda groups: trained.append(indices(groups)) or REWARD_EXTRAS(groups))
     trainer.fit()
@@ -241,7 +290,8 @@ def test_score_ahead_draws_the_same_groups_as_the_triggers_would_and_gives_bitwi
     for trainer in (on, off):
         records = read_metrics(trainer.metrics.path)
         assert [r["filter_groups/kept_frac"] for r in records] == [2 / 3, 2 / 3]
-        assert [r["filter_groups/extra_batches"] for r in records] == [0.5, 0.5]
+        assert [r["filter_groups/draws"] for r in records] == [1.5, 1.5]
+        assert [r["filter_groups/at_limit"] for r in records] == [0.0, 0.0]
         assert trainer.rollout_start.next_grant == 18  # every group taken, the dropped ones too
     assert [r["snapshot/scored_ahead_frac"] for r in read_metrics(on.metrics.path)] == [1.0, 1.0]
 
@@ -337,5 +387,101 @@ def test_a_tiny_run_with_the_filter_learns(small_cfg):
     rewards = [r["critic/score/mean"] for r in result.records]
     assert sum(rewards[-5:]) / 5 > sum(rewards[:5]) / 5 + 0.25, rewards
     assert all(r["filter_groups/kept_frac"] < 1.0 for r in result.records[-10:])  # groups were dropped, and replaced
-    assert all(r["filter_groups/extra_batches"] > 0.0 for r in result.records[-10:])
+    assert all(r["filter_groups/draws"] > 1.0 for r in result.records[-10:])
     assert result.evaluation["eval/accuracy"] > 0.25
+
+
+# ---- the default limit, in process ---------------------------------------------------------------------------------
+
+KEEPS = filter_groups.keeps  # the real rule
+
+
+def examining(rule, examined: list[int], most: int = 100):
+    """rule, recording the grant index of each group it is asked about into examined; AssertionError past `most`
+    groups, so a draw that does not stop fails the test instead of hanging it."""
+
+    def counting(group: Group, metric: str) -> bool:
+        examined.append(group.index)
+        if len(examined) > most:
+            raise AssertionError(f"the draws went on past {most} groups")
+        return rule(group, metric)
+
+    return counting
+
+
+def constant_task(length: int) -> Task:
+    """The copy task's prompts with a reward of 0 for every response: no group ever varies."""
+    copy = digit_task("constant", length, lambda d: d)
+    return dataclasses.replace(copy, reward_fn=lambda prompts, responses, mask: np.zeros(len(prompts), np.float32))
+
+
+@pytest.mark.parametrize("mode", ["sync", "separate_async"])
+def test_a_constant_reward_ends_the_run_at_the_default_limit_with_one_line_and_exit_code_6(
+    small_args, capsys, monkeypatch, mode
+):
+    """The real rule on a real constant reward (rollout worker processes in separate_async): trigger 0 takes 10 x 2
+    groups, keeps none and the run stops; without the limit it would draw forever (here: past 100 groups)."""
+    monkeypatch.setitem(TASKS, "constant", constant_task)
+    examined = []
+    monkeypatch.setattr(filter_groups, "keeps", examining(KEEPS, examined))
+    overrides = {"task.name": "constant", "trainer.mode": mode, "trainer.checkpoint_every": 10}
+    code = main(["train", *small_args(**overrides, **{"algorithm.filter_groups.enable": True})])
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert examined == list(range(20)), f"{len(examined)} groups examined"
+    assert code == 6, lines
+    assert lines[-1] == (
+        "dppo: error: algorithm.filter_groups kept none of the 20 groups a trigger drew (10 mini-batches' worth, its "
+        "limit where max_num_gen_batches=0 sets none): reward was the same for every response of each (a constant "
+        "reward, or a policy that answers these prompts alike); set algorithm.filter_groups.max_num_gen_batches > 0 "
+        "to train on the last mini-batch at that limit instead, or enable=false; nothing was trained yet, so no "
+        "checkpoint was written"
+    )
+
+
+def test_a_run_that_stops_keeping_groups_is_checkpointed_before_its_error(small_args, capsys, monkeypatch, tmp_path):
+    """Groups 0-3 vary (step 1's), none after: step 2's trigger 0 draws 4 .. 23 and the run stops, its state at step
+    1 checkpointed, where a resumed run would draw them again."""
+    examined = []
+    monkeypatch.setattr(filter_groups, "keeps", examining(lambda group, metric: group.index < 4, examined))
+    filtered = {"algorithm.filter_groups.enable": True}
+    code = main(["train", *small_args(**{"trainer.checkpoint_every": 10, "trainer.total_steps": 3, **filtered})])
+    line = capsys.readouterr().err.strip().splitlines()[-1]
+    assert examined == list(range(24)), f"{len(examined)} groups examined"
+    assert code == 6
+    assert line.startswith("dppo: error: algorithm.filter_groups kept none of the 20 groups a trigger drew ")
+    checkpoints = tmp_path / "run" / "checkpoints"
+    assert line.endswith(
+        f"; the trainer's state at step 1 is checkpointed in {checkpoints}/step_00000001 (trainer.resume=true "
+        "continues from it)"
+    )
+    path, state = ckpt.CheckpointDir(checkpoints).newest(lambda p, m: ckpt.load_torch(p / TRAINER_FILE))
+    assert path.name == "step_00000001" and state["rollout"]["next_grant"] == 4
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [1]
+
+
+def keep_one_in_twenty(group: Group, metric: str) -> bool:
+    return group.index % 20 == 0
+
+
+def test_at_the_default_limit_a_trigger_trains_on_the_groups_it_kept_with_one_warning_line_a_step(
+    small_cfg, monkeypatch, caplog
+):
+    """One group in 20 varies: each trigger (G = 2) takes 20, keeps one and trains on it; score-ahead draws trigger
+    1's 20 at trigger 0; the rollout counts one group consumed per trigger."""
+    cfg = small_cfg(**{"algorithm.filter_groups.enable": True})
+    with caplog.at_level(logging.WARNING, logger="dppo.trainer"):
+        trainer, trained = recording_run(cfg, monkeypatch, rule=examining(keep_one_in_twenty, []))
+    assert trained == [[0], [20], [40], [60]]
+    records = read_metrics(trainer.metrics.path)
+    assert [r["filter_groups/draws"] for r in records] == [10.0, 10.0]
+    assert [r["filter_groups/kept_frac"] for r in records] == [0.05, 0.05]
+    assert [r["filter_groups/at_limit"] for r in records] == [2.0, 2.0]  # both triggers of each step
+    assert [r["snapshot/scored_ahead_frac"] for r in records] == [1.0, 1.0]
+    assert (trainer.rollout_start.consumed, trainer.rollout_start.next_grant) == (4, 80)
+    lines = [r.getMessage() for r in caplog.records if r.name == "dppo.trainer"]
+    assert lines == [
+        f"step {step}: a trigger kept 1 of the 20 groups it drew (10 mini-batches' worth, algorithm.filter_groups' "
+        "limit where max_num_gen_batches=0 sets none) and trains on them instead of 2; filter_groups/at_limit counts "
+        "such triggers per step"
+        for step in (1, 2)
+    ]
