@@ -5,7 +5,8 @@
 
 --task text (point 3, `make bench-peers-text`) runs the same way on the text task of benchmarks/text_peer_task.py
 (a 43M model, 64-token responses): dppo with rollout.name=vllm from .venv-vllm, TRL with benchmarks/trl_text.py;
-its one target is time to 0.9 at most 0.5x TRL's. docs/benchmarks.md lists what is matched for each task.
+it prints the measured ratios and judges none of them (the text task's targets are the issues', recorded with their
+figures in benchmarks/RESULTS.md). docs/benchmarks.md lists what is matched for each task.
 
 Each seed builds the tiny Qwen2 of dppo's defaults once (dppo.models.build_model, the weights `dppo train` would
 build with that seed) and saves it to a temporary directory that both systems load. Then, alternating which
@@ -61,9 +62,10 @@ WINDOW = 5  # global steps in the reward's moving mean
 THRESHOLDS = (0.5, 0.9)
 # issue 18, point 2: dppo's figure at most this multiple of TRL's
 TARGETS = {"to_0.9_s": 0.8, "whole_s": 1.0, "pss_mb": 2.0}
-# issue 18, point 3 (--task text): the text task's thresholds and target, time to the same reward <= 0.5x TRL's
+# --task text: the text task's thresholds; it judges no target (the issues that set them changed it: issue 18's 0.5x,
+# issue 33's 0.85x; RESULTS.md gives each with its figures), so it prints ratios without a verdict
 TEXT_THRESHOLDS = (0.5, 0.9)
-TEXT_TARGETS = {"to_0.9_s": 0.5}
+TEXT_TARGETS: dict[str, float] = {}
 TEXT_STEPS, TEXT_SYNC_STEPS, TEXT_PROMPTS, TEXT_LR = 25, 2, 16, 5e-4
 FINAL_EXACT = 0.99  # issue 32: the demo task's greedy exact match every dppo run must end at (the text task has none)
 

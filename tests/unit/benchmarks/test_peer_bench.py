@@ -132,12 +132,15 @@ def test_the_text_task_runs_dppo_on_vllm_with_the_matched_batch_and_lr(bench, tm
     assert keys["custom_reward_function.path"].endswith("benchmarks/text_peer_reward.py")
 
 
-def test_the_text_target_is_time_to_0_9_at_most_half_of_trls(bench):
-    judged = bench.verdicts(
-        {"to_0.9_s": 100.0, "whole_s": 500.0}, {"to_0.9_s": 199.0, "whole_s": 100.0}, bench.TEXT_TARGETS
-    )
-    assert list(judged) == ["to_0.9_s"] and not judged["to_0.9_s"]["pass"]  # 0.503x; whole is not a target here
-    assert bench.verdicts({"to_0.9_s": 100.0}, {"to_0.9_s": 200.0}, bench.TEXT_TARGETS)["to_0.9_s"]["pass"]
+def test_the_text_task_prints_its_ratios_without_a_verdict_it_does_not_own(bench):
+    figures = {"to_0.9_s": (100.0, 100.0, 100.0), "whole_s": (500.0, 500.0, 500.0)}
+    summary = {"dppo": figures, "trl": {"to_0.9_s": (199.0, 199.0, 199.0), "whole_s": (100.0, 100.0, 100.0)}}
+    summary["dppo"].update({key: (None, None, None) for key, *_ in bench.ROWS if key not in figures})
+    summary["trl"].update({key: (None, None, None) for key, *_ in bench.ROWS if key not in summary["trl"]})
+    judged = bench.verdicts({"to_0.9_s": 100.0}, {"to_0.9_s": 199.0}, bench.TEXT_TARGETS)
+    table = bench.format_table(summary, judged)
+    assert judged == {} and "PASS" not in table and "FAIL" not in table
+    assert "0.50x" in table  # the ratio is printed all the same
 
 
 def test_the_pss_sampler_takes_at_most_its_duty_of_a_core(bench):
