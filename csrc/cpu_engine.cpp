@@ -246,6 +246,8 @@ void CpuEngine::order_after(const std::vector<TicketPtr>& tickets) {
 
 TicketPtr CpuEngine::mark_caller() { return std::make_shared<CpuTicket>(0); }
 
-void CpuEngine::read_back(void* dst, const void* src, size_t bytes, bool /*after_caller*/) { std::memcpy(dst, src, bytes); }
+void CpuEngine::read_back(void* dst, const void* src, size_t bytes, bool /*after_caller*/) {
+  std::memcpy(dst, src, bytes);
+}
 
 }  // namespace dppo

@@ -90,8 +90,8 @@ class CudaEngine : public Engine {
   std::unique_ptr<CudaStream> save_;
   std::unique_ptr<CudaStream> load_;
   std::unique_ptr<CudaStream> aux_;  // read_back(): waits for neither copy queue
-  bool batch_ok_ = true;     // cleared if the driver refuses cudaMemcpyBatchAsync
-  bool register_ok_ = true;  // cleared if cudaHostRegister is refused where cudaHostAlloc works
+  bool batch_ok_ = true;             // cleared if the driver refuses cudaMemcpyBatchAsync
+  bool register_ok_ = true;          // cleared if cudaHostRegister is refused where cudaHostAlloc works
 };
 
 }  // namespace dppo

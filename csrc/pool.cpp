@@ -101,7 +101,8 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
   if (options_.device_budget_bytes < 0) {
     throw std::invalid_argument(cat("device_budget_bytes must be >= 0, got ", options_.device_budget_bytes));
   }
-  if (options_.cpu_threads < 0) throw std::invalid_argument(cat("cpu_threads must be >= 0, got ", options_.cpu_threads));
+  if (options_.cpu_threads < 0)
+    throw std::invalid_argument(cat("cpu_threads must be >= 0, got ", options_.cpu_threads));
   if (options_.piece_bytes <= 0 || options_.swap_chunk_bytes <= 0) {
     throw std::invalid_argument(cat("piece_bytes and swap_chunk_bytes must be > 0, got ", options_.piece_bytes, " and ",
                                     options_.swap_chunk_bytes));
@@ -116,8 +117,9 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
 #ifdef DPPO_WITH_CUDA
     engine_ = std::make_unique<CudaEngine>(layout_.device().index(), pin_chunk > 0 ? pin_chunk : kPinChunkBytes);
 #else
-    throw SnapshotError("the tensors are on CUDA but dppo._C was built without CUDA; rebuild it where nvcc is found "
-                        "(DPPO_FORCE_CUDA=1 makes a missing toolkit an error)");
+    throw SnapshotError(
+        "the tensors are on CUDA but dppo._C was built without CUDA; rebuild it where nvcc is found "
+        "(DPPO_FORCE_CUDA=1 makes a missing toolkit an error)");
 #endif
   } else {
     engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s,
@@ -356,7 +358,8 @@ void Pool::swap_in(int64_t slot) {
   check_slot(slot, "swapped");
   layout_.check_live("swapped");
   prune();
-  if (swapped_) throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
+  if (swapped_)
+    throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
   StoragePtr storage = get_slot(slot, "swapped").storage;
   if (!engine_->is_cuda()) await_save(*storage);  // as in restore(): a failed save is raised before any change
   verify(*storage, slot, "swapped");
@@ -455,7 +458,8 @@ void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, cons
   };
   if (!back.empty() || with_strided) {
     try {
-      const TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", slot, false);
+      const TicketPtr t =
+          issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", slot, false);
       mark_reported({t});
       t->wait();
     } catch (...) {
@@ -501,7 +505,8 @@ NamedTensors Pool::view(int64_t slot) {
   out.reserve(names_.size());
   for (const std::string& name : names_) {
     const size_t idx = layout_.find(name);
-    if (!by_entry[idx].defined()) by_entry[idx] = alias(storage, layout_.entries()[idx], layout_.entries()[idx].offset, true);
+    if (!by_entry[idx].defined())
+      by_entry[idx] = alias(storage, layout_.entries()[idx], layout_.entries()[idx].offset, true);
     out.emplace_back(name, by_entry[idx]);
   }
   OpStats& st = ops_["view"];
@@ -608,8 +613,9 @@ void Pool::collect() {
     }
   }
   in_flight_ = std::move(still);
-  live_reads_.erase(std::remove_if(live_reads_.begin(), live_reads_.end(), [](const TicketPtr& t) { return t->ready(); }),
-                    live_reads_.end());
+  live_reads_.erase(
+      std::remove_if(live_reads_.begin(), live_reads_.end(), [](const TicketPtr& t) { return t->ready(); }),
+      live_reads_.end());
   for (auto& [k, s] : slots_) {
     settle(*s.storage);
     s.storage->prune_reads();

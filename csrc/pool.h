@@ -21,17 +21,17 @@
 namespace dppo {
 
 struct PoolOptions {
-  int64_t max_host_bytes = -1;       // < 0: no limit
-  int64_t device_budget_bytes = 0;   // device memory that slots may use (CUDA pools)
-  bool checksum = false;             // checksum every save, verify on restore/view/swapped/stream
-  int64_t cpu_threads = 0;           // 0: min(4, hardware threads)
-  int64_t piece_bytes = 4 << 20;     // CPU copies are split into pieces of this size
+  int64_t max_host_bytes = -1;          // < 0: no limit
+  int64_t device_budget_bytes = 0;      // device memory that slots may use (CUDA pools)
+  bool checksum = false;                // checksum every save, verify on restore/view/swapped/stream
+  int64_t cpu_threads = 0;              // 0: min(4, hardware threads)
+  int64_t piece_bytes = 4 << 20;        // CPU copies are split into pieces of this size
   int64_t swap_chunk_bytes = 64 << 20;  // CUDA swapped(): granularity of the interleaved copies
   // Host arenas are pinned in chunks of this many bytes (a multiple of the page size) and no copy crosses a
   // chunk boundary. 0: the engine's default (CUDA: 1 GiB; CPU: no chunks, arenas are not pinned).
   int64_t pin_chunk_bytes = 0;
-  double copy_delay_s = 0;           // testing aid: every CPU copy task first sleeps this long
-  int64_t fail_copy_task = -1;       // testing aid: the CPU copy task with this sequence number raises (< 0: none)
+  double copy_delay_s = 0;      // testing aid: every CPU copy task first sleeps this long
+  int64_t fail_copy_task = -1;  // testing aid: the CPU copy task with this sequence number raises (< 0: none)
 };
 
 using NamedTensors = std::vector<std::pair<std::string, at::Tensor>>;
@@ -88,7 +88,7 @@ class Pool {
     int64_t slot;  // the slot the copy is for (< 0: none, e.g. the copy back of swapped())
     size_t bytes;
     bool counted;
-    bool report;   // a failure is raised by prune(), unless the call that issued the copy rethrew it
+    bool report;  // a failure is raised by prune(), unless the call that issued the copy rethrew it
   };
 
   static void check_slot(int64_t slot, const char* op);
@@ -159,7 +159,7 @@ class Pool {
   PoolOptions options_;
   Layout layout_;
   std::vector<std::string> names_;  // in the order given
-  std::vector<Run> pieces_;          // layout runs cut for this engine
+  std::vector<Run> pieces_;         // layout runs cut for this engine
   std::unique_ptr<WorkerPool> workers_;
   std::unique_ptr<Engine> engine_;
   std::map<int64_t, Slot> slots_;

@@ -96,7 +96,8 @@ void Streamer::begin() {
   pool.verify(*source, slot_, "stream");
   staged_ = staged_now();
   if (staged_) {
-    if (pool.streaming_) throw SnapshotError("streamer.begin(): another streamer of this pool is active; end() it first");
+    if (pool.streaming_)
+      throw SnapshotError("streamer.begin(): another streamer of this pool is active; end() it first");
     for (auto& buffer : pool.staging_) {
       if (buffer && buffer->bytes >= buffer_bytes_) continue;
       if (buffer) pool.retired_.push_back(std::move(buffer));  // freed once its copies are done
@@ -136,7 +137,8 @@ void Streamer::load(size_t step) {
   }
   std::vector<TicketPtr> deps = buffer.pending();  // the kernels that read the previous step in it
   if (source_->write) deps.push_back(source_->write);
-  TicketPtr t = pool.issue(Direction::kLoad, std::move(job), deps, "stream", slot_, /*counted=*/false);  // begin() counts
+  TicketPtr t =
+      pool.issue(Direction::kLoad, std::move(job), deps, "stream", slot_, /*counted=*/false);  // begin() counts
   buffer.write = t;
   buffer.reads.clear();
   source_->reads.push_back(t);
@@ -144,7 +146,8 @@ void Streamer::load(size_t step) {
 }
 
 void Streamer::check_step(int64_t step, const char* op) const {
-  if (!active_) throw SnapshotError(cat("streamer.", op, "(", step, "): not begun; call begin() or use `with streamer:`"));
+  if (!active_)
+    throw SnapshotError(cat("streamer.", op, "(", step, "): not begun; call begin() or use `with streamer:`"));
   if (step < 0 || static_cast<size_t>(step) >= steps_.size()) {
     throw std::invalid_argument(cat("streamer.", op, "(", step, "): step out of range [0, ", steps_.size(), ")"));
   }
@@ -155,7 +158,8 @@ NamedTensors Streamer::acquire(int64_t step) {
   check_step(step, "acquire");
   const auto i = static_cast<size_t>(step);
   if (i != next_acquire_) {
-    throw SnapshotError(cat("streamer.acquire(", step, "): steps are acquired in order; the next one is ", next_acquire_));
+    throw SnapshotError(
+        cat("streamer.acquire(", step, "): steps are acquired in order; the next one is ", next_acquire_));
   }
   if (i >= 2 && next_release_ < i - 1) {
     throw SnapshotError(cat("streamer.acquire(", step, ") before release(", i - 2, "): step ", i,
@@ -169,7 +173,8 @@ NamedTensors Streamer::acquire(int64_t step) {
     pool.engine_->order_after({loaded_[i]});  // kernels queued from now on see step i
     const StoragePtr& buffer = pool.staging_[i % 2];
     for (size_t k = 0; k < s.names.size(); ++k) {
-      out.emplace_back(s.names[k], pool.alias(buffer, pool.layout_.entries()[s.entries[k]], s.staging_offsets[k], true));
+      out.emplace_back(s.names[k],
+                       pool.alias(buffer, pool.layout_.entries()[s.entries[k]], s.staging_offsets[k], true));
     }
   } else {
     for (size_t k = 0; k < s.names.size(); ++k) {
@@ -186,8 +191,9 @@ void Streamer::release(int64_t step) {
   check_step(step, "release");
   const auto i = static_cast<size_t>(step);
   if (i != next_release_ || i >= next_acquire_) {
-    throw SnapshotError(cat("streamer.release(", step, "): steps are released in order after their acquire; expected release(",
-                            next_release_, ")", next_release_ < next_acquire_ ? "" : cat(" after acquire(", next_release_, ")")));
+    throw SnapshotError(cat("streamer.release(", step,
+                            "): steps are released in order after their acquire; expected release(", next_release_, ")",
+                            next_release_ < next_acquire_ ? "" : cat(" after acquire(", next_release_, ")")));
   }
   if (staged_) {
     Pool& pool = *pool_;
