@@ -3,12 +3,12 @@
 
 #include <ATen/ATen.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
-
-#include "engine.h"
 
 namespace dppo {
 

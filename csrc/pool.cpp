@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <optional>
 
+#include "cpu_engine.h"
 #include "errors.h"
 #ifdef DPPO_WITH_CUDA
 #include "cuda_engine.h"

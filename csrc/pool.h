@@ -13,10 +13,10 @@
 #include <utility>
 #include <vector>
 
-#include "cpu_engine.h"
 #include "engine.h"
 #include "layout.h"
 #include "storage.h"
+#include "worker_pool.h"
 
 namespace dppo {
 
