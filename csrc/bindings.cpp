@@ -1,6 +1,7 @@
 // Python bindings of dppo._C: no logic, only the mapping of C++ types and errors onto Python.
 #include <torch/extension.h>
 
+#include "backend.h"
 #include "errors.h"
 #include "pool.h"
 #include "streamer.h"
@@ -96,7 +97,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                                py::gil_scoped_release nogil;
                                return p.staging_bytes();
                              })
-      .def_property_readonly("is_cuda", &Pool::is_cuda)
       .def(
           "streamer",
           [](std::shared_ptr<Pool> self, int64_t slot, const std::vector<std::vector<std::string>>& schedule) {

@@ -24,7 +24,8 @@ class CpuEngine : public Engine {
   // copy() creates them) raises SnapshotError instead of copying; < 0: none.
   CpuEngine(WorkerPool& workers, size_t piece_bytes, double copy_delay_s, size_t split_bytes, int64_t fail_task = -1);
 
-  bool is_cuda() const override { return false; }
+  bool separate_device_memory() const override { return false; }  // the live tensors are in host memory
+  bool orders_on_host() const override { return true; }           // copies wait for their deps on the host
   std::unique_ptr<HostArena> new_arena(size_t bytes) override;
   size_t arena_split_bytes() const override { return split_bytes_; }
   size_t piece_bytes() const override { return piece_bytes_; }

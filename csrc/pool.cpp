@@ -10,20 +10,14 @@
 #include <cstdio>
 #include <optional>
 
-#include "cpu_engine.h"
+#include "backend.h"
 #include "errors.h"
-#ifdef DPPO_WITH_CUDA
-#include "cuda_engine.h"
-#endif
 
 namespace dppo {
 
 namespace {
 
 using Clock = std::chrono::steady_clock;
-
-// Default pinning chunk of CUDA host arenas: registering a large arena in pieces keeps each call short.
-constexpr size_t kPinChunkBytes = size_t{1} << 30;
 
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
@@ -74,29 +68,6 @@ void copy_into(at::Tensor& dst, const at::Tensor& src) {
 
 }  // namespace
 
-bool cuda_compiled() {
-#ifdef DPPO_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
-namespace {
-
-// Which adjacent live bytes one copy may span: any on the host; on a GPU only those of one allocation.
-JoinableFn joinable_for(const std::vector<at::Tensor>& tensors) {
-#ifdef DPPO_WITH_CUDA
-  if (!tensors.empty() && tensors[0].defined() && tensors[0].is_cuda()) {
-    return [](const uint8_t* last, const uint8_t* next) { return same_device_allocation(last, next); };
-  }
-#endif
-  (void)tensors;
-  return {};
-}
-
-}  // namespace
-
 Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, PoolOptions options)
     : options_(options), layout_(names, tensors, joinable_for(tensors)), names_(names) {
   if (options_.device_budget_bytes < 0) {
@@ -112,20 +83,12 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
     throw std::invalid_argument(cat("pin_chunk_bytes must be 0 or a positive multiple of the page size (", page_bytes(),
                                     "), got ", options_.pin_chunk_bytes));
   }
-  const auto pin_chunk = static_cast<size_t>(options_.pin_chunk_bytes);
-  // The backend is chosen here, once, by the device of the tensors.
-  if (layout_.device().is_cuda()) {
-#ifdef DPPO_WITH_CUDA
-    engine_ = std::make_unique<CudaEngine>(layout_.device().index(), pin_chunk > 0 ? pin_chunk : kPinChunkBytes);
-#else
-    throw SnapshotError(
-        "the tensors are on CUDA but dppo._C was built without CUDA; rebuild it where nvcc is found "
-        "(DPPO_FORCE_CUDA=1 makes a missing toolkit an error)");
-#endif
-  } else {
-    engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s,
-                                          pin_chunk, options_.fail_copy_task);
-  }
+  EngineOptions engine;
+  engine.piece_bytes = static_cast<size_t>(options_.piece_bytes);
+  engine.pin_chunk_bytes = static_cast<size_t>(options_.pin_chunk_bytes);
+  engine.copy_delay_s = options_.copy_delay_s;
+  engine.fail_copy_task = options_.fail_copy_task;
+  engine_ = make_engine(layout_.device(), engine, [this]() -> WorkerPool& { return workers(); });
   pieces_ = layout_.pieces(engine_->piece_bytes(), engine_->arena_split_bytes());
 }
 
@@ -317,9 +280,9 @@ void Pool::restore(int64_t slot) {
   layout_.check_live("restore");
   prune();
   StoragePtr storage = get_slot(slot, "restore").storage;
-  // CPU: the load would wait on the host for the slot's save anyway; waiting here raises a failed save before
-  // the live tensors are touched. (CUDA: the load waits on its stream.)
-  if (!engine_->is_cuda()) await_save(*storage);
+  // An engine that orders on the host would wait there for the slot's save before loading it anyway: waiting here
+  // raises a failed save before the live tensors are touched. (On device queues the load waits for it there.)
+  if (engine_->orders_on_host()) await_save(*storage);
   verify(*storage, slot, "restore");
   load_from(storage, "restore", slot);
 }
@@ -337,12 +300,13 @@ void Pool::clear(int64_t slot) {
 
 void Pool::fence() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!engine_->is_cuda()) {
-    for (const TicketPtr& t : live_reads_) wait_quietly(t);  // the host waits; prune() raises a failed save
+  // An engine that orders on the host would wait for the pending saves in order_after() and rethrow a failure bare:
+  // waiting first lets prune() raise it with its slot, and leaves no save pending (prune() drops completed ones).
+  if (engine_->orders_on_host()) {
+    for (const TicketPtr& t : live_reads_) wait_quietly(t);
   }
   prune();
-  engine_->order_after(live_reads_);  // CUDA: the current stream waits (CPU: none is left)
-  if (!engine_->is_cuda()) live_reads_.clear();
+  engine_->order_after(live_reads_);  // the caller's later work waits for the pending saves
 }
 
 void Pool::synchronize() {
@@ -362,7 +326,7 @@ void Pool::swap_in(int64_t slot) {
   if (swapped_)
     throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
   StoragePtr storage = get_slot(slot, "swapped").storage;
-  if (!engine_->is_cuda()) await_save(*storage);  // as in restore(): a failed save is raised before any change
+  if (engine_->orders_on_host()) await_save(*storage);  // as in restore(): a failed save is raised before any change
   verify(*storage, slot, "swapped");
   // Device-tier slots swap through device scratch when the budget allows (device-to-device copies).
   const bool device_scratch =
@@ -385,10 +349,10 @@ void Pool::swap_in(int64_t slot) {
       outs.push_back(issue(Direction::kSave, std::move(out_job), out_deps, "swap", slot, false));
       out_deps.clear();
       in_deps.push_back(outs.back());  // chunk i comes in only once it has left
-      // Deps only order copies, so a load would run after a failed save all the same. The CPU engine waits for
-      // its deps on the host anyway: check here that the chunk reached the scratch. (CUDA: a copy fails when it
-      // is issued, or on the stream with an error of the context that the load meets too.)
-      if (!engine_->is_cuda()) outs.back()->wait();
+      // Deps only order copies, so a load would run after a failed save all the same. An engine that orders on the
+      // host waits for the save there anyway: check here that the chunk reached the scratch. (On device queues a
+      // copy fails when it is issued, or on the stream with an error of the context that the load meets too.)
+      if (engine_->orders_on_host()) outs.back()->wait();
       loading = i + 1;
       ins.push_back(issue(Direction::kLoad, std::move(in_job), in_deps, "swap", slot, i + 1 == chunks.size()));
       in_deps.clear();
@@ -404,9 +368,9 @@ void Pool::swap_in(int64_t slot) {
   swapped_ = storage;
 }
 
-// CPU: one exchange of everything (a load waits on the host for its save, so chunks would only serialize). CUDA:
-// strided tensors first, then the runs in chunks of swap_chunk_bytes, so that chunk i comes in on the load stream
-// while chunk i+1 leaves on the save stream. Never empty, so that entering always counts one swap.
+// One exchange of everything where the engine cannot overlap a save and a load (chunks would only serialize).
+// Otherwise strided tensors first, then the runs in chunks of swap_chunk_bytes, so that chunk i comes in on the
+// load queue while chunk i+1 leaves on the save queue. Never empty, so that entering always counts one swap.
 std::vector<Pool::SwapChunk> Pool::swap_chunks() const {
   if (!engine_->overlaps_directions()) return {SwapChunk{pieces_, true}};
   const auto chunk_bytes = static_cast<size_t>(options_.swap_chunk_bytes);

@@ -71,7 +71,6 @@ class Pool {
   size_t runs() const { return layout_.runs().size(); }  // contiguous copy ranges, before chunking
   size_t host_bytes();
   size_t device_bytes();
-  bool is_cuda() const { return engine_->is_cuda(); }
   size_t staging_bytes();
   std::vector<std::string> names() const;
   std::map<std::string, std::map<std::string, double>> op_stats();
@@ -176,9 +175,4 @@ class Pool {
   std::map<std::string, double> counters_;
 };
 
-}  // namespace dppo
-
-namespace dppo {
-// Whether this build of the extension compiled the CUDA engine.
-bool cuda_compiled();
 }  // namespace dppo

@@ -27,8 +27,8 @@ size_t Pool::count_bytes(bool device, bool with_staging) const {
 }
 
 bool Pool::fits_device(size_t extra_bytes) const {
-  return engine_->is_cuda() &&
-         count_bytes(true, false) + extra_bytes <= static_cast<size_t>(options_.device_budget_bytes);
+  if (!engine_->separate_device_memory()) return false;  // no device tier: the device's memory is host memory
+  return count_bytes(true, false) + extra_bytes <= static_cast<size_t>(options_.device_budget_bytes);
 }
 
 StoragePtr Pool::take_storage(bool device, const char* op, int64_t slot) {

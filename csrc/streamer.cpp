@@ -71,7 +71,7 @@ Streamer::~Streamer() {
 }
 
 bool Streamer::staged_now() const {
-  if (!pool_->engine_->is_cuda()) return false;
+  if (!pool_->engine_->separate_device_memory()) return false;  // the device reads host memory in place
   auto it = pool_->slots_.find(slot_);
   return it != pool_->slots_.end() && !it->second.storage->on_device();
 }
@@ -84,7 +84,7 @@ size_t Streamer::staging_bytes() const {
 std::string Streamer::mode() const {
   std::lock_guard<std::mutex> lock(pool_->mu_);
   if (active_ ? staged_ : staged_now()) return "staged";
-  return pool_->engine_->is_cuda() ? "device" : "host";
+  return pool_->engine_->separate_device_memory() ? "device" : "host";
 }
 
 void Streamer::begin() {
