@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <map>
 #include <memory>
@@ -94,7 +95,7 @@ class Pool {
   Slot& get_slot(int64_t slot, const char* op);
   [[noreturn]] void throw_empty(int64_t slot, const char* op);
 
-  // Storage management.
+  // Storage management (pool_memory.cpp).
   // Calls `fn` on every storage the pool owns: slots, free list, retired, swap scratch, staging buffers. Every
   // walk over all of them (draining, byte counts) goes through here, so none can forget a kind of storage.
   void for_each_storage(const std::function<void(const StoragePtr&)>& fn) const;
@@ -117,20 +118,41 @@ class Pool {
   // one call of `op`. The deps only order the copy: a failed dep does not fail it.
   TicketPtr issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& deps, const char* op, int64_t slot,
                   bool counted = true);
-  // Copies `storage` into the live tensors; a failure of that copy is rethrown here (CPU) and not by prune().
+  // Copies `storage` into the live tensors; a failure of that copy rethrown here (an engine that orders on the host)
+  // is not raised again by prune().
   void load_from(const StoragePtr& storage, const char* op, int64_t slot);
-  // swapped(): the copies of entering, in issue order. Each chunk leaves the live tensors for the scratch, then
-  // the slot's bytes of the same chunk come in.
+  // Orders the caller's later work after `ticket`. A failure rethrown here (an engine that orders on the host) is
+  // the calling operation's to report: prune() only counts it.
+  void order_caller_after(const TicketPtr& ticket);
+  // Before a load from `storage`: an engine that orders on the host would wait for the storage's save anyway, so
+  // waiting here raises a failed save before the live tensors are touched. (On device queues the load waits there.)
+  void await_save_before_load(Storage& storage);
+  // The caller reads `storage` next: its save is made visible to the caller's work on the device (device tier) or
+  // awaited on the host (host tier; a failed save is raised).
+  void ready_to_read(Storage& storage);
+
+  // swapped(). Entering copies the live tensors to the scratch and the slot into the live tensors in chunks: each
+  // chunk leaves for the scratch, then the slot's bytes of the same chunk come in.
   struct SwapChunk {
     std::vector<Run> pieces;
     bool with_strided = false;
   };
+  // One attempt at entering, recorded as its copies are issued so that a failure can be undone.
+  struct SwapAttempt {
+    int64_t slot;
+    std::vector<SwapChunk> chunks;
+    std::vector<TicketPtr> outs;  // per chunk issued: its save to the scratch
+    std::vector<TicketPtr> ins;   // per chunk issued: its load into the live tensors
+    size_t loading = 0;           // chunks whose load was issued, the last perhaps only in part
+  };
   std::vector<SwapChunk> swap_chunks() const;
-  // Entering failed with `error` after the loads of chunks [0, loading) into the live tensors were issued (the
-  // last perhaps only in part): copies those chunks back from the scratch and rethrows `error`; throws
-  // SnapshotError if they cannot be put back. outs/ins: the tickets of the chunks' saves and loads issued so far.
-  [[noreturn]] void undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, const std::vector<TicketPtr>& outs,
-                                 const std::vector<TicketPtr>& ins, size_t loading, std::exception_ptr error);
+  // The scratch for a slot in device memory (`device_slot`) or host memory: on the device when the slot is and the
+  // budget allows (device-to-device copies), else a host arena.
+  void prepare_scratch(bool device_slot, int64_t slot);
+  void issue_swap(SwapAttempt& attempt, const StoragePtr& storage);
+  // Entering failed with `error`: copies the chunks already loaded into the live tensors back from the scratch and
+  // rethrows `error`; throws SnapshotError if they cannot be put back.
+  [[noreturn]] void undo_swap_in(const SwapAttempt& attempt, std::exception_ptr error);
 
   // Completion bookkeeping. Every call runs prune() first: it takes stock of the copies that have completed
   // (collect()) and raises, once, a SnapshotError for those that failed and that no call has rethrown.
@@ -139,8 +161,8 @@ class Pool {
   void collect();
   void raise_failures();
   // A copy that failed leaves no trace in the hazards, so that no later copy waits on it or rethrows it: a failed
-  // save's slot is dropped (its bytes are partial) and its arena let go.
-  void forget_failed(const InFlight& copy, const std::exception_ptr& error);
+  // save's slot is dropped (its bytes are partial) and its arena let go. Returns whether a slot was dropped.
+  bool forget_failed(const TicketPtr& ticket);
   // Marks these copies' failures as rethrown by the call that issued them: prune() only counts them.
   void mark_reported(const std::vector<TicketPtr>& tickets);
   // Blocks until `storage`'s pending save has completed, then prune(): a failed save is raised here, once.
@@ -167,7 +189,7 @@ class Pool {
   StoragePtr scratch_;                 // swapped(): holds the live weights while a slot is swapped in
   StoragePtr swapped_;                 // the slot storage currently swapped in (null when none)
   StoragePtr staging_[2];              // streamers: device buffers of two steps
-  bool streaming_ = false;
+  bool streaming_ = false;             // a staged pass holds staging_
   std::vector<TicketPtr> live_reads_;  // pending saves (they read the live tensors)
   std::vector<InFlight> in_flight_;
   std::vector<std::string> failures_;  // failed copies found by collect() and not raised yet

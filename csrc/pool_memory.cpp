@@ -131,12 +131,7 @@ void Pool::release() {
   reclaim();
   auto free_now = [&](StoragePtr& s) {
     if (!s) return;
-    for (auto& t : s->pending()) {  // a failure is prune()'s to report
-      try {
-        t->wait();
-      } catch (...) {
-      }
-    }
+    wait_quietly(s->pending());  // a failure is prune()'s to report
     if (!s->on_device()) counters_["arena_frees"] += 1;
     s.reset();
   };
