@@ -41,7 +41,7 @@ from torch.utils.cpp_extension import include_paths  # noqa: E402
 
 ROOT = Path(__file__).parent
 CPU_SOURCES = [
-    "bindings.cpp", "pool.cpp", "pool_memory.cpp", "streamer.cpp", "layout.cpp", "host_arena.cpp",
+    "bindings.cpp", "pool.cpp", "pool_memory.cpp", "pool_stream.cpp", "streamer.cpp", "layout.cpp", "host_arena.cpp",
     "backend.cpp", "cpu_engine.cpp", "worker_pool.cpp",
 ]
 CUDA_SOURCES = ["cuda_engine.cpp"]

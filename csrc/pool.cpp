@@ -1,5 +1,5 @@
 // SnapshotPool core: save/restore/clear/fence/synchronize, swapped(), view(), and completion bookkeeping
-// (checksums, stats). Memory management lives in pool_memory.cpp.
+// (checksums, stats). Memory management lives in pool_memory.cpp, the streamer's passes in pool_stream.cpp.
 #include "pool.h"
 
 #include <ATen/core/grad_mode.h>

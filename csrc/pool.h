@@ -1,5 +1,6 @@
 // SnapshotPool core: slots of weight snapshots, a free list of host arenas, the device tier, hazard
-// tracking between pending copies, checksums and stats. Copies themselves go through an Engine.
+// tracking between pending copies, checksums and stats. Copies themselves go through an Engine; a Streamer
+// runs its passes through the streaming part of the interface.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -43,7 +44,28 @@ struct OpStats {
   double seconds = 0;
 };
 
-class Streamer;
+// One step of a streamer's schedule (planned in streamer.cpp): the tensors it hands out, and the slot ranges a
+// staged pass copies into a staging buffer for it.
+struct StreamStep {
+  struct Segment {
+    size_t slot_offset;
+    size_t staging_offset;
+    size_t bytes;
+  };
+  std::vector<std::string> names;
+  std::vector<size_t> entries;          // per name: its layout entry
+  std::vector<size_t> staging_offsets;  // per name: where its entry lies in a staging buffer
+  std::vector<Segment> segments;        // slot ranges copied for this step
+};
+
+// A streamer's pass over one slot. Staged: the slot is in host memory and the device has memory of its own, so each
+// step is copied into one of the pool's two device staging buffers (one pass at a time holds them). Otherwise the
+// pass hands out views of the slot itself.
+struct StreamPass {
+  int64_t slot = -1;
+  StoragePtr source;  // the slot's storage, held for the whole pass
+  bool staged = false;
+};
 
 class Pool {
  public:
@@ -77,8 +99,28 @@ class Pool {
   std::map<std::string, std::map<std::string, double>> op_stats();
   std::map<std::string, double> counters();
 
+  // Streaming passes (the Streamer's interface; pool_stream.cpp).
+  const Layout& layout() const { return layout_; }  // fixed at construction
+  // Throws std::invalid_argument for a negative slot, EmptySlotError (naming `op`) for an empty one.
+  void check_filled(int64_t slot, const char* op);
+  // What a pass over `slot` begun now would do: "staged", or read the slot in place on the "device" or the "host".
+  std::string stream_mode(int64_t slot);
+  // Begins a pass over `slot` and counts it. Verifies the slot's checksum. A staged pass takes the staging buffers
+  // (grown to buffer_bytes each) or throws SnapshotError while another pass holds them; a pass in place makes the
+  // slot's save visible to the caller, as view() does.
+  StreamPass begin_stream(int64_t slot, size_t buffer_bytes);
+  // Issues the copy of `step`'s segments into staging buffer `buffer` (0 or 1) after the caller's work that read its
+  // previous step; the ticket completes when the step is there.
+  TicketPtr stage(const StreamPass& pass, size_t buffer, const StreamStep& step);
+  // Views of `step`'s tensors: in staging buffer `buffer`, the caller's later work ordered after `loaded` (a staged
+  // pass), or in the slot itself.
+  NamedTensors step_views(const StreamPass& pass, size_t buffer, const TicketPtr& loaded, const StreamStep& step);
+  // The caller's work queued so far reads staging buffer `buffer`: the next stage() into it waits for that work.
+  void release_staged(size_t buffer);
+  // Ends a pass: a staged one leaves both buffers to the caller's queued work, then to the next staged pass.
+  void end_stream(const StreamPass& pass);
+
  private:
-  friend class Streamer;
   struct Slot {
     StoragePtr storage;
   };
@@ -174,6 +216,8 @@ class Pool {
   // completed save left it, without waiting for the caller (settle).
   uint64_t checksum_of(const Storage& storage, bool after_caller);
   at::Tensor alias(const StoragePtr& storage, const Entry& entry, size_t offset, bool keep_alive) const;
+  // Whether a streamer pass over `storage` is staged: host bytes that the device cannot read where they are.
+  bool stages(const Storage& storage) const;
   WorkerPool& workers();
 
   std::mutex mu_;
