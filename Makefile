@@ -39,6 +39,7 @@ test: install $(VENV)/.oracle
 	$(BIN)/lint-imports
 	$(BIN)/ruff check --quiet --select F821,F822,F823 dppo benchmarks examples tests  # names used but never bound
 	$(BIN)/ruff format --check --quiet dppo benchmarks examples tests
+	$(BIN)/clang-format --dry-run --Werror csrc/*.cpp csrc/*.h  # .clang-format; `make format` applies it
 	HF_HUB_OFFLINE=1 $(BIN)/python -m pytest $(PYTEST_ARGS)
 
 demo: install
@@ -55,6 +56,7 @@ docs: install
 
 format: install
 	$(BIN)/ruff format dppo benchmarks examples tests
+	$(BIN)/clang-format -i csrc/*.cpp csrc/*.h
 
 clean:
 	rm -rf build dist *.egg-info dppo/*.so $(VENV)

@@ -37,9 +37,13 @@ _locate_cuda_home()
 import torch  # noqa: E402
 from setuptools import setup  # noqa: E402
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
+from torch.utils.cpp_extension import include_paths  # noqa: E402
 
 ROOT = Path(__file__).parent
-CPU_SOURCES = ["bindings.cpp", "pool.cpp", "pool_memory.cpp", "streamer.cpp", "layout.cpp", "host_arena.cpp", "cpu_engine.cpp"]
+CPU_SOURCES = [
+    "bindings.cpp", "pool.cpp", "pool_memory.cpp", "pool_stream.cpp", "streamer.cpp", "layout.cpp", "host_arena.cpp",
+    "backend.cpp", "cpu_engine.cpp", "worker_pool.cpp",
+]
 CUDA_SOURCES = ["cuda_engine.cpp"]
 
 
@@ -84,8 +88,15 @@ def _runtime_library_dirs(cuda: bool) -> list[str]:
     return [str(d) for d in dict.fromkeys(dirs)]
 
 
+def _warning_flags() -> list[str]:
+    """-Wall -Wextra for csrc/, with torch's headers read as system headers: their unused parameters would
+    otherwise bury ours (a directory given with both -isystem and -I is a system one)."""
+    system = [flag for d in include_paths("cpu") for flag in ("-isystem", d)]
+    return ["-Wall", "-Wextra", *system]
+
+
 def _extension():
-    cxx_flags = ["-O3", "-Wall", "-Wno-unused-function", "-Wno-attributes"]
+    cxx_flags = ["-O3", *_warning_flags()]
     if _want_cuda():
         # Respected by torch's build helpers for any device code; sm_80 and sm_90 by default.
         os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0")

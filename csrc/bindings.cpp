@@ -1,6 +1,7 @@
 // Python bindings of dppo._C: no logic, only the mapping of C++ types and errors onto Python.
 #include <torch/extension.h>
 
+#include "backend.h"
 #include "errors.h"
 #include "pool.h"
 #include "streamer.h"
@@ -81,15 +82,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_property_readonly("nbytes", &Pool::nbytes)
       .def_property_readonly("storage_bytes", &Pool::storage_bytes)
       .def_property_readonly("runs", &Pool::runs)
-      .def_property_readonly("host_bytes", [](Pool& p) { py::gil_scoped_release nogil; return p.host_bytes(); })
-      .def_property_readonly("device_bytes", [](Pool& p) { py::gil_scoped_release nogil; return p.device_bytes(); })
-      .def_property_readonly("staging_bytes", [](Pool& p) { py::gil_scoped_release nogil; return p.staging_bytes(); })
-      .def_property_readonly("is_cuda", &Pool::is_cuda)
-      .def("streamer",
-           [](std::shared_ptr<Pool> self, int64_t slot, const std::vector<std::vector<std::string>>& schedule) {
-             return std::make_shared<dppo::Streamer>(std::move(self), slot, schedule);
-           },
-           release_gil());
+      .def_property_readonly("host_bytes", py::cpp_function(&Pool::host_bytes, release_gil()))
+      .def_property_readonly("device_bytes", py::cpp_function(&Pool::device_bytes, release_gil()))
+      .def_property_readonly("staging_bytes", py::cpp_function(&Pool::staging_bytes, release_gil()))
+      .def(
+          "streamer",
+          [](std::shared_ptr<Pool> self, int64_t slot, const std::vector<std::vector<std::string>>& schedule) {
+            return std::make_shared<dppo::Streamer>(std::move(self), slot, schedule);
+          },
+          release_gil());
 
   using dppo::Streamer;
   py::class_<Streamer, std::shared_ptr<Streamer>>(m, "Streamer")
@@ -98,6 +99,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release", &Streamer::release, release_gil())
       .def("end", &Streamer::end, release_gil())
       .def_property_readonly("steps", &Streamer::steps)
-      .def_property_readonly("staging_bytes", [](Streamer& s) { py::gil_scoped_release nogil; return s.staging_bytes(); })
-      .def_property_readonly("mode", [](Streamer& s) { py::gil_scoped_release nogil; return s.mode(); });
+      .def_property_readonly("staging_bytes", py::cpp_function(&Streamer::staging_bytes, release_gil()))
+      .def_property_readonly("mode", py::cpp_function(&Streamer::mode, release_gil()));
 }

@@ -118,7 +118,8 @@ bool same_device_allocation(const void* a, const void* b) {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found = cudaDriverEntryPointSymbolNotFound;
 #if CUDART_VERSION >= 12050
-    const cudaError_t err = cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found);
+    const cudaError_t err =
+        cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &fn, 12000, cudaEnableDefault, &found);
 #else
     const cudaError_t err = cudaGetDriverEntryPoint("cuMemGetAddressRange", &fn, cudaEnableDefault, &found);
 #endif
@@ -196,8 +197,8 @@ std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   if (register_ok_) {
     auto arena = std::make_unique<RegisteredHostArena>(bytes, pin_chunk_bytes_, device_);  // throws if mmap fails
     if (arena->pinned()) return arena;
-    refused = cat("cudaHostRegister of ", arena->bytes(), " bytes in chunks of ", pin_chunk_bytes_, " failed at offset ",
-                  arena->failed_at(), ": ", cudaGetErrorString(arena->error()));
+    refused = cat("cudaHostRegister of ", arena->bytes(), " bytes in chunks of ", pin_chunk_bytes_,
+                  " failed at offset ", arena->failed_at(), ": ", cudaGetErrorString(arena->error()));
   }
   const size_t page = page_bytes();
   const size_t rounded = std::max(page, (bytes + page - 1) / page * page);
@@ -206,8 +207,8 @@ std::unique_ptr<HostArena> CudaEngine::new_arena(size_t bytes) {
   if (err != cudaSuccess) {
     quiet(err);
     throw SnapshotMemoryError(cat("pinning a host arena of ", rounded, " bytes failed (", host_available_note(),
-                                  "): ", refused, refused.empty() ? "" : "; then ", "cudaHostAlloc: ",
-                                  cudaGetErrorString(err)));
+                                  "): ", refused, refused.empty() ? "" : "; then ",
+                                  "cudaHostAlloc: ", cudaGetErrorString(err)));
   }
   if (!refused.empty()) {
     // Some platforms (sandboxes, some drivers) refuse registration but allocate pinned memory: use it from now
@@ -247,7 +248,7 @@ void CudaEngine::issue_ranges(cudaStream_t stream, const std::vector<Range>& ran
       }
       cudaMemcpyAttributes attr{};
       attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;  // sources are read in stream order
-      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;    // saves run beside the forward pass
+      attr.flags = cudaMemcpyFlagPreferOverlapWithCompute;   // saves run beside the forward pass
       size_t attr_index = 0;
 #if CUDART_VERSION >= 13000
       const cudaError_t err =
@@ -285,7 +286,8 @@ TicketPtr CudaEngine::copy(Direction dir, CopyJob job, const std::vector<TicketP
     cuda_check(cudaEventRecord(start->get(), stream), "cudaEventRecord");
     issue_ranges(stream, job.ranges);
     if (!job.tasks.empty()) {
-      c10::cuda::CUDAStreamGuard on_stream(c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device_)));
+      c10::cuda::CUDAStreamGuard on_stream(
+          c10::cuda::getStreamFromExternal(stream, static_cast<c10::DeviceIndex>(device_)));
       for (auto& task : job.tasks) task();  // strided tensor copies, queued by ATen on `stream`
     }
     cuda_check(cudaEventRecord(end->get(), stream), "cudaEventRecord");

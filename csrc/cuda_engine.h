@@ -70,7 +70,8 @@ class CudaEngine : public Engine {
   CudaEngine(int device_index, size_t pin_chunk_bytes);
   ~CudaEngine() override;
 
-  bool is_cuda() const override { return true; }
+  bool separate_device_memory() const override { return true; }
+  bool orders_on_host() const override { return false; }  // streams wait on events; the host does not
   std::unique_ptr<HostArena> new_arena(size_t bytes) override;
   size_t arena_split_bytes() const override { return pin_chunk_bytes_; }
   size_t piece_bytes() const override { return 0; }
@@ -90,8 +91,8 @@ class CudaEngine : public Engine {
   std::unique_ptr<CudaStream> save_;
   std::unique_ptr<CudaStream> load_;
   std::unique_ptr<CudaStream> aux_;  // read_back(): waits for neither copy queue
-  bool batch_ok_ = true;     // cleared if the driver refuses cudaMemcpyBatchAsync
-  bool register_ok_ = true;  // cleared if cudaHostRegister is refused where cudaHostAlloc works
+  bool batch_ok_ = true;             // cleared if the driver refuses cudaMemcpyBatchAsync
+  bool register_ok_ = true;          // cleared if cudaHostRegister is refused where cudaHostAlloc works
 };
 
 }  // namespace dppo

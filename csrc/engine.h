@@ -33,7 +33,15 @@ class Engine {
  public:
   virtual ~Engine() = default;
 
-  virtual bool is_cuda() const = 0;
+  // True when the live tensors' device has memory of its own, apart from host memory (a GPU). Then bytes may be
+  // kept there (the pool's device tier), and a slot in host memory must be copied there before the device's
+  // kernels can read it (a streamer stages it). False on the CPU, whose device memory is host memory.
+  virtual bool separate_device_memory() const = 0;
+  // True when ordering makes the host wait: copy() waits on the host for its deps, and order_after() blocks until
+  // the tickets are done and rethrows a failure. The pool then waits first for what the engine would wait for
+  // anyway, so that a failure is reported with its slot before anything changes. False when copies are ordered on
+  // device queues (CUDA streams) and the host never waits.
+  virtual bool orders_on_host() const = 0;
   // An exact-size host arena suited to this engine (pinned for CUDA). Throws SnapshotMemoryError.
   virtual std::unique_ptr<HostArena> new_arena(size_t bytes) = 0;
   // Copies must not cross a multiple of this many bytes of arena offset (pinning chunks); 0: no limit.

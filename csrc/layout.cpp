@@ -30,7 +30,8 @@ std::string shape_str(at::IntArrayRef v) {
 void check_supported(const std::string& name, const at::Tensor& t) {
   if (!t.defined()) throw std::invalid_argument(cat("tensor '", name, "' is undefined"));
   if (t.layout() != at::kStrided) {
-    throw std::invalid_argument(cat("tensor '", name, "' has layout ", t.layout(), "; only strided tensors can be snapshot"));
+    throw std::invalid_argument(
+        cat("tensor '", name, "' has layout ", t.layout(), "; only strided tensors can be snapshot"));
   }
   if (!t.device().is_cpu() && !t.device().is_cuda()) {
     throw std::invalid_argument(cat("tensor '", name, "' is on ", t.device(), "; expected cpu or cuda"));
@@ -40,7 +41,8 @@ void check_supported(const std::string& name, const at::Tensor& t) {
     throw std::invalid_argument(cat("tensor '", name, "' has its ", conj ? "conjugate" : "negative",
                                     " bit set (a lazy ", conj ? "conj()" : "negation",
                                     " view): a slot holds its bytes without the bit, so views of the slot would differ "
-                                    "from it; resolve it first with t.", conj ? "resolve_conj()" : "resolve_neg()"));
+                                    "from it; resolve it first with t.",
+                                    conj ? "resolve_conj()" : "resolve_neg()"));
   }
   if (t.numel() > 0 && at::has_internal_overlap(t) == at::MemOverlap::Yes) {
     throw std::invalid_argument(cat("tensor '", name, "' has elements that share memory (strides ",
@@ -50,7 +52,8 @@ void check_supported(const std::string& name, const at::Tensor& t) {
 
 }  // namespace
 
-Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, const JoinableFn& joinable) {
+Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+               const JoinableFn& joinable) {
   if (names.size() != tensors.size()) {
     throw std::invalid_argument(cat("got ", names.size(), " names for ", tensors.size(), " tensors"));
   }
@@ -64,8 +67,8 @@ Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tens
     check_supported(names[i], t);
     if (index_.count(names[i])) throw std::invalid_argument(cat("tensor name '", names[i], "' appears twice"));
     if (t.device() != device_) {
-      throw LayoutMismatchError(cat("all tensors of a pool must be on one device: '", names[0], "' is on ",
-                                    device_, " but '", names[i], "' is on ", t.device()));
+      throw LayoutMismatchError(cat("all tensors of a pool must be on one device: '", names[0], "' is on ", device_,
+                                    " but '", names[i], "' is on ", t.device()));
     }
     Key key{t.storage().data(), t.storage_offset(), t.sizes().vec(), t.strides().vec(),
             static_cast<int>(t.scalar_type())};
@@ -75,8 +78,16 @@ Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tens
       index_[names[i]] = it->second;
       continue;
     }
-    Entry e{{names[i]}, t, t.sizes().vec(), t.strides().vec(), t.scalar_type(), t.device(), t.data_ptr(),
-            static_cast<size_t>(t.numel()) * t.element_size(), 0, t.is_contiguous()};
+    Entry e{{names[i]},
+            t,
+            t.sizes().vec(),
+            t.strides().vec(),
+            t.scalar_type(),
+            t.device(),
+            t.data_ptr(),
+            static_cast<size_t>(t.numel()) * t.element_size(),
+            0,
+            t.is_contiguous()};
     seen.emplace(std::move(key), entries_.size());
     index_[names[i]] = entries_.size();
     nbytes_ += e.nbytes;
@@ -86,9 +97,8 @@ Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tens
   // Offsets in live-address order, so that tensors adjacent in live memory form one run.
   std::vector<size_t> order(entries_.size());
   std::iota(order.begin(), order.end(), 0);
-  std::sort(order.begin(), order.end(), [&](size_t a, size_t b) {
-    return std::less<const void*>()(entries_[a].data_ptr, entries_[b].data_ptr);
-  });
+  std::sort(order.begin(), order.end(),
+            [&](size_t a, size_t b) { return std::less<const void*>()(entries_[a].data_ptr, entries_[b].data_ptr); });
   size_t cursor = 0;
   for (size_t idx : order) {
     Entry& e = entries_[idx];
@@ -104,8 +114,8 @@ Layout::Layout(const std::vector<std::string>& names, const std::vector<at::Tens
       continue;
     }
     const auto* ptr = static_cast<const uint8_t*>(e.data_ptr);
-    if (!runs_.empty() && runs_.back().live + runs_.back().bytes == ptr && runs_.back().offset + runs_.back().bytes == cursor &&
-        (!joinable || joinable(ptr - 1, ptr))) {
+    if (!runs_.empty() && runs_.back().live + runs_.back().bytes == ptr &&
+        runs_.back().offset + runs_.back().bytes == cursor && (!joinable || joinable(ptr - 1, ptr))) {
       e.offset = cursor;
       runs_.back().bytes += e.nbytes;
     } else {
@@ -140,8 +150,9 @@ void Layout::check_live(const char* op) const {
       what = "storage", was = cat(e.data_ptr), now = cat(t.data_ptr());
     }
     if (what != nullptr) {
-      throw LayoutMismatchError(cat(op, ": live tensor '", e.names[0], "' changed ", what, " since the pool was built: was ",
-                                    was, ", now ", now, "; build a new SnapshotPool for the new layout"));
+      throw LayoutMismatchError(cat(op, ": live tensor '", e.names[0], "' changed ", what,
+                                    " since the pool was built: was ", was, ", now ", now,
+                                    "; build a new SnapshotPool for the new layout"));
     }
   }
 }

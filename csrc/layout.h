@@ -3,12 +3,12 @@
 
 #include <ATen/ATen.h>
 
+#include <cstddef>
+#include <cstdint>
 #include <functional>
 #include <string>
 #include <unordered_map>
 #include <vector>
-
-#include "engine.h"
 
 namespace dppo {
 
@@ -44,13 +44,14 @@ class Layout {
  public:
   // Throws std::invalid_argument (bad input) or LayoutMismatchError (tensors on two devices). Tensors adjacent
   // in live memory share a run when `joinable` allows it (empty: always, as for host memory).
-  Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, const JoinableFn& joinable = {});
+  Layout(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors,
+         const JoinableFn& joinable = {});
 
   const std::vector<Entry>& entries() const { return entries_; }
   const std::vector<Run>& runs() const { return runs_; }
   const std::vector<size_t>& strided() const { return strided_; }  // entry indices
   at::Device device() const { return device_; }
-  size_t nbytes() const { return nbytes_; }            // the tensors' own bytes
+  size_t nbytes() const { return nbytes_; }                // the tensors' own bytes
   size_t storage_bytes() const { return storage_bytes_; }  // bytes of one slot, padding included
   // Entry index of a name (tied names give the same index). Throws UnknownNameError.
   size_t find(const std::string& name) const;

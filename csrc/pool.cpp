@@ -1,5 +1,5 @@
 // SnapshotPool core: save/restore/clear/fence/synchronize, swapped(), view(), and completion bookkeeping
-// (checksums, stats). Memory management lives in pool_memory.cpp.
+// (checksums, stats). Memory management lives in pool_memory.cpp, the streamer's passes in pool_stream.cpp.
 #include "pool.h"
 
 #include <ATen/core/grad_mode.h>
@@ -10,10 +10,8 @@
 #include <cstdio>
 #include <optional>
 
+#include "backend.h"
 #include "errors.h"
-#ifdef DPPO_WITH_CUDA
-#include "cuda_engine.h"
-#endif
 
 namespace dppo {
 
@@ -21,22 +19,12 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 
-// Default pinning chunk of CUDA host arenas: registering a large arena in pieces keeps each call short.
-constexpr size_t kPinChunkBytes = size_t{1} << 30;
-
 double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
 
 std::string hex64(uint64_t v) {
   char buf[19];
   std::snprintf(buf, sizeof(buf), "0x%016llx", static_cast<unsigned long long>(v));
   return buf;
-}
-
-void wait_quietly(const TicketPtr& t) noexcept {
-  try {
-    if (t) t->wait();
-  } catch (...) {
-  }
 }
 
 // The failure of a completed copy, or null if it succeeded.
@@ -61,6 +49,19 @@ std::string message_of(const std::exception_ptr& error) {
   }
 }
 
+// What prune() raises for a failed copy of `op` for `slot`; `dropped`: the failed save's slot was emptied.
+std::string failure_message(const std::string& op, int64_t slot, bool dropped, const std::string& what) {
+  if (op == "save" && dropped) {
+    return cat("save(", slot, ") failed: ", what, "; slot ", slot, " is empty now (its bytes were partial)");
+  }
+  if (op == "save") {
+    return cat("save(", slot, ") failed: ", what, "; slot ", slot,
+               " had been cleared or saved again since, so no slot holds its bytes");
+  }
+  if (slot >= 0) return cat("a ", op, " copy of slot ", slot, " failed: ", what);
+  return cat("a ", op, " copy failed: ", what);
+}
+
 // dst.copy_(src) in a task of a copy queue (a worker thread, or the caller's thread on the engine's stream),
 // outside autograd. Inference tensors (made under torch.inference_mode()) may be written in place only inside
 // inference mode, which is per thread: the task enters it for them.
@@ -73,35 +74,14 @@ void copy_into(at::Tensor& dst, const at::Tensor& src) {
 
 }  // namespace
 
-bool cuda_compiled() {
-#ifdef DPPO_WITH_CUDA
-  return true;
-#else
-  return false;
-#endif
-}
-
-namespace {
-
-// Which adjacent live bytes one copy may span: any on the host; on a GPU only those of one allocation.
-JoinableFn joinable_for(const std::vector<at::Tensor>& tensors) {
-#ifdef DPPO_WITH_CUDA
-  if (!tensors.empty() && tensors[0].defined() && tensors[0].is_cuda()) {
-    return [](const uint8_t* last, const uint8_t* next) { return same_device_allocation(last, next); };
-  }
-#endif
-  (void)tensors;
-  return {};
-}
-
-}  // namespace
-
 Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>& tensors, PoolOptions options)
     : options_(options), layout_(names, tensors, joinable_for(tensors)), names_(names) {
   if (options_.device_budget_bytes < 0) {
     throw std::invalid_argument(cat("device_budget_bytes must be >= 0, got ", options_.device_budget_bytes));
   }
-  if (options_.cpu_threads < 0) throw std::invalid_argument(cat("cpu_threads must be >= 0, got ", options_.cpu_threads));
+  if (options_.cpu_threads < 0) {
+    throw std::invalid_argument(cat("cpu_threads must be >= 0, got ", options_.cpu_threads));
+  }
   if (options_.piece_bytes <= 0 || options_.swap_chunk_bytes <= 0) {
     throw std::invalid_argument(cat("piece_bytes and swap_chunk_bytes must be > 0, got ", options_.piece_bytes, " and ",
                                     options_.swap_chunk_bytes));
@@ -110,19 +90,12 @@ Pool::Pool(const std::vector<std::string>& names, const std::vector<at::Tensor>&
     throw std::invalid_argument(cat("pin_chunk_bytes must be 0 or a positive multiple of the page size (", page_bytes(),
                                     "), got ", options_.pin_chunk_bytes));
   }
-  const auto pin_chunk = static_cast<size_t>(options_.pin_chunk_bytes);
-  // The backend is chosen here, once, by the device of the tensors.
-  if (layout_.device().is_cuda()) {
-#ifdef DPPO_WITH_CUDA
-    engine_ = std::make_unique<CudaEngine>(layout_.device().index(), pin_chunk > 0 ? pin_chunk : kPinChunkBytes);
-#else
-    throw SnapshotError("the tensors are on CUDA but dppo._C was built without CUDA; rebuild it where nvcc is found "
-                        "(DPPO_FORCE_CUDA=1 makes a missing toolkit an error)");
-#endif
-  } else {
-    engine_ = std::make_unique<CpuEngine>(workers(), static_cast<size_t>(options_.piece_bytes), options_.copy_delay_s,
-                                          pin_chunk, options_.fail_copy_task);
-  }
+  EngineOptions engine;
+  engine.piece_bytes = static_cast<size_t>(options_.piece_bytes);
+  engine.pin_chunk_bytes = static_cast<size_t>(options_.pin_chunk_bytes);
+  engine.copy_delay_s = options_.copy_delay_s;
+  engine.fail_copy_task = options_.fail_copy_task;
+  engine_ = make_engine(layout_.device(), engine, [this]() -> WorkerPool& { return workers(); });
   pieces_ = layout_.pieces(engine_->piece_bytes(), engine_->arena_split_bytes());
 }
 
@@ -148,10 +121,8 @@ void Pool::for_each_storage(const std::function<void(const StoragePtr&)>& fn) co
 
 void Pool::wait_all() {
   for (auto& f : in_flight_) wait_quietly(f.ticket);
-  for (auto& t : live_reads_) wait_quietly(t);
-  for_each_storage([&](const StoragePtr& s) {
-    for (auto& t : s->pending()) wait_quietly(t);
-  });
+  wait_quietly(live_reads_);
+  for_each_storage([&](const StoragePtr& s) { wait_quietly(s->pending()); });
 }
 
 WorkerPool& Pool::workers() {
@@ -261,6 +232,40 @@ TicketPtr Pool::issue(Direction dir, CopyJob job, const std::vector<TicketPtr>& 
   return t;
 }
 
+void Pool::load_from(const StoragePtr& storage, const char* op, int64_t slot) {
+  std::vector<TicketPtr> deps = live_reads_;  // pending saves still read what this load overwrites
+  if (storage->write) deps.push_back(storage->write);
+  layout_.bump_versions();  // before the copy: nothing may fail once the live tensors are being written
+  TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, op, slot);
+  storage->reads.push_back(t);
+  order_caller_after(t);
+  live_reads_.clear();  // the load waited for them, and the caller now waits for the load
+}
+
+void Pool::order_caller_after(const TicketPtr& ticket) {
+  try {
+    engine_->order_after({ticket});
+  } catch (...) {
+    mark_reported({ticket});
+    throw;
+  }
+}
+
+void Pool::await_save_before_load(Storage& storage) {
+  if (engine_->orders_on_host()) await_save(storage);
+}
+
+void Pool::ready_to_read(Storage& storage) {
+  if (!storage.on_device()) {
+    await_save(storage);
+  } else if (storage.write) {
+    engine_->order_after({storage.write});  // kernels on the caller's queue see the save
+  }
+}
+
+// ---------------------------------------------------------------------------------------------------
+// save, restore, clear, fence, synchronize
+
 void Pool::save(int64_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   check_slot(slot, "save");
@@ -293,30 +298,13 @@ void Pool::save(int64_t slot) {
   }
 }
 
-void Pool::load_from(const StoragePtr& storage, const char* op, int64_t slot) {
-  std::vector<TicketPtr> deps = live_reads_;  // pending saves still read what this load overwrites
-  if (storage->write) deps.push_back(storage->write);
-  layout_.bump_versions();  // before the copy: nothing may fail once the live tensors are being written
-  TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, storage, pieces_, true), deps, op, slot);
-  storage->reads.push_back(t);
-  try {
-    engine_->order_after({t});  // CPU: the host waits, and a failed load is rethrown here
-  } catch (...) {
-    mark_reported({t});
-    throw;
-  }
-  live_reads_.clear();  // the load waited for them, and the caller now waits for the load
-}
-
 void Pool::restore(int64_t slot) {
   std::lock_guard<std::mutex> lock(mu_);
   check_slot(slot, "restore");
   layout_.check_live("restore");
   prune();
   StoragePtr storage = get_slot(slot, "restore").storage;
-  // CPU: the load would wait on the host for the slot's save anyway; waiting here raises a failed save before
-  // the live tensors are touched. (CUDA: the load waits on its stream.)
-  if (!engine_->is_cuda()) await_save(*storage);
+  await_save_before_load(*storage);
   verify(*storage, slot, "restore");
   load_from(storage, "restore", slot);
 }
@@ -334,12 +322,11 @@ void Pool::clear(int64_t slot) {
 
 void Pool::fence() {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!engine_->is_cuda()) {
-    for (const TicketPtr& t : live_reads_) wait_quietly(t);  // the host waits; prune() raises a failed save
-  }
+  // An engine that orders on the host would wait for the pending saves in order_after() and rethrow a failure bare:
+  // waiting first lets prune() raise it with its slot, and leaves no save pending.
+  if (engine_->orders_on_host()) wait_quietly(live_reads_);
   prune();
-  engine_->order_after(live_reads_);  // CUDA: the current stream waits (CPU: none is left)
-  if (!engine_->is_cuda()) live_reads_.clear();
+  engine_->order_after(live_reads_);  // the caller's later work waits for the pending saves
 }
 
 void Pool::synchronize() {
@@ -356,53 +343,37 @@ void Pool::swap_in(int64_t slot) {
   check_slot(slot, "swapped");
   layout_.check_live("swapped");
   prune();
-  if (swapped_) throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
-  StoragePtr storage = get_slot(slot, "swapped").storage;
-  if (!engine_->is_cuda()) await_save(*storage);  // as in restore(): a failed save is raised before any change
-  verify(*storage, slot, "swapped");
-  // Device-tier slots swap through device scratch when the budget allows (device-to-device copies).
-  const bool device_scratch =
-      storage->on_device() && ((scratch_ && scratch_->on_device()) || fits_device(layout_.storage_bytes()));
-  if (scratch_ && scratch_->on_device() != device_scratch) let_go(std::move(scratch_));
-  if (!scratch_) scratch_ = take_storage(device_scratch, "swapped", slot);
-
-  const std::vector<SwapChunk> chunks = swap_chunks();
-  std::vector<TicketPtr> out_deps = scratch_->pending();
-  std::vector<TicketPtr> in_deps = live_reads_;  // pending saves still read what the loads overwrite
-  if (storage->write) in_deps.push_back(storage->write);
-  std::vector<TicketPtr> outs, ins;  // per chunk: its save to the scratch, its load into the live tensors
-  size_t loading = 0;                // chunks whose load was issued, the last perhaps only in part
-  layout_.bump_versions();           // before the copies: nothing may fail once the live tensors are being written
-  try {
-    for (size_t i = 0; i < chunks.size(); ++i) {
-      const SwapChunk& c = chunks[i];
-      CopyJob out_job = job(Direction::kSave, scratch_, c.pieces, c.with_strided);
-      CopyJob in_job = job(Direction::kLoad, storage, c.pieces, c.with_strided);
-      outs.push_back(issue(Direction::kSave, std::move(out_job), out_deps, "swap", slot, false));
-      out_deps.clear();
-      in_deps.push_back(outs.back());  // chunk i comes in only once it has left
-      // Deps only order copies, so a load would run after a failed save all the same. The CPU engine waits for
-      // its deps on the host anyway: check here that the chunk reached the scratch. (CUDA: a copy fails when it
-      // is issued, or on the stream with an error of the context that the load meets too.)
-      if (!engine_->is_cuda()) outs.back()->wait();
-      loading = i + 1;
-      ins.push_back(issue(Direction::kLoad, std::move(in_job), in_deps, "swap", slot, i + 1 == chunks.size()));
-      in_deps.clear();
-    }
-    engine_->order_after({ins.back()});  // the caller's later work sees the slot (CPU: waits; rethrows a failure)
-  } catch (...) {
-    undo_swap_in(slot, chunks, outs, ins, loading, std::current_exception());
+  if (swapped_) {
+    throw SnapshotError(cat("swapped(", slot, "): another slot is already swapped in; swapped() does not nest"));
   }
-  scratch_->write = outs.back();  // each queue runs in order: the last copies imply the earlier ones
+  StoragePtr storage = get_slot(slot, "swapped").storage;
+  await_save_before_load(*storage);  // as in restore(): a failed save is raised before any change
+  verify(*storage, slot, "swapped");
+  prepare_scratch(storage->on_device(), slot);
+  SwapAttempt attempt{slot, swap_chunks(), /*outs=*/{}, /*ins=*/{}};
+  layout_.bump_versions();  // before the copies: nothing may fail once the live tensors are being written
+  try {
+    issue_swap(attempt, storage);
+    order_caller_after(attempt.ins.back());  // the caller's later work sees the slot
+  } catch (...) {
+    undo_swap_in(attempt, std::current_exception());
+  }
+  scratch_->write = attempt.outs.back();  // each queue runs in order: the last copies imply the earlier ones
   scratch_->reads.clear();
-  storage->reads.push_back(ins.back());
+  storage->reads.push_back(attempt.ins.back());
   live_reads_.clear();
   swapped_ = storage;
 }
 
-// CPU: one exchange of everything (a load waits on the host for its save, so chunks would only serialize). CUDA:
-// strided tensors first, then the runs in chunks of swap_chunk_bytes, so that chunk i comes in on the load stream
-// while chunk i+1 leaves on the save stream. Never empty, so that entering always counts one swap.
+void Pool::prepare_scratch(bool device_slot, int64_t slot) {
+  const bool device = device_slot && ((scratch_ && scratch_->on_device()) || fits_device(layout_.storage_bytes()));
+  if (scratch_ && scratch_->on_device() != device) let_go(std::move(scratch_));
+  if (!scratch_) scratch_ = take_storage(device, "swapped", slot);
+}
+
+// One exchange of everything where the engine cannot overlap a save and a load (a load would only wait for its
+// save). Otherwise strided tensors first, then the runs in chunks of swap_chunk_bytes, so that chunk i comes in on
+// the load queue while chunk i+1 leaves on the save queue. Never empty, so that entering always counts one swap.
 std::vector<Pool::SwapChunk> Pool::swap_chunks() const {
   if (!engine_->overlaps_directions()) return {SwapChunk{pieces_, true}};
   const auto chunk_bytes = static_cast<size_t>(options_.swap_chunk_bytes);
@@ -423,30 +394,51 @@ std::vector<Pool::SwapChunk> Pool::swap_chunks() const {
   return chunks;
 }
 
-void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, const std::vector<TicketPtr>& outs,
-                        const std::vector<TicketPtr>& ins, size_t loading, std::exception_ptr error) {
+void Pool::issue_swap(SwapAttempt& attempt, const StoragePtr& storage) {
+  std::vector<TicketPtr> out_deps = scratch_->pending();
+  std::vector<TicketPtr> in_deps = live_reads_;  // pending saves still read what the loads overwrite
+  if (storage->write) in_deps.push_back(storage->write);
+  const std::vector<SwapChunk>& chunks = attempt.chunks;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    CopyJob out_job = job(Direction::kSave, scratch_, chunks[i].pieces, chunks[i].with_strided);
+    CopyJob in_job = job(Direction::kLoad, storage, chunks[i].pieces, chunks[i].with_strided);
+    attempt.outs.push_back(issue(Direction::kSave, std::move(out_job), out_deps, "swap", attempt.slot, false));
+    out_deps.clear();
+    in_deps.push_back(attempt.outs.back());  // chunk i comes in only once it has left
+    // Deps only order copies, so a load would run after a failed save all the same. An engine that orders on the
+    // host waits for the save there anyway: check here that the chunk reached the scratch. (On device queues a copy
+    // fails when it is issued, or on the stream with an error of the context that the load meets too.)
+    if (engine_->orders_on_host()) attempt.outs.back()->wait();
+    attempt.loading = i + 1;
+    const bool last = i + 1 == chunks.size();  // entering counts one swap
+    attempt.ins.push_back(issue(Direction::kLoad, std::move(in_job), in_deps, "swap", attempt.slot, last));
+    in_deps.clear();
+  }
+}
+
+void Pool::undo_swap_in(const SwapAttempt& attempt, std::exception_ptr error) {
+  const int64_t slot = attempt.slot;
   // The error thrown below tells of these copies' failures.
-  mark_reported(outs);
-  mark_reported(ins);
+  mark_reported(attempt.outs);
+  mark_reported(attempt.ins);
   // Nothing of this attempt may still run when the live tensors are put back (an engine whose copy() fails part
   // way has already drained that queue), nor may a pending save still read them.
-  for (const TicketPtr& t : outs) wait_quietly(t);
-  for (const TicketPtr& t : ins) wait_quietly(t);
-  for (const TicketPtr& t : live_reads_) wait_quietly(t);
+  wait_quietly(attempt.outs);
+  wait_quietly(attempt.ins);
+  wait_quietly(live_reads_);
   // The scratch holds a chunk's live bytes iff the chunk's save completed. A load waits for its chunk's save, so a
   // chunk whose save failed had nothing loaded unless its load was issued all the same (then it cannot be undone).
   std::vector<Run> back;
   bool with_strided = false;
   std::string lost;
-  for (size_t i = 0; i < loading; ++i) {
-    try {
-      outs[i]->wait();
-    } catch (...) {
-      if (i < ins.size()) lost = message_of(std::current_exception());
+  for (size_t i = 0; i < attempt.loading; ++i) {
+    if (const std::exception_ptr failed = failure_of(attempt.outs[i])) {
+      if (i < attempt.ins.size()) lost = message_of(failed);
       continue;
     }
-    back.insert(back.end(), chunks[i].pieces.begin(), chunks[i].pieces.end());
-    with_strided = with_strided || chunks[i].with_strided;
+    const SwapChunk& chunk = attempt.chunks[i];
+    back.insert(back.end(), chunk.pieces.begin(), chunk.pieces.end());
+    with_strided = with_strided || chunk.with_strided;
   }
   auto cannot_undo = [&](const std::string& why) {
     return SnapshotError(cat("swapped(", slot, "): entering failed (", message_of(error),
@@ -455,7 +447,8 @@ void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, cons
   };
   if (!back.empty() || with_strided) {
     try {
-      const TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", slot, false);
+      const TicketPtr t = issue(Direction::kLoad, job(Direction::kLoad, scratch_, back, with_strided), {}, "swap", slot,
+                                /*counted=*/false);
       mark_reported({t});
       t->wait();
     } catch (...) {
@@ -463,7 +456,7 @@ void Pool::undo_swap_in(int64_t slot, const std::vector<SwapChunk>& chunks, cons
     }
   }
   if (!lost.empty()) throw cannot_undo(cat("a chunk that was loaded never reached the scratch: ", lost));
-  if (!outs.empty()) {  // every copy of the scratch has finished
+  if (!attempt.outs.empty()) {  // every copy of the scratch has finished
     scratch_->write.reset();
     scratch_->reads.clear();
   }
@@ -491,17 +484,14 @@ NamedTensors Pool::view(int64_t slot) {
   const auto t0 = Clock::now();
   StoragePtr storage = get_slot(slot, "view").storage;
   verify(*storage, slot, "view");
-  if (storage->on_device()) {
-    if (storage->write) engine_->order_after({storage->write});  // kernels on the current stream see the save
-  } else {
-    await_save(*storage);
-  }
-  std::vector<at::Tensor> by_entry(layout_.entries().size());
+  ready_to_read(*storage);
+  std::vector<at::Tensor> by_entry(layout_.entries().size());  // tied names share one view
   NamedTensors out;
   out.reserve(names_.size());
   for (const std::string& name : names_) {
     const size_t idx = layout_.find(name);
-    if (!by_entry[idx].defined()) by_entry[idx] = alias(storage, layout_.entries()[idx], layout_.entries()[idx].offset, true);
+    const Entry& e = layout_.entries()[idx];
+    if (!by_entry[idx].defined()) by_entry[idx] = alias(storage, e, e.offset, true);
     out.emplace_back(name, by_entry[idx]);
   }
   OpStats& st = ops_["view"];
@@ -596,7 +586,8 @@ void Pool::collect() {
     }
     if (const std::exception_ptr error = failure_of(f.ticket)) {
       counters_["failed_copies"] += 1;  // op stats count completed copies only
-      forget_failed(f, error);
+      const bool dropped = forget_failed(f.ticket);
+      if (f.report) failures_.push_back(failure_message(f.op, f.slot, dropped, message_of(error)));
       continue;
     }
     OpStats& st = ops_[f.op];
@@ -608,8 +599,9 @@ void Pool::collect() {
     }
   }
   in_flight_ = std::move(still);
-  live_reads_.erase(std::remove_if(live_reads_.begin(), live_reads_.end(), [](const TicketPtr& t) { return t->ready(); }),
-                    live_reads_.end());
+  live_reads_.erase(
+      std::remove_if(live_reads_.begin(), live_reads_.end(), [](const TicketPtr& t) { return t->ready(); }),
+      live_reads_.end());
   for (auto& [k, s] : slots_) {
     settle(*s.storage);
     s.storage->prune_reads();
@@ -617,8 +609,7 @@ void Pool::collect() {
   reclaim();
 }
 
-void Pool::forget_failed(const InFlight& copy, const std::exception_ptr& error) {
-  const TicketPtr& t = copy.ticket;
+bool Pool::forget_failed(const TicketPtr& t) {
   bool dropped = false;
   for (auto it = slots_.begin(); it != slots_.end();) {
     if (it->second.storage->write != t) {
@@ -636,18 +627,7 @@ void Pool::forget_failed(const InFlight& copy, const std::exception_ptr& error) 
     s->reads.erase(std::remove(s->reads.begin(), s->reads.end(), t), s->reads.end());
   });
   live_reads_.erase(std::remove(live_reads_.begin(), live_reads_.end(), t), live_reads_.end());
-  if (!copy.report) return;
-  const std::string what = message_of(error);
-  if (std::string(copy.op) == "save") {
-    failures_.push_back(dropped ? cat("save(", copy.slot, ") failed: ", what, "; slot ", copy.slot,
-                                      " is empty now (its bytes were partial)")
-                                : cat("save(", copy.slot, ") failed: ", what, "; slot ", copy.slot,
-                                      " had been cleared or saved again since, so no slot holds its bytes"));
-  } else if (copy.slot >= 0) {
-    failures_.push_back(cat("a ", copy.op, " copy of slot ", copy.slot, " failed: ", what));
-  } else {
-    failures_.push_back(cat("a ", copy.op, " copy failed: ", what));
-  }
+  return dropped;
 }
 
 void Pool::mark_reported(const std::vector<TicketPtr>& tickets) {

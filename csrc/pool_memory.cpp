@@ -27,7 +27,8 @@ size_t Pool::count_bytes(bool device, bool with_staging) const {
 }
 
 bool Pool::fits_device(size_t extra_bytes) const {
-  return engine_->is_cuda() && count_bytes(true, false) + extra_bytes <= static_cast<size_t>(options_.device_budget_bytes);
+  if (!engine_->separate_device_memory()) return false;  // no device tier: the device's memory is host memory
+  return count_bytes(true, false) + extra_bytes <= static_cast<size_t>(options_.device_budget_bytes);
 }
 
 StoragePtr Pool::take_storage(bool device, const char* op, int64_t slot) {
@@ -49,8 +50,8 @@ StoragePtr Pool::new_host_storage(const char* op, int64_t slot) {
     const size_t limit = static_cast<size_t>(options_.max_host_bytes);
     if (held + need > limit) {
       throw SnapshotMemoryError(cat(op, "(", slot, "): a new host arena needs ", need, " bytes but only ",
-                                    limit > held ? limit - held : 0, " are available (max_host_bytes=", limit, ", ", held,
-                                    " held); clear() unused slots or raise max_host_bytes"));
+                                    limit > held ? limit - held : 0, " are available (max_host_bytes=", limit, ", ",
+                                    held, " held); clear() unused slots or raise max_host_bytes"));
     }
   }
   const auto t0 = Clock::now();
@@ -73,7 +74,8 @@ StoragePtr Pool::new_device_storage(size_t bytes) {
   try {
     s->device = at::empty({static_cast<int64_t>((bytes + 7) / 8 * 8)}, opts);
   } catch (const c10::OutOfMemoryError& e) {
-    throw SnapshotMemoryError(cat("allocating ", bytes, " bytes of device memory failed: ", e.what_without_backtrace()));
+    throw SnapshotMemoryError(
+        cat("allocating ", bytes, " bytes of device memory failed: ", e.what_without_backtrace()));
   }
   s->bytes = bytes;
   counters_["device_allocs"] += 1;
@@ -129,12 +131,7 @@ void Pool::release() {
   reclaim();
   auto free_now = [&](StoragePtr& s) {
     if (!s) return;
-    for (auto& t : s->pending()) {  // a failure is prune()'s to report
-      try {
-        t->wait();
-      } catch (...) {
-      }
-    }
+    wait_quietly(s->pending());  // a failure is prune()'s to report
     if (!s->on_device()) counters_["arena_frees"] += 1;
     s.reset();
   };

@@ -19,8 +19,8 @@ struct Storage {
   at::Tensor device;                // device tier: a uint8 buffer from torch's allocator
   size_t bytes = 0;
 
-  TicketPtr write;                  // the last copy into it; readers wait for it
-  std::vector<TicketPtr> reads;     // copies reading it; the next writer waits for them
+  TicketPtr write;                   // the last copy into it; readers wait for it
+  std::vector<TicketPtr> reads;      // copies reading it; the next writer waits for them
   std::optional<uint64_t> checksum;  // of the last completed save (checksum=True)
   bool checksum_due = false;         // a save was issued; its checksum is taken once it completes
 

@@ -1,10 +1,12 @@
 // Streams one slot to the compute device step by step (e.g. layer by layer) for a forward pass over the
 // snapshot that leaves the live weights alone. CUDA pool + host slot: two device staging buffers, the
 // load of step i+2 issued on the load stream once step i is released. Device-tier slots and CPU pools
-// hand out views of the slot itself (zero copies).
+// hand out views of the slot itself (zero copies). The streamer plans the steps and holds their order; the pool
+// (its streaming interface, pool.h) does the copies.
 #pragma once
 
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -32,33 +34,20 @@ class Streamer {
   std::string mode() const;
 
  private:
-  struct Segment {
-    size_t slot_offset;
-    size_t staging_offset;
-    size_t bytes;
-  };
-  struct Step {
-    std::vector<std::string> names;
-    std::vector<size_t> entries;          // per name
-    std::vector<size_t> staging_offsets;  // per name: where its entry lies in a staging buffer
-    std::vector<Segment> segments;        // slot ranges copied for this step
-  };
-
-  bool staged_now() const;
+  std::string mode_locked() const;
   void check_step(int64_t step, const char* op) const;
   void load(size_t step);
-  void end_locked();
 
   std::shared_ptr<Pool> pool_;
   int64_t slot_;
-  std::vector<Step> steps_;
+  std::vector<StreamStep> steps_;
   size_t buffer_bytes_ = 0;  // one staging buffer: the largest step, aligned
 
+  mutable std::mutex mu_;  // guards the pass below; taken before the pool's own lock, never while holding it
   bool active_ = false;
-  bool staged_ = false;
+  StreamPass pass_;
   size_t next_acquire_ = 0;
   size_t next_release_ = 0;
-  StoragePtr source_;              // the slot's storage, held for the whole pass
   std::vector<TicketPtr> loaded_;  // per step: its load into staging
 };
 

@@ -2,6 +2,7 @@
 #pragma once
 
 #include <memory>
+#include <vector>
 
 namespace dppo {
 
@@ -17,5 +18,17 @@ class Ticket {
 };
 
 using TicketPtr = std::shared_ptr<Ticket>;
+
+// Blocks until the work has finished, failed or not: a failure is someone else's to report. Null: nothing to wait for.
+inline void wait_quietly(const TicketPtr& ticket) noexcept {
+  try {
+    if (ticket) ticket->wait();
+  } catch (...) {
+  }
+}
+
+inline void wait_quietly(const std::vector<TicketPtr>& tickets) noexcept {
+  for (const TicketPtr& t : tickets) wait_quietly(t);
+}
 
 }  // namespace dppo
