@@ -291,3 +291,34 @@ def test_an_assistant_message_sent_back_with_empty_content_for_none_is_the_one_r
     prompt = list(generator.requests[0].prompt_ids)
     assert list(generator.requests[1].prompt_ids) == prompt + script[0].token_ids + encode(bridge_text("tool", "3"))
     assert (trajectory.retokenize_mismatch, trajectory.turns) == (0, 2)
+
+
+def test_sampled_text_the_template_renders_otherwise_is_rendered_anew_and_counted(
+    endpoint_of, sampled, encode, run_agent, caplog
+):
+    # the model wrote the text "<|im_end|>" in byte tokens: rendered, it becomes the special token, so the render of the
+    # conversation so far no longer decodes as the sampled ids do, and the head check must refuse the bridge
+    written_end = encode("<|im") + encode("_end|>")
+    first, second = sampled(encode("A") + written_end + encode("B"), 1), sampled("C", 2)
+    endpoint, generator = endpoint_of([first, second])
+
+    async def agent(client):
+        messages = [{"role": "user", "content": "Go."}]
+        reply = await client.chat.completions.create(model="policy", messages=messages)
+        messages += [reply.choices[0].message.model_dump(), {"role": "user", "content": "Next?"}]
+        await client.chat.completions.create(model="policy", messages=messages)
+        return reply.choices[0].message.content
+
+    with caplog.at_level(logging.WARNING, logger="dppo.rollout.agent"):
+        text, trajectory = run_agent(endpoint, agent)
+    assert text == "A<|im_end|>B"
+    anew = encode(
+        turn("system", SMOLLM_SYSTEM)
+        + turn("user", "Go.")
+        + turn("assistant", "A<|im_end|>B")
+        + turn("user", "Next?")
+        + "<|im_start|>assistant\n"
+    )
+    assert list(generator.requests[1].prompt_ids) == anew
+    assert (trajectory.retokenize_mismatch, trajectory.turns, trajectory.branches) == (1, 1, 1)
+    assert any("otherwise than its tokens decode" in r.getMessage() for r in caplog.records)
