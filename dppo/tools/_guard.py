@@ -1,4 +1,5 @@
-"""The sandbox's second stage: run as `python -I -B -u -c <this source> CODE_FD WORKDIR` by _launcher.py, inside the
+"""The sandbox's second stage: run as `python -I -B -u -c <stub> <this source> CODE_FD WORKDIR` by _launcher.py (the
+stub compiles this source under the name "<sandbox>", which its traceback printing leaves out), inside the
 kernel's limits. It reads the model's code from CODE_FD, installs an audit hook (PEP 578) and runs the code as
 __main__ with WORKDIR as its working directory. Stdlib only; it imports nothing of dppo.
 
@@ -192,15 +193,19 @@ def _install(work: str) -> None:
 
 
 def _print_error(err: BaseException) -> None:
-    """The traceback of the model's code, without this module's frame."""
+    """The traceback of the model's code, without this module's frames (its exec, and the hook where it refused)."""
     try:
-        traceback.print_exception(type(err), err, err.__traceback__.tb_next if err.__traceback__ else None)
+        report = traceback.TracebackException(type(err), err, err.__traceback__)
+        frames = [frame for frame in report.stack if frame.filename != "<sandbox>"]
+        report.stack = traceback.StackSummary.from_list(frames)
+        sys.stderr.write("".join(report.format()))
     except BaseException:  # noqa: BLE001  out of memory again, or an exception whose str raises
         sys.stderr.write(f"{type(err).__name__}\n")
 
 
 def main() -> None:
-    code_fd, work = int(sys.argv[1]), sys.argv[2]
+    code_fd, work = int(sys.argv[2]), sys.argv[3]  # sys.argv[1]: this module's source
+    sys.argv[:] = [CODE_NAME]  # what the code sees, as a script's name
     with os.fdopen(code_fd, encoding="utf-8", errors="replace") as f:
         source = f.read()
     linecache.cache[CODE_NAME] = (len(source), None, source.splitlines(True), CODE_NAME)  # lines in tracebacks

@@ -9,20 +9,24 @@ Mode "kernel" (dppo.tools.sandbox falls back to "rlimits" when the kernel refuse
   2. a new root: a tmpfs holding read-only binds of the system's library folders and of the Python installation
      (config["binds"]), /dev/null, /dev/zero, /dev/random and /dev/urandom, and at the working directory's path a
      tmpfs of its own of config["disk_bytes"]; the old root is moved away (MS_MOVE onto "/" and chroot);
-  3. a fork: the child, PID 1 of the new PID namespace, is its init. It gets SIGKILL when this process dies
-     (PR_SET_PDEATHSIG), becomes an unprivileged user (root: a uid of its own, 0x70000000 + this process's pid, so
-     that RLIMIT_NPROC, which root ignores, counts this run's processes alone; otherwise uid 1000 of the user
-     namespace, whose processes RLIMIT_NPROC counts apart from the user's others), sets no_new_privs, and forks the
-     program, which sets the rlimits and executes the second stage. The init reaps every process until the
-     program ended, writes "status:<wait status>" to config["status_fd"] and exits: the kernel then kills every
-     process left in the namespace, even one that left the process group. The program is not PID 1 itself because
-     the kernel ignores signals a namespace's init has no handler for: SIGXCPU would never stop it.
+  3. a fork: the child, PID 1 of the new PID namespace, is its init. This process writes "init:<its pid>" to
+     config["status_fd"]; the init takes a process group of its own (the parent kills that group, not this
+     process, so that this process ends only after the init, which the kernel lets end only after every other
+     process of its namespace: when the parent sees this process end, nothing of the run is left). The init gets
+     SIGKILL when this process dies (PR_SET_PDEATHSIG), becomes an unprivileged user (root: a uid of its own,
+     0x70000000 + this process's pid, so that RLIMIT_NPROC, which root ignores, counts this run's processes alone;
+     otherwise uid 1000 of the user namespace, whose processes RLIMIT_NPROC counts apart from the user's others),
+     sets no_new_privs, and forks the program, which sets the rlimits and executes the second stage. The init
+     reaps every process until the program ended, writes "status:<wait status>" to config["status_fd"] and
+     exits: the kernel then kills every process left in the namespace, even one that left the process group. The
+     program is not PID 1 itself because the kernel ignores signals a namespace's init has no handler for:
+     SIGXCPU would never stop it.
 Mode "rlimits": the rlimits, root becomes a uid of its own as above (where config["own_uid"] says that uid can
 start the interpreter), and the second stage replaces this process (its exit status is the program's).
 
 A step that fails before the second stage starts writes "setup:<message>" to config["status_fd"] and exits with
 EXIT_SETUP: nothing of the model's code has run then. The program's copy of that descriptor is closed by its execve,
-so the model's code cannot write a false status.
+so the model's code cannot write a false status. Each message is one line.
 """
 
 from __future__ import annotations
@@ -155,7 +159,9 @@ def _exec_guard(config: dict, guard_source: str, code_fd: int) -> None:
     env = dict(config["env"], HOME=config["work"], TMPDIR=config["work"])
     argv = [config["python"], "-I", "-B", "-u"]
     if config["python_guard"]:
-        argv += ["-c", guard_source, str(code_fd), config["work"]]
+        # compiled under a name of its own, so that its frames can be told from the code's own exec("...") ones
+        stub = "import sys\nexec(compile(sys.argv[1], '<sandbox>', 'exec'))"
+        argv += ["-c", stub, guard_source, str(code_fd), config["work"]]
     else:  # the kernel's layers alone (tests of those): the code as it is
         with os.fdopen(code_fd) as f:
             argv += ["-c", f.read()]
@@ -171,6 +177,7 @@ def _code_fd(config: dict) -> int:
 
 def _init(config: dict, guard_source: str, code_fd: int, owner: int | None, alive_r: int) -> None:
     """PID 1 of the new PID namespace (step 3 of mode "kernel"); never returns."""
+    os.setpgid(0, 0)
     _check(_libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0), "prctl(PR_SET_PDEATHSIG)")
     os.set_blocking(alive_r, False)
     try:
@@ -190,7 +197,7 @@ def _init(config: dict, guard_source: str, code_fd: int, owner: int | None, aliv
         pid, status = os.waitpid(-1, 0)
         if pid == program:
             break
-    os.write(config["status_fd"], f"status:{status}".encode())
+    os.write(config["status_fd"], f"status:{status}\n".encode())
     os._exit(0)
 
 
@@ -200,9 +207,12 @@ def _kernel_mode(config: dict, guard_source: str) -> None:
     _enter_namespaces()
     _new_root(config, owner)
     alive_r, alive_w = os.pipe()
-    if os.fork() == 0:
+    init = os.fork()
+    if init == 0:
         os.close(alive_w)
         _init(config, guard_source, code_fd, owner, alive_r)
+    os.setpgid(init, init)  # as the init does itself: whichever runs first, the group exists when the parent reads
+    os.write(config["status_fd"], f"init:{init}\n".encode())
     os.close(alive_r)
     os.close(code_fd)
     os.close(config["status_fd"])
@@ -231,7 +241,7 @@ def main() -> None:
             guard_source = f.read()
         (_kernel_mode if config["mode"] == "kernel" else _rlimits_mode)(config, guard_source)
     except OSError as err:  # the setup's own failures (SetupError, PermissionError, ...) before any model code
-        os.write(status_fd, f"setup:{err}".encode(errors="replace"))
+        os.write(status_fd, ("setup:" + " ".join(str(err).split()) + "\n").encode(errors="replace"))
         os._exit(EXIT_SETUP)
 
 

@@ -84,6 +84,7 @@ _ENV = {  # the code's whole environment (plus HOME and TMPDIR: the working dire
     "MKL_NUM_THREADS": "1",
 }
 _DRAIN_S = 1.0  # after the main process ended and its group was killed: how long the pipes may still deliver
+_LAUNCHER_GRACE_S = 2.0  # mode "kernel": after the init's group was killed, how long before the launcher is too
 _POLL_S = 0.05  # how often the end of the main process is polled where there is no pidfd (Linux < 5.3)
 
 _kernel_refusal: str | None = None  # why the kernel refused the namespaces (then every run uses mode "rlimits")
@@ -199,7 +200,7 @@ class _Run:
     def __init__(self, code: str, limits: Limits, python_guard: bool) -> None:
         self.code, self.limits, self.python_guard = code, limits, python_guard
         self.kernel = _kernel_refusal is None
-        self.base = Path(tempfile.mkdtemp(prefix="dppo-sandbox-"))
+        self.base: Path | None = None
         self.proc: subprocess.Popen | None = None
         self.pidfd: int | None = None
         self.status_r: int | None = None
@@ -209,11 +210,18 @@ class _Run:
         self.budget = limits.output_bytes
         self.truncated = False
         self.killed_for: ErrorKind | None = None
+        self.killed_at: float | None = None
+        self.launcher_killed = False
         self.started = self.deadline = self.ended = 0.0
         self.returncode = 0
         self.spawn_error: OSError | None = None
 
     def start(self) -> None:
+        try:
+            self.base = Path(tempfile.mkdtemp(prefix="dppo-sandbox-"))
+        except OSError as err:  # a full or unwritable temporary folder: a "crashed" result, not a raise
+            self.spawn_error = err
+            return
         os.chmod(self.base, 0o711)  # the uid of its own (root, no namespaces) reaches work/ through it
         work, root, code_path = self.base / "work", self.base / "root", self.base / "code.py"
         work.mkdir(mode=0o700)
@@ -279,11 +287,28 @@ class _Run:
 
     def kill(self, why: ErrorKind) -> None:
         if self.killed_for is None and not self.ended:
-            self.killed_for = why
+            self.killed_for, self.killed_at = why, time.monotonic()
+            self._kill_run()
+
+    def _kill_run(self) -> None:
+        """SIGKILL to the run. Mode "kernel": to the init's process group, so that the launcher, still alive, ends
+        only after the init, which ends only after every process of its PID namespace; without an init yet (or in
+        mode "rlimits") to the launcher's group."""
+        if self.status_r in self.open_fds:
+            self.read(self.status_r)  # the init's pid may be waiting there
+        init = self._messages().get("init")
+        if init is None:
             self._signal_group()
+            return
+        try:
+            os.killpg(int(init), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
 
     def _signal_group(self) -> None:
-        for send in (os.killpg, os.kill):  # the main process too, should it have left its group
+        """SIGKILL to the launcher's process group, and to the launcher should it have left it."""
+        self.launcher_killed = True
+        for send in (os.killpg, os.kill):
             try:
                 send(self.proc.pid, signal.SIGKILL)
             except ProcessLookupError:
@@ -313,30 +338,42 @@ class _Run:
             return self.ended + _DRAIN_S - now
         if now >= self.deadline:
             self.kill("timeout")
+        if self.killed_at is not None and not self.launcher_killed and now >= self.killed_at + _LAUNCHER_GRACE_S:
+            self._signal_group()  # the launcher outlived its init's kill: it goes too (PR_SET_PDEATHSIG does the rest)
         wait = max(self.deadline - now, 0.0) if self.killed_for is None else _POLL_S
         return wait if self.pidfd is not None else min(wait, _POLL_S)
 
     def close(self) -> None:
         """Kill what is left, reap, close the descriptors, remove the folder (also after an exception)."""
         if self.proc is not None:
-            if self.proc.returncode is None and not self.ended:
-                self._signal_group()
+            if self.proc.returncode is None and not self.ended:  # an exception or a cancellation cut the run short
+                self._kill_run()
+                try:
+                    self.proc.wait(_LAUNCHER_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    self._signal_group()
             self.returncode = self.proc.wait()
             for pipe in (self.proc.stdout, self.proc.stderr):
                 pipe.close()
-        if self.status.startswith(b"status:"):  # mode "kernel": the launcher's init reported the program's end
-            self.returncode = os.waitstatus_to_exitcode(int(self.status[len(b"status:") :]))
+        status = self._messages().get("status")
+        if status is not None:  # mode "kernel": the launcher's init reported the program's end
+            self.returncode = os.waitstatus_to_exitcode(int(status))
         for fd in (self.pidfd, self.status_r):
             if fd is not None:
                 os.close(fd)
         self.pidfd = self.status_r = None
-        shutil.rmtree(self.base, onerror=_force_remove)
+        if self.base is not None:
+            shutil.rmtree(self.base, onerror=_force_remove)
+
+    def _messages(self) -> dict[str, str]:
+        """The launcher's lines on the status pipe ("init:<pid>", "setup:<message>", "status:<wait status>"), by
+        kind; a line still being written is left for later."""
+        lines = self.status.decode(errors="replace").split("\n")[:-1]
+        return dict(line.split(":", 1) for line in reversed(lines) if ":" in line)  # the first of each kind wins
 
     def setup_failure(self) -> str:
         """The launcher's message where its setup failed (before any of the code ran); "" otherwise."""
-        if not self.status.startswith(b"setup:"):
-            return ""
-        return self.status[len(b"setup:") :].split(b"status:")[0].decode(errors="replace")
+        return self._messages().get("setup", "")
 
     def fell_back(self) -> bool:
         """After a setup failure in mode "kernel": whether to run again in mode "rlimits" (and all later runs)."""
@@ -369,7 +406,7 @@ class _Run:
     def _classify(self) -> tuple[ErrorKind | None, str]:
         lim, rc = self.limits, self.returncode
         if self.spawn_error is not None:
-            return "crashed", f"the sandbox could not start a process: {self.spawn_error}"
+            return "crashed", f"the sandbox could not start: {self.spawn_error}"
         if self.setup_failure():
             return "crashed", f"the sandbox could not be set up: {self.setup_failure()}"
         if self.killed_for == "timeout":
