@@ -227,9 +227,29 @@ def _rlimits_mode(config: dict, guard_source: str) -> None:
     code_fd = _code_fd(config)
     if owner is not None:
         os.chown(config["work"], owner, owner)
-    _set_limits(config, own_processes=0)
+    # Another user's RLIMIT_NPROC counts every task (process or thread) of that user, a Ray worker's hundreds
+    # included: the code gets `processes` (this process, the code's first, among them) more than that user runs now.
+    _set_limits(config, own_processes=0 if owner is not None or os.geteuid() == 0 else _tasks_of(os.getuid()) - 1)
     _become_unprivileged(owner)
     _exec_guard(config, guard_source, code_fd)
+
+
+def _tasks_of(uid: int) -> int:
+    """Tasks (processes and threads) whose real uid is uid, as RLIMIT_NPROC counts them (this process included)."""
+    count = 0
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/status") as f:
+                status = f.read()
+            real_uid = int(status.split("\nUid:", 1)[1].split()[0])
+            threads = int(status.split("\nThreads:", 1)[1].split()[0])
+        except (OSError, IndexError, ValueError):
+            continue  # ended meanwhile
+        if real_uid == uid:
+            count += threads
+    return count
 
 
 def main() -> None:

@@ -109,7 +109,9 @@ class Limits:
     """Bytes of stdout and stderr together that are kept; on the next byte the rest is dropped, the run killed and
     ToolResult.output_truncated set; error "output_limit"."""
     processes: int = 16
-    """Processes and threads at once (RLIMIT_NPROC), the first one included: a fork bomb stops here."""
+    """Processes and threads at once (RLIMIT_NPROC), the first one included: a fork bomb stops here. (Without
+    namespaces, as a user other than root, RLIMIT_NPROC counts all of that user's tasks: the code gets this many
+    more than the user runs when it starts.)"""
     file_size_bytes: int = 16 << 20
     """Largest file the code may write (RLIMIT_FSIZE): a larger write fails with OSError (EFBIG)."""
     disk_bytes: int = 64 << 20

@@ -9,10 +9,15 @@ temporary folder gone, nothing written outside it.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import shutil
 import signal
 import socket
+import stat
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +28,7 @@ from dppo.tools import sandbox
 from dppo.tools._launcher import OWN_UID_BASE
 from dppo.tools.sandbox import Limits, LimitsError, ToolResult, arun_python, run_python
 
+REPO = Path(__file__).resolve().parents[3]
 FAST = Limits(wall_time_s=20, cpu_time_s=10)  # limits no plant below should reach unless it is the one tested
 
 
@@ -371,6 +377,52 @@ def test_a_kernel_that_refuses_namespaces_makes_later_runs_fall_back_once(monkey
     assert "Operation not permitted" in caplog.records[0].message
     assert [run.kernel for run in runs] == [True, True, False, False]
     assert_cleaned_up(runs)
+
+
+AS_ANOTHER_USER = """
+import json, os, sys
+from dppo.tools import sandbox
+from dppo.tools.sandbox import Limits, run_python
+FORKS = sys.argv[1]
+results = {}
+for mode in ("kernel", "rlimits"):
+    sandbox._kernel_refusal = None if mode == "kernel" else "the test asks for mode rlimits"
+    forks = run_python(FORKS, Limits(processes=4), _python_guard=False)
+    read = run_python("print(open('/etc/hostname').read())", Limits(), _python_guard=mode == "rlimits")
+    results[mode] = [forks.namespaces, forks.stdout, read.error, read.exit_status]
+print(json.dumps(results))
+"""
+
+
+def test_as_another_user_than_root_each_mode_holds(tmp_path):
+    """The paths a user other than root takes: a user namespace of its own (RLIMIT_NPROC counted there), and
+    without namespaces RLIMIT_NPROC over the user's own tasks. Run as uid 65534 through setpriv, by root."""
+    candidates = [sys.executable, "/usr/local/bin/python3", "/usr/bin/python3"]
+    python = next((p for p in candidates if os.path.exists(p) and _others_may_run(p)), None)
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or python is None or not _others_may_run(str(REPO)):
+        pytest.skip("needs root, setpriv, and a Python 3.9+ and this checkout that uid 65534 can reach")
+    command = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c", AS_ANOTHER_USER]
+    out = subprocess.run(
+        [*command, FORK_SLEEPERS.format(count=50)], capture_output=True, text=True, timeout=120,
+        env={"PYTHONPATH": str(REPO), "HOME": str(tmp_path), "PATH": os.environ["PATH"]}, cwd=tmp_path,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr[-2000:]
+    results = json.loads(out.stdout)
+    fork_failed = "fork failed: Resource temporarily unavailable\nforked 3\n"
+    if results["kernel"][0]:  # the kernel lets uid 65534 make a user namespace
+        assert results["kernel"] == [True, fork_failed, None, 1]  # /etc/hostname is not in its root
+    assert results["rlimits"] == [False, fork_failed, "refused", 118]
+
+
+def _others_may_run(path: str) -> bool:
+    """Every folder above path, and path, open to "others", and (for an interpreter) Python 3.9 or later."""
+    real = Path(os.path.realpath(path))
+    if any(not (os.stat(p).st_mode & stat.S_IXOTH) for p in [real, *real.parents]):
+        return False
+    if real.is_dir():
+        return True
+    version = subprocess.run([path, "-c", "import sys; print(sys.version_info >= (3, 9))"], capture_output=True)
+    return version.stdout.strip() == b"True"
 
 
 def test_limits_name_a_bad_field_and_value():
