@@ -51,6 +51,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import math
 import os
 import selectors
 import shutil
@@ -129,7 +130,8 @@ class Limits:
                     raise LimitsError(f"Limits.require_namespaces must be True or False, got {value!r}")
                 continue
             integral = field.name != "wall_time_s"
-            if isinstance(value, bool) or not isinstance(value, int if integral else (int, float)) or value <= 0:
+            wrong_type = isinstance(value, bool) or not isinstance(value, int if integral else (int, float))
+            if wrong_type or not 0 < value < math.inf:
                 kind = "a positive integer" if integral else "a positive number"
                 raise LimitsError(f"Limits.{field.name} must be {kind}, got {value!r}")
 
@@ -177,8 +179,7 @@ def run_python(code: str, limits: Limits | None = None, *, _python_guard: bool =
             _drive_sync(run)
         finally:
             run.close()
-        retry = run.fell_back()
-        if not retry:
+        if not run.fell_back():
             return run.result()
 
 

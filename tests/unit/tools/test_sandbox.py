@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import re
 import shutil
@@ -430,6 +431,8 @@ def test_limits_name_a_bad_field_and_value():
         Limits(cpu_time_s=0.5)
     with pytest.raises(LimitsError, match=r"Limits.wall_time_s must be a positive number, got -1"):
         Limits(wall_time_s=-1)
+    with pytest.raises(LimitsError, match=r"Limits.wall_time_s must be a positive number, got inf"):
+        Limits(wall_time_s=math.inf)
     with pytest.raises(ValueError, match=r"Limits.require_namespaces must be True or False, got 1"):
         Limits(require_namespaces=1)
 
