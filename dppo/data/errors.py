@@ -41,6 +41,10 @@ class RewardFunctionError(DataError, RuntimeError):
     """The reward function raised, or returned something other than a finite score."""
 
 
+class AgentFunctionError(DataError, RuntimeError):
+    """rollout.agent.path cannot be used: the file does not load or does not define rollout.agent.name."""
+
+
 class MissingExtraError(ImportError):
     """An optional package that a data source or a command needs is not installed; the message names dppo's extra
     that brings it (`pip install 'dppo[tasks]'`). Not a DataError: the command line reports it as an invalid

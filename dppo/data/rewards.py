@@ -17,15 +17,15 @@ from __future__ import annotations
 import math
 import numbers
 import re
-import types
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
 from dppo._text import one_line
-from dppo.data.errors import DataFileError, RewardFunctionError
+from dppo.data.errors import RewardFunctionError
 from dppo.data.time_limit import CallTimeout, call_with_time_limit
+from dppo.data.user_code import FileFunction
 
 ScoreFn = Callable[..., object]
 
@@ -66,7 +66,8 @@ class RewardFunction:
     """compute_score from custom_reward_function.path (the built-in gsm8k_compute_score when path is None, or the
     builtin given: a data source's own scorer with the same signature, e.g. a reasoning-gym dataset's).
 
-    Picklable: it carries the file's text, not the compiled function, and compiles it where it is first called.
+    Picklable: a file's function travels as the file's text (dppo.data.user_code.FileFunction), compiled where it is
+    first called.
     """
 
     def __init__(
@@ -82,48 +83,16 @@ class RewardFunction:
         name it."""
         self.path, self.name, self.timeout_s = path, name, timeout_s
         self.builtin, self.builtin_label = builtin, builtin_label
-        self._source: str | None = None
-        if path is not None:
-            try:
-                with open(path, encoding="utf-8") as f:
-                    self._source = f.read()
-            except OSError as err:
-                raise DataFileError(
-                    f"custom_reward_function.path={path!r}: cannot read it ({one_line(err, None)})"
-                ) from None
-        self._fn: ScoreFn | None = None
-        self.function()  # compile now: a broken file or a missing name fails before any worker starts
+        # read and compiled now: a broken file or a missing name fails before any worker starts
+        self._file = None if path is None else FileFunction(path, name, "custom_reward_function", RewardFunctionError)
 
     @property
     def label(self) -> str:
         """How messages name the function: 'compute_score' in 'my_reward.py', or the built-in default."""
-        return self.builtin_label if self.path is None else f"{self.name!r} in {self.path!r}"
+        return self.builtin_label if self._file is None else self._file.label
 
     def function(self) -> ScoreFn:
-        if self._fn is None:
-            self._fn = self.builtin if self.path is None else self._compile()
-        return self._fn
-
-    def _compile(self) -> ScoreFn:
-        module = types.ModuleType("dppo_custom_reward")
-        module.__file__ = self.path
-        try:
-            exec(compile(self._source, self.path, "exec"), module.__dict__)  # noqa: S102 - the user's own file
-        except Exception as err:
-            raise RewardFunctionError(
-                f"custom_reward_function.path={self.path!r} failed to load: {type(err).__name__}: {one_line(err, None)}"
-            ) from err
-        fn = getattr(module, self.name, None)
-        if not callable(fn):
-            defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_"))
-            raise RewardFunctionError(
-                f"custom_reward_function.path={self.path!r} defines no function "
-                f"custom_reward_function.name={self.name!r}; it defines: {', '.join(defined) or 'none'}"
-            )
-        return fn
-
-    def __getstate__(self) -> dict:
-        return {**self.__dict__, "_fn": None}
+        return self.builtin if self._file is None else self._file.function()
 
     def __call__(self, data_source: str, solution_str: str, ground_truth, extra_info, where: str) -> tuple[float, dict]:
         """(score, numeric extras) of one response; where names the row for the error message."""
@@ -174,12 +143,24 @@ def _is_real(value: object) -> bool:
 
 @dataclass(frozen=True)
 class RewardRow:
-    """What a reward function is told about a response's prompt, and where the row came from."""
+    """What a reward function (or an agent, rollout.agent) is told about a response's prompt, and where the row came
+    from."""
 
     data_source: str
     ground_truth: object
     extra_info: object
     where: str  # "row 17 of 'train.parquet'"
+    messages: tuple = ()  # the prompt's chat messages ({"role", "content"} dicts), as the data file has them
+
+    def agent_row(self) -> dict:
+        """The row as an agent gets it (verl's column names): {"prompt": the messages (a list of fresh dicts),
+        "ground_truth", "data_source", "extra_info"}."""
+        return {
+            "prompt": [dict(message) for message in self.messages],
+            "ground_truth": self.ground_truth,
+            "data_source": self.data_source,
+            "extra_info": self.extra_info,
+        }
 
 
 def score_texts(

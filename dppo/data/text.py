@@ -104,7 +104,7 @@ def tokenize_rows(
             ids = ids[-max_prompt_length:] if truncation == "left" else ids[:max_prompt_length]
         prompt_ids.append(np.asarray(ids, dtype=np.int64))
     reward_rows = [
-        RewardRow(rows.data_source[i], rows.ground_truth[i], rows.extra_info[i], rows.where(i))
+        RewardRow(rows.data_source[i], rows.ground_truth[i], rows.extra_info[i], rows.where(i), tuple(rows.messages[i]))
         for i in range(len(rows))
     ]
     return TextRows(prompt_ids, reward_rows)
@@ -186,6 +186,9 @@ class TextSource(PromptSource):
         self.response_length = response_length
         self.prompt_length = max(len(ids) for rows in (train, val) if rows is not None for ids in rows.prompt_ids)
         self.shuffle, self.seed, self.groups_per_step = shuffle, seed, groups_per_step
+        # rollout.agent: the agent function (dppo.data.user_code.FileFunction) that makes a row's responses and returns
+        # their rewards in place of the reward function (dppo.workers.rollout.agent); None: one response per prompt
+        self.agent = None
 
     @classmethod
     def from_config(cls, data, model_path: str, reward_cfg, seed: int, batch_size: int) -> TextSource:
