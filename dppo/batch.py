@@ -3,6 +3,10 @@
 Padding: prompts of different lengths are padded on the left, responses on the right (after their EOS).
 The attention mask of a batch is None when no prompt is padded (then nothing needs masking: a causal model
 never looks at the pad tokens after a response), so equal-length prompts pay nothing for it.
+
+response_mask is verl's: 1 on the tokens the loss counts, the ones the policy sampled. A multi-turn agent's response
+(rollout.agent) also holds tokens between its turns that it did not sample (tool output, environment messages, the
+chat template's), with mask 0 there; the model reads them all the same (attended()).
 """
 
 from __future__ import annotations
@@ -12,6 +16,11 @@ from typing import Any
 
 import numpy as np
 import torch
+
+
+# reward_extra keys of an agent's groups (rollout.agent) that count something per run: summed over a step's runs
+# (agent/errors: runs that raised, timed out or returned no reward); every other agent/* value is averaged
+AGENT_COUNTS = ("agent/errors", "agent/retokenize_mismatch", "agent/tool_parse_failures")
 
 
 @dataclass
@@ -144,6 +153,13 @@ def left_pad(token_ids: np.ndarray | list[np.ndarray], pad_token: int) -> tuple[
     return torch.from_numpy(ids), torch.from_numpy(mask)
 
 
+def attended(response_mask: torch.Tensor) -> torch.Tensor:
+    """(n, R) bool: the response positions later tokens attend to, every one up to a row's last loss token. A plain
+    response's mask is a prefix, so that is the mask itself; a multi-turn agent's (rollout.agent) has 0 on the tokens
+    between its turns (tool output, the template), which the model still reads."""
+    return response_mask.flip(-1).cummax(-1).values.flip(-1)
+
+
 def collate(groups: list[Group], pad_token: int = 0) -> TrainBatch:
     """Stack groups into one batch: prompts left-padded to the longest, responses right-padded to the longest."""
     if not groups:
@@ -201,7 +217,7 @@ def _pad_groups(groups: list[Group], prompt_length: int, response_length: int, p
         input_ids[rows, start:prompt_length] = g.prompt
         attention_mask[rows, start:prompt_length] = 1
         input_ids[rows, prompt_length : prompt_length + r] = g.responses
-        attention_mask[rows, prompt_length : prompt_length + r] = g.response_mask.long()
+        attention_mask[rows, prompt_length : prompt_length + r] = attended(g.response_mask).long()
         response_mask[rows, :r] = g.response_mask
         behav_logp[rows, :r] = g.behav_logp
         token_versions[rows] = g.version

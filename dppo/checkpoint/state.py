@@ -16,14 +16,14 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from dppo.batch import Group
+from dppo.batch import AGENT_COUNTS, Group
 
 # ---- the current sync cycle -----------------------------------------------------------------------------
 
 
 # Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips,
 # algorithm.filter_groups' triggers at its limit)
-COUNTED_METRICS = ("actor/skipped_updates", "filter_groups/at_limit")
+COUNTED_METRICS = ("actor/skipped_updates", "filter_groups/at_limit", *AGENT_COUNTS)
 
 
 @dataclass

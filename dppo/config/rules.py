@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from dppo.algo import LOSS_AGG_MODES, loss_mode_agg_mode
+from dppo.algo import GREEDY_BASELINE_ESTIMATORS, LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, shown
 from dppo.config.choices import (
     FILTER_REWARD_METRICS,
@@ -71,6 +71,24 @@ def validate_combinations(cfg) -> None:
     _check_policy_loss(cfg.algorithm, cfg.actor)
     _check_stability_remedies(t, cfg.actor, cfg.algorithm, _prompt_source_in_words(cfg.data, cfg.task))
     _check_data_or_task(cfg.data, cfg.model, cfg.task, cfg.custom_reward_function, t)
+    _check_agent(cfg.rollout.agent, cfg.data, cfg.algorithm)
+
+
+def _check_agent(agent, data, a) -> None:
+    """rollout.agent runs on chat rows (text data or reasoning-gym problems: their messages are what an agent gets)
+    and returns the reward itself."""
+    if not agent.enabled:
+        return
+    if data.kind == "task":
+        raise ConfigError(
+            f"rollout.agent.path={agent.path!r} runs an agent on chat rows, but the run's prompts are the integer "
+            "task's (data.train_files is null); set data.train_files or data.source=reasoning_gym"
+        )
+    if a.adv_estimator in GREEDY_BASELINE_ESTIMATORS:
+        raise ConfigError(
+            f"algorithm.adv_estimator={a.adv_estimator!r} scores a greedy response to each prompt as its baseline, "
+            f"which an agent (rollout.agent.path={agent.path!r}) does not make; use grpo, rloo or another estimator"
+        )
 
 
 def _check_prox_logp_method(a, snapshot, trainer) -> None:

@@ -5,6 +5,7 @@ See dppo.data.source for the interface the trainer and the rollout workers use.
 """
 
 from dppo.data.errors import (
+    AgentFunctionError,
     DataColumnError,
     DataError,
     DataFileError,
@@ -13,13 +14,16 @@ from dppo.data.errors import (
     PromptTooLongError,
     RewardFunctionError,
     TokenizerError,
+    require_extra,
 )
 from dppo.data.rewards import RewardFunction, gsm8k_compute_score
 from dppo.data.source import Prompts, PromptSource, Scores, TaskSource
 from dppo.data.reasoning_gym import ReasoningGymSource
 from dppo.data.text import TextSource
+from dppo.data.user_code import FileFunction
 
 __all__ = [
+    "AgentFunctionError",
     "DataColumnError",
     "DataError",
     "DataFileError",
@@ -47,5 +51,11 @@ def make_prompt_source(cfg) -> PromptSource:
     kind, t = cfg.data.kind, cfg.trainer
     if kind == "task":
         return TaskSource.from_config(cfg.task, t.seed, t.eval_prompts)
-    source = TextSource if kind == "parquet" else ReasoningGymSource
-    return source.from_config(cfg.data, cfg.model.path, cfg.custom_reward_function, t.seed, t.train_batch_size)
+    source_class = TextSource if kind == "parquet" else ReasoningGymSource
+    source = source_class.from_config(cfg.data, cfg.model.path, cfg.custom_reward_function, t.seed, t.train_batch_size)
+    if cfg.rollout.agent.enabled:  # the agent returns the rewards: it is what scores a row's responses
+        agent = cfg.rollout.agent
+        require_extra("openai", "agents", f"rollout.agent.path={agent.path!r}")
+        require_extra("aiohttp", "agents", f"rollout.agent.path={agent.path!r}")
+        source.agent = FileFunction(agent.path, agent.name, "rollout.agent", AgentFunctionError)
+    return source

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from dppo.batch import Group, TrainBatch, collate, token_version_metrics
+from dppo.batch import AGENT_COUNTS, Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
 from dppo.checkpoint.state import CycleProgress, TrainerState
@@ -54,6 +54,7 @@ from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
+from dppo.workers.rollout.agent.runner import worker_agents
 from dppo.workers.rollout.engines import make_engine
 
 __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
@@ -62,7 +63,8 @@ __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
 def _reward_extras(groups: list[Group]) -> dict[str, float]:
     """reward/extra/<key>: the mean of each extra number of the reward function over the groups' responses that have
     it (a group scored in a batch where no response had the key carries none; one that others had, NaN rows); a key
-    none of them has is left out rather than logged as NaN."""
+    none of them has is left out rather than logged as NaN. An agent's agent/<key> (rollout.agent) under its own name:
+    the counts of AGENT_COUNTS summed, the others averaged."""
     extras: dict[str, list[torch.Tensor]] = {}
     for group in groups:
         for key, values in group.reward_extra.items():
@@ -71,7 +73,11 @@ def _reward_extras(groups: list[Group]) -> dict[str, float]:
     for key, parts in extras.items():
         values = torch.cat(parts)
         present = values[~values.isnan()]
-        if len(present):
+        if not len(present):
+            continue
+        if key.startswith("agent/"):  # an agent's numbers (rollout.agent): counts summed, the rest averaged
+            metrics[key] = float(present.sum() if key in AGENT_COUNTS else present.mean())
+        else:
             metrics[f"reward/extra/{key}"] = float(present.mean())
     return metrics
 
@@ -87,8 +93,17 @@ def _published_policy(cfg: DppoConfig, source: PromptSource, model_config) -> Pu
     def engine():
         return make_engine(cfg, source, model_config, device)
 
-    on_engine = cfg.trainer.eval_engine == "rollout"
-    return PublishedPolicy(model_config, cfg.model.dtype, device, source, cfg.model.path, engine if on_engine else None)
+    agents = None
+    if getattr(source, "agent", None) is not None:  # rollout.agent: the agent is evaluated, on an engine
+
+        def agents(engine):
+            r = cfg.rollout
+            return worker_agents(r.agent, source, engine, r.temperature, r.max_new_tokens or source.response_length)
+
+    on_engine = cfg.trainer.eval_engine == "rollout" or agents is not None
+    return PublishedPolicy(
+        model_config, cfg.model.dtype, device, source, cfg.model.path, engine if on_engine else None, agents
+    )
 
 
 class BaseTrainer:

@@ -123,14 +123,31 @@ def _best_key(key: str, n: int) -> str:
     return f"{head}/best@{n}/{rest}"
 
 
+def score_agents(agents, source: PromptSource, version: int) -> dict[str, float]:
+    """The source's evaluation metrics of an agent (rollout.agent) run once, greedily, on each of
+    source.eval_prompts() through agents (a dppo.workers.rollout.agent.AgentRollout over an engine that holds the
+    weights of version): val/score/<data_source> its rewards' mean, val/agent/<key>/<data_source> the mean of each of
+    its agent/* values (the agent's own extras, e.g. tool use, and agent/errors, agent/turns_mean, ...)."""
+    prompts = source.eval_prompts()
+    if len(prompts) == 0:
+        return {}
+    runs = agents.run(prompts.meta, 1, version, greedy=True)
+    stats = [run.stats() for run in runs]
+    keys = sorted({key for s in stats for key in s})
+    extra = {key: np.array([s.get(key, np.nan) for s in stats], dtype=np.float32) for key in keys}
+    return source.eval_metrics(prompts, Scores(np.array([run.reward for run in runs], dtype=np.float32), extra))
+
+
 class EngineEvaluation:
     """trainer.eval_engine=rollout: the trainer's evaluation decoded by an engine of the rollout's kind and dtype
     (rollout.name, rollout.dtype), built in this process by make() at the first evaluation (after the local rollout
-    workers were forked) and given the published weights when a newer version is evaluated."""
+    workers were forked) and given the published weights when a newer version is evaluated. With rollout.agent,
+    make_agents(engine) builds the agents' runtime over it, and the evaluation runs the agent (score_agents)."""
 
-    def __init__(self, make: Callable[[], object]):
-        self._make = make
+    def __init__(self, make: Callable[[], object], make_agents: Callable[[object], object] | None = None):
+        self._make, self._make_agents = make, make_agents
         self.engine = None
+        self.agents = None
         self.version: int | None = None
 
     def __call__(
@@ -144,9 +161,16 @@ class EngineEvaluation:
         if self.version != version:
             self.engine.load_weights(weights())
             self.version = version
-        return score_engine(self.engine, source)
+        if self._make_agents is None:
+            return score_engine(self.engine, source)
+        if self.agents is None:
+            self.agents = self._make_agents(self.engine)
+        return score_agents(self.agents, source, version)
 
     def close(self) -> None:
+        if self.agents is not None:
+            self.agents.close()
+            self.agents = None
         if self.engine is not None:
             self.engine.close()
             self.engine = None

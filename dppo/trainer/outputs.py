@@ -53,9 +53,11 @@ class PublishedPolicy:
         source: PromptSource,
         tokenizer_dir: str | None,
         make_engine: Callable[[], object] | None = None,
+        make_agents: Callable[[object], object] | None = None,
     ) -> None:
+        """make_agents (rollout.agent): the agents' runtime over the evaluation engine; the evaluation runs the agent."""
         self.model_config, self.dtype, self.device, self.source = model_config, dtype, device, source
-        self.engine = EngineEvaluation(make_engine) if make_engine is not None else None
+        self.engine = EngineEvaluation(make_engine, make_agents) if make_engine is not None else None
         self.tokenizer_dir = tokenizer_dir if has_tokenizer(tokenizer_dir) else None
         self.weights, self.version = None, -1
         self._model: torch.nn.Module | None = None

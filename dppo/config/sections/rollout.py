@@ -4,7 +4,7 @@ __post_init__ (dppo.config.schema assembles the whole config)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 
@@ -24,6 +24,51 @@ from dppo.config.choices import (
     ROLLOUT_ENGINES,
     WEIGHT_SYNC_MODES,
 )
+
+
+@dataclass
+class AgentSection:
+    """rollout.agent: multi-turn agents with tools (docs/agents.md). An agent is an async Python function named like
+    custom_reward_function, `async def agent(client, row) -> float | dict`, run rollout.n times on each prompt row;
+    client is an openai.AsyncOpenAI pointed at the rollout worker's own endpoint over its engine."""
+
+    path: Optional[str] = None
+    """Python file that defines the agent function; null: no agents (one prompt, one response, scored by the reward
+    function)."""
+
+    name: str = "agent"
+    """The agent function's name in rollout.agent.path."""
+
+    max_concurrency: int = 64
+    """Agent runs in flight at once on each rollout worker (their completions batched together: vLLM's continuous
+    batching, the hf engine's next batch)."""
+
+    max_turns: int = 8
+    """Completions one agent run may ask for; the next one is refused (the agent sees an error naming this key)."""
+
+    timeout_s: float = 300.0
+    """Wall time one agent run may take; past it the run gets reward 0 and counts one agent/errors."""
+
+    host: str = "127.0.0.1"
+    """Address the agents' endpoint binds. Another than a loopback address makes it reachable from other machines:
+    then every request must carry the run's token (the clients handed to agents carry it)."""
+
+    def __post_init__(self) -> None:
+        check_numbers(self, "rollout.agent")
+        positive("rollout.agent.max_concurrency", self.max_concurrency)
+        positive("rollout.agent.max_turns", self.max_turns)
+        positive("rollout.agent.timeout_s", self.timeout_s)
+        require(
+            isinstance(self.name, str) and self.name.isidentifier(),
+            "rollout.agent.name",
+            self.name,
+            "the name of a function in rollout.agent.path",
+        )
+        require(bool(self.host), "rollout.agent.host", self.host, "an address to bind, such as 127.0.0.1")
+
+    @property
+    def enabled(self) -> bool:
+        return self.path is not None
 
 
 @dataclass
@@ -94,6 +139,8 @@ class RolloutConfig:
     with prompt + tokens so far); finished ones are not touched. Every token carries the version that sampled it;
     the group keeps its start version, by which staleness is bounded (its oldest token). No effect in
     trainer.mode=sync, where nothing is published while a ticket generates. Off until measured."""
+
+    agent: AgentSection = field(default_factory=AgentSection)
 
     partial_chunk: int = 16
     """rollout.partial_rollout: decode steps between two looks for newer weights (one poll each: a shared counter

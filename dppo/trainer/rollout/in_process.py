@@ -78,4 +78,5 @@ class InProcessRollout(RolloutSource):
         return "rollout: generated in this process between the trainer's steps (trainer.mode=sync, no Ray)"
 
     def close(self) -> None:
+        self.worker.close()
         self.buffer.close()

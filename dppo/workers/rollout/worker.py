@@ -26,6 +26,7 @@ from dppo.data.source import PromptSource
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import as_state_dict
 from dppo.batch import Group
+from dppo.workers.rollout.agent.runner import agent_groups, worker_agents
 from dppo.workers.rollout.engines import Refresh, RolloutEngine, WeightSync, make_engine
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 from dppo.workers.sync_check import WeightFingerprint, verify
@@ -82,6 +83,11 @@ class RolloutGenerator:
         self.last_sync: WeightSync | None = None  # what the latest load_weights cost
         self.loaded_publish: str | None = None  # id of the Ray publish the engine holds (None: not one)
         self.verify_sync = cfg.rollout.verify_sync  # check each load against the publish's fingerprint
+        # rollout.agent: the agents' runtime (an endpoint and its threads), started at the first ticket (after a fork)
+        self._agent_cfg = cfg.rollout.agent if getattr(source, "agent", None) is not None else None
+        self._agents = None
+        self._max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
+        self._temperature = cfg.rollout.temperature
 
     def seed_ticket(self, first: int) -> None:
         """Draw the next groups' prompts and samples from (trainer.seed, first), the grant index of the ticket's
@@ -144,6 +150,8 @@ class RolloutGenerator:
             raise RuntimeError("RolloutGenerator.generate called before any weights were loaded")
         source, n, start_version = self.source, self.n, self.version
         drawn = self.prompts.sample(num_groups)  # G prompts
+        if self._agent_cfg is not None:
+            return self.generate_with_agents(drawn, refresh if self.partial else None)
         prompts = drawn.repeat(n)  # G n rows, prompt-major
         refresh = refresh if self.partial else None
         # ReMax's baseline before the samples: under rollout.partial_rollout they may load newer weights, and the
@@ -171,6 +179,21 @@ class RolloutGenerator:
             )
             for g, i in enumerate(range(0, responses.shape[0], n))
         ]
+
+    def generate_with_agents(self, drawn, refresh: Refresh | None) -> list[Group]:
+        """rollout.agent: the agent run n times on each drawn row, through this worker's endpoint; one group a row."""
+        if self._agents is None:
+            self._agents = worker_agents(
+                self._agent_cfg, self.source, self.engine, self._temperature, self._max_new_tokens
+            )
+        runs = self._agents.run(drawn.meta, self.n, self.version, refresh)
+        return agent_groups(runs, self.n, drawn.token_ids, self.version, self.source.pad_token)
+
+    def close(self) -> None:
+        """Stop the agents' runtime, if it started (the engine is closed by whoever owns the worker)."""
+        if self._agents is not None:
+            self._agents.close()
+            self._agents = None
 
     def greedy_baseline_scores(self, prompts) -> list[float]:
         """The score of one greedy response to each of prompts (G rows): ReMax's baseline, decoded with the weights the

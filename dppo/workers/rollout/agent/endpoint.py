@@ -37,12 +37,15 @@ import ipaddress
 import json
 import logging
 import secrets
+import time
 
 try:
     from aiohttp import web
-except ImportError as error:  # the agents extra
-    raise ImportError("the agent endpoint needs aiohttp: pip install 'dppo[agents]'") from error
+except ImportError:  # the agents extra: importing this module works without it, starting an endpoint does not
+    web = None
+_middleware = web.middleware if web is not None else (lambda fn: fn)  # aiohttp's mark of a request middleware
 
+from dppo.data.errors import require_extra
 from dppo.workers.rollout.agent import protocol
 from dppo.workers.rollout.agent.chat import ChatFormat, normalised_message
 from dppo.workers.rollout.agent.errors import AgentRequestError, EndpointSecurityError, SessionClosedError
@@ -98,6 +101,8 @@ class AgentEndpoint:
         client_timeout_s: float = 600.0,
         max_body_bytes: int = 32 * 2**20,
     ):
+        if web is None:
+            require_extra("aiohttp", "agents", "rollout.agent (the agents' endpoint)")
         if not is_loopback(host) and not token:
             raise EndpointSecurityError(
                 f"the agent endpoint bound to host={host!r} would serve other machines: give it a token "
@@ -178,7 +183,7 @@ class AgentEndpoint:
 
     # serving
 
-    @web.middleware
+    @_middleware
     async def _guard(self, request: web.Request, handler):
         """The token check before anything else; refusals and failures as OpenAI error bodies."""
         if self.token is not None:
@@ -217,7 +222,9 @@ class AgentEndpoint:
         """The engine's completion for plan, with max_tokens cut to the session's budget (inside session.turn())."""
         max_tokens = session.max_tokens(plan, asked or self.settings.max_tokens)
         request = CompletionRequest(tuple(plan.prompt_ids), max_tokens, session.greedy)
+        start = time.perf_counter()
         completion = await self.generator.generate(request)
+        session.generate_s += time.perf_counter() - start
         check_completion(completion, request, self.settings.stop_token_ids)
         if session.closed:
             raise SessionClosedError(f"agent session {session.id} was closed while this completion generated")

@@ -120,6 +120,7 @@ class Trajectory:
     retokenize_mismatch: int
     tool_parse_failures: int
     finish_reason: str | None  # the main chain's last completion's ("stop" or "length"); None without one
+    generate_s: float = 0.0  # wall time the session's completions took (waiting for the engine included)
 
     @property
     def masked_token_frac(self) -> float:
@@ -147,6 +148,7 @@ class Session:
     in_flight: int = 0
     retokenize_mismatch: int = 0
     tool_parse_failures: int = 0
+    generate_s: float = 0.0  # wall time its completions took, waiting for the engine included
     closed: bool = False
     _mismatch_logged: bool = False
 
@@ -285,6 +287,7 @@ class Session:
             retokenize_mismatch=self.retokenize_mismatch,
             tool_parse_failures=self.tool_parse_failures,
             finish_reason=chain[-1].finish_reason if chain else None,
+            generate_s=self.generate_s,
         )
 
 

@@ -98,7 +98,9 @@ class TokenStream(ABC):
 
 class BatchStream(TokenStream):
     """The default TokenStream: each step() runs every request added since the last one as one batch of
-    engine.complete (no request joins a batch in flight)."""
+    engine.complete (no request joins a batch in flight). With a refresh (rollout.partial_rollout), newer weights are
+    looked for before each batch as well as between its decode chunks: a multi-turn agent's next turn samples with
+    the weights published while its last tool ran."""
 
     def __init__(self, engine: RolloutEngine, version: int, refresh: Refresh | None) -> None:
         self._engine, self._version, self._refresh = engine, version, refresh
@@ -112,6 +114,9 @@ class BatchStream(TokenStream):
     def step(self) -> list[tuple[int, TokenOutput]]:
         if not self._pending:
             return []
+        load = self._refreshing()  # newer weights published since the last batch: this batch samples with them
+        if load is not None:
+            load()
         keys, requests = list(self._pending), list(self._pending.values())
         self._pending.clear()
         outputs = self._engine.complete(requests, self._version, self._refreshing)

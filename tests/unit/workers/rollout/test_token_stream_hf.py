@@ -77,18 +77,19 @@ def test_greedy_requests_decode_as_alone_without_log_probs_and_keep_their_place_
 
 
 def test_a_batch_stream_runs_what_was_added_as_one_batch_and_follows_a_weight_change():
-    old, new = _weights(2), _weights(3)
+    old, new, newest = _weights(2), _weights(3), _weights(4)
     engine = _engine(old)
-    polls = []
+    polls, ready = [], {}  # ready: version -> weights, published for the next poll to find
 
     def refresh():
         polls.append(1)
-        if len(polls) != 2:
+        if not ready:
             return None
+        version, weights = ready.popitem()
 
         def load() -> int:
-            engine.load_weights(new)
-            return 8
+            engine.load_weights(weights)
+            return version
 
         return load
 
@@ -98,16 +99,27 @@ def test_a_batch_stream_runs_what_was_added_as_one_batch_and_follows_a_weight_ch
     with pytest.raises(KeyError, match="key 1"):
         stream.add(1, TokenRequest(PROMPTS[0], 2))
     assert stream.running == 3
+    engine.generator.manual_seed(1234)
+    real_poll = refresh
+
+    def poll_then_publish():  # version 8 appears after the batch's first chunk
+        load = real_poll()
+        if len(polls) == 2:
+            ready[8] = new
+        return load
+
+    stream._refresh = poll_then_publish
     outputs = dict(stream.step())
     assert sorted(outputs) == [0, 1, 2] and stream.running == 0 and stream.step() == []
-    assert stream.version == 8  # the refresh's load, 2 chunks in
+    assert stream.version == 8  # found at the poll after the second chunk
     for out in outputs.values():  # tokens before the change: version 7; after it: 8
         n = len(out.token_ids)
         assert out.versions == [7] * min(n, 2 * CHUNK) + [8] * max(0, n - 2 * CHUNK)
     assert any(len(o.token_ids) > 2 * CHUNK for o in outputs.values()), "the test needs a response past the change"
-    stream.add(0, TokenRequest(PROMPTS[0], 4))  # a later batch samples with the newer weights
+    ready[9] = newest  # published between two batches (while an agent's tool ran): the next batch samples with it
+    stream.add(0, TokenRequest(PROMPTS[0], 4))
     ((_, later),) = stream.step()
-    assert later.versions == [8] * len(later.token_ids)
+    assert later.versions == [9] * len(later.token_ids) and stream.version == 9
 
 
 def test_a_request_with_no_tokens_to_make_is_refused():
