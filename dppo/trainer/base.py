@@ -53,7 +53,7 @@ from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
-from dppo.workers.rollout.engines import make_engine
+from dppo.workers.rollout.engine_config import make_engine
 
 __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
 
