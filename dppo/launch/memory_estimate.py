@@ -164,15 +164,15 @@ def rollout_worker(plan: RunPlan) -> dict[str, int]:
     length = shape.prompt_length + shape.response_length
     if plan.engine.worker_bytes is not None:
         load = WorkerLoad(
-            shape.params,
-            shape.layers,
-            shape.kv_width,
-            shape.vocab_size,
-            length,
-            b,
-            plan.engine_rows,
-            plan.weight_sync,
-            PROCESS_BYTES,
+            params=shape.params,
+            layers=shape.layers,
+            kv_width=shape.kv_width,
+            vocab_size=shape.vocab_size,
+            sequence_len=length,
+            dtype_bytes=b,
+            rows=plan.engine_rows,
+            weight_sync=plan.weight_sync,
+            process_bytes=PROCESS_BYTES,
         )
         return plan.engine.worker_bytes(load)
     rows = generation_rows(plan)

@@ -70,9 +70,7 @@ class RunPlan:
     engine: EngineSpec  # rollout.name's
     engine_dtype: str  # rollout.dtype, else model.dtype
     weight_sync: str
-    engine_rows: (
-        int  # the rows an engine batches at once (EngineSettings.rows: what an engine that sizes buffers sizes)
-    )
+    engine_rows: int  # the rows an engine batches at once (EngineSettings.rows; vLLM's KV cache holds them)
     eval_engine: str  # trainer.eval_engine: policy, or rollout (an engine like a worker's decodes in the driver)
     # checkpoints
     checkpoint_every: int
