@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from dppo.data import make_prompt_source
     from dppo.data.reasoning_gym import split_entries
     from dppo.models import build_model
-    from dppo.workers.rollout.engines import make_engine
+    from dppo.workers.rollout.engine_config import make_engine
 
     torch.set_num_threads(args.threads)
     overrides = [f"model.path={args.model}", "rollout.name=vllm", "rollout.dtype=bfloat16", *args.overrides]

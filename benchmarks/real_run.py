@@ -274,7 +274,7 @@ def base_main(args) -> int:
     from dppo.data import make_prompt_source
     from dppo.models import build_model
     from dppo.trainer.evaluation import score_engine
-    from dppo.workers.rollout.engines import make_engine, vllm_rows
+    from dppo.workers.rollout.engine_config import engine_settings, make_engine
 
     torch.set_num_threads(args.threads)
     from dppo.launch.precision import resolve_precision
@@ -295,7 +295,7 @@ def base_main(args) -> int:
             source,
             n=BASE_N,
             seed=cfg.trainer.seed,
-            prompts_per_batch=max(1, vllm_rows(cfg.rollout, cfg.groups_per_trigger) // BASE_N),
+            prompts_per_batch=max(1, engine_settings(cfg, source).rows // BASE_N),
         )
     finally:
         engine.close()

@@ -29,7 +29,7 @@ from dppo.models import build_model
 from dppo.checkpoint.export import load_checkpoint_policy
 from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
 from dppo.trainer.evaluation import score_engine, score_policy
-from dppo.workers.rollout.engines import make_engine, vllm_rows
+from dppo.workers.rollout.engine_config import engine_settings, make_engine
 
 
 @dataclass
@@ -153,7 +153,7 @@ def _score_with_engine(cfg, source, policy: torch.nn.Module, device: torch.devic
     engine = make_engine(cfg, source, policy.config, device)
     try:
         engine.load_weights(policy.state_dict())
-        rows = vllm_rows(cfg.rollout, cfg.groups_per_trigger)
+        rows = engine_settings(cfg, source).rows
         return score_engine(engine, source, n, cfg.trainer.seed, prompts_per_batch=max(1, rows // n))
     finally:
         engine.close()

@@ -4,6 +4,8 @@ dppo.config.pi_old's plan. The workers and the driver both ask here, so the conf
 
 from __future__ import annotations
 
+import re
+
 from dppo.models import DTYPES as MODEL_DTYPES
 
 TRAINER_MODES = ("separate_async", "sync")
@@ -19,13 +21,23 @@ MIXED_PRECISIONS = ("bfloat16",)  # actor.mixed_precision (dppo.workers.actor.pr
 PRECISION_AUTO = "auto"
 LOGGERS = ("console", "jsonl", "tensorboard", "wandb", "mlflow")  # trainer.logger (dppo.trainer.trackers)
 SAVE_CONTENTS = ("model", "optimizer", "extra", "hf_model")  # actor.checkpoint.save_contents
-ROLLOUT_ENGINES = ("hf", "vllm")  # rollout.name (dppo.workers.rollout.engines implements each)
+# rollout.name's builtin engines: the registry (dppo.workers.rollout.engines.registry), name -> "module:attribute" of
+# the engine's EngineSpec, imported only when a run asks for it (vLLM is installed in .venv-vllm only). A new engine is
+# its module and one line here. Any other rollout.name is a class path, package.module:Class, of the user's own.
+ROLLOUT_ENGINES = {
+    "hf": "dppo.workers.rollout.engines.hf:SPEC",
+    "vllm": "dppo.workers.rollout.engines.vllm:SPEC",
+}
 WEIGHT_SYNC_MODES = ("full", "delta")  # rollout.weight_sync
 PROMPT_SOURCES = ("task", "parquet", "reasoning_gym")  # data.source (dppo.data.make_prompt_source builds each)
 LR_SCHEDULER_TYPES = ("constant", "cosine")  # actor.optim.lr_scheduler_type (dppo.workers.actor.lr_schedule)
 # algorithm.filter_groups.metric names of each response's reward (verl 0.9.1's "reward"; "score" and "seq_reward" are
 # verl's older DAPO names of the same); any other name is a key of the reward function's extra outputs
 FILTER_REWARD_METRICS = ("reward", "score", "seq_reward")
+
+# rollout.name of a user's engine: package.module:Class (checked for its form only: the class is imported by the run's
+# start-up, dppo.launch.preflight, through dppo.workers.rollout.engines.registry)
+ENGINE_CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
 
 # algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each; dppo.config.pi_old plans with them)
 PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from dppo.algo.logprob import DEFAULT_CHUNK_BYTES
 from dppo.launch.plan import DTYPE_BYTES, RunPlan, RunShape
-from dppo.workers.rollout.engines.vllm import kv_bytes_of
+from dppo.workers.rollout.engines import WorkerLoad
 
 GIB = 2**30
 
@@ -46,9 +46,6 @@ LOCAL_WORKER_PROCESS_BYTES = 192 * 2**20
 BUFFER_PROCESS_BYTES = (
     128 * 2**20
 )  # the replay buffer's process, which imports no torch  # GCS, raylet, dashboard and its agents, log monitor (all of them together)
-# vLLM imported and started in a rollout worker, beyond what an hf worker holds: a forked local worker of the tiny
-# demo model held 531 MB PSS with vllm (32 MiB of it KV cache) against 171 MB with hf (2026-12-02).
-VLLM_IMPORT_BYTES = 330 * 2**20
 # A training micro-batch's logits (b, R+1, V) in the compute dtype, as its backward holds them: the LM head's output
 # (saved by the log-prob's autograd function), the log-probs' gradient of its (b, R, V) view, and that gradient laid
 # into the whole (b, R+1, V) for the LM head's backward. The log-softmax itself is never held: dppo.algo.logprob walks
@@ -160,22 +157,24 @@ def _tied(shape: RunShape) -> bool:
 
 
 def rollout_worker(plan: RunPlan) -> dict[str, int]:
-    """What one rollout worker (on the CPU) holds: its weights, its batch's KV cache and logits; a vllm engine's
-    KV cache is the one the engine sizes (every row of a ticket), and with delta sync it keeps one more copy of the
-    weights in its dtype (the last publish, to compare with)."""
+    """What one rollout worker (on the CPU) holds: its engine spec's count where it has one (worker_bytes: vLLM's
+    counts the KV cache the engine sizes), else that of a worker holding a transformers model copy (the hf engine):
+    its weights and the larger of its batch's KV cache and its scoring pass's logits."""
     shape, b = plan.shape, DTYPE_BYTES[plan.engine_dtype]
     length = shape.prompt_length + shape.response_length
-    if plan.engine == "vllm":
-        rows = plan.vllm_rows
-        parts = {
-            "process": PROCESS_BYTES + VLLM_IMPORT_BYTES,
-            "weights": shape.params * b,
-            "kv cache and logits": kv_bytes_of(shape.layers, shape.kv_width, b, rows, length)
-            + rows * shape.vocab_size * 4 * 2,
-        }
-        if plan.weight_sync == "delta":
-            parts["delta copy"] = shape.params * b
-        return parts
+    if plan.engine.worker_bytes is not None:
+        load = WorkerLoad(
+            params=shape.params,
+            layers=shape.layers,
+            kv_width=shape.kv_width,
+            vocab_size=shape.vocab_size,
+            sequence_len=length,
+            dtype_bytes=b,
+            rows=plan.engine_rows,
+            weight_sync=plan.weight_sync,
+            process_bytes=PROCESS_BYTES,
+        )
+        return plan.engine.worker_bytes(load)
     rows = generation_rows(plan)
     p, r, v = shape.prompt_length, shape.response_length, shape.vocab_size
     # generating: the KV cache of every row at full length, with the larger of the prefill's transients (one layer's
@@ -201,14 +200,15 @@ def generation_rows(plan: RunPlan) -> int:
 
 
 def eval_engine(plan: RunPlan) -> dict[str, int]:
-    """What trainer.eval_engine=rollout adds to the driver: an engine as a rollout worker holds one (vLLM imported,
-    the weights in rollout.dtype, its KV cache and logits), built at the first evaluation; nothing for policy."""
+    """What trainer.eval_engine=rollout adds to the driver: an engine as a rollout worker holds one (the weights in
+    rollout.dtype, its KV cache and logits, and what its package adds to a process: a worker's process beyond
+    PROCESS_BYTES, vLLM's import), built at the first evaluation; nothing for policy."""
     if plan.eval_engine != "rollout":
         return {}
     parts = rollout_worker(plan)
     extra = {f"eval engine {key}": value for key, value in parts.items() if key not in ("process", "delta copy")}
-    if plan.engine == "vllm":
-        extra["eval engine vllm import"] = VLLM_IMPORT_BYTES
+    if parts["process"] > PROCESS_BYTES:
+        extra["eval engine import"] = parts["process"] - PROCESS_BYTES
     return extra
 
 

@@ -14,7 +14,7 @@ from dppo.config import DppoConfig
 from dppo.config.pi_old import plan_pi_old
 from dppo.config.rules import require_resolved_precision
 from dppo.models import tiny_model_config
-from dppo.workers.rollout.engines import vllm_rows
+from dppo.workers.rollout.engines import EngineSpec, batch_rows, engine_spec
 
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -67,10 +67,10 @@ class RunPlan:
     num_workers: int
     num_threads: int
     rollout_gpus_per_node: int
-    engine: str  # rollout.name
+    engine: EngineSpec  # rollout.name's
     engine_dtype: str  # rollout.dtype, else model.dtype
     weight_sync: str
-    vllm_rows: int  # the rows a vllm engine batches (0 for hf)
+    engine_rows: int  # the rows an engine batches at once (EngineSettings.rows; vLLM's KV cache holds them)
     eval_engine: str  # trainer.eval_engine: policy, or rollout (an engine like a worker's decodes in the driver)
     # checkpoints
     checkpoint_every: int
@@ -122,10 +122,10 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
         num_workers=r.num_workers,
         num_threads=r.num_threads,
         rollout_gpus_per_node=r.n_gpus_per_node,
-        engine=r.name,
+        engine=engine_spec(r.name),
         engine_dtype=r.dtype or m.dtype,
         weight_sync=r.weight_sync,
-        vllm_rows=vllm_rows(r, cfg.groups_per_trigger) if r.name == "vllm" else 0,
+        engine_rows=batch_rows(r.n, r.groups_per_batch, cfg.groups_per_trigger),
         eval_engine=t.eval_engine,
         checkpoint_every=t.checkpoint_every,
         output_dir=t.output_dir,

@@ -34,6 +34,7 @@ import torch
 
 from dppo.config import DppoConfig
 from dppo.config.choices import PRECISION_AUTO
+from dppo.workers.rollout.engines import engine_spec
 
 PROBE_MNK = (512, 576, 1536)  # an MLP matmul of SmolLM2-135M (hidden 576, MLP 1536) over 512 tokens
 PROBE_REPEATS = 5
@@ -128,9 +129,10 @@ def actor_on_gpu(cfg: DppoConfig, cuda: bool) -> bool:
 
 
 def rollout_on_gpu(cfg: DppoConfig, cuda: bool) -> bool:
-    """Whether the rollout engines compute on a GPU: a pool of their own (rollout.n_gpus_per_node), or vLLM, which
-    takes the GPU its process sees; the hf engine of a worker without one runs on the CPU."""
-    return cfg.rollout.n_gpus_per_node > 0 or (cfg.rollout.name == "vllm" and cuda)
+    """Whether the rollout engines compute on a GPU: a pool of their own (rollout.n_gpus_per_node), or an engine
+    that takes the GPU its process sees (its spec's uses_visible_gpu: vLLM); the hf engine of a worker without one
+    runs on the CPU."""
+    return cfg.rollout.n_gpus_per_node > 0 or (cuda and engine_spec(cfg.rollout.name).uses_visible_gpu)
 
 
 def resolve_precision(cfg: DppoConfig, machine: Machine | None = None) -> tuple[DppoConfig, str | None]:

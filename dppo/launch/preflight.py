@@ -2,6 +2,7 @@
 
 - the output directory can be created and written (OutputDirError), and has room for about two checkpoints
   (a warning line if not);
+- the rollout engine rollout.name names imports, and its spec finds what it needs installed and on this machine;
 - a prompt and a response fit the model's positions, and the run's memory fits the memory available: an
   estimate by process (each actor rank, each rollout worker, the driver, the replay buffer, the object store, Ray;
   dppo.launch.memory_estimate) counted from the config without allocating anything, printed in one line on every
@@ -13,16 +14,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import logging
 import os
-import sys
 import tempfile
-from importlib import metadata
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig
 
 from dppo.config import ConfigError
 from dppo.launch import ray_cluster
@@ -30,7 +27,7 @@ from dppo.trainer import placement
 from dppo.checkpoint.failure import checkpoint_bytes_estimate, free_bytes, size_in_words
 from dppo.launch.memory_estimate import MemoryEstimate, estimate, what_to_change
 from dppo.launch.plan import DTYPE_BYTES, RunPlan
-from dppo.workers.rollout.engines import VLLM_CPU_HEAD_SIZES
+from dppo.workers.rollout.engines import engine_spec
 
 log = logging.getLogger("dppo.preflight")
 
@@ -200,47 +197,12 @@ def check_cluster_fits(trainer, rollout, ray_cfg) -> None:
         )
 
 
-def vllm_build() -> str:
-    """The installed vLLM distribution as name==version: vllm-cpu (the CPU build) or vllm (the GPU build)."""
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return f"{name}=={metadata.version(name)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "vllm (no package metadata)"
-
-
 def check_rollout_engine(rollout, model) -> None:
-    """ConfigError, before anything starts, if rollout.name=vllm cannot run here (the config's rollout and model
-    sections): vLLM not installed in this Python, its GPU build with rollout workers that get no GPU, or (without
-    CUDA) a model whose attention head size vLLM's CPU kernels lack."""
-    if rollout.name != "vllm":
-        return
-    if importlib.util.find_spec("vllm") is None:
-        raise ConfigError(
-            f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
-            "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)"
-        )
-    build = vllm_build()
-    if not build.startswith("vllm-cpu==") and not rollout.n_gpus_per_node:
-        raise ConfigError(
-            f"rollout.name=vllm with vLLM's GPU build ({build}) and rollout.n_gpus_per_node=0: that "
-            "build cannot generate on the CPU; give the rollout workers GPUs (rollout.nnodes x "
-            "rollout.n_gpus_per_node, docs/rollout_placement.md), or install the CPU build "
-            "(vllm-cpu: `make vllm` on a machine without nvidia-smi)"
-        )
-    if torch.cuda.is_available():
-        return
-    m = model
-    if m.path is None:
-        head, keys = m.hidden_size // m.num_attention_heads, "model.hidden_size / model.num_attention_heads"
-    else:
-        config = AutoConfig.from_pretrained(m.path, local_files_only=True)
-        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        keys = f"the head size of model.path={m.path}"
-    if head not in VLLM_CPU_HEAD_SIZES:
-        raise ConfigError(
-            f"rollout.name=vllm on the CPU: {keys} is {head}, and vLLM's CPU attention has kernels for "
-            f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only (e.g. set "
-            "model.num_attention_heads so that the head size is 32)"
-        )
+    """ConfigError, before anything starts, if rollout.name's engine cannot run here (the config's rollout and model
+    sections): its module does not import (a class path of the user's own), or its spec says what is missing from
+    this Python (vllm: `make vllm`) or what it cannot run on this machine (vllm: its GPU build without rollout GPUs,
+    a head size its CPU kernels lack)."""
+    spec = engine_spec(rollout.name)  # UnknownEngineError, EngineImportError, NotAnEngineError: ConfigErrors
+    problem = spec.check_installed() or spec.check_setup(rollout, model)
+    if problem is not None:
+        raise ConfigError(problem)

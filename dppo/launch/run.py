@@ -45,7 +45,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         print(precision, file=out, flush=True)
     keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in again
     check_installed(cfg.trainer.logger)  # a tracker named but not installed: one line naming the extra
-    check_rollout_engine(cfg.rollout, cfg.model)  # rollout.name=vllm without vLLM: one line naming `make vllm`
+    check_rollout_engine(cfg.rollout, cfg.model)  # the engine imports and runs here, or one line (vllm: `make vllm`)
     check_output_dir(cfg.trainer.output_dir)
     source = make_prompt_source(cfg)  # reads and checks any data files (one line naming what is wrong)
     plan = plan_run(cfg, source)  # the run resolved once: what the checks below read

@@ -55,7 +55,7 @@ from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import RankDiedError, make_worker_group
 from dppo.workers.rollout.agent.runner import worker_agents
-from dppo.workers.rollout.engines import make_engine
+from dppo.workers.rollout.engine_config import make_engine
 
 __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]
 

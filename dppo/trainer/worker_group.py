@@ -40,6 +40,7 @@ from dppo.workers.dispatch import (
     split_args,
     split_each,
 )
+from dppo.workers.rollout.engine_config import publishes_deltas
 
 
 class WorkerGroup:
@@ -116,7 +117,7 @@ class RayWorkerGroup(WorkerGroup):
         # are set in init_model)
         self._actors = [
             rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0).remote(
-                cfg, rank, self.world_size, vocab_size, True
+                cfg, rank, self.world_size, vocab_size, True, publishes_deltas(cfg.rollout)
             )
             for rank in range(self.world_size)
         ]

@@ -19,6 +19,7 @@ from dppo.config.checks import (
 )
 from dppo.config.choices import (
     DTYPES,
+    ENGINE_CLASS_PATH,
     OFF_POLICY_STRATEGIES,
     PRECISION_AUTO,
     ROLLOUT_ENGINES,
@@ -106,8 +107,9 @@ class RolloutConfig:
     0: no GPUs; rollout.num_workers CPU processes with rollout.num_threads threads each."""
 
     name: str = "hf"
-    """Rollout engine (verl's key): hf (dppo's sampler over the transformers model) or vllm (vllm.LLM in each
-    rollout worker, its weights synced in place each cycle; needs `make vllm` and a run from .venv-vllm)."""
+    """Rollout engine (verl's key): hf (dppo's sampler over the transformers model), vllm (vllm.LLM in each
+    rollout worker, its weights synced in place each cycle; needs `make vllm` and a run from .venv-vllm), or
+    package.module:Class, a RolloutEngine subclass of your own (docs/rollout_engines.md, "Your own engine")."""
 
     weight_sync: str = "full"
     """How new weights reach a vllm engine each cycle: full (every tensor) or delta (only the elements whose value
@@ -163,7 +165,13 @@ class RolloutConfig:
         nonnegative("rollout.max_restarts", self.max_restarts)
         positive("rollout.nnodes", self.nnodes)
         nonnegative("rollout.n_gpus_per_node", self.n_gpus_per_node)
-        one_of("rollout.name", self.name, ROLLOUT_ENGINES)
+        require(
+            self.name in ROLLOUT_ENGINES or ENGINE_CLASS_PATH.fullmatch(self.name) is not None,
+            "rollout.name",
+            self.name,
+            f"one of {', '.join(map(repr, ROLLOUT_ENGINES))}, or the class path package.module:Class of a "
+            "RolloutEngine subclass of your own",
+        )
         one_of("rollout.weight_sync", self.weight_sync, WEIGHT_SYNC_MODES)
         if self.dtype is not None:
             one_of("rollout.dtype", self.dtype, (*DTYPES, PRECISION_AUTO))

@@ -43,9 +43,9 @@ class DeltaPublisher:
         return published
 
 
-def delta_publisher(rollout, model_dtype: str) -> DeltaPublisher | None:
-    """The publisher of the rollout (the config's rollout section) where it syncs deltas (rollout.weight_sync=delta with
-    a vllm engine), else None; model_dtype: model.dtype (the engine's where rollout.dtype is null)."""
-    if rollout.weight_sync != "delta" or rollout.name != "vllm":
-        return None
-    return DeltaPublisher(DTYPES[rollout.dtype or model_dtype])
+def delta_publisher(rollout, model_dtype: str, publish_deltas: bool) -> DeltaPublisher | None:
+    """The publisher of the rollout (the config's rollout section) where it syncs deltas, else None. publish_deltas:
+    rollout.weight_sync=delta with an engine whose spec accepts deltas, which the driver decides (the rollout side's
+    engines are not this side's to import: dppo.workers.rollout.engine_config.publishes_deltas); model_dtype:
+    model.dtype (the engine's where rollout.dtype is null)."""
+    return DeltaPublisher(DTYPES[rollout.dtype or model_dtype]) if publish_deltas else None

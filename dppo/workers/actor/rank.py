@@ -63,8 +63,12 @@ def uses_fsdp(fsdp: str, world_size: int) -> bool:
 class ActorRank:
     """One actor rank. The constructor is light; init_model (on every rank at once) builds everything."""
 
-    def __init__(self, cfg, rank: int, world_size: int, vocab_size: int, own_process: bool = False) -> None:
-        """own_process: this rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem)."""
+    def __init__(
+        self, cfg, rank: int, world_size: int, vocab_size: int, own_process: bool = False, publish_deltas: bool = False
+    ) -> None:
+        """own_process: this rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem).
+        publish_deltas: rank 0 publishes, next to the full weights, what changed since its last publish
+        (rollout.weight_sync=delta with an engine that accepts deltas; the driver asks the engine's spec)."""
         if own_process:
             keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in
         self.own_process = own_process
@@ -73,7 +77,7 @@ class ActorRank:
         self.sharded = uses_fsdp(cfg.actor.fsdp, world_size)
         self.model: torch.nn.Module | None = None
         self._closed = False
-        self._delta_publisher = delta_publisher(cfg.rollout, cfg.model.dtype) if rank == 0 else None
+        self._delta_publisher = delta_publisher(cfg.rollout, cfg.model.dtype, publish_deltas) if rank == 0 else None
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
 
     # ---- set-up ------------------------------------------------------------------------------------

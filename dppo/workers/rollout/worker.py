@@ -27,7 +27,8 @@ from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import as_state_dict
 from dppo.batch import Group
 from dppo.workers.rollout.agent.runner import agent_groups, worker_agents
-from dppo.workers.rollout.engines import Refresh, RolloutEngine, WeightSync, make_engine
+from dppo.workers.rollout.engine_config import make_engine
+from dppo.workers.rollout.engines import Refresh, RolloutEngine, WeightSync
 from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
 from dppo.workers.sync_check import WeightFingerprint, verify
 

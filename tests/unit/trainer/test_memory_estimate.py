@@ -127,7 +127,8 @@ def test_the_actor_rank_shards_its_model_bytes_over_the_world_size(small_cfg, dt
 
 @pytest.mark.parametrize("sync", ["full", "delta"])
 def test_a_vllm_worker_is_counted_with_the_kv_cache_its_engine_sizes(small_cfg, sync):
-    from dppo.launch.memory_estimate import PROCESS_BYTES, VLLM_IMPORT_BYTES
+    from dppo.launch.memory_estimate import PROCESS_BYTES
+    from dppo.workers.rollout.engines.vllm import VLLM_IMPORT_BYTES
 
     keys = {
         "ray.enabled": True,
@@ -254,7 +255,8 @@ def test_bf16_compute_is_counted_in_the_actor_ranks_activations(small_cfg):
 def test_an_eval_engine_is_counted_in_the_driver_as_a_rollout_workers_engine(small_cfg, engine, ray):
     """trainer.eval_engine=rollout: the driver also holds an engine like a rollout worker's (its weights, KV cache and
     logits; vLLM's import), on Ray and without it; policy adds nothing."""
-    from dppo.launch.memory_estimate import VLLM_IMPORT_BYTES, estimate
+    from dppo.launch.memory_estimate import estimate
+    from dppo.workers.rollout.engines.vllm import VLLM_IMPORT_BYTES
 
     keys = {
         "ray.enabled": ray,

@@ -54,15 +54,16 @@ def test_vllms_gpu_build_needs_rollout_gpus_and_says_so_in_one_line(
     from importlib import metadata
 
     from dppo.launch import preflight
+    from dppo.workers.rollout.engines import vllm
 
     def version(name):
         if name not in installed:
             raise metadata.PackageNotFoundError(name)
         return installed[name]
 
-    monkeypatch.setattr(preflight.importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
-    monkeypatch.setattr(preflight.metadata, "version", version)
-    monkeypatch.setattr(preflight.torch.cuda, "is_available", lambda: True)  # past the CPU head-size check
+    monkeypatch.setattr(vllm.importlib.util, "find_spec", lambda name, *a: object() if name == "vllm" else None)
+    monkeypatch.setattr(vllm.metadata, "version", version)
+    monkeypatch.setattr(vllm.torch.cuda, "is_available", lambda: True)  # past the CPU head-size check
     cfg = preflight_cfg(small_args, gpus)
     if refused:
         with pytest.raises(ConfigError, match=r"GPU build \(vllm==0.33.0\) and rollout.n_gpus_per_node=0"):

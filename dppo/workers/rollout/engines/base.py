@@ -15,10 +15,12 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 import torch
 
+from dppo.workers.rollout.engines.spec import EngineSettings, EngineSpec
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 
 
@@ -146,7 +148,22 @@ class BatchStream(TokenStream):
 
 
 class RolloutEngine(ABC):
-    """Samples responses with per-token behavior log-probs; loads new weights in place."""
+    """Samples responses with per-token behavior log-probs; loads new weights in place.
+
+    A subclass of the user's own runs with rollout.name=package.module:Class (dppo.workers.rollout.engines.registry):
+    built by from_settings, declared by its `spec` where it sets one (else the default EngineSpec)."""
+
+    # What dppo asks of a user's engine besides sampling (dppo.workers.rollout.engines.spec.EngineSpec): None, the
+    # defaults (nothing to install, an hf-like memory estimate, full weight syncs, the worker's device). The builtin
+    # engines declare theirs in their modules (hf.SPEC, vllm.SPEC), so that a subclass of one gets the defaults.
+    spec: ClassVar[EngineSpec | None] = None
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, model_config, device: torch.device) -> RolloutEngine:
+        """A new engine for a worker: cls(settings, model_config, device), the constructor signature an engine of
+        the user's own has unless it overrides this. model_config: the trainer model's transformers config (the
+        weights arrive with load_weights); device: the worker's (its GPU where Ray gave it one, else the CPU)."""
+        return cls(settings, model_config, device)
 
     # Whether a run's metrics report this engine's weight loads (timing_s/rollout_weight_sync,
     # rollout/weight_sync_bytes, rollout/weight_sync_changed_frac). The hf engine's load is a load_state_dict

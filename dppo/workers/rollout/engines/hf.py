@@ -30,6 +30,7 @@ from dppo.workers.rollout.engines.base import (
     WeightSync,
     state_dict_bytes,
 )
+from dppo.workers.rollout.engines.spec import EngineSettings, EngineSpec
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 from dppo.workers.weight_fingerprint import prints_of
 
@@ -58,6 +59,22 @@ class HFEngine(RolloutEngine):
         self.eos_token, self.pad_token, self.micro_batch_size = eos_token, pad_token, micro_batch_size
         self.generator = torch.Generator(device=self.device)
         self.partial_chunk = partial_chunk
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, model_config, device: torch.device) -> HFEngine:
+        """cls with settings' dtype, sampling, tokens, scoring micro-batch and partial chunk (a subclass too)."""
+        s = settings
+        return cls(
+            model_config,
+            s.dtype,
+            s.temperature,
+            s.max_new_tokens,
+            s.eos_token,
+            s.pad_token,
+            s.micro_batch_size,
+            device,
+            s.partial_chunk,
+        )
 
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
         start = time.perf_counter()
@@ -173,3 +190,8 @@ class HFEngine(RolloutEngine):
     def greedy(self, prompts: list[np.ndarray]) -> tuple[torch.Tensor, torch.Tensor]:
         responses, mask, _, _ = self._sample_rows(list(prompts), self.max_new_tokens, 0, None, greedy=True)
         return responses.cpu(), mask.cpu()
+
+
+# rollout.name=hf: every declaration a default (nothing to install; launch's memory estimate of a worker holding a
+# transformers model copy is this engine's; full weight syncs; the worker's own device)
+SPEC = EngineSpec(name="hf", build=HFEngine.from_settings)

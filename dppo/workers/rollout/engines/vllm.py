@@ -30,12 +30,15 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import logging
 import os
 import random
+import sys
 import tempfile
 import time
 import warnings
+from importlib import metadata
 
 import numpy as np
 import torch
@@ -51,6 +54,7 @@ from dppo.workers.rollout.engines.base import (
     state_dict_bytes,
 )
 from dppo.workers.rollout.engines.delta import DeltaTracker, reload_groups
+from dppo.workers.rollout.engines.spec import EngineSettings, EngineSpec, WorkerLoad
 from dppo.workers.rollout.engines.vllm_experts import repack_reloaded
 from dppo.workers.rollout.engines.vllm_readback import ReadBack
 from dppo.workers.rollout.engines.vllm_stream import VLLMTokenStream
@@ -69,6 +73,11 @@ MAX_NUM_SEQS = 256  # vLLM's default on the CPU
 # offset"). 256 held-out prompts of 45 tokens sampled 8 times in tickets of 32 (11,520 prefill tokens each) did, at
 # the 7th ticket. So the budget holds every row's prompt and response at once (max_batched_tokens).
 DEFAULT_BATCHED_TOKENS = 4096
+# vLLM 0.32's CPU attention kernels (vllm.v1.attention.backends.cpu_attn.CPUAttentionBackend.get_supported_head_sizes)
+VLLM_CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)
+# vLLM imported and started in a rollout worker, beyond what an hf worker holds: a forked local worker of the tiny
+# demo model held 531 MB PSS with vllm (32 MiB of it KV cache) against 171 MB with hf (2026-12-02).
+VLLM_IMPORT_BYTES = 330 * 2**20
 
 # vLLM's start-up warnings that this engine's own choices cause (no tokenizer, eager mode, the worker's thread count
 # set before the engine starts, per-request seeds) or that say Triton is missing on the CPU, which vLLM's CPU build
@@ -145,6 +154,14 @@ def max_batched_tokens(max_num_seqs: int, seq_len: int) -> int:
     return max(DEFAULT_BATCHED_TOKENS, max_num_seqs * seq_len)
 
 
+def enforce_eager(setting: bool | None, device: torch.device) -> bool:
+    """rollout.enforce_eager (setting), or where it is null, eager on the CPU only (compiling there costs 40-65 s per
+    engine start and saved little work; on a GPU, CUDA graphs are vLLM's default)."""
+    if setting is not None:
+        return setting
+    return device.type == "cpu"
+
+
 class VLLMEngine(RolloutEngine):
     def __init__(
         self,
@@ -166,7 +183,7 @@ class VLLMEngine(RolloutEngine):
         max_prompt_len: the longest prompt; they size the KV cache (kv_bytes: that size instead). compile: vLLM's
         torch.compile (inductor) of the model, and CUDA graphs on a GPU, instead of eager (rollout.enforce_eager):
         on the CPU 15-20% less work per token at 42M on 128 rows and none on 512, for 40-65 s more start-up per
-        engine (benchmarks/RESULTS.md); off by default here, and make_engine turns it on on a GPU."""
+        engine (benchmarks/RESULTS.md); off by default here, and from_settings turns it on on a GPU."""
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine core in this process: no copies
         # vLLM logs each reload and cache reset at INFO; a run's terminal is its own progress line and summary
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -205,6 +222,26 @@ class VLLMEngine(RolloutEngine):
         self.readback = ReadBack(self.packed_modules)
         self._ticket_seed = 0
         self.partial_chunk = partial_chunk
+
+    @classmethod
+    def from_settings(cls, settings: EngineSettings, model_config, device: torch.device) -> VLLMEngine:
+        """cls sized for settings.rows rows of the longest prompt plus max_new_tokens; compiled unless
+        enforce_eager says eager (null: on a GPU only). vLLM picks the GPU it sees itself (Ray's
+        CUDA_VISIBLE_DEVICES shows a worker its own)."""
+        s = settings
+        return cls(
+            model_config,
+            s.dtype,
+            s.temperature,
+            s.max_new_tokens,
+            s.eos_token,
+            s.pad_token,
+            weight_sync=s.weight_sync,
+            max_num_seqs=s.rows,
+            max_prompt_len=s.max_prompt_len,
+            compile=not enforce_eager(s.enforce_eager, torch.device(device)),
+            partial_chunk=s.partial_chunk,
+        )
 
     # --- weights ---------------------------------------------------------------------------------------
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
@@ -407,3 +444,83 @@ def _samples(completions, pad_token: int) -> Samples:
         mask[i, :r] = True
         behav_logp[i, :r] = torch.tensor([step[t].logprob for step, t in zip(c.logprobs, tokens)], dtype=torch.float32)
     return Samples(responses, mask, behav_logp)
+
+
+# ---- the spec: what the run's start-up asks before an engine exists ----------------------------------------
+
+
+def vllm_build() -> str:
+    """The installed vLLM distribution as name==version: vllm-cpu (the CPU build) or vllm (the GPU build)."""
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return f"{name}=={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return "vllm (no package metadata)"
+
+
+def check_installed() -> str | None:
+    """vLLM lives in .venv-vllm only."""
+    if importlib.util.find_spec("vllm") is None:
+        return (
+            f"rollout.name=vllm needs vLLM, which is not installed in this Python ({sys.prefix}): run "
+            "`make vllm` and train from .venv-vllm (.venv-vllm/bin/dppo train ...)"
+        )
+    return None
+
+
+def check_setup(rollout, model) -> str | None:
+    """The config's rollout and model sections against the vLLM build installed: its GPU build needs rollout workers
+    with a GPU; its CPU build (without CUDA) a model whose attention head size its kernels have."""
+    build = vllm_build()
+    if not build.startswith("vllm-cpu==") and not rollout.n_gpus_per_node:
+        return (
+            f"rollout.name=vllm with vLLM's GPU build ({build}) and rollout.n_gpus_per_node=0: that "
+            "build cannot generate on the CPU; give the rollout workers GPUs (rollout.nnodes x "
+            "rollout.n_gpus_per_node, docs/rollout_placement.md), or install the CPU build "
+            "(vllm-cpu: `make vllm` on a machine without nvidia-smi)"
+        )
+    if torch.cuda.is_available():
+        return None
+    if model.path is None:
+        head, keys = model.hidden_size // model.num_attention_heads, "model.hidden_size / model.num_attention_heads"
+    else:
+        from transformers import AutoConfig
+
+        config = AutoConfig.from_pretrained(model.path, local_files_only=True)
+        head = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        keys = f"the head size of model.path={model.path}"
+    if head not in VLLM_CPU_HEAD_SIZES:
+        return (
+            f"rollout.name=vllm on the CPU: {keys} is {head}, and vLLM's CPU attention has kernels for "
+            f"head sizes {', '.join(map(str, VLLM_CPU_HEAD_SIZES))} only (e.g. set "
+            "model.num_attention_heads so that the head size is 32)"
+        )
+    return None
+
+
+def worker_bytes(load: WorkerLoad) -> dict[str, int]:
+    """A worker's process with vLLM imported, its weights, the KV cache the engine sizes (kv_bytes_of: every row of
+    a batch) and a decode step's fp32 logits and probabilities; with delta sync one more copy of the weights in the
+    engine's dtype (the last publish, to compare with)."""
+    weights = load.params * load.dtype_bytes
+    kv = kv_bytes_of(load.layers, load.kv_width, load.dtype_bytes, load.rows, load.sequence_len)
+    parts = {
+        "process": load.process_bytes + VLLM_IMPORT_BYTES,
+        "weights": weights,
+        "kv cache and logits": kv + load.rows * load.vocab_size * 4 * 2,
+    }
+    if load.weight_sync == "delta":
+        parts["delta copy"] = weights
+    return parts
+
+
+SPEC = EngineSpec(
+    name="vllm",
+    build=VLLMEngine.from_settings,
+    check_installed=check_installed,
+    check_setup=check_setup,
+    worker_bytes=worker_bytes,
+    accepts_delta=True,
+    uses_visible_gpu=True,
+)

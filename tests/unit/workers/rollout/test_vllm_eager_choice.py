@@ -4,7 +4,7 @@ per engine start there), compiled on a GPU (CUDA graphs, vLLM's own default); tr
 import pytest
 import torch
 
-from dppo.workers.rollout.engines import vllm_enforce_eager
+from dppo.workers.rollout.engines.vllm import enforce_eager
 
 
 @pytest.mark.parametrize("setting, device, eager", [
@@ -15,7 +15,7 @@ from dppo.workers.rollout.engines import vllm_enforce_eager
 def test_null_is_eager_on_the_cpu_only_and_a_setting_wins(small_cfg, setting, device, eager):
     cfg = small_cfg(**{"rollout.name": "vllm", "rollout.enforce_eager": setting})
     assert cfg.rollout.enforce_eager is setting
-    assert vllm_enforce_eager(cfg.rollout, torch.device(device)) is eager
+    assert enforce_eager(cfg.rollout.enforce_eager, torch.device(device)) is eager
 
 
 def test_a_value_that_is_not_a_bool_is_refused_in_one_line(small_args, capsys):

@@ -8,8 +8,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from dppo.workers.rollout.engines import VLLM_CPU_HEAD_SIZES  # noqa: E402
-from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
+from dppo.workers.rollout.engines.vllm import VLLM_CPU_HEAD_SIZES, VLLMEngine  # noqa: E402
 from dppo.workers.sync_check import WeightSyncMismatchError, verify  # noqa: E402
 from dppo.workers.weight_delta import bits, weight_delta  # noqa: E402
 from dppo.workers.weight_fingerprint import fingerprint  # noqa: E402
