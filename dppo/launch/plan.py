@@ -94,7 +94,7 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
     t, a, r, m = cfg.trainer, cfg.actor, cfg.rollout, cfg.model
     world_size = t.nnodes * t.n_gpus_per_node
     return RunPlan(
-        shape=run_shape(m, r.max_new_tokens, source),
+        shape=run_shape(m, r.max_new_tokens, source, r.agent),
         use_ray=cfg.use_ray,
         local_cluster=not (cfg.ray.address or os.environ.get("RAY_ADDRESS")),
         mode=t.mode,
@@ -125,7 +125,9 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
         engine=engine_spec(r.name),
         engine_dtype=r.dtype or m.dtype,
         weight_sync=r.weight_sync,
-        engine_rows=batch_rows(r.n, r.groups_per_batch, cfg.groups_per_trigger),
+        engine_rows=batch_rows(r.n, r.groups_per_batch, cfg.groups_per_trigger)
+        if not r.agent.enabled
+        else min(batch_rows(r.n, r.groups_per_batch, cfg.groups_per_trigger), r.agent.max_concurrency),
         eval_engine=t.eval_engine,
         checkpoint_every=t.checkpoint_every,
         output_dir=t.output_dir,
@@ -138,11 +140,15 @@ def tiny_model_parameters(vocab_size: int, hidden: int, layers: int, intermediat
     return 2 * vocab_size * hidden + layers * per_layer + hidden  # embeddings, lm_head, layers, final norm
 
 
-def run_shape(m, max_new_tokens: int | None, source) -> RunShape:
+def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
     """The RunShape of the model m (the config's model section) with source, its responses max_new_tokens long (else
-    the source's answer length): model.path's model is built on the meta device, the tiny one counted."""
+    the source's answer length): model.path's model is built on the meta device, the tiny one counted. agent: the
+    config's rollout.agent; where it is on, a sequence is an agent run's first prompt (rollout.agent.max_prompt_length)
+    and its whole trajectory (the source's response length, data.max_response_length)."""
     prompt_length = source.prompt_length
     response_length = max_new_tokens or source.response_length
+    if agent is not None and agent.enabled:
+        prompt_length, response_length = agent.max_prompt_length, source.response_length
     if m.path is None:
         config = tiny_model_config(source.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
         params = tiny_model_parameters(source.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)

@@ -50,6 +50,11 @@ class AgentSection:
     timeout_s: float = 300.0
     """Wall time one agent run may take; past it the run gets reward 0 and counts one agent/errors."""
 
+    max_prompt_length: int = 1024
+    """Tokens of an agent run's first prompt at most (its own system prompt and examples included, after the chat
+    template); a longer one is refused. The whole trajectory after it holds data.max_response_length tokens at most
+    (sampled, tool and template tokens): an engine sizes its cache for both (vLLM's KV cache)."""
+
     host: str = "127.0.0.1"
     """Address the agents' endpoint binds. Another than a loopback address makes it reachable from other machines:
     then every request must carry the run's token (the clients handed to agents carry it)."""
@@ -59,6 +64,7 @@ class AgentSection:
         positive("rollout.agent.max_concurrency", self.max_concurrency)
         positive("rollout.agent.max_turns", self.max_turns)
         positive("rollout.agent.timeout_s", self.timeout_s)
+        positive("rollout.agent.max_prompt_length", self.max_prompt_length)
         require(
             isinstance(self.name, str) and self.name.isidentifier(),
             "rollout.agent.name",

@@ -13,14 +13,19 @@ def engine_settings(cfg, source) -> EngineSettings:
     """The settings of cfg's engine (the whole config: the engine's keys are rollout.*, its batch comes from the
     trainer's and its scoring micro-batch from the actor's) for source's prompts (their lengths and tokens)."""
     r = cfg.rollout
+    rows, max_prompt_len = batch_rows(r.n, r.groups_per_batch, cfg.groups_per_trigger), source.prompt_length
+    max_new_tokens = r.max_new_tokens or source.response_length
+    if r.agent.enabled:  # rollout.agent: the agent runs in flight at once, each a first prompt and a trajectory
+        rows, max_prompt_len = min(rows, r.agent.max_concurrency), r.agent.max_prompt_length
+        max_new_tokens = source.response_length  # a turn's prompt holds the turns before it: the whole trajectory
     return EngineSettings(
         dtype=r.dtype or cfg.model.dtype,
         temperature=r.temperature,
-        max_new_tokens=r.max_new_tokens or source.response_length,
+        max_new_tokens=max_new_tokens,
         eos_token=source.eos_token,
         pad_token=source.pad_token,
-        max_prompt_len=source.prompt_length,
-        rows=batch_rows(r.n, r.groups_per_batch, cfg.groups_per_trigger),
+        max_prompt_len=max_prompt_len,
+        rows=rows,
         micro_batch_size=cfg.actor.micro_batch_size,
         partial_chunk=r.partial_chunk,
         weight_sync=r.weight_sync,

@@ -31,7 +31,8 @@ class TurnLimitError(AgentRequestError):
 
 
 class TokenBudgetError(AgentRequestError):
-    """The agent run's trajectory has no response tokens left (rollout.agent.max_response_tokens)."""
+    """The agent run's trajectory has no response tokens left (data.max_response_length), or its first prompt is longer
+    than rollout.agent.max_prompt_length."""
 
     code = "max_response_tokens"
 

@@ -40,8 +40,8 @@ in Trajectory.branches and not trained on: the trainer trains the main chain onl
 Limits (AgentLimits, the config's rollout.agent.*). max_turns bounds the completions of a session (in flight
 included); a request beyond it is refused with a 400 naming rollout.agent.max_turns. max_response_tokens bounds a
 chain's response_ids: a request whose prompt already leaves fewer than its max_tokens gets max_tokens cut to what is
-left; one that leaves none is refused (400, naming rollout.agent.max_response_tokens), so a trajectory's response
-never exceeds it.
+left; one that leaves none is refused (400, naming data.max_response_length), so a trajectory's response
+never exceeds it. max_prompt_tokens bounds a chain's first prompt (400, naming rollout.agent.max_prompt_length).
 """
 
 from __future__ import annotations
@@ -56,18 +56,26 @@ from dppo.workers.rollout.agent.errors import StitchError, TokenBudgetError, Tur
 log = logging.getLogger("dppo.rollout.agent")
 
 MAX_TURNS_KEY = "rollout.agent.max_turns"
-MAX_RESPONSE_TOKENS_KEY = "rollout.agent.max_response_tokens"
+MAX_RESPONSE_TOKENS_KEY = "data.max_response_length"
+MAX_PROMPT_TOKENS_KEY = "rollout.agent.max_prompt_length"
 
 
 @dataclass(frozen=True)
 class AgentLimits:
-    """Per agent run: completions (max_turns) and response tokens of the trajectory (max_response_tokens)."""
+    """Per agent run: completions (max_turns), response tokens of the trajectory (max_response_tokens: the config's
+    data.max_response_length) and tokens of its first prompt (max_prompt_tokens: rollout.agent.max_prompt_length; an
+    engine sizes its cache for a first prompt and a response of these lengths)."""
 
     max_turns: int
     max_response_tokens: int
+    max_prompt_tokens: int = 4096
 
     def __post_init__(self) -> None:
-        for key, value in ((MAX_TURNS_KEY, self.max_turns), (MAX_RESPONSE_TOKENS_KEY, self.max_response_tokens)):
+        for key, value in (
+            (MAX_TURNS_KEY, self.max_turns),
+            (MAX_RESPONSE_TOKENS_KEY, self.max_response_tokens),
+            (MAX_PROMPT_TOKENS_KEY, self.max_prompt_tokens),
+        ):
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{key}={value!r}: expected an int > 0")
 
@@ -237,6 +245,12 @@ class Session:
     def max_tokens(self, plan: Plan, asked: int) -> int:
         """asked, cut to the response tokens the plan's chain has left (TokenBudgetError where none are)."""
         root = self.chain(plan.parent)[0].prompt_ids if plan.parent is not None else plan.prompt_ids
+        if len(root) > self.limits.max_prompt_tokens:
+            raise TokenBudgetError(
+                f"this agent run's first prompt is {len(root)} tokens after the chat template, more than "
+                f"{MAX_PROMPT_TOKENS_KEY}={self.limits.max_prompt_tokens}",
+                "messages",
+            )
         used = len(plan.prompt_ids) - len(root)
         left = self.limits.max_response_tokens - used
         if left <= 0:

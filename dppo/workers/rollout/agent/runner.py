@@ -214,7 +214,7 @@ def worker_agents(agent_cfg, source, engine: RolloutEngine, temperature: float, 
     (data.max_response_length); agent_cfg: the config's rollout.agent section. A per-run token where the endpoint
     binds another address than a loopback one."""
     settings = SamplingSettings(temperature, (int(source.eos_token),), int(max_new_tokens))
-    limits = AgentLimits(agent_cfg.max_turns, int(source.response_length))
+    limits = AgentLimits(agent_cfg.max_turns, int(source.response_length), agent_cfg.max_prompt_length)
     token = None if is_loopback(agent_cfg.host) else new_token()
     return AgentRollout(
         source.agent,

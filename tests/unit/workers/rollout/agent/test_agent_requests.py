@@ -79,7 +79,7 @@ def test_the_response_budget_cuts_max_tokens_then_refuses_naming_the_key(endpoin
     assert [r.max_tokens for r in generator.requests] == [budget, 3]  # each cut to what was left
     assert len(trajectory.response_ids) == budget
     assert trajectory.finish_reason == "length"
-    assert "rollout.agent.max_response_tokens" in message and "no tokens left" in message
+    assert "data.max_response_length" in message and "no tokens left" in message
 
 
 async def _refused_turn(client, messages) -> str:
