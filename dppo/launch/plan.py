@@ -109,7 +109,9 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
             f"model.hidden_size={m.hidden_size}, model.num_hidden_layers={m.num_hidden_layers}, "
             f"model.intermediate_size={m.intermediate_size}"
         ),
-        prompt_keys=f"task.length={cfg.task.length}" if cfg.data.kind == "task" else "data.max_prompt_length",
+        prompt_keys=f"task.length={cfg.task.length}"
+        if cfg.data.kind == "task"
+        else ("rollout.agent.max_prompt_length" if r.agent.enabled else "data.max_prompt_length"),
         takes_snapshots=plan_pi_old(cfg).takes_snapshots,
         kl_reference=a.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward,
         reference_in_checkpoints=a.kl_loss_coef > 0,

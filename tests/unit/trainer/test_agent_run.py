@@ -34,7 +34,14 @@ def agent_run(tmp_path, tiny_smollm):
 
     def run(**extra) -> list[dict]:
         overrides = reasoning_gym_overrides(
-            tmp_path, tiny_smollm["model"], **{"rollout.agent.path": path, "data.max_response_length": 40, **extra}
+            tmp_path,
+            tiny_smollm["model"],
+            **{
+                "rollout.agent.path": path,
+                "rollout.agent.max_prompt_length": 128,
+                "data.max_response_length": 40,
+                **extra,
+            },
         )
         assert main(["train", *overrides]) == 0
         lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
