@@ -152,6 +152,13 @@ $(VLLM_VENV)/.tasks: $(VLLM_VENV)/.installed
 real: install $(VENV)/.smollm2 $(REAL_VLLM)
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/real_run.py $(REAL_ARGS)
 
+# ---- the agent run (issue 44): SmolLM2-135M-Instruct learns to use a calculator tool, in one command ----
+#   make agent  as make real, with examples/agent/smollm2_calculator.yaml: the agent of examples/agent/calculator_agent.py
+#               on reasoning-gym's 3-digit products; base figures and evaluations through the agent (tool use too)
+AGENT_ARGS ?=
+agent: install $(VENV)/.smollm2 $(REAL_VLLM)
+	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/real_run.py --task agent $(AGENT_ARGS)
+
 # issue 35's point 5: dppo against TRL 1.16's GRPOTrainer on the real run's model, problems, reward and settings
 # (benchmarks/peer_real.py; seeds 0 and 1, 20 global steps each: about 40 minutes here). TRL's side imports dppo's
 # reward from the checkout and needs reasoning-gym in .venv-trl for it.
@@ -163,4 +170,4 @@ $(TRL_VENV)/.tasks: $(TRL_VENV)/.installed
 bench-peers-real: install $(VENV)/.smollm2 $(REAL_VLLM) $(TRL_VENV)/.tasks
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/peer_real.py $(PEERS_REAL_ARGS)
 
-.PHONY: real bench-peers-real
+.PHONY: real agent bench-peers-real

