@@ -33,7 +33,7 @@ from dppo.models import DTYPES, tiny_model_config  # noqa: E402
 from dppo.workers.actor.publish_delta import DeltaPublisher  # noqa: E402
 from dppo.workers.rollout.engines.hf import HFEngine  # noqa: E402
 from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
-from dppo.workers.rollout.worker import load_published  # noqa: E402
+from dppo.workers.rollout.ray_worker import load_published  # noqa: E402
 
 # name -> (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size); head size >= 32 (vLLM CPU)
 SIZES = {"tiny": (64, 2, 2, 128), "42m": (512, 10, 8, 2048)}

@@ -238,31 +238,39 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
 # and goes on under it; the ticket that has just loaded version argv[1] mid-way kills the trainer (the worker then
 # dies with it). Chosen, not raced.
 KILLED_IN_PARTIAL = """
-import os, signal, sys, time
+import dataclasses, os, signal, sys, time
 import dppo.workers.rollout.process as process
+from dppo.workers.rollout.worker import Weights
 
-kill_at, real, tickets = int(sys.argv[1]), process._refresh, []
+kill_at, tickets, looked = int(sys.argv[1]), [0], [0]
+real_acquire, real_newer = process.PipeClient.acquire, process.PipeClient.newer
 
-def refresh(conn, core, published, syncs):
-    if not any(s is syncs for s in tickets):
-        tickets.append(syncs)
+class LoadThenKill(Weights):
+    def __init__(self, weights):
+        self.weights = weights
+
+    def load_into(self, engine, holds):
+        loaded = self.weights.load_into(engine, holds)
+        os.kill(os.getppid(), signal.SIGKILL)
+        time.sleep(60)  # the trainer's death signal ends this process
+        return loaded
+
+def acquire(self, version, num_groups):
+    tickets[0] += 1
+    return real_acquire(self, version, num_groups)
+
+def newer(self, version):
+    if looked[0] != tickets[0]:  # the ticket's first look
+        looked[0] = tickets[0]
         deadline = time.monotonic() + 10
-        while len(tickets) > 1 and published.value <= core.version and time.monotonic() < deadline:
+        while tickets[0] > 1 and self.published.value <= version and time.monotonic() < deadline:
             time.sleep(0.005)
-    load = real(conn, core, published, syncs)
-    if load is None:
-        return None
+    found = real_newer(self, version)
+    if found is None or found.version < kill_at:
+        return found
+    return dataclasses.replace(found, weights=LoadThenKill(found.weights))
 
-    def load_then_kill():
-        version = load()
-        if version >= kill_at:
-            os.kill(os.getppid(), signal.SIGKILL)
-            time.sleep(60)  # the trainer's death signal ends this process
-        return version
-
-    return load_then_kill
-
-process._refresh = refresh
+process.PipeClient.acquire, process.PipeClient.newer = acquire, newer
 from dppo.cli import main
 sys.exit(main(["train", *sys.argv[2:]]))
 """

@@ -140,17 +140,21 @@ _EVERY_TICKET_PARTIAL = textwrap.dedent("""
     import dppo.workers.rollout.process as process
     from dppo.cli import main
 
-    real, tickets = process._refresh, []
+    real_acquire, real_newer, tickets, looked = process.PipeClient.acquire, process.PipeClient.newer, [0], [0]
 
-    def refresh(conn, core, published, syncs):
-        if not any(s is syncs for s in tickets):  # the ticket's first look (syncs: one list per ticket)
-            tickets.append(syncs)
+    def acquire(self, version, num_groups):
+        tickets[0] += 1
+        return real_acquire(self, version, num_groups)
+
+    def newer(self, version):
+        if looked[0] != tickets[0]:  # the ticket's first look
+            looked[0] = tickets[0]
             deadline = time.monotonic() + 10
-            while len(tickets) > 1 and published.value <= core.version and time.monotonic() < deadline:
+            while tickets[0] > 1 and self.published.value <= version and time.monotonic() < deadline:
                 time.sleep(0.005)
-        return real(conn, core, published, syncs)
+        return real_newer(self, version)
 
-    process._refresh = refresh
+    process.PipeClient.acquire, process.PipeClient.newer = acquire, newer
     sys.exit(main(["train", *sys.argv[1:]]))
 """)
 

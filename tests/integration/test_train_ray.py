@@ -18,8 +18,8 @@ from dppo.trainer.report import read_metrics
 
 from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 from processes import alive  # tests/processes.py
-from dppo.workers.rollout.replay_buffer import ReplayBufferActor
-from dppo.workers.rollout.worker import RolloutWorkerActor
+from dppo.workers.rollout.buffer_server import ReplayBufferActor
+from dppo.workers.rollout.ray_worker import ObjectStoreWeights, RayBufferClient
 
 pytestmark = pytest.mark.integration
 
@@ -303,47 +303,36 @@ def test_a_killed_worker_loses_no_group_and_a_killed_buffer_leaves_a_checkpoint_
         assert r["version"] == r["step"] and r["staleness/max"] <= THRESHOLD and r["replay/dropped_total"] == 0.0
 
 
-# rollout.partial_rollout on Ray: a rollout worker's look for newer weights (RolloutWorkerActor._refresh) against the
-# real replay-buffer actor: one call of the buffer's `newer` in flight, looked at without waiting; the weights are
-# loaded only when the buffer holds a newer version, and the worker's ticket is not touched. The worker's generator is
-# a recorder here: the look and what it hands the engine are under test, not the sampling.
+# rollout.partial_rollout on Ray: a rollout worker's look for newer weights (RayBufferClient.newer) against the real
+# replay-buffer actor: one call of the buffer's `newer` in flight, looked at without waiting; a publish comes back only
+# when the buffer holds a newer version, its weights still object-store references (read only at the load), and the
+# worker's ticket is not touched. What the loop does with it (load it, the fingerprint checked) is
+# unit/workers/rollout/test_buffer_client.py's.
 
 
-class _Core:
-    """What the actor's look touches of its RolloutGenerator: the version it holds and load_published."""
-
-    def __init__(self) -> None:
-        self.version, self.loaded = 0, []
-
-    def load_published(self, published, version, expected=None):
-        self.loaded.append((published, version, expected))
-        self.version = version
-        return None
-
-
-def test_a_workers_look_loads_a_newer_publish_mid_ticket_and_keeps_its_ticket(ray_cluster):
+def test_a_workers_look_finds_a_newer_publish_mid_ticket_and_keeps_its_ticket(ray_cluster):
     import ray
 
-    buffer = ray.remote(num_cpus=0)(ReplayBufferActor).remote(1, "wait", 4)
-    worker = object.__new__(RolloutWorkerActor)  # its look only: no engine, no Ray actor of its own
-    worker.buffer, worker.core, worker._poll, worker._sync = buffer, _Core(), None, None
+    threads = ReplayBufferActor.threads(1)
+    buffer = ray.remote(num_cpus=0, max_concurrency=threads)(ReplayBufferActor).remote(1, "wait", 4)
+    client = RayBufferClient(buffer, "w")  # the look only: no engine, no Ray actor of its own
     ray.get(buffer.publish.remote(["v0"], 0))
-    ticket = ray.get(buffer.acquire.remote(-1, 4, "w"))
+    ticket = client.acquire(-1, 4)
     assert (ticket.version, ticket.first, ticket.num_groups) == (0, 0, 4)
-    assert worker._refresh() is None and worker._poll is not None  # the first look sends the call, waits for nothing
-    ray.wait([worker._poll])  # answered (nothing newer): the next look reads it and sends the next call
-    assert worker._refresh() is None and worker._poll is None
-    assert worker._refresh() is None and worker._poll is not None
+    assert isinstance(ticket.publish.weights, ObjectStoreWeights) and ticket.publish.weights.published == ["v0"]
+    assert client.newer(0) is None and client._poll is not None  # the first look sends the call, waits for nothing
+    ray.wait([client._poll])  # answered (nothing newer): the next look reads it and sends the next call
+    assert client.newer(0) is None and client._poll is None
+    assert client.newer(0) is None and client._poll is not None
     ray.get(buffer.publish.remote(["v1"], 1, "fingerprint of v1"))
-    ray.wait([worker._poll])  # the call sent before the publish may have been answered before it: None
-    load = worker._refresh()
-    if load is None:  # it was: the next call sees version 1
-        assert worker._refresh() is None
-        ray.wait([worker._poll])
-        load = worker._refresh()
-    assert worker.core.loaded == [] and load is not None  # nothing loaded before the engine asks
-    # loaded with the publish's fingerprint: a mid-ticket load is checked as a ticket's is (rollout.verify_sync)
-    assert load() == 1 and worker.core.loaded == [(["v1"], 1, "fingerprint of v1")]
+    ray.wait([client._poll])  # the call sent before the publish may have been answered before it: None
+    found = client.newer(0)
+    if found is None:  # it was: the next call sees version 1
+        assert client.newer(0) is None
+        ray.wait([client._poll])
+        found = client.newer(0)
+    # with the publish's fingerprint: a mid-ticket load is checked as a ticket's is (rollout.verify_sync)
+    assert (found.version, found.fingerprint, found.weights.published) == (1, "fingerprint of v1", ["v1"])
     # the ticket granted at version 0 is still the worker's: its groups go in at their grant index
     stats = ray.get(buffer.stats.remote())
     assert stats["replay/in_flight"] == 4.0

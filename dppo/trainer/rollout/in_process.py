@@ -1,5 +1,6 @@
 """trainer.mode=sync without Ray: each trigger's groups generated in the trainer's own process, then taken, with the
-replay buffer's logic (ReplayBufferCore) as the other sources run it: the same tickets, seeded by their grant index."""
+replay buffer's logic (ReplayBufferCore) as the other sources run it: the same tickets, seeded by their grant index,
+through the same worker loop (dppo.workers.rollout.buffer_client.run_ticket, over an InProcessClient)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dppo.checkpoint.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, cloned_state
 from dppo.trainer.rollout.source import RolloutSource
+from dppo.workers.rollout.buffer_client import InProcessClient, run_ticket
 from dppo.workers.rollout.worker import RolloutGenerator
 from dppo.workers.sync_check import WeightSyncMismatchError
 from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
@@ -23,6 +25,7 @@ class InProcessRollout(RolloutSource):
         reads RolloutSettings.of(cfg)."""
         self.buffer = buffer_core(RolloutSettings.of(cfg), start)
         self.worker = RolloutGenerator(cfg, source, model_config, 0)
+        self._client = InProcessClient(self.buffer)
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
 
     @property
@@ -47,18 +50,13 @@ class InProcessRollout(RolloutSource):
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         made = 0
         while made < num_groups:
-            ticket = self.buffer.acquire(self.worker.version, num_groups - made)
-            if ticket is None:
-                raise RuntimeError(f"replay buffer refused to grant groups in sync mode ({self.buffer.stats()})")
-            sync = None
-            if ticket.weights is not None:
-                try:
-                    sync = self.worker.load_weights(ticket.weights, ticket.version, ticket.fingerprint)
-                except WeightSyncMismatchError as err:  # no worker process to restart: the engine is this one
-                    raise RolloutFailedError(f"the rollout engine failed its weight sync check: {err}") from None
-            self.worker.seed_ticket(ticket.first)
-            self.buffer.put(self.worker.generate(ticket.num_groups), ticket.first, None, sync)
-            made += ticket.num_groups
+            try:
+                made_now = run_ticket(self._client, self.worker, num_groups - made)
+            except WeightSyncMismatchError as err:  # no worker process to restart: the engine is this one
+                raise RolloutFailedError(f"the rollout engine failed its weight sync check: {err}") from None
+            if made_now == 0:
+                raise RuntimeError(f"replay buffer closed before the trigger's groups were generated ({self.stats()})")
+            made += made_now
         result = self.buffer.take(num_groups, trainer_version)
         assert result is not None, "groups generated for this trigger must be takeable"
         return result

@@ -9,7 +9,8 @@ per role, each importing torch and transformers: about 8-10 s before the first s
   rank is built, while it runs no other thread that could hold a lock and has no CUDA context, so they start with
   torch, transformers and dppo imported; a worker that replaces a dead one, and the workers of a resumed run, are
   spawned (a fresh interpreter: forking a process whose other threads may hold locks is not safe). Each worker
-  talks to the buffer through its own pipe, served here by one thread per worker.
+  calls the buffer (BufferServer, in this process) through its own pipe, answered here by one thread per worker
+  (dppo.workers.rollout.process.answer_calls).
 - Weights: publish() copies the rank's state dict into one anonymous shared-memory file (a tied weight once); a
   worker's ticket carries where each tensor lies in it and the file's descriptor follows on the worker's pipe; the
   worker maps it and copies the weights into its model. The kernel frees a version once the trainer has replaced
@@ -21,14 +22,12 @@ per role, each importing torch and transformers: about 8-10 s before the first s
 
 from __future__ import annotations
 
-import dataclasses
 import multiprocessing
 import os
 import signal
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from multiprocessing import reduction
 from typing import Any
 
 import cloudpickle
@@ -37,9 +36,9 @@ import torch
 from dppo.checkpoint.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutSettings, buffer_core
-from dppo.trainer.rollout.supervised import SupervisedRollout, Taken, WorkerEnd, WorkerRecord
-from dppo.workers.rollout.process import SharedState, serve
-from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
+from dppo.workers.rollout.buffer_server import BufferServer, Taken
+from dppo.workers.rollout.process import SharedState, answer_calls, main
 from dppo.workers.sync_check import WeightSyncMismatchError
 from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
 
@@ -48,34 +47,13 @@ POLL_S = 0.5  # how often a waiting fetch looks at the workers' processes
 FORK_SAFE_THREADS = frozenset({"dppo-stop-watcher"})
 
 
-class _Buffer:
-    """ReplayBufferCore behind a condition: the workers' threads wait in acquire, the trainer in take."""
-
-    def __init__(self, core: ReplayBufferCore) -> None:
-        self.core = core
-        self.changed = threading.Condition()
-
-    def call(self, name: str, *args) -> Any:
-        with self.changed:
-            result = getattr(self.core, name)(*args)
-            self.changed.notify_all()  # groups put or taken, weights published, a holder released: others may go on
-            return result
-
-    def acquire(self, version: int, num_groups: int, holder: int):
-        with self.changed:
-            while (ticket := self.core.acquire(version, num_groups, holder)) is None:
-                self.changed.wait()
-            return ticket
-
-
 @dataclass
 class LocalWorker(WorkerRecord):
     """One incarnation of a rollout worker as a local process, and the thread here that serves its pipe."""
 
     process: Any = None
     conn: Any = None
-    error: str | None = None  # what it reported before exiting with an error
-    error_type: str | None = None  # the type name of that error
+    error: tuple[str, str] | None = None  # what it reported before exiting with an error: (type name, message)
     server: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -88,7 +66,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         threads a fork would copy half of); they still are not where this process runs other Python threads or
         holds a CUDA context."""
         super().__init__(RolloutSettings.of(cfg), start)
-        self.buffer = _Buffer(buffer_core(self.settings, start))
+        self.buffer = BufferServer(buffer_core(self.settings, start))
         self._payload = cloudpickle.dumps((cfg, source, model_config))
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
         # rollout.partial_rollout: the newest published version, which the workers read once per decode chunk
@@ -115,7 +93,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     def _start(self, index: int, holder: int, restarts: int, ctx) -> LocalWorker:
         ours, theirs = ctx.Pipe(duplex=True)
         process = ctx.Process(
-            target=serve,
+            target=main,
             args=(theirs, self._payload, index, os.getpid(), self._published_version),
             name=f"dppo-rollout-{index}",
             daemon=True,
@@ -137,31 +115,11 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         worker.server.start()
 
     def _serve(self, worker: LocalWorker) -> None:
-        """Answer worker's requests until its pipe closes (it exited, or close() closed it)."""
-        conn = worker.conn
+        """Answer worker's calls until its pipe closes (it exited, or close() closed it)."""
         try:
-            while True:
-                message = conn.recv()
-                if message[0] == "acquire":
-                    ticket = self.buffer.acquire(message[1], message[2], worker.holder)
-                    shared = ticket.weights  # a SharedState: its layout goes in the ticket, its memory as a descriptor
-                    conn.send(ticket if shared is None else dataclasses.replace(ticket, weights=shared.layout))
-                    if shared is not None:
-                        reduction.send_handle(conn, shared.fd, worker.process.pid)
-                elif message[0] == "weights":  # rollout.partial_rollout: newer weights mid-ticket
-                    found = self.buffer.call("newer", message[1])
-                    conn.send(None if found is None else (found[0], found[1].layout, found[2]))
-                    if found is not None:
-                        reduction.send_handle(conn, found[1].fd, worker.process.pid)
-                elif message[0] == "put":
-                    self.buffer.call("put", message[1], message[2], worker.holder, message[3])
-                elif message[0] == "error":
-                    worker.error, worker.error_type = f"{message[1]}: {message[2]}", message[1]
-        except (EOFError, OSError):
-            pass  # the worker exited (or was killed), or close() closed the pipe
+            worker.error = answer_calls(worker.conn, self.buffer, worker.holder, worker.process.pid)
         finally:
-            with self.buffer.changed:
-                self.buffer.changed.notify_all()  # a fetch waiting on this worker looks at it now
+            self.buffer.wake()  # a fetch waiting on this worker looks at it now
 
     def start(self) -> None:
         pass  # the workers ask for tickets as soon as they are up; the first one waits for the first publish
@@ -170,7 +128,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers;
         what published_weights() gives back once the buffer has it (a publish that failed leaves the last one's)."""
         shared = SharedState(state_dict)
-        self.buffer.call("publish", shared, version, fingerprint_for(state_dict, self._print_dtype))
+        self.buffer.publish(shared, version, fingerprint_for(state_dict, self._print_dtype))
         self._published = shared
         if self._published_version is not None:
             self._published_version.value = version
@@ -180,23 +138,12 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         return self._published.state_dict()
 
     def _taking(self, num_groups: int, trainer_version: int) -> Callable[[], Taken | None]:
-        def wait() -> Taken | None:
-            """Until the groups are there, a worker's pipe closed, or POLL_S passed (a worker's process may be
-            gone with its pipe still open: the check after this looks at the processes)."""
-            with self.buffer.changed:
-                taken = self.buffer.core.take(num_groups, trainer_version)
-                self.buffer.changed.notify_all()  # taken or dropped groups may free budget for waiting workers
-                if taken is None:
-                    self.buffer.changed.wait(POLL_S)
-            return taken
-
-        return wait
-
-    def _take_ready(self, num_groups: int, trainer_version: int) -> Taken | None:
-        return self.buffer.call("take", num_groups, trainer_version)  # the core's take never waits
+        """A wait until the groups are there, a worker's pipe closed, or POLL_S passed (a worker's process may be gone
+        with its pipe still open: the check after it looks at the processes)."""
+        return lambda: self.buffer.take(num_groups, trainer_version, wait_s=POLL_S)
 
     def _buffer_call(self, name: str, *args) -> Any:
-        return self.buffer.call(name, *args)
+        return getattr(self.buffer, name)(*args)
 
     def _check_buffer(self) -> None:
         pass  # the buffer lives in this process: it cannot die apart from it
@@ -209,10 +156,11 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         # its pipe is closed: the thread reads what the worker sent last, unless it waits for a ticket for the
         # dead worker (it then sends the stop ticket that _restart's release makes, into a closed pipe)
         worker.server.join(timeout=1.0)
-        if worker.error_type == WeightSyncMismatchError.__name__:
-            return WorkerEnd("mismatch", worker.error.split(": ", 1)[1])
         if worker.error is not None:
-            return WorkerEnd("raised", worker.error)
+            type_name, message = worker.error
+            if type_name == WeightSyncMismatchError.__name__:
+                return WorkerEnd("mismatch", message)
+            return WorkerEnd("raised", f"{type_name}: {message}")
         return WorkerEnd("died", _exit_in_words(worker.process.exitcode))
 
     def _retire(self, worker: LocalWorker) -> None:
@@ -225,7 +173,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     def close(self) -> None:
         """Kill the workers (the run is over, or failed: nothing they would still generate is wanted) and free the
         shared weights; never raises."""
-        self.buffer.call("close")  # a worker waiting for a ticket gets a stop ticket
+        self.buffer.close()  # a worker waiting for a ticket gets a stop ticket
         for worker in self.workers:
             try:
                 worker.process.kill()

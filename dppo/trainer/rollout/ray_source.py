@@ -2,6 +2,7 @@
 
 separate_async: each worker loops on its own (RolloutWorkerActor.run), the trainer only takes from the buffer.
 sync: the trainer asks the workers for exactly the groups of each trigger (RolloutWorkerActor.step), then takes them.
+The buffer is a threaded actor (buffer_server.ReplayBufferActor: a waiting acquire or take holds one of its threads).
 
 A worker whose process dies, however Ray says so (killed, killed for memory, its node lost), is restarted as the
 supervision base says (dppo.trainer.rollout.supervised); a worker whose call raised ends the rollout with its error,
@@ -27,9 +28,9 @@ from dppo.models import as_state_dict
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core
-from dppo.trainer.rollout.supervised import SupervisedRollout, Taken, WorkerEnd, WorkerRecord
-from dppo.workers.rollout.replay_buffer import ReplayBufferActor
-from dppo.workers.rollout.worker import RolloutWorkerActor
+from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
+from dppo.workers.rollout.buffer_server import ReplayBufferActor, Taken
+from dppo.workers.rollout.ray_worker import RolloutWorkerActor
 from dppo.workers.sync_check import WeightFingerprint, WeightSyncMismatchError
 from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
 
@@ -58,7 +59,10 @@ class RayRollout(SupervisedRollout[RayWorker]):
         self._groups = (
             place_pool(self._pool, plan(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
         )
-        self.buffer = buffer_core(self.settings, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
+        threads = ReplayBufferActor.threads(self.settings.rollout.num_workers)
+        self.buffer = buffer_core(
+            self.settings, start, ray.remote(num_cpus=0, max_concurrency=threads)(ReplayBufferActor).remote
+        )
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
         # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker
         # process has only the built-in tasks registered, so looking task.name up there would miss a
@@ -175,9 +179,6 @@ class RayRollout(SupervisedRollout[RayWorker]):
             return self._from_buffer(take) if take in ready else None
 
         return wait
-
-    def _take_ready(self, num_groups: int, trainer_version: int) -> Taken | None:
-        return self._buffer_call("take_ready", num_groups, trainer_version)
 
     def _buffer_call(self, name: str, *args) -> Any:
         return self._from_buffer(getattr(self.buffer, name).remote(*args))

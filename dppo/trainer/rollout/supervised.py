@@ -1,8 +1,9 @@
 """Rollout workers that the trainer's process supervises: what RayRollout and LocalRollout share.
 
-Each worker runs the same step (ticket from the replay buffer -> load newer weights -> generate -> put). The trainer
-keeps one record per worker (its index, its holder id at the buffer, its restarts so far, its handle) and looks at
-the workers whenever it would wait for groups, and before it takes the groups that have already arrived:
+Each worker runs the same loop (dppo.workers.rollout.buffer_client.run_ticket: ticket from the replay buffer -> load
+newer weights -> generate -> put) against the same server (dppo.workers.rollout.buffer_server.BufferServer). The
+trainer keeps one record per worker (its index, its holder id at the buffer, its restarts so far, its handle) and looks
+at the workers whenever it would wait for groups, and before it takes the groups that have already arrived:
 
 - a worker whose process died is restarted, up to rollout.max_restarts times per worker: its dead incarnation is
   retired, the buffer grants its outstanding tickets again (release), and a new incarnation with a new holder id
@@ -13,7 +14,7 @@ the workers whenever it would wait for groups, and before it takes the groups th
   once its restarts are used up: one RolloutFailedError line naming the worker and what happened.
 
 A subclass supplies only what differs: how a worker is spawned and retired, how its end is observed, how the buffer
-is reached, and the take that waits.
+is reached, and the take that waits (while it watches the workers).
 """
 
 from __future__ import annotations
@@ -29,10 +30,9 @@ from dppo.batch import Group
 from dppo.checkpoint.state import RolloutStart
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, groups_of
 from dppo.trainer.rollout.source import RolloutSource
+from dppo.workers.rollout.buffer_server import Taken
 
 log = logging.getLogger("dppo.rollout")
-
-Taken = tuple[list, int]  # what a replay buffer's take returns: (stored groups, dropped since the last take)
 
 
 @dataclass
@@ -95,16 +95,12 @@ class SupervisedRollout(RolloutSource, Generic[W]):
 
     @abc.abstractmethod
     def _buffer_call(self, name: str, *args) -> Any:
-        """The replay buffer's method `name` (ReplayBufferCore's, without waiting) called with args: its result."""
+        """The replay buffer's (BufferServer's) method `name` called with args: its result."""
 
     @abc.abstractmethod
     def _taking(self, num_groups: int, trainer_version: int) -> Callable[[], Taken | None]:
         """A take of num_groups groups at trainer_version, begun: a function that waits for it a while (until the
         groups are there, or something happened to a worker) and returns what was taken, or None for not yet."""
-
-    @abc.abstractmethod
-    def _take_ready(self, num_groups: int, trainer_version: int) -> Taken | None:
-        """The buffer's take without waiting: the groups if they have all arrived, else None."""
 
     # ---- the shared logic ------------------------------------------------------------------------------------
 
@@ -116,7 +112,7 @@ class SupervisedRollout(RolloutSource, Generic[W]):
 
     def fetch_ready(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int] | None:
         self._check_workers()  # fetch notices a dead worker while it waits; this takes without waiting
-        return groups_of(self._take_ready(num_groups, trainer_version))
+        return groups_of(self._buffer_call("take_ready", num_groups, trainer_version))
 
     def discard(self, count: int) -> None:
         self._buffer_call("discard", count)

@@ -1,23 +1,22 @@
-"""A rollout worker as a plain local process (ray.enabled=false with trainer.mode=separate_async): the same
-RolloutGenerator as the Ray actor's, its replay buffer in the trainer's process at the other end of a pipe.
+"""A rollout worker as a plain local process (ray.enabled=false with trainer.mode=separate_async): the worker loop
+(buffer_client.run_tickets) over PipeClient, its pipe to the trainer's process, where answer_calls answers it on the
+replay buffer's BufferServer. Both ends of the pipe are here.
 
 The trainer starts it with `multiprocessing` (dppo.trainer.rollout.local_source): forked from the trainer before
 it builds its rank (no second import of torch and transformers: the worker generates within about a second of
 the fork), or spawned afresh when it replaces a worker that died. The protocol over its end of the pipe, all
 messages tuples:
 
-    worker -> trainer   ("acquire", version held, groups wanted)   answered by a Ticket (stop=True: exit)
-                        ("weights", version held)                   rollout.partial_rollout, mid-ticket: answered by
-                                                                    None (nothing newer) or (version, SharedLayout,
-                                                                    its fingerprint) followed by the memory's descriptor
-                        ("put", [StoredGroup], first, SyncCost | None)   what the metrics get of its load
-                        ("error", type name, message)               then the worker exits with status 1
-    trainer -> worker   Ticket, its weights (when newer) a SharedLayout, followed by the descriptor of the shared
-                        memory that holds them (SCM_RIGHTS): the weights never go through the pipe as bytes
+    worker -> trainer   (call, *args): a call of the buffer-client protocol (acquire, newer, put) on the trainer's
+                        BufferServer, as this worker's holder; answered by what it returns (put: None)
+                        ("error", type name, message): then the worker exits with status 1
+    trainer -> worker   the answer; where it carries a publish (a Ticket's, newer's), the publish's weights are the
+                        SharedLayout of the shared memory that holds them, whose descriptor follows the answer
+                        (SCM_RIGHTS): the weights never go through the pipe as bytes
 
 rollout.partial_rollout: besides the pipe, the worker gets `published`, an 8-byte shared counter (a multiprocessing
 RawValue) that the trainer sets to each version it publishes. The worker reads it once per decode chunk, and asks
-over the pipe ("weights") only when it is newer than the version it holds: a look costs one memory read.
+over the pipe (newer) only when it is newer than the version it holds: a look costs one memory read.
 
 The worker exits when the trainer's end of the pipe closes (the trainer stopped or died), and dies with the
 trainer's process (PR_SET_PDEATHSIG) if it is killed mid-generation.
@@ -31,16 +30,16 @@ import mmap
 import os
 import signal
 from dataclasses import dataclass
-from functools import partial
 from multiprocessing import reduction
 
 import cloudpickle
 import torch
 
 from dppo._text import one_line
-from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.workers.rollout.replay_buffer import StoredGroup
-from dppo.workers.rollout.worker import RolloutGenerator, generation_step_bytes
+from dppo.workers.rollout.buffer_client import BufferClient, run_tickets
+from dppo.workers.rollout.buffer_server import WORKER_CALLS, BufferServer
+from dppo.workers.rollout.replay_buffer import Finished, Published, Ticket, map_weights, publish_in
+from dppo.workers.rollout.worker import StateDictWeights, worker_generator
 
 _PR_SET_PDEATHSIG = 1
 _PR_SET_NAME = 15
@@ -126,26 +125,57 @@ def die_with_parent(name: str) -> None:
         pass
 
 
-def _refresh(conn, core: RolloutGenerator, published, syncs: list):
-    """rollout.partial_rollout's look for newer weights, once per decode chunk: the shared counter read; where it is
-    newer than the weights held, the trainer asked for them over the pipe. A loader of them, or None."""
-    if published.value <= core.version:
-        return None
-    conn.send(("weights", core.version))
-    answer = conn.recv()
-    if answer is None:
-        return None
-    version, layout, fingerprint = answer
-    state = SharedState.attach(reduction.recv_handle(conn), layout)
+class PipeClient(BufferClient):
+    """A local worker's calls over its pipe (see the module docstring); published: the trainer's shared counter of its
+    newest version (None: no mid-ticket loads)."""
 
-    def load() -> int:
-        syncs[0] = core.load_weights(state, version, fingerprint)
-        return version
+    def __init__(self, conn, published=None) -> None:
+        self.conn, self.published = conn, published
+        self.looks_mid_ticket = published is not None
 
-    return load
+    def _call(self, name: str, *args):
+        self.conn.send((name, *args))
+        # a publish's memory: its descriptor follows on the pipe; mapped here (closed once its tensors are dropped)
+        return map_weights(self.conn.recv(), lambda layout: StateDictWeights(self._attach(layout)))
+
+    def _attach(self, layout: SharedLayout) -> dict[str, torch.Tensor]:
+        return SharedState.attach(reduction.recv_handle(self.conn), layout)
+
+    def acquire(self, version: int, num_groups: int) -> Ticket:
+        return self._call("acquire", version, num_groups)
+
+    def newer(self, version: int) -> Published | None:
+        """The shared counter read; only where it is newer than `version`, the publish asked for over the pipe."""
+        if self.published.value <= version:
+            return None
+        return self._call("newer", version)
+
+    def put(self, finished: Finished) -> None:
+        self._call("put", finished.stored())
 
 
-def serve(conn, payload: bytes, worker_index: int, parent_pid: int, published=None) -> None:
+def answer_calls(conn, buffer: BufferServer, holder: int, pid: int) -> tuple[str, str] | None:
+    """The trainer's end of a worker's pipe: answer the worker's calls on buffer, as holder (the worker's process:
+    pid), until it reports an error (returned: its type name and message) or the pipe closes (None)."""
+    try:
+        while True:
+            name, *args = conn.recv()
+            if name == "error":
+                return args[0], args[1]
+            if name not in WORKER_CALLS:
+                raise ValueError(
+                    f"rollout worker (holder {holder}) called {name!r}: expected one of {sorted(WORKER_CALLS)}"
+                )
+            answer = getattr(buffer, name)(*args, holder=holder)
+            publish = publish_in(answer)  # its weights a SharedState: the layout goes in the answer, the memory apart
+            conn.send(map_weights(answer, lambda shared: shared.layout))
+            if publish is not None:
+                reduction.send_handle(conn, publish.weights.fd, pid)
+    except (EOFError, OSError):
+        return None  # the worker exited (or was killed), or the trainer closed the pipe
+
+
+def main(conn, payload: bytes, worker_index: int, parent_pid: int, published=None) -> None:
     """The worker process's main: payload is cloudpickle.dumps((cfg, source, model_config)), the trainer's
     PromptSource object itself (a worker must not rebuild it: a register_task task exists in the trainer only);
     parent_pid: the trainer's process; published: the trainer's shared counter of its newest version (None: no
@@ -160,24 +190,8 @@ def serve(conn, payload: bytes, worker_index: int, parent_pid: int, published=No
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
         cfg, source, model_config = cloudpickle.loads(payload)
-        keep_freed_host_memory()
-        torch.set_num_threads(cfg.rollout.num_threads)
-        core = RolloutGenerator(cfg, source, model_config, worker_index, "cpu")
-        bound_retention(generation_step_bytes(cfg.rollout, cfg.actor.micro_batch_size, model_config.vocab_size))
-        while True:
-            conn.send(("acquire", core.version, cfg.rollout.groups_per_batch))
-            ticket = conn.recv()
-            if ticket.stop:
-                return
-            syncs = [None]  # the ticket's latest weight load
-            if ticket.weights is not None:  # a SharedLayout; the memory's descriptor follows on the pipe
-                syncs[0] = core.load_weights(
-                    SharedState.attach(reduction.recv_handle(conn), ticket.weights), ticket.version, ticket.fingerprint
-                )
-            core.seed_ticket(ticket.first)
-            refresh = None if published is None else partial(_refresh, conn, core, published, syncs)
-            groups = core.generate(ticket.num_groups, refresh)
-            conn.send(("put", [StoredGroup.of(g) for g in groups], ticket.first, syncs[0]))
+        generator = worker_generator(cfg, source, model_config, worker_index, "cpu")
+        run_tickets(PipeClient(conn, published), generator, cfg.rollout.groups_per_batch)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the trainer closed its end or is gone: nothing to report to
     except BaseException as err:  # noqa: BLE001  reported to the trainer, which raises it as the rollout's failure

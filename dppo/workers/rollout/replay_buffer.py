@@ -18,22 +18,26 @@ queues its outstanding tickets to be granted again, first, to whichever worker a
 grant indices: the groups it was generating are generated anew, none is lost and none is taken twice (a
 late put from the dead holder is refused, and so is anything it asks for afterwards).
 
-ReplayBufferCore is the plain logic (used in-process and by tests); ReplayBuffer is the Ray actor around it.
-ReplayBufferCore.take never waits (None: not all there yet); the actor's take waits and its take_ready does not
-(the trainer's score-ahead takes a cycle's later mini-batches that have already arrived).
+ReplayBufferCore is the plain logic (used in-process and by tests); buffer_server.BufferServer serves it to worker
+processes and the trainer, waiting where the core says "not yet" (the Ray actor, and the local workers' pipes).
+ReplayBufferCore.take never waits (None: not all there yet); the server's take waits and its take_ready does not
+(the trainer's score-ahead takes a cycle's later mini-batches that have already arrived). What travels between a
+worker and the buffer is one dataclass each way: a Ticket (with the Published weights it carries) to the worker,
+Finished (its groups and what its weight loads cost) back.
 
 discard(count): the trainer took count groups it will not train on (algorithm.filter_groups dropped them). Under
 wait they free their place in the budget as dropped ones do: the budget counts the groups the trainer trains on, B
 per version, and a trainer that takes more than B groups a version would otherwise wait for groups never granted.
 
-The core holds whatever has a version and an index (Group in-process). The Ray actor's process never imports torch:
+The core holds whatever has a version and an index (Group in-process). The buffer's Ray process never imports torch:
 that import costs a process about 290 MB and two CPU-seconds at every start. Rollout workers put StoredGroups (numpy
 arrays) and SyncCosts there, and the trainer turns what it takes back into Groups (Group.from_arrays).
 """
 
 from __future__ import annotations
 
-import asyncio
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -80,16 +84,53 @@ class SyncCost:
         return cls(float(sync.seconds), int(sync.bytes), float(sync.changed_fraction), verify_s)
 
 
-@dataclass
+@dataclass(frozen=True)
+class Published:
+    """Weights the trainer published, as a ticket or a look (newer) hands them to a worker."""
+
+    version: int
+    weights: Any  # what ReplayBufferCore.publish got; a worker's buffer client resolves it into what it loads
+    fingerprint: Any = None  # their WeightFingerprint (rollout.verify_sync), checked after the load; None: not checked
+
+
+@dataclass(frozen=True)
 class Ticket:
     """A worker's permission to generate num_groups groups, with weights to load first (if newer)."""
 
     num_groups: int
-    version: int  # the version the worker generates with after loading `weights`
-    weights: Any = None  # None: keep the current weights; else what ReplayBufferCore.publish got
+    version: int  # the version the worker generates with (after loading `publish`)
+    publish: Published | None = None  # None: keep the current weights
     stop: bool = False
     first: int = 0  # grant index of the ticket's first group; the worker hands it back with the groups (put)
-    fingerprint: Any = None  # with weights: their WeightFingerprint (rollout.verify_sync), checked after the load
+
+
+def publish_in(answer: Ticket | Published | None) -> Published | None:
+    """The publish a worker's call brought back, if any: a ticket's (acquire), or newer's own."""
+    return answer.publish if isinstance(answer, Ticket) else answer
+
+
+def map_weights(answer: Ticket | Published | None, convert: Callable[[Any], Any]) -> Ticket | Published | None:
+    """answer (as publish_in's) with the weights of its publish replaced by convert(them): what they are where they
+    travel (a shared-memory file's layout on a pipe) or what a worker's process loads (worker.Weights)."""
+    publish = publish_in(answer)
+    if publish is None:
+        return answer
+    publish = dataclasses.replace(publish, weights=convert(publish.weights))
+    return dataclasses.replace(answer, publish=publish) if isinstance(answer, Ticket) else publish
+
+
+@dataclass
+class Finished:
+    """What a worker hands back for a ticket (put): the groups, those of grant indices first, first + 1, ... in order,
+    and what the worker's engine paid for the ticket's latest weight load (None: it loaded none)."""
+
+    groups: list  # Groups; StoredGroups where they travel to another process (stored())
+    first: int
+    sync: SyncCost | None = None
+
+    def stored(self) -> Finished:
+        """These groups as the replay buffer's process holds them (StoredGroup: numpy arrays, no torch)."""
+        return dataclasses.replace(self, groups=[StoredGroup.of(g) for g in self.groups])
 
 
 class ReplayBufferCore:
@@ -191,13 +232,16 @@ class ReplayBufferCore:
         """Stop the workers: every pending and later acquire gets a stop ticket."""
         self.closed = True
 
-    def newer(self, worker_version: int) -> tuple[int, Any, Any] | None:
-        """rollout.partial_rollout: (the newest version, its weights as publish got them, their fingerprint) where they
-        are newer than worker_version, else None (also once closed). Grants nothing: the worker's ticket stays the one
-        it holds. A mid-ticket load is checked against the fingerprint as a ticket's is (rollout.verify_sync)."""
+    def newer(self, worker_version: int) -> Published | None:
+        """rollout.partial_rollout: the newest publish where it is newer than worker_version, else None (also once
+        closed). Grants nothing: the worker's ticket stays the one it holds. A mid-ticket load is checked against the
+        fingerprint as a ticket's is (rollout.verify_sync)."""
         if self.closed or self.weights is None or self.version <= worker_version:
             return None
-        return self.version, self.weights, self.fingerprint
+        return self._published()
+
+    def _published(self) -> Published:
+        return Published(self.version, self.weights, self.fingerprint)
 
     # ---- worker side -----------------------------------------------------------------------------
 
@@ -228,23 +272,22 @@ class ReplayBufferCore:
                 return None
             first, self.granted = self.granted, self.granted + granted
         self._tickets[first] = (granted, holder)
-        weights = self.weights if self.version > worker_version else None
-        return Ticket(
-            granted, self.version, weights, first=first, fingerprint=None if weights is None else self.fingerprint
-        )
+        publish = self._published() if self.version > worker_version else None
+        return Ticket(granted, self.version, publish, first=first)
 
-    def put(self, groups: list[Group], first: int, holder: Any = None, sync: Any = None) -> None:
-        """holder's finished groups: those of its ticket whose first grant index is first, in order. sync: what
-        holder's engine paid for the weights it loaded before generating them (a rollout engine's WeightSync), if
-        it loaded any: stats() reports the latest one of each live holder."""
+    def put(self, finished: Finished, holder: Any = None) -> None:
+        """holder's finished groups: those of its ticket whose first grant index is finished.first, in order. Their
+        sync (what holder's engine paid for the weights it loaded before or while generating them), if it loaded
+        any: stats() reports the latest one of each live holder."""
+        groups, first = finished.groups, finished.first
         if self._tickets.get(first) != (len(groups), holder):
             raise ValueError(
                 f"put of {len(groups)} groups at grant index {first} by holder {holder!r}: no outstanding "
                 f"ticket granted those to it (outstanding: {self._tickets})"
             )
         del self._tickets[first]
-        if sync is not None:
-            self._syncs[holder] = sync
+        if finished.sync is not None:
+            self._syncs[holder] = finished.sync
         for index, group in enumerate(groups, first):
             group.index = index
             self.groups[index] = group
@@ -287,72 +330,3 @@ class ReplayBufferCore:
         if verified:  # rollout.verify_sync: the check after each load (read back, checksummed, compared), any engine
             stats["timing_s/weight_sync_verify"] = max(verified)
         return stats
-
-
-class ReplayBufferActor:
-    """Ray actor around ReplayBufferCore: acquire and take wait (asynchronously) instead of returning None."""
-
-    def __init__(self, *args, **kwargs):
-        self.core = ReplayBufferCore(*args, **kwargs)
-        self._changed: asyncio.Condition | None = None
-
-    def _condition(self) -> asyncio.Condition:
-        if self._changed is None:  # created on the actor's event loop
-            self._changed = asyncio.Condition()
-        return self._changed
-
-    async def _notify(self) -> None:
-        async with self._condition():
-            self._condition().notify_all()
-
-    async def publish(self, weights: list, version: int, fingerprint=None) -> None:
-        """weights is [ObjectRef] (wrapped in a list so Ray passes the reference, not the tensors)."""
-        self.core.publish(weights, version, fingerprint)
-        await self._notify()
-
-    async def put(self, groups: list[StoredGroup], first: int, holder=None, sync: SyncCost | None = None) -> None:
-        self.core.put(groups, first, holder, sync)
-        await self._notify()
-
-    async def release(self, holder) -> int:
-        count = self.core.release(holder)
-        await self._notify()
-        return count
-
-    async def close(self) -> None:
-        self.core.close()
-        await self._notify()
-
-    def newer(self, worker_version: int) -> tuple[int, list, Any] | None:
-        return self.core.newer(worker_version)
-
-    async def discard(self, count: int) -> None:
-        self.core.discard(count)
-        await self._notify()  # freed budget: a waiting worker may go on
-
-    async def acquire(self, worker_version: int, num_groups: int, holder=None) -> Ticket:
-        async with self._condition():
-            while (ticket := self.core.acquire(worker_version, num_groups, holder)) is None:
-                await self._condition().wait()
-        return ticket
-
-    async def take_ready(self, num_groups: int, trainer_version: int) -> tuple[list[StoredGroup], int] | None:
-        """take without waiting: the groups take would return if they are all there now, else None (nothing
-        popped; under drop, stale groups are dropped all the same, as take's first look would)."""
-        async with self._condition():
-            result = self.core.take(num_groups, trainer_version)
-            self._condition().notify_all()  # taken or dropped groups may have freed budget for waiting workers
-        return result
-
-    async def take(self, num_groups: int, trainer_version: int) -> tuple[list[StoredGroup], int]:
-        async with self._condition():
-            while True:
-                result = self.core.take(num_groups, trainer_version)
-                # Taken or dropped groups may have freed budget for waiting workers.
-                self._condition().notify_all()
-                if result is not None:
-                    return result
-                await self._condition().wait()
-
-    def stats(self) -> dict[str, float]:
-        return self.core.stats()

@@ -1,67 +1,51 @@
 """Rollout workers: sample n responses per prompt with the behavior policy and score them.
 
-RolloutGenerator is the plain logic (a rollout engine, rollout.name's, that samples; a prompt sampler; scoring); the Ray actor
-RolloutWorkerActor only moves data: at each generation boundary it asks the replay buffer for a ticket,
-loads the newer weights the ticket carries (one object-store get: the full weights, or with
-rollout.weight_sync=delta only what changed since the weights it holds), generates and hands the groups back.
-A worker that Ray gave a GPU (a bundle of the rollout's pool, rollout.n_gpus_per_node) generates on it.
-
-rollout.partial_rollout: while it generates, the actor keeps one call of the buffer's `newer` in flight and looks at it
-without waiting once per decode chunk (the engine's refresh); where the trainer has published a newer version it
-loads it mid-ticket and the unfinished responses go on under it. The ticket stays the one granted at its start: its
-groups keep their start version (staleness counts their oldest token) and the wait budget is unchanged.
+RolloutGenerator is the plain logic (a rollout engine, rollout.name's, that samples; a prompt sampler; scoring). It
+loads weights (Weights: however they reached its process), is seeded per ticket and generates; the loop that gets it
+tickets and hands its groups back is buffer_client.run_ticket, over whichever way the worker reaches the replay buffer
+(a Ray actor: ray_worker.py; a local process: process.py; the trainer's own process: buffer_client.InProcessClient).
 """
 
 from __future__ import annotations
 
-import os
+import abc
 import time
 
 import numpy as np
-import ray
 import torch
 
 from dppo.algo import GREEDY_BASELINE_ESTIMATORS
 from dppo.data.source import PromptSource
 from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.models import as_state_dict
 from dppo.batch import Group
 from dppo.workers.rollout.agent.runner import agent_groups, worker_agents
 from dppo.workers.rollout.engine_config import make_engine
 from dppo.workers.rollout.engines import Refresh, RolloutEngine, WeightSync
-from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
+from dppo.workers.rollout.replay_buffer import Published, SyncCost
 from dppo.workers.sync_check import WeightFingerprint, verify
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
 _TICKET_STREAM = 0x71C4E7
 
 
-def worker_device(worker_index: int, gpu_ids: list, cuda_available: bool) -> torch.device:
-    """The device of rollout worker worker_index, which Ray gave gpu_ids (ray.get_gpu_ids()): cuda:0 with a GPU
-    (Ray's CUDA_VISIBLE_DEVICES shows the process its own GPUs only), the CPU without. RuntimeError if Ray gave it
-    GPUs that this process's torch cannot use, rather than generating on the CPU unnoticed."""
-    if not gpu_ids:
-        return torch.device("cpu")
-    if not cuda_available:
-        raise RuntimeError(
-            f"rollout worker {worker_index} was given GPU(s) {[str(g) for g in gpu_ids]} by Ray, but "
-            f"torch.cuda.is_available() is False in its process (torch {torch.__version__}, "
-            f"CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r})"
-        )
-    return torch.device("cuda", 0)
+class Weights(abc.ABC):
+    """Published weights as a worker's buffer client resolved them for its process (Published.weights there): a state
+    dict (in shared memory, or the trainer's own copy), or Ray's object-store references."""
+
+    @abc.abstractmethod
+    def load_into(self, engine: RolloutEngine, holds: str | None) -> tuple[WeightSync, str | None]:
+        """Load them into engine, which holds the publish of id `holds` (None: none, or weights of unknown origin):
+        (what the load cost, the id of the publish the engine holds now; None where these weights have none)."""
 
 
-def load_published(engine: RolloutEngine, published: list, holds: str | None) -> tuple[WeightSync, str]:
-    """Load a publish into engine, which holds the publish of id `holds` (None: none, or weights of unknown origin):
-    only the delta where it starts from `holds`, else the full weights. (what it cost, the id the engine holds now)."""
-    full_ref, delta = published[0], (published[1] if len(published) > 1 else None)
-    if delta is not None and holds is not None and delta.base == holds and engine.accepts_delta:
-        sync = engine.load_delta(ray.get(delta.ref))
-    else:
-        # SharedWeights: views of the object store's copy, loaded in place into the engine's model and dropped when
-        # this returns (no second copy of the weights in this process); a plain state dict from a delta publisher
-        sync = engine.load_weights(as_state_dict(ray.get(full_ref)))
-    return sync, full_ref.hex()
+class StateDictWeights(Weights):
+    """A state dict, loaded whole."""
+
+    def __init__(self, state_dict: dict[str, torch.Tensor]) -> None:
+        self.state_dict = state_dict
+
+    def load_into(self, engine: RolloutEngine, holds: str | None) -> tuple[WeightSync, str | None]:
+        return engine.load_weights(self.state_dict), None
 
 
 class RolloutGenerator:
@@ -81,8 +65,8 @@ class RolloutGenerator:
         self.partial = cfg.rollout.partial_rollout  # generate() takes a refresh (mid-ticket weights)
         self.greedy_baseline = cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS  # ReMax
         self.version = -1  # no weights loaded yet
-        self.last_sync: WeightSync | None = None  # what the latest load_weights cost
-        self.loaded_publish: str | None = None  # id of the Ray publish the engine holds (None: not one)
+        self.last_sync: WeightSync | None = None  # what the latest load cost
+        self.loaded_publish: str | None = None  # id of the publish the engine holds (None: none known)
         self.verify_sync = cfg.rollout.verify_sync  # check each load against the publish's fingerprint
         # rollout.agent: the agents' runtime (an endpoint and its threads), started at the first ticket (after a fork)
         self._agent_cfg = cfg.rollout.agent if getattr(source, "agent", None) is not None else None
@@ -98,27 +82,21 @@ class RolloutGenerator:
         self.prompts.start_ticket(first, int(prompt_seed))
         self.engine.seed(int(sample_seed))
 
+    def load(self, published: Published) -> SyncCost | None:
+        """Load a publish whose weights the worker's buffer client resolved (Weights): what the run's metrics get of
+        it (reported). Its fingerprint, where it has one, is checked against what the engine holds afterwards
+        (check_load)."""
+        holds, self.loaded_publish = self.loaded_publish, None  # known again only once the load has succeeded
+        sync, self.loaded_publish = published.weights.load_into(self.engine, holds)
+        self.last_sync = self.check_load(sync, published.fingerprint, published.version)
+        self.version = published.version
+        return self.reported()
+
     def load_weights(
         self, state_dict: dict[str, torch.Tensor], version: int, expected: WeightFingerprint | None = None
     ) -> SyncCost | None:
-        """Load the weights of `version`; what the run's metrics get of it (reported). expected: the publish's
-        fingerprint, checked against what the engine holds afterwards (check_load)."""
-        self.loaded_publish = None
-        self.last_sync = self.check_load(self.engine.load_weights(state_dict), expected, version)
-        self.version = version
-        return self.reported()
-
-    def load_published(
-        self, published: list, version: int, expected: WeightFingerprint | None = None
-    ) -> SyncCost | None:
-        """Load `version` from what the trainer published into Ray's object store: [ObjectRef of the full weights],
-        and with rollout.weight_sync=delta a PublishedDelta against its previous publish. Only the delta is read
-        when the engine holds exactly that previous publish (else the full weights: a first load, a restarted
-        worker, one that skipped a version). expected: as load_weights'."""
-        sync, self.loaded_publish = load_published(self.engine, published, self.loaded_publish)
-        self.last_sync = self.check_load(sync, expected, version)
-        self.version = version
-        return self.reported()
+        """load of a state dict as `version`, with the publish's fingerprint `expected` (None: not checked)."""
+        return self.load(Published(version, StateDictWeights(state_dict), expected))
 
     def reported(self) -> SyncCost | None:
         """What the run's metrics get of the latest load: its cost where the engine reports its loads (the vllm
@@ -213,56 +191,14 @@ def generation_step_bytes(rollout, micro_batch_size: int, vocab_size: int) -> in
     return 2 * 4 * vocab_size * max(seqs, scored_rows)
 
 
-class RolloutWorkerActor:
-    """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
-
-    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int, buffer, holder: int):
-        """holder: this incarnation's id at the replay buffer (a restarted worker gets a new one)."""
-        keep_freed_host_memory()  # this actor's own process: generation's freed KV caches stay mapped
-        torch.set_num_threads(cfg.rollout.num_threads)
-        device = worker_device(worker_index, ray.get_gpu_ids(), torch.cuda.is_available())
-        self.core = RolloutGenerator(cfg, source, model_config, worker_index, device)
-        bound_retention(generation_step_bytes(cfg.rollout, cfg.actor.micro_batch_size, model_config.vocab_size))
-        self.buffer = buffer
-        self.holder = holder
-        self.groups_per_batch = cfg.rollout.groups_per_batch
-        self._poll = None  # rollout.partial_rollout: the buffer's `newer` call in flight (an ObjectRef), or None
-        self._sync: SyncCost | None = None  # what the metrics get of the ticket's latest weight load
-
-    def step(self, num_groups: int) -> int:
-        """One generation boundary: wait for a ticket, load newer weights, generate; groups made (0: stopped)."""
-        ticket = ray.get(self.buffer.acquire.remote(self.core.version, num_groups, self.holder))
-        if ticket.stop:
-            return 0
-        self._sync = None
-        if ticket.weights is not None:
-            self._sync = self.core.load_published(ticket.weights, ticket.version, ticket.fingerprint)
-        self.core.seed_ticket(ticket.first)
-        self._poll = None
-        groups = self.core.generate(ticket.num_groups, self._refresh)
-        # torch-free forms: the buffer's process does not import torch (replay_buffer.py)
-        ray.get(self.buffer.put.remote([StoredGroup.of(g) for g in groups], ticket.first, self.holder, self._sync))
-        return len(groups)
-
-    def _refresh(self):
-        """rollout.partial_rollout's look for newer weights, once per decode chunk: one call of the buffer's `newer`
-        kept in flight, looked at without waiting (ray.wait, timeout 0); a loader of the newer publish, or None."""
-        if self._poll is None or not ray.wait([self._poll], timeout=0)[0]:
-            if self._poll is None:
-                self._poll = self.buffer.newer.remote(self.core.version)
-            return None
-        found, self._poll = ray.get(self._poll), None
-        if found is None:
-            return None
-        version, published, fingerprint = found
-
-        def load() -> int:
-            self._sync = self.core.load_published(published, version, fingerprint)
-            return version
-
-        return load
-
-    def run(self) -> None:
-        """Separate-async mode: generate continuously until the buffer is closed."""
-        while self.step(self.groups_per_batch):
-            pass
+def worker_generator(
+    cfg, source: PromptSource, model_config, worker_index: int, device: str | torch.device = "cpu"
+) -> RolloutGenerator:
+    """The RolloutGenerator of a rollout worker's own process (a Ray actor's, a local worker process's), the process
+    set up for generating first: generation's freed KV caches stay mapped (keep_freed_host_memory), within a bound
+    of one generate() call's largest part, and rollout.num_threads threads."""
+    keep_freed_host_memory()
+    torch.set_num_threads(cfg.rollout.num_threads)
+    generator = RolloutGenerator(cfg, source, model_config, worker_index, device)
+    bound_retention(generation_step_bytes(cfg.rollout, cfg.actor.micro_batch_size, model_config.vocab_size))
+    return generator

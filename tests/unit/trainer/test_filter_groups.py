@@ -25,7 +25,7 @@ from dppo.trainer.filter_groups import FilterMetricError, GroupFilter, keeps
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
-from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+from dppo.workers.rollout.replay_buffer import Finished, ReplayBufferCore
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
 
 
@@ -213,7 +213,7 @@ def test_discarded_groups_free_the_wait_budget_so_a_trainer_drawing_more_never_w
     buffer.publish("w0", 0)
     ticket = buffer.acquire(-1, 4)
     assert ticket.num_groups == 2 and buffer.grantable() == 0  # (0 + 0 + 1) x 2 granted
-    buffer.put([group(SAME), group(SAME)], ticket.first)
+    buffer.put(Finished([group(SAME), group(SAME)], ticket.first))
     taken, _ = buffer.take(2, 0)
     assert buffer.grantable() == 0 and buffer.acquire(0, 2) is None  # without the discard: no grant, ever
     buffer.discard(2)

@@ -38,18 +38,18 @@ def _one_thread():
 
 
 def _first_look_waits_for_version_1(monkeypatch) -> None:
-    real = process._refresh
+    real = process.PipeClient.newer
     looked = []
 
-    def refresh(conn, core, published, syncs):
+    def newer(self, version):
         if not looked:
             looked.append(1)
             deadline = time.monotonic() + 60
-            while published.value < 1 and time.monotonic() < deadline:
+            while self.published.value < 1 and time.monotonic() < deadline:
                 time.sleep(0.01)
-        return real(conn, core, published, syncs)
+        return real(self, version)
 
-    monkeypatch.setattr(process, "_refresh", refresh)
+    monkeypatch.setattr(process.PipeClient, "newer", newer)
     # forked always (LocalRollout spawns where other threads run, as after other tests here): the patch must reach it
     monkeypatch.setattr(LocalRollout, "_context", staticmethod(lambda fork: multiprocessing.get_context("fork")))
 

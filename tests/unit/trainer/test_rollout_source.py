@@ -19,11 +19,11 @@ from dppo.trainer.rollout import (
     LocalRollout,
     RolloutFailedError,
     RolloutSource,
-    local_source,
     make_rollout,
 )
 from dppo.trainer.rollout.common import RolloutSettings
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
+from dppo.workers.rollout.buffer_server import BufferServer
 
 KILLED = WorkerEnd("died", "was killed by SIGKILL")
 
@@ -96,6 +96,8 @@ class ScriptedRollout(SupervisedRollout[ScriptedWorker]):
             raise RolloutFailedError("the replay buffer died")
 
     def _buffer_call(self, name: str, *args):
+        if name == "take_ready":
+            return [], 0
         self.calls.append((name, *args))
         return {"release": 3, "stats": {"replay/size": 0.0}}.get(name)
 
@@ -107,9 +109,6 @@ class ScriptedRollout(SupervisedRollout[ScriptedWorker]):
             return ([], 0) if left[0] < 0 else None
 
         return wait
-
-    def _take_ready(self, num_groups: int, trainer_version: int):
-        return [], 0
 
     def start(self) -> None:
         pass
@@ -300,7 +299,7 @@ def _ray_source(monkeypatch, dies_at: int):
 def _local_source(monkeypatch, dies_at: int):
     source = object.__new__(LocalRollout)
     core = _DyingCore(dies_at)
-    source.buffer, source._print_dtype, source._published_version = local_source._Buffer(core), None, None
+    source.buffer, source._print_dtype, source._published_version = BufferServer(core), None, None
     return source, source.publish, core
 
 

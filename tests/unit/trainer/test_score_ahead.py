@@ -2,8 +2,6 @@
 old log-probs and weights a run that reads slot 0 gives, bitwise; verify_old_log_prob checks them; a mid-cycle
 checkpoint keeps the held mini-batches and a resumed run continues exactly."""
 
-import asyncio
-
 import pytest
 import torch
 
@@ -14,7 +12,8 @@ from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.report import read_metrics
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.batch import Group
-from dppo.workers.rollout.replay_buffer import ReplayBufferActor
+from dppo.workers.rollout.buffer_server import ReplayBufferActor
+from dppo.workers.rollout.replay_buffer import Finished
 from partial_rollout import (
     PartialRollout,
     record_slot_use,
@@ -249,18 +248,15 @@ def test_the_buffer_actor_takes_ready_groups_in_grant_order_without_waiting():
     """take_ready returns None, popping nothing, while an earlier grant is still being generated; then the same
     groups take would return."""
 
-    async def scenario():
-        buffer = ReplayBufferActor(1, "wait", 4)
-        await buffer.publish(["w0"], 0)
-        first, second = await buffer.acquire(-1, 2, "a"), await buffer.acquire(-1, 2, "b")
-        await buffer.put([group(0), group(0)], second.first, "b")
-        assert await buffer.take_ready(2, 0) is None  # grants 0 and 1 are still in flight
-        assert buffer.core.stats()["replay/size"] == 2.0
-        await buffer.put([group(0), group(0)], first.first, "a")
-        taken, dropped = await buffer.take_ready(2, 0)
-        assert [g.index for g in taken] == [0, 1] and dropped == 0
-        taken, _ = await buffer.take_ready(2, 0)
-        assert [g.index for g in taken] == [2, 3]
-        assert await buffer.take_ready(1, 0) is None
-
-    asyncio.run(scenario())
+    buffer = ReplayBufferActor(1, "wait", 4)
+    buffer.publish(["w0"], 0)
+    first, second = buffer.acquire(-1, 2, "a"), buffer.acquire(-1, 2, "b")
+    buffer.put(Finished([group(0), group(0)], second.first), "b")
+    assert buffer.take_ready(2, 0) is None  # grants 0 and 1 are still in flight
+    assert buffer.core.stats()["replay/size"] == 2.0
+    buffer.put(Finished([group(0), group(0)], first.first), "a")
+    taken, dropped = buffer.take_ready(2, 0)
+    assert [g.index for g in taken] == [0, 1] and dropped == 0
+    taken, _ = buffer.take_ready(2, 0)
+    assert [g.index for g in taken] == [2, 3]
+    assert buffer.take_ready(1, 0) is None

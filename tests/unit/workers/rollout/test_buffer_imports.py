@@ -12,7 +12,7 @@ import torch
 
 from dppo.batch import Group
 from dppo.workers.rollout.engines import WeightSync
-from dppo.workers.rollout.replay_buffer import StoredGroup, SyncCost
+from dppo.workers.rollout.replay_buffer import Finished, StoredGroup, SyncCost
 from dppo.workers.weight_fingerprint import fingerprint
 
 
@@ -36,29 +36,29 @@ def _pickled(values) -> bytes:
 
 
 def test_the_buffer_process_runs_without_torch():
-    # A fresh interpreter (this one has imported torch): import the module, unpickle what a worker sends, run the
-    # buffer's whole round (publish, acquire, put, stats, take) and pickle what the trainer gets, all without torch.
+    # A fresh interpreter (this one has imported torch): import the actor's module, unpickle what a worker sends (put's
+    # Finished, stored), run the buffer's whole round (publish, acquire, put, stats, take) and pickle what the trainer
+    # gets, all without torch.
     prints = fingerprint({"w": torch.ones(3)}, torch.float32)  # rollout.verify_sync's, handed out with the weights
     sync = SyncCost.of(WeightSync(0.5, 100, 0.25, verify_seconds=0.25))
-    sent = _pickled(([StoredGroup.of(_group(0)), StoredGroup.of(_group(0))], sync, prints))
+    sent = _pickled((Finished([_group(0), _group(0)], 0, sync).stored(), prints))
     code = (
-        "import asyncio, pickle, sys\n"
-        "from dppo.workers.rollout.replay_buffer import ReplayBufferActor\n"
-        "groups, sync, prints = pickle.loads(sys.stdin.buffer.read())\n"
-        "async def main():\n"
-        "    buf = ReplayBufferActor(1, 'wait', 2)\n"
-        "    await buf.publish(['weights'], 0, prints)\n"
-        "    ticket = await buf.acquire(-1, 2, 7)\n"
-        "    assert ticket.fingerprint is prints\n"
-        "    await buf.put(groups, ticket.first, 7, sync)\n"
-        "    stats = buf.stats()\n"
-        "    assert stats['rollout/weight_sync_bytes'] == 100 and stats['replay/size'] == 2, stats\n"
-        "    assert stats['timing_s/weight_sync_verify'] == 0.25, stats\n"
-        "    return await buf.take(2, 0)\n"
-        "taken = asyncio.run(main())\n"
+        "import pickle, sys\n"
+        "from dppo.workers.rollout.buffer_server import ReplayBufferActor\n"
+        "finished, prints = pickle.loads(sys.stdin.buffer.read())\n"
+        "buf = ReplayBufferActor(1, 'wait', 2)\n"
+        "buf.publish(['weights'], 0, prints)\n"
+        "ticket = buf.acquire(-1, 2, 7)\n"
+        "assert ticket.publish.fingerprint is prints and ticket.first == finished.first\n"
+        "buf.put(finished, 7)\n"
+        "stats = buf.stats()\n"
+        "assert stats['rollout/weight_sync_bytes'] == 100 and stats['replay/size'] == 2, stats\n"
+        "assert stats['timing_s/weight_sync_verify'] == 0.25, stats\n"
+        "taken = buf.take(2, 0)\n"
         "assert [g.index for g in taken[0]] == [0, 1], taken\n"
         "loaded = sorted(m for m in ('torch', 'transformers', 'dppo.batch', 'dppo.workers.rollout.worker',\n"
-        "                            'dppo.workers.rollout.engines') if m in sys.modules)\n"
+        "                            'dppo.workers.rollout.buffer_client', 'dppo.workers.rollout.engines')\n"
+        "                if m in sys.modules)\n"
         "assert loaded == [], loaded\n"
         "sys.stdout.buffer.write(pickle.dumps(taken))\n"
     )

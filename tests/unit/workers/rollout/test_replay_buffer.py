@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dppo.batch import Group
-from dppo.workers.rollout.replay_buffer import ReplayBufferCore
+from dppo.workers.rollout.replay_buffer import Finished, ReplayBufferCore
 
 
 def group(version: int) -> Group:
@@ -25,8 +25,8 @@ def test_no_ticket_before_weights_and_tickets_carry_newer_weights_only():
     assert buf.acquire(-1, 2) is None
     buf.publish("w0", 0)
     ticket = buf.acquire(-1, 2)
-    assert (ticket.num_groups, ticket.version, ticket.weights, ticket.stop) == (2, 0, "w0", False)
-    assert buf.acquire(0, 2).weights is None  # the worker already has version 0
+    assert (ticket.num_groups, ticket.version, ticket.publish.weights, ticket.stop) == (2, 0, "w0", False)
+    assert buf.acquire(0, 2).publish is None  # the worker already has version 0
     with pytest.raises(ValueError, match="not newer"):
         buf.publish("again", 0)
 
@@ -38,24 +38,24 @@ def test_wait_strategy_budget_is_eta_plus_one_versions_ahead():
     got = 0
     while (ticket := buf.acquire(0, 3)) is not None:
         got += ticket.num_groups
-        buf.put([group(0) for _ in range(ticket.num_groups)], ticket.first)
+        buf.put(Finished([group(0) for _ in range(ticket.num_groups)], ticket.first))
     assert got == (eta + 1) * per_version  # generation with version 0 may run one version ahead, no more
     assert buf.take(4, trainer_version=0)[0][0].version == 0
     assert buf.acquire(0, 1) is None  # taking does not free budget; a new version does
     buf.publish("w1", 1)
     ticket = buf.acquire(0, 10)
-    assert (ticket.num_groups, ticket.version, ticket.weights) == (per_version, 1, "w1")
+    assert (ticket.num_groups, ticket.version, ticket.publish.weights) == (per_version, 1, "w1")
 
 
 def test_drop_strategy_drops_and_counts_stale_groups():
     buf = ReplayBufferCore(1, "drop", groups_per_version=2)
     buf.publish("w0", 0)
-    buf.put([group(0), group(0), group(0), group(0)], buf.acquire(-1, 4).first)
+    buf.put(Finished([group(0), group(0), group(0), group(0)], buf.acquire(-1, 4).first))
     buf.publish("w1", 1)
     buf.publish("w2", 2)
     assert buf.take(1, trainer_version=2) is None  # all four are 2 versions old: dropped, nothing to take
     assert buf.stats()["replay/dropped_total"] == 4
-    buf.put([group(2), group(1)], buf.acquire(0, 2).first)
+    buf.put(Finished([group(2), group(1)], buf.acquire(0, 2).first))
     taken, dropped = buf.take(2, trainer_version=2)
     assert [g.version for g in taken] == [2, 1] and dropped == 4
     assert buf.take(0, trainer_version=2) == ([], 0)  # the drop count was reported once
@@ -67,7 +67,7 @@ def test_drop_strategy_caps_buffered_plus_in_flight():
     ticket = buf.acquire(-1, 10)
     assert ticket.num_groups == 3
     assert buf.acquire(0, 1) is None
-    buf.put([group(0)] * 3, ticket.first)
+    buf.put(Finished([group(0)] * 3, ticket.first))
     buf.take(2, 0)
     assert buf.acquire(0, 10).num_groups == 2
 
@@ -86,7 +86,7 @@ def test_wait_strategy_takes_in_grant_order_so_a_slow_workers_groups_never_go_st
     buf.publish("w0", 0)
     slow, fast = buf.acquire(-1, 1), buf.acquire(-1, 1)
     assert (slow.first, fast.first) == (0, 1)
-    buf.put([group(0)], fast.first)
+    buf.put(Finished([group(0)], fast.first))
     assert buf.take(1, trainer_version=0) is None  # grant 0 is still in flight: nothing is popped
     assert buf.stats() == {
         "replay/size": 1.0,
@@ -94,7 +94,7 @@ def test_wait_strategy_takes_in_grant_order_so_a_slow_workers_groups_never_go_st
         "replay/dropped_total": 0.0,
         "replay/regranted_total": 0.0,
     }
-    buf.put([group(0)], slow.first)
+    buf.put(Finished([group(0)], slow.first))
     taken, dropped = buf.take(2, trainer_version=0)
     assert [g.version for g in taken] == [0, 0] and dropped == 0
     assert buf.stats() == {
@@ -104,7 +104,7 @@ def test_wait_strategy_takes_in_grant_order_so_a_slow_workers_groups_never_go_st
         "replay/regranted_total": 0.0,
     }
     with pytest.raises(ValueError, match="put of 1 groups at grant index 0 by holder None: no outstanding ticket"):
-        buf.put([group(0)], slow.first)  # the same ticket twice
+        buf.put(Finished([group(0)], slow.first))  # the same ticket twice
 
 
 def test_a_dead_workers_tickets_are_granted_again_and_every_group_is_taken_once():
@@ -115,13 +115,13 @@ def test_a_dead_workers_tickets_are_granted_again_and_every_group_is_taken_once(
     assert buf.release("a") == 3  # worker a died holding grants 0, 1, 2
     assert buf.stats()["replay/in_flight"] == 5.0 and buf.stats()["replay/regranted_total"] == 3.0
     with pytest.raises(ValueError, match="by holder 'a'"):
-        buf.put([group(0)] * 3, a.first, "a")  # a put that was still on its way from the dead worker
+        buf.put(Finished([group(0)] * 3, a.first), "a")  # a put that was still on its way from the dead worker
     assert buf.acquire(-1, 3, holder="a").stop  # and a request it had sent before it died
     first, rest = buf.acquire(-1, 2, holder="c"), buf.acquire(0, 5, holder="c")  # c restarts a: a's grants first
-    assert (first.first, first.num_groups, first.weights, rest.first, rest.num_groups) == (0, 2, "w0", 2, 1)
+    assert (first.first, first.num_groups, first.publish.weights, rest.first, rest.num_groups) == (0, 2, "w0", 2, 1)
     assert buf.acquire(0, 1, holder="c").first == 5  # then new ones
     for ticket, holder in ((b, "b"), (rest, "c"), (first, "c")):
-        buf.put([group(0) for _ in range(ticket.num_groups)], ticket.first, holder)
+        buf.put(Finished([group(0) for _ in range(ticket.num_groups)], ticket.first), holder)
     taken, dropped = buf.take(5, trainer_version=0)
     assert [g.index for g in taken] == [0, 1, 2, 3, 4] and dropped == 0
 
@@ -132,7 +132,7 @@ def test_a_resumed_buffer_continues_the_grant_indices_and_the_wait_budget():
     fresh = ReplayBufferCore(1, "wait", groups_per_version=4)
     fresh.publish("w", 0)
     while (ticket := fresh.acquire(0, 1)) is not None:
-        fresh.put([group(0)], ticket.first)
+        fresh.put(Finished([group(0)], ticket.first))
     fresh.publish("w", 1), fresh.publish("w", 2)
     fresh.take(4, 1), fresh.take(4, 2), fresh.take(2, 2)
     resumed = ReplayBufferCore(1, "wait", groups_per_version=4, start_version=2, start_consumed=10, start_grant=10)
@@ -170,10 +170,10 @@ def test_random_schedules_never_hand_out_a_group_staler_than_eta(strategy, worke
             if pending[i] is not None:
                 if rng.random() < finish_prob[i]:
                     version, count, first = pending[i]
-                    buf.put([group(version) for _ in range(count)], first, holders[i])
+                    buf.put(Finished([group(version) for _ in range(count)], first), holders[i])
                     pending[i] = None
             elif (ticket := buf.acquire(worker_versions[i], rng.randint(1, 5), holders[i])) is not None:
-                if ticket.weights is not None:
+                if ticket.publish is not None:
                     worker_versions[i] = ticket.version
                 pending[i] = (worker_versions[i], ticket.num_groups, ticket.first)
         else:  # the trainer tries to take one trigger's groups

@@ -9,7 +9,7 @@ pytest.importorskip("vllm")
 from dppo.models import response_log_probs, tiny_model_config  # noqa: E402
 from dppo.workers.actor.publish_delta import DeltaPublisher  # noqa: E402
 from dppo.workers.rollout.engines.vllm import VLLMEngine  # noqa: E402
-from dppo.workers.rollout.worker import load_published  # noqa: E402
+from dppo.workers.rollout.ray_worker import load_published  # noqa: E402
 from dppo.workers.weight_delta import bits  # noqa: E402
 from dppo.workers.weight_fingerprint import tied_names  # noqa: E402
 

@@ -4,7 +4,7 @@ when it was given a GPU its torch cannot use. (The CUDA run of a worker is tests
 import pytest
 import torch
 
-from dppo.workers.rollout.worker import worker_device
+from dppo.workers.rollout.ray_worker import worker_device
 
 
 def test_no_gpu_is_the_cpu():
