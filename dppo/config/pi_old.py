@@ -25,17 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from dppo.algo import UnknownNameError
-from dppo.config.choices import PROX_LOGP_METHODS, SLOT_READER_NAMES
-
-SOURCES = ("behav", "live", "slot", "copies", "none")
-
-# prox_logp_method values whose loss uses the source's exact log-probs on every cycle (score-ahead and the verifier
-# need exact ones)
-EXACT_METHODS = ("recompute", "metrics")
-
-# what PiOldPlan.reader may be where source == "slot": a slot reader, or "auto" (the fastest that fits, chosen at
-# the first read and again whenever slot 0 lands in another tier)
-PLAN_READERS = ("auto", *SLOT_READER_NAMES)
+from dppo.pi_old_names import EXACT_METHODS, PROX_LOGP_METHODS, READER_CHOICES, SOURCES
 
 
 @dataclass(frozen=True)
@@ -43,10 +33,10 @@ class PiOldPlan:
     """Everything that decides pi_old on the driver and on each actor rank."""
 
     source: str
-    """Where pi_old's log-probs come from: one of SOURCES (the module docstring)."""
+    """Where pi_old's log-probs come from: one of dppo.pi_old_names.SOURCES (the module docstring)."""
 
     method: str = "recompute"
-    """algorithm.prox_logp_method: how the loss gets log pi_prox from the source."""
+    """algorithm.prox_logp_method: how the loss gets log pi_prox from the source (one of PROX_LOGP_METHODS)."""
 
     reader: str | None = None
     """How triggers k >= 1 read slot 0 (snapshot.strategy: auto, view, swap, stream) where source == "slot"; else
@@ -85,7 +75,7 @@ class PiOldPlan:
         _one_of("source", self.source, SOURCES)
         _one_of("method", self.method, PROX_LOGP_METHODS)
         if self.source == "slot":
-            _one_of("reader", self.reader, PLAN_READERS)
+            _one_of("reader", self.reader, READER_CHOICES)
         elif self.reader is not None:
             raise ValueError(f"PiOldPlan.reader={self.reader!r} with source={self.source!r}: only a slot is read")
         if self.verify and self.source in ("behav", "none"):

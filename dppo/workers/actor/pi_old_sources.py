@@ -24,7 +24,7 @@ An exception in any source propagates and leaves the live weights and the optimi
 Under FSDP2 (a sharded model, dppo.workers.actor.fsdp) every source runs rank-locally on the rank's own shards; slot 0
 holds the local shards. FSDP2 all-gathers from the storage it registered, not from what a forward pass is handed,
 so view (functional_call over the slot) and stream (the slot substituted block by block) would silently compute
-with the live weights there: they are refused (SHARDED_READERS lists what works), and auto reads with swap, which
+with the live weights there: they are refused (dppo.pi_old_names.SHARDED_STRATEGIES lists what works), and auto reads with swap, which
 writes slot 0 into that very storage and back.
 """
 
@@ -39,8 +39,8 @@ import torch
 from dppo import snapshot
 from dppo.algo import UnknownNameError
 from dppo.batch import TrainBatch
-from dppo.config.choices import check_reader_for_sharding
-from dppo.config.pi_old import SOURCES, PiOldPlan
+from dppo.config.pi_old import PiOldPlan
+from dppo.pi_old_names import check_strategy_for_sharding
 from dppo.workers.actor.fsdp import is_sharded, local_tensor
 from dppo.workers.actor.slot_readers import SLOT_READERS, ScoreFn, SlotReader, StreamReader, choose_reader
 
@@ -191,11 +191,11 @@ class SlotSource(PiOldSource):
 
     def use_reader(self, name: str) -> None:
         """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read, and
-        again whenever slot 0 has moved to another tier since). A sharded model allows SHARDED_READERS only."""
+        again whenever slot 0 has moved to another tier since). A sharded model allows SHARDED_STRATEGIES only."""
         if name != "auto" and name not in SLOT_READERS:
             raise UnknownReaderError(f"unknown slot reader {name!r}; valid names: {', '.join(SLOT_READERS)}")
         if self.sharded:
-            check_reader_for_sharding(name)
+            check_strategy_for_sharding(name)
         self._reader: SlotReader | None = None if name == "auto" else self._readers[name]
         self._auto = name == "auto"
         self._reader_tier: str | None = None  # the tier of slot 0 that auto chose the reader for
@@ -315,8 +315,7 @@ class CopiesSource(PiOldSource):
         self._slot = None
 
 
-# one source class per PiOldPlan.source (dppo.config.pi_old.SOURCES)
+# one source class per name of dppo.pi_old_names.SOURCES
 PI_OLD_SOURCES: dict[str, type[PiOldSource]] = {
     cls.name: cls for cls in (BehavSource, LiveSource, SlotSource, CopiesSource, NoSource)
 }
-assert tuple(PI_OLD_SOURCES) == SOURCES

@@ -25,7 +25,6 @@ from dataclasses import dataclass
 import torch
 
 from dppo.algo import loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
-from dppo.config.choices import PROX_LOGP_METHODS
 from dppo.config.pi_old import PiOldPlan
 from dppo.batch import TrainBatch
 from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitch
@@ -204,8 +203,8 @@ class Auto(ProxMethod):
             self.switch.load_state(state["switch"])
 
 
-_METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
-assert tuple(_METHODS) == PROX_LOGP_METHODS
+# one method per name of dppo.pi_old_names.PROX_LOGP_METHODS
+PROX_METHODS: dict[str, type[ProxMethod]] = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
 
 
 def make_prox_method(plan: PiOldPlan) -> ProxMethod:
@@ -213,4 +212,4 @@ def make_prox_method(plan: PiOldPlan) -> ProxMethod:
     the plan's check cadence and bound, and whether stale samples can come (auto's checks must see them)."""
     if plan.method == "auto":
         return Auto(AutoProxSwitch(plan.check_every, plan.max_is_err, plan.stale_samples))
-    return _METHODS[plan.method]()
+    return PROX_METHODS[plan.method]()
