@@ -470,7 +470,7 @@ def reader_of(trainer: PPOTrainer) -> str:
         return "ahead"
     if plan.source == "slot":
         return rank_of(trainer).pi_old.source.reader_name
-    return {"behav": "bypass", "live": "current", "copies": "reference", "none": "loglinear"}[plan.source]
+    return {"behav": "bypass", "live": "current", "reference": "reference", "none": "loglinear"}[plan.source]
 
 
 class _NoRollout:

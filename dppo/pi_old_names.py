@@ -11,7 +11,7 @@ pi_old is resolved from the config into three parts (dppo.config.pi_old.PiOldCho
     reader   how triggers k >= 1 read snapshot slot 0, where the source is the slot: one of READER_CHOICES
 
 snapshot.strategy names a reader, auto, or reference: verl v1's blocking save-and-restore copies, which is not a
-way to read a slot but a source of its own (copies).
+way to read a slot but a source of its own, called by the same word.
 """
 
 from __future__ import annotations
@@ -34,9 +34,9 @@ READER_CHOICES = ("auto", *SLOT_READER_NAMES)
 SNAPSHOT_STRATEGIES = (*READER_CHOICES, "reference")
 
 # Where pi_old's log-probs come from (dppo.workers.actor.pi_old_sources implements each; dppo.config.pi_old says
-# which keys choose which): the behavior log-probs, the live weights, snapshot slot 0, verl v1's copies
+# which keys choose which): the behavior log-probs, the live weights, snapshot slot 0, verl v1's reference scheme
 # (snapshot.strategy=reference), or none at all (loglinear approximates pi_old).
-SOURCES = ("behav", "live", "slot", "copies", "none")
+SOURCES = ("behav", "live", "slot", "reference", "none")
 
 # The snapshot.strategy values that are exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from the
 # parameters it registered, not from what a forward pass is handed, so view and stream would read the live weights

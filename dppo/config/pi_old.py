@@ -2,14 +2,14 @@
 
 Where pi_old's log-probs come from (PiOldPlan.source):
 
-    behav   the behavior log-probs that came with the samples (algorithm.rollout_correction.bypass_mode)
-    live    the weights being trained (algorithm.prox_anchor=current, or trainer.parameter_sync_step=1): the
-            training forward pass's own log-probs, detached
-    slot    the cycle-start weights, saved into snapshot slot 0 at trigger 0 and read by a slot reader
-            (PiOldPlan.reader, snapshot.strategy) at triggers k >= 1 (Decoupled PPO)
-    copies  the cycle-start weights in verl v1's blocking save-and-restore copies (snapshot.strategy=reference,
-            for comparison only)
-    none    no weights at all: loglinear approximates pi_old at every trigger
+    behav      the behavior log-probs that came with the samples (algorithm.rollout_correction.bypass_mode)
+    live       the weights being trained (algorithm.prox_anchor=current, or trainer.parameter_sync_step=1): the
+               training forward pass's own log-probs, detached
+    slot       the cycle-start weights, saved into snapshot slot 0 at trigger 0 and read by a slot reader
+               (PiOldPlan.reader, snapshot.strategy) at triggers k >= 1 (Decoupled PPO)
+    reference  the cycle-start weights in verl v1's blocking save-and-restore copies (snapshot.strategy=reference,
+               for comparison only)
+    none       no weights at all: loglinear approximates pi_old at every trigger
 
 How the loss gets log pi_prox from that source is algorithm.prox_logp_method (PiOldPlan.method): recompute (the
 source's exact values), metrics (the same, plus loglinear's error against them), loglinear (AReaL's
@@ -88,8 +88,8 @@ class PiOldPlan:
 
     @property
     def takes_snapshots(self) -> bool:
-        """Whether the ranks keep a copy of the cycle-start weights (slot 0, or verl v1's copies)."""
-        return self.source in ("slot", "copies")
+        """Whether the ranks keep a copy of the cycle-start weights (slot 0, or verl v1's reference copies)."""
+        return self.source in ("slot", "reference")
 
 
 def _one_of(field: str, value: object, names: tuple[str, ...]) -> None:
@@ -130,4 +130,4 @@ def _source(bypass: bool, method: str, anchor: str, parameter_sync_step: int, sn
         return "live"  # at parameter_sync_step 1 every trigger is a trigger 0: slot 0 would never be read
     if method == "auto" or snapshot_strategy != "reference":
         return "slot"  # auto reads slot 0 through a slot reader on its check cycles (rules refuse it with reference)
-    return "copies"
+    return "reference"

@@ -240,7 +240,7 @@ def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strat
     used = ws2.actor_group.execute(
         lambda rank: rank.pi_old.source.reader_name if rank.pi_old.plan.source == "slot" else rank.pi_old.source.name
     )
-    assert used == [{"auto": "swap", "swap": "swap", "reference": "copies"}[strategy]] * 2
+    assert used == [{"auto": "swap", "swap": "swap", "reference": "reference"}[strategy]] * 2
 
 
 def set_fuse_live(rank, fuse: bool) -> None:

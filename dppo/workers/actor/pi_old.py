@@ -6,7 +6,7 @@ The rank holds this one object and asks it for everything pi_old; it composes th
 field of the plan and each implementing a declared interface:
 
     source    PiOldSource (dppo.workers.actor.pi_old_sources), plan.source: which weights' log-probs are pi_old and
-              how they are scored (the behavior log-probs, the live weights, slot 0, verl v1's copies, nothing)
+              how they are scored (the behavior log-probs, the live weights, slot 0, verl v1's reference copies, nothing)
     method    ProxMethod (dppo.workers.actor.prox_method), plan.method: how the loss gets log pi_prox from the
               source's (exact, exact and measured, loglinear, auto: its switch is made with it)
     verifier  OldLogProbVerifier (dppo.workers.actor.pi_old_verify), plan.verify: checks what the loss used

@@ -1,18 +1,18 @@
 """Where pi_old's log-probs come from on one rank: one PiOldSource per value of PiOldPlan.source (dppo.config.pi_old).
 
-    behav   BehavSource: the behavior log-probs that came with the samples; no recompute, no snapshot.
-    live    LiveSource: pi_old is the live weights at every trigger (prox_anchor=current, or parameter_sync_step=1,
-            where slot 0 would never be read), so its log-probs are the training forward pass's own, detached
-            (compute returns None: no pass of its own).
-    slot    SlotSource: Decoupled PPO, every trigger uses the weights of the cycle start. Trigger 0 saves the live
-            weights into snapshot slot 0 asynchronously and returns None: pi_old is the live weights, whose
-            log-probs the training forward pass gives (the copy and that pass only read the weights; pool.guard
-            fences the first optimizer step on the copy); trigger k >= 1 scores with slot 0 through a slot reader
-            (view, stream or swap, dppo.workers.actor.slot_readers) chosen by snapshot.strategy, leaving the live
-            weights alone.
-    copies  CopiesSource: snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking
-            per-parameter pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
-    none    NoSource: loglinear approximates pi_old at every trigger from the training forward; nothing is scored.
+    behav      BehavSource: the behavior log-probs that came with the samples; no recompute, no snapshot.
+    live       LiveSource: pi_old is the live weights at every trigger (prox_anchor=current, or parameter_sync_step=1,
+               where slot 0 would never be read), so its log-probs are the training forward pass's own, detached
+               (compute returns None: no pass of its own).
+    slot       SlotSource: Decoupled PPO, every trigger uses the weights of the cycle start. Trigger 0 saves the live
+               weights into snapshot slot 0 asynchronously and returns None: pi_old is the live weights, whose
+               log-probs the training forward pass gives (the copy and that pass only read the weights; pool.guard
+               fences the first optimizer step on the copy); trigger k >= 1 scores with slot 0 through a slot reader
+               (view, stream or swap, dppo.workers.actor.slot_readers) chosen by snapshot.strategy, leaving the live
+               weights alone.
+    reference  ReferenceSource: snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking
+               per-parameter pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
+    none       NoSource: loglinear approximates pi_old at every trigger from the training forward; nothing is scored.
 
 None from compute means "no separate pass": the update takes log pi_old from its own forward pass (the prox method,
 dppo.workers.actor.prox_method). Where the rollout correction needs the whole mini-batch's old log-probs before the
@@ -24,8 +24,8 @@ An exception in any source propagates and leaves the live weights and the optimi
 Under FSDP2 (a sharded model, dppo.workers.actor.fsdp) every source runs rank-locally on the rank's own shards; slot 0
 holds the local shards. FSDP2 all-gathers from the storage it registered, not from what a forward pass is handed,
 so view (functional_call over the slot) and stream (the slot substituted block by block) would silently compute
-with the live weights there: they are refused (dppo.pi_old_names.SHARDED_STRATEGIES lists what works), and auto reads with swap, which
-writes slot 0 into that very storage and back.
+with the live weights there: they are refused (dppo.pi_old_names.SHARDED_STRATEGIES lists what works), and auto
+reads with swap, which writes slot 0 into that very storage and back.
 """
 
 from __future__ import annotations
@@ -257,7 +257,7 @@ class SlotSource(PiOldSource):
             self._pool.clear(0)
 
 
-class CopiesSource(PiOldSource):
+class ReferenceSource(PiOldSource):
     """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
 
     Trigger 0: blocking per-parameter pageable save of the live weights (a sharded model's local shards) into
@@ -267,7 +267,7 @@ class CopiesSource(PiOldSource):
     three full weight transfers, none overlapped with anything.
     """
 
-    name = "copies"
+    name = "reference"
 
     def __init__(self, model, optimizer, score, plan: PiOldPlan) -> None:
         super().__init__(model, optimizer, score, plan)
@@ -317,5 +317,5 @@ class CopiesSource(PiOldSource):
 
 # one source class per name of dppo.pi_old_names.SOURCES
 PI_OLD_SOURCES: dict[str, type[PiOldSource]] = {
-    cls.name: cls for cls in (BehavSource, LiveSource, SlotSource, CopiesSource, NoSource)
+    cls.name: cls for cls in (BehavSource, LiveSource, SlotSource, ReferenceSource, NoSource)
 }

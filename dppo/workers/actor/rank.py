@@ -327,7 +327,7 @@ class ActorRank:
         if weights is None:
             state = full_state_dict(self.model, cpu_offload=True)
         else:
-            # copies: a plain module's CPU state dict aliases the live tensors, which get their values back
+            # reference: a plain module's CPU state dict aliases the live tensors, which get their values back
             gathered = lambda: {k: v.clone() for k, v in full_state_dict(self.model, cpu_offload=True).items()}  # noqa: E731
             state = with_weights(self.model, weights, gathered)
         if self.rank != 0:

@@ -49,7 +49,7 @@ CASES = [  # (overrides, the fields that differ from DEFAULT)
         {"algorithm.prox_logp_method": "auto", **PS1},
         {"source": "live", "method": "auto", "reader": None, "score_ahead": False, "parameter_sync_step": 1},
     ),
-    ({"snapshot.strategy": "reference"}, {"source": "copies", "reader": None, "score_ahead": False}),
+    ({"snapshot.strategy": "reference"}, {"source": "reference", "reader": None, "score_ahead": False}),
     (
         {"snapshot.strategy": "stream", "snapshot.device_budget_bytes": 1 << 20},
         {"reader": "stream", "device_budget_bytes": 1 << 20},
@@ -85,7 +85,7 @@ def test_the_plan_is_frozen():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"source": "nope"}, r"source='nope'; valid names: behav, live, slot, copies, none"),
+    ({"source": "nope"}, r"source='nope'; valid names: behav, live, slot, reference, none"),
     ({"method": "cubic"}, r"method='cubic'; valid names: recompute, loglinear, metrics, auto"),
     ({"reader": "reference"}, r"reader='reference'; valid names: auto, view, swap, stream"),
     ({"source": "live"}, r"reader='auto' with source='live': only a slot is read"),

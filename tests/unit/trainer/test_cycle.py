@@ -106,7 +106,7 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
     assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
     source = trainer.actor_group.local_rank.pi_old.source
     if strategy == "reference":
-        assert source.name == "copies" and source.pool is None
+        assert source.name == "reference" and source.pool is None
     else:  # the reader really went through the pool
         reader = {"auto": "view"}.get(strategy, strategy)  # auto on the CPU: the slot in place
         assert source.reader_name == reader
@@ -223,5 +223,5 @@ def test_unknown_reader_and_source_names_list_the_valid_ones(small_cfg):
     rank = PPOTrainer(cycle_cfg(small_cfg, 2, False)).actor_group.local_rank
     with pytest.raises(UnknownReaderError, match="'fast'.*view, swap, stream"):
         rank.pi_old.source.use_reader("fast")
-    with pytest.raises(KeyError, match="'nope'.*behav, live, slot, copies, none"):
+    with pytest.raises(KeyError, match="'nope'.*behav, live, slot, reference, none"):
         PiOldPlan(source="nope")

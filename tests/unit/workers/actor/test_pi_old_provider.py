@@ -8,7 +8,7 @@ import torch
 from dppo.batch import TrainBatch
 from dppo.config.pi_old import PiOldPlan
 from dppo.workers.actor.pi_old import PiOldProvider, make_pi_old
-from dppo.workers.actor.pi_old_sources import BehavSource, CopiesSource, LiveSource, NoSource, PiOldSource, SlotSource
+from dppo.workers.actor.pi_old_sources import BehavSource, ReferenceSource, LiveSource, NoSource, PiOldSource, SlotSource
 from dppo.workers.actor.pi_old_verify import NoVerifier, ReferenceVerifier
 from dppo.workers.actor.prox_auto import AutoProxSwitch
 from dppo.workers.actor.prox_method import Auto, Loglinear, Metrics, Recompute
@@ -22,7 +22,7 @@ SLOT = PiOldPlan(source="slot", reader="auto", parameter_sync_step=4)
     (PiOldPlan(source="slot", reader="auto", method="auto"), SlotSource, Auto, NoVerifier),
     (PiOldPlan(source="live", verify=True), LiveSource, Recompute, ReferenceVerifier),
     (PiOldPlan(source="behav"), BehavSource, Recompute, NoVerifier),
-    (PiOldPlan(source="copies", verify=True), CopiesSource, Recompute, ReferenceVerifier),
+    (PiOldPlan(source="reference", verify=True), ReferenceSource, Recompute, ReferenceVerifier),
     (PiOldPlan(source="none", method="loglinear"), NoSource, Loglinear, NoVerifier),
 ])  # fmt: skip
 def test_make_pi_old_composes_one_piece_per_field_of_the_plan(plan, source_cls, method_cls, verifier_cls):
