@@ -1,23 +1,25 @@
-"""Which pi_old a run uses: the keys that decide it, resolved once (plan_pi_old) into a frozen PiOldPlan.
+"""Which pi_old a run uses: the keys that decide it, resolved once (choose_pi_old) into a frozen PiOldChoice.
 
-Where pi_old's log-probs come from (PiOldPlan.source):
+Where pi_old's log-probs come from (PiOldChoice.source):
 
     behav      the behavior log-probs that came with the samples (algorithm.rollout_correction.bypass_mode)
     live       the weights being trained (algorithm.prox_anchor=current, or trainer.parameter_sync_step=1): the
                training forward pass's own log-probs, detached
     slot       the cycle-start weights, saved into snapshot slot 0 at trigger 0 and read by a slot reader
-               (PiOldPlan.reader, snapshot.strategy) at triggers k >= 1 (Decoupled PPO)
+               (PiOldChoice.reader, snapshot.strategy) at triggers k >= 1 (Decoupled PPO)
     reference  the cycle-start weights in verl v1's blocking save-and-restore copies (snapshot.strategy=reference,
                for comparison only)
     none       no weights at all: loglinear approximates pi_old at every trigger
 
-How the loss gets log pi_prox from that source is algorithm.prox_logp_method (PiOldPlan.method): recompute (the
+How the loss gets log pi_prox from that source is algorithm.prox_logp_method (PiOldChoice.method): recompute (the
 source's exact values), metrics (the same, plus loglinear's error against them), loglinear (AReaL's
 approximation) or auto (metrics on check cycles, loglinear between, switched by the measured error).
 
-The driver asks the plan whether trigger 0 scores ahead (dppo.trainer.score_ahead); each actor rank builds its one
+The choice is made once, where the run is planned (dppo.launch.plan.plan_run; the trainer's constructor for a trainer
+built without a plan, as tests and benchmarks build them), and handed down as it is: the driver asks it whether
+trigger 0 scores ahead (dppo.trainer.score_ahead), and each actor rank, given it by the worker group, builds its one
 pi_old provider from it (dppo.workers.actor.pi_old.make_pi_old). Neither reads the keys. Combinations the config
-refuses (loglinear with bypass mode, ...) are refused by dppo.config.rules before any plan is made.
+refuses (loglinear with bypass mode, ...) are refused by dppo.config.rules before any choice is made.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from dppo.pi_old_names import EXACT_METHODS, PROX_LOGP_METHODS, READER_CHOICES, 
 
 
 @dataclass(frozen=True)
-class PiOldPlan:
+class PiOldChoice:
     """Everything that decides pi_old on the driver and on each actor rank."""
 
     source: str
@@ -77,12 +79,14 @@ class PiOldPlan:
         if self.source == "slot":
             _one_of("reader", self.reader, READER_CHOICES)
         elif self.reader is not None:
-            raise ValueError(f"PiOldPlan.reader={self.reader!r} with source={self.source!r}: only a slot is read")
+            raise ValueError(f"PiOldChoice.reader={self.reader!r} with source={self.source!r}: only a slot is read")
         if self.verify and self.source in ("behav", "none"):
-            raise ValueError(f"PiOldPlan.source={self.source!r} computes no old log-probs: there is nothing to verify")
+            raise ValueError(
+                f"PiOldChoice.source={self.source!r} computes no old log-probs: there is nothing to verify"
+            )
         if self.score_ahead and (self.source != "slot" or self.method not in EXACT_METHODS):
             raise ValueError(
-                f"PiOldPlan.score_ahead with source={self.source!r}, method={self.method!r}: only exact "
+                f"PiOldChoice.score_ahead with source={self.source!r}, method={self.method!r}: only exact "
                 "old log-probs that would read slot 0 are scored ahead"
             )
 
@@ -94,18 +98,18 @@ class PiOldPlan:
 
 def _one_of(field: str, value: object, names: tuple[str, ...]) -> None:
     if value not in names:
-        raise UnknownNameError(f"PiOldPlan.{field}={value!r}; valid names: {', '.join(names)}")
+        raise UnknownNameError(f"PiOldChoice.{field}={value!r}; valid names: {', '.join(names)}")
 
 
-def plan_pi_old(cfg) -> PiOldPlan:
-    """The PiOldPlan of cfg (a DppoConfig that passed dppo.config.rules): the one place that reads
+def choose_pi_old(cfg) -> PiOldChoice:
+    """The PiOldChoice of cfg (a DppoConfig that passed dppo.config.rules): the one place that reads
     algorithm.prox_anchor, prox_logp_method, prox_check_every, prox_max_is_err, rollout_correction (bypass_mode,
     rollout_is_batch_normalize), snapshot.*, trainer.verify_old_log_prob, parameter_sync_step, mode and
     replay.max_off_policy_threshold for pi_old."""
     a, t, snap = cfg.algorithm, cfg.trainer, cfg.snapshot
     rc = a.rollout_correction
     source = _source(rc.bypass_mode, a.prox_logp_method, a.prox_anchor, t.parameter_sync_step, snap.strategy)
-    return PiOldPlan(
+    return PiOldChoice(
         source=source,
         method=a.prox_logp_method,
         reader=snap.strategy if source == "slot" else None,

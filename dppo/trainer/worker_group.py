@@ -1,6 +1,6 @@
 """The actor as a worker group: trainer.nnodes x trainer.n_gpus_per_node ActorRanks behind one object.
 
-    actor = make_worker_group(cfg, vocab_size)
+    actor = make_worker_group(cfg, pi_old_choice, vocab_size)
     metrics = actor.update_actor(trigger, batch, advantages, version)   # DP: the batch split over the ranks
     actor.save_model_to_cpu(0)                                  # ALL: every rank snapshots its own shards
 
@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
@@ -105,7 +106,7 @@ class LocalWorkerGroup(WorkerGroup):
 class RayWorkerGroup(WorkerGroup):
     """The ranks as Ray actors (see the module docstring)."""
 
-    def __init__(self, cfg, vocab_size: int) -> None:
+    def __init__(self, cfg, pi_old_choice: PiOldChoice, vocab_size: int) -> None:
         pool = pools(cfg.trainer, cfg.rollout)[0]
         self.world_size = pool.size
         self.sharded = uses_fsdp(cfg.actor.fsdp, self.world_size)
@@ -116,7 +117,7 @@ class RayWorkerGroup(WorkerGroup):
         # are set in init_model)
         self._actors = [
             rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0).remote(
-                cfg, rank, self.world_size, vocab_size, True
+                cfg, pi_old_choice, rank, self.world_size, vocab_size, True
             )
             for rank in range(self.world_size)
         ]
@@ -176,10 +177,11 @@ class RayWorkerGroup(WorkerGroup):
                 self._abort()
 
 
-def make_worker_group(cfg, vocab_size: int) -> WorkerGroup:
-    """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process."""
+def make_worker_group(cfg, pi_old_choice: PiOldChoice, vocab_size: int) -> WorkerGroup:
+    """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process. pi_old_choice: the
+    run's (dppo.config.pi_old), handed to every rank as it is."""
     if cfg.use_ray:
-        return RayWorkerGroup(cfg, vocab_size)
-    rank = ActorRank(cfg, 0, 1, vocab_size)
+        return RayWorkerGroup(cfg, pi_old_choice, vocab_size)
+    rank = ActorRank(cfg, pi_old_choice, 0, 1, vocab_size)
     rank.init_model(*rank.master_address())
     return LocalWorkerGroup(rank)

@@ -1,4 +1,4 @@
-"""Where pi_old's log-probs come from on one rank: one PiOldSource per value of PiOldPlan.source (dppo.config.pi_old).
+"""Where pi_old's log-probs come from on one rank: one PiOldSource per value of PiOldChoice.source (dppo.config.pi_old).
 
     behav      BehavSource: the behavior log-probs that came with the samples; no recompute, no snapshot.
     live       LiveSource: pi_old is the live weights at every trigger (prox_anchor=current, or parameter_sync_step=1,
@@ -16,7 +16,7 @@
 
 None from compute means "no separate pass": the update takes log pi_old from its own forward pass (the prox method,
 dppo.workers.actor.prox_method). Where the rollout correction needs the whole mini-batch's old log-probs before the
-first backward pass, fuse_live is False (PiOldPlan.fuse_live) and the live-weight triggers run a no-grad pass of
+first backward pass, fuse_live is False (PiOldChoice.fuse_live) and the live-weight triggers run a no-grad pass of
 their own. A source only computes; the provider (dppo.workers.actor.pi_old) decides when it is asked.
 
 An exception in any source propagates and leaves the live weights and the optimizer state as they were.
@@ -39,7 +39,7 @@ import torch
 from dppo import snapshot
 from dppo.algo import UnknownNameError
 from dppo.batch import TrainBatch
-from dppo.config.pi_old import PiOldPlan
+from dppo.config.pi_old import PiOldChoice
 from dppo.pi_old_names import check_strategy_for_sharding
 from dppo.workers.actor.fsdp import is_sharded, local_tensor
 from dppo.workers.actor.slot_readers import SLOT_READERS, ScoreFn, SlotReader, StreamReader, choose_reader
@@ -56,10 +56,12 @@ class PiOldSource(ABC):
     name = ""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, plan: PiOldPlan
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, choice: PiOldChoice
     ) -> None:
         self.model, self.optimizer, self.score = model, optimizer, score
-        self.fuse_live = plan.fuse_live  # where pi_old is the live weights: the training forward's log-probs, or a pass
+        self.fuse_live = (
+            choice.fuse_live
+        )  # where pi_old is the live weights: the training forward's log-probs, or a pass
         self.snapshot_s = 0.0  # seconds spent in snapshot calls since the last take_snapshot_s()
         self.moved_bytes = 0  # weight bytes copied by snapshot work so far (saves, swaps, streamed steps, restores)
 
@@ -148,16 +150,16 @@ class NoSource(PiOldSource):
 class SlotSource(PiOldSource):
     name = "slot"
 
-    def __init__(self, model, optimizer, score, plan: PiOldPlan) -> None:
-        super().__init__(model, optimizer, score, plan)
-        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=plan.device_budget_bytes)
+    def __init__(self, model, optimizer, score, choice: PiOldChoice) -> None:
+        super().__init__(model, optimizer, score, choice)
+        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=choice.device_budget_bytes)
         # The save at trigger 0 is asynchronous: the first optimizer step must not overwrite a weight
         # before the copy has read it.
         self._guard = self._pool.guard(optimizer)
         self.sharded = is_sharded(model)
         # One reader of each kind over this pool: the stream reader keeps its traced schedule between reads.
         self._readers = {name: cls(self) for name, cls in SLOT_READERS.items()}
-        self.use_reader(plan.reader)
+        self.use_reader(choice.reader)
         self._skip_next = False  # skip_snapshot() was called: the next trigger 0 takes no snapshot
         self._slot_is_pi_old = False  # slot 0 holds this cycle's pi_old (a cycle that skipped it holds an older one)
 
@@ -269,8 +271,8 @@ class ReferenceSource(PiOldSource):
 
     name = "reference"
 
-    def __init__(self, model, optimizer, score, plan: PiOldPlan) -> None:
-        super().__init__(model, optimizer, score, plan)
+    def __init__(self, model, optimizer, score, choice: PiOldChoice) -> None:
+        super().__init__(model, optimizer, score, choice)
         self._slot: dict[str, torch.Tensor] | None = None
         self._nbytes = sum(local_tensor(p).nbytes for p in model.parameters())
 

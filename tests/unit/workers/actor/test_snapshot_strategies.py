@@ -213,6 +213,6 @@ def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(sma
     assert rank.pi_old.source.name == "live"
     rank = PPOTrainer(strategy_cfg(small_cfg)).actor_group.local_rank
     assert isinstance(rank.pi_old.source, SlotSource) and rank.pi_old.source.reader_name == "auto"
-    source = ReferenceSource(rank.model, rank.optimizer, rank.score, rank.pi_old.plan)
+    source = ReferenceSource(rank.model, rank.optimizer, rank.score, rank.pi_old.choice)
     with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):
         source.compute(2, None)
