@@ -10,7 +10,7 @@ method's dispatch mode (dppo.workers.dispatch). Two ways to hold the ranks, one 
 - RayWorkerGroup (ray.enabled=true): each rank is a Ray actor in the actor's resource pool (dppo.trainer.placement):
   one placement group per node, one bundle per rank (a GPU and a CPU on CUDA, a CPU on the CPU), STRICT_PACK so a
   node's ranks sit together, each group pinned to its own node (a label selector on Ray's node id); the nodes are
-  planned together with the rollout's GPU pool, the driver's first where it fits. The ranks meet at rank 0's node
+  chosen together with the rollout's GPU pool, the driver's first where it fits. The ranks meet at rank 0's node
   address on a free port (NCCL or gloo).
 - LocalWorkerGroup (ray.enabled=false): the one rank in this process (tests and debugging).
 
@@ -27,7 +27,7 @@ import ray
 
 from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
-from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
+from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
 from dppo.workers.dispatch import (
     ALL,
@@ -110,7 +110,7 @@ class RayWorkerGroup(WorkerGroup):
         pool = pools(cfg.trainer, cfg.rollout)[0]
         self.world_size = pool.size
         self.sharded = uses_fsdp(cfg.actor.fsdp, self.world_size)
-        self._groups = place_pool(pool, plan(cfg.trainer, cfg.rollout).actor_nodes)
+        self._groups = place_pool(pool, pool_nodes(cfg.trainer, cfg.rollout).actor_nodes)
         self._dead = False
         rank_cls = ray.remote(ActorRank)
         # no runtime_env of their own: the ranks can start in the job's idle worker processes (torch's threads

@@ -65,7 +65,7 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
 
     monkeypatch.setattr(dppo.trainer.ppo, "PPOTrainer", StandInTrainer)
     monkeypatch.setattr(
-        dppo.trainer.placement, "plan", lambda trainer, rollout: None
+        dppo.trainer.placement, "pool_nodes", lambda trainer, rollout: None
     )  # the pools fit (no real cluster here)
     cfg = small_cfg(**{"ray.enabled": True})
     if fit_fails:

@@ -25,7 +25,7 @@ from dppo.checkpoint.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
-from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
+from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core
 from dppo.trainer.rollout.supervised import SupervisedRollout, Taken, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.replay_buffer import ReplayBufferActor
@@ -56,7 +56,7 @@ class RayRollout(SupervisedRollout[RayWorker]):
         # predecessor's); CPU workers (no pool): spread over the nodes, reserving nothing.
         self._pool = pools(cfg.trainer, cfg.rollout)[1]
         self._groups = (
-            place_pool(self._pool, plan(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
+            place_pool(self._pool, pool_nodes(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
         )
         self.buffer = buffer_core(self.settings, start, ray.remote(num_cpus=0)(ReplayBufferActor).remote)
         self._worker_cls = ray.remote(num_cpus=0)(RolloutWorkerActor)
