@@ -168,6 +168,7 @@ class BaseTrainer:
     def resume(self, point: ResumePoint) -> dict | None:
         """Continue from point's checkpoint (dppo.checkpoint.run); the trackers' state it holds."""
         resumed = self.checkpoints.resume(self, point)
+        self.state = TrainerState.from_state(resumed.run_state)
         self.resumed_from, self.resumed_algorithm_state = resumed.path, resumed.algorithm
         self._resumed_pi_old = (resumed.pi_old, resumed.pi_old_weights)
         return resumed.trackers
@@ -346,8 +347,12 @@ class BaseTrainer:
         """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle."""
         return self.checkpoints.save(self)
 
-    def cycle_elapsed_s(self) -> float:
-        return time.perf_counter() - self._cycle_start
+    def run_state(self) -> dict:
+        """The loop's state as a checkpoint keeps it (TrainerState.to_state), with the rollout's worker restarts so
+        far and the time the current cycle has taken."""
+        if self.rollout is not None:
+            self.state.rollout_start.worker_restarts = self.rollout.worker_restarts
+        return self.state.to_state(time.perf_counter() - self._cycle_start)
 
     def save_policy(self, out_dir: Path, mid_cycle: bool) -> None:
         """The live weights as a transformers directory inside a checkpoint: at a step boundary the weights just
