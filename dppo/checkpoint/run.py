@@ -211,8 +211,8 @@ class RunCheckpoints:
     def resume(self, trainer: Checkpointed, point: ResumePoint) -> ResumedRun:
         """Continue from point's checkpoint: the ranks load their shards, resharded to this world size (and pi_old's
         weights if it was written mid-cycle), and the RNG states become the checkpoint's; the loop's state for the
-        trainer to take (ResumedRun.run_state). One that does not fit the ranks is passed over with a warning line, and the older trusted ones are tried in turn, as
-        CheckpointDir.newest does with the trainer states."""
+        trainer to take (ResumedRun.run_state). One that does not fit the ranks is passed over with a warning line,
+        and the older trusted ones are tried in turn, as CheckpointDir.newest does with the trainer states."""
         candidates = self.store.candidates()
         older = candidates[candidates.index(point[0]) + 1 :] if point[0] in candidates else []
         skipped = []

@@ -37,7 +37,7 @@ import torch
 from dppo.batch import Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
-from dppo.checkpoint.state import CycleProgress, TrainerState
+from dppo.trainer.state import CycleProgress, TrainerState
 from dppo.config import DppoConfig, to_dict
 from dppo.config.pi_old import PiOldChoice, choose_pi_old
 from dppo.config.rules import require_resolved_precision

@@ -15,7 +15,7 @@ version, which does not change within a cycle. In trainer.mode=sync nothing runs
 the cycle's groups at trigger 0 (a ticket is seeded by its grant index: the same samples). The scoring runs the
 passes a slot read at trigger k would run (the same shard of the mini-batch on each rank, the same micro-batches),
 so the old log-probs are bitwise those of slot 0. The held mini-batches and their old log-probs are part of the
-cycle's progress (dppo.checkpoint.state.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
+cycle's progress (dppo.trainer.state.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
 as taken. With algorithm.filter_groups each mini-batch is drawn as its trigger would draw it (dppo.trainer.
 filter_groups) from the groups that have arrived; a draw that cannot be filled from them stays pending in the
 cycle's progress, and its trigger draws the rest (waiting, and reading slot 0).
@@ -23,7 +23,7 @@ cycle's progress, and its trigger draws the rest (waiting, and reading slot 0).
 Where score-ahead lives: the driver's part here (take_ahead at trigger 0, before it trains; Ahead.hold once trigger 0
 is committed: BaseTrainer.run_cycle calls both), the ranks' in ActorRank.score_ahead and the pi_old provider
 (dppo.workers.actor.pi_old: skip_snapshot, and the scored old log-probs handed to prox), the held mini-batches in
-the cycle's progress (dppo.checkpoint.state.HeldBatch), the decision in the choice (dppo.config.pi_old).
+the cycle's progress (dppo.trainer.state.HeldBatch), the decision in the choice (dppo.config.pi_old).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from dppo.batch import Group, TrainBatch, collate
-from dppo.checkpoint.state import CycleProgress, Draw, HeldBatch
+from dppo.trainer.state import CycleProgress, Draw, HeldBatch
 from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.filter_groups import GroupFilter
 

@@ -172,7 +172,7 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
     from dppo.data import make_prompt_source
     from dppo.models import tiny_model_config
     from dppo.trainer.placement import pool_nodes, pools
-    from dppo.checkpoint.state import RolloutStart
+    from dppo.trainer.state import RolloutStart
     from dppo.trainer.rollout import RayRollout
 
     cfg = load_config(

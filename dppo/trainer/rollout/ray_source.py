@@ -21,7 +21,7 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 
 from dppo._text import one_line
 from dppo.batch import Group
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors

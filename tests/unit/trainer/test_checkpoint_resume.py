@@ -471,7 +471,7 @@ def test_an_older_mid_cycle_checkpoint_counts_what_its_cycle_consumed(small_cfg,
     the groups held ahead, and the kept groups of the draw pending; the rest of the state as it was saved."""
     from dppo.batch import Group
     from dppo.checkpoint.run import RunCheckpoints
-    from dppo.checkpoint.state import CycleProgress, Draw, HeldBatch, RolloutStart, TrainerState
+    from dppo.trainer.state import CycleProgress, Draw, HeldBatch, RolloutStart, TrainerState
 
     def groups(count: int) -> list[Group]:
         return [

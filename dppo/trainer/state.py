@@ -1,6 +1,8 @@
-"""What a checkpoint holds besides the weights, as tensors and plain types (torch.load(weights_only=True) reads
-them): where the run is (TrainerState: its steps and version, how far the current sync cycle got, where the rollout
-picks up); the RNG states are dppo.rng's.
+"""The loop's state: where the run is (TrainerState: its steps and version, how far the current sync cycle got,
+where the rollout picks up), moved by the step loop (dppo.trainer.base), score-ahead, the group filter and the
+rollout sources. Each class turns itself into the tensors and plain types a checkpoint's trainer.pt holds
+(to_state; torch.load(weights_only=True) reads them) and back (from_state); dppo.checkpoint.run stores that layout
+and never sees the classes. The RNG states are dppo.rng's.
 
 A run resumed from a checkpoint continues exactly where the checkpointed one was: a boundary checkpoint
 (trigger 0) at the start of the next sync cycle, a mid-cycle one (written when the rollout failed beyond
