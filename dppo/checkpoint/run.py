@@ -20,6 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
+from dppo._errors import RankDiedError
 from dppo._text import one_line
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.failure import CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate, is_write_failure
@@ -28,7 +29,6 @@ from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_ANCHOR, PI_OLD_FILE, PI_OLD
 from dppo.config import DppoConfig, to_dict
 from dppo.rng import rng_state, set_rng_state
 from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
-from dppo.workers.dispatch import RankDiedError
 
 # (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
 ResumePoint = tuple[Path, dict]

@@ -34,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from dppo._errors import RankDiedError
 from dppo.batch import Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
@@ -53,7 +54,7 @@ from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
-from dppo.trainer.worker_group import RankDiedError, make_worker_group
+from dppo.trainer.worker_group import make_worker_group
 from dppo.workers.rollout.engines import make_engine
 
 __all__ = ["BaseTrainer", "RunResult", "find_resume_point"]

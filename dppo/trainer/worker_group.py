@@ -25,6 +25,7 @@ from typing import Any
 
 import ray
 
+from dppo._errors import RankDiedError
 from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
@@ -34,7 +35,6 @@ from dppo.workers.dispatch import (
     DP,
     DP_GATHER,
     RANK0,
-    RankDiedError,
     collect,
     dispatch_mode,
     gather_rows,
