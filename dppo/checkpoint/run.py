@@ -2,7 +2,8 @@
 
 A checkpoint is a directory of dppo.checkpoint.store (sealed by a manifest, recorded in the run's ledger) holding
 trainer.pt (the driver's state: TrainerState's fields, the RNG states, the config, the trackers', the algorithm's and
-pi_old's records) and actor/, the ranks' torch.distributed.checkpoint shards (dppo.workers.actor.sharded_state), which
+pi_old's records) and actor/, the ranks' torch.distributed.checkpoint shards (each rank writes and reads its own:
+dppo.workers.actor.sharded_state, in dppo.checkpoint.shards' format), which
 load at any world size. A mid-cycle one (written when the rollout failed beyond recovery) also holds pi_old's weights:
 the ranks' slot 0 where a later trigger still reads it, else pi_old.pt (dppo.checkpoint.layout).
 
@@ -25,10 +26,10 @@ from dppo._text import one_line
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.failure import CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate, is_write_failure
 from dppo.checkpoint.hf_model import CHECKPOINT_HF_DIR
+from dppo.checkpoint.shards import ShardedCheckpointError, UnsafeCheckpointError
 from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_ANCHOR, PI_OLD_FILE, PI_OLD_IN_FILE, PI_OLD_LIVE, TRAINER_FILE
 from dppo.config import DppoConfig, to_dict
 from dppo.rng import rng_state, set_rng_state
-from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
 
 # (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
 ResumePoint = tuple[Path, dict]

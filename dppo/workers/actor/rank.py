@@ -32,6 +32,7 @@ from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
+from dppo.checkpoint.shards import ShardedCheckpointError
 from dppo.config.pi_old import PiOldChoice
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import (
@@ -49,7 +50,7 @@ from dppo.workers.actor.pi_old_sources import with_weights
 from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.weight_fingerprint import fingerprint, print_dtype
-from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
+from dppo.workers.actor.sharded_state import load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
 

@@ -333,9 +333,9 @@ def test_dcp_values_load_without_running_code(tmp_path):
     """DCP's own planner loads non-tensor values with torch.load(weights_only=False); dppo's does not."""
     from types import SimpleNamespace
 
-    from dppo.workers.actor.sharded_state import UnsafeCheckpointError, _safe_reader_classes
+    from dppo.checkpoint.shards import UnsafeCheckpointError, safe_reader_classes
 
-    _, planner_cls = _safe_reader_classes()
+    _, planner_cls = safe_reader_classes()
     planner = planner_cls()
     planner.flatten_state_dict, planner.state_dict = False, {}
     item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optimizer.param_groups.0.lr"))
