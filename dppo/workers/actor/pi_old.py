@@ -1,12 +1,12 @@
 """The pi_old provider: everything about pi_old on one actor rank, built once from the run's PiOldChoice.
 
-    pi_old = make_pi_old(choice, model, optimizer, score, copy_model)     # dppo.config.pi_old.choose_pi_old(cfg)
+    pi_old = make_pi_old(choice, model, optimizer, score, copy_model)     # choice: the run's, as the rank was handed it
 
 The rank holds this one object and asks it for everything pi_old; it composes three pieces, each chosen by one
 field of the choice and each implementing a declared interface:
 
     source    PiOldSource (dppo.workers.actor.pi_old_sources), choice.source: which weights' log-probs are pi_old and
-              how they are scored (the behavior log-probs, the live weights, slot 0, verl v1's reference copies, nothing)
+              how they are scored (the behavior log-probs, the live weights, slot 0, verl v1's reference scheme, none)
     method    ProxMethod (dppo.workers.actor.prox_method), choice.method: how the loss gets log pi_prox from the
               source's (exact, exact and measured, loglinear, auto: its switch is made with it)
     verifier  OldLogProbVerifier (dppo.workers.actor.pi_old_verify), choice.verify: checks what the loss used
