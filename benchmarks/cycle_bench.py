@@ -8,7 +8,7 @@ rollout wait or weight publish) on synthetic batches with fixed seeds, for param
     bypass               algorithm.rollout_correction.bypass_mode=true: no old-log-prob forward, no snapshot
     recompute-only       the yardstick: one separate old-log-prob forward pass per trigger over the live weights
                          (algorithm.prox_anchor=current with its old log-probs from a no-grad pass of their own,
-                         as before issue 12: the plan's fuse_live off), and no snapshot work at all
+                         as before issue 12: the pi_old choice's fuse_live off), and no snapshot work at all
     decoupled-auto       snapshot.strategy=auto (the default): trigger 0's save overlaps the training forward,
                          whose log-probs are pi_old's (no pass of its own); k >= 1 reads slot 0 in place (CPU,
                          device tier) or streams it layer by layer (GPU)
@@ -86,7 +86,7 @@ import torch
 from dppo.hostmem import keep_freed_host_memory
 from dppo.batch import TrainBatch
 from dppo.config import load_config
-from dppo.config.pi_old import plan_pi_old
+from dppo.config.pi_old import choose_pi_old
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.worker_group import LocalWorkerGroup
 
@@ -184,13 +184,15 @@ def mode_trainer(base: PPOTrainer, cfg, separate_pass: bool = False) -> PPOTrain
     """A trainer for cfg's algorithm settings sharing base's model, optimizer and task (PPOTrainer.setup(), and
     the rank's ActorRank.setup_update() on a copy of base's rank). separate_pass: pi_old's log-probs by a no-grad
     pass of their own even where pi_old is the live weights (SEPARATE_PASS_MODES)."""
+    choice = choose_pi_old(cfg)
+    if separate_pass:
+        choice = dataclasses.replace(choice, fuse_live=False)
     trainer = copy.copy(base)
-    trainer.cfg = cfg
+    trainer.cfg, trainer.pi_old_choice = cfg, choice
     trainer.setup()
     rank = copy.copy(rank_of(base))
-    rank.cfg = cfg
-    plan = plan_pi_old(cfg)
-    rank.setup_update(dataclasses.replace(plan, fuse_live=False) if separate_pass else plan)
+    rank.cfg, rank.pi_old_choice = cfg, choice
+    rank.setup_update(choice)
     trainer.actor_group = LocalWorkerGroup(rank)
     return trainer
 
@@ -259,7 +261,7 @@ class OldLogProbTimer:
 
 def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Clock) -> float:
     """One sync cycle of the trainer's own hooks (as BaseTrainer.run_cycle, minus rollout fetch and publish); with
-    trainer.pi_old_plan.score_ahead, every later mini-batch is there at trigger 0 and scored then."""
+    trainer.pi_old_choice.score_ahead, every later mini-batch is there at trigger 0 and scored then."""
     if clock.cuda:
         torch.cuda.synchronize()
     start = clock.start()
@@ -267,7 +269,7 @@ def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Cl
     prox_logps = [None] * ps
     for k in range(ps):
         trainer.state.progress.trigger = k  # the trigger in flight (trainer.local_trigger_step)
-        if k == 0 and trainer.pi_old_plan.score_ahead:
+        if k == 0 and trainer.pi_old_choice.score_ahead:
             prox_logps[1:] = trainer.actor_group.score_ahead(batches[1:ps], True)
         trainer.train_trigger(batches[k], prox_logps[k])
     trainer.state.progress.trigger = 0
@@ -280,8 +282,8 @@ def run_cycle(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Cl
 
 def check_period(trainer: PPOTrainer) -> int:
     """Cycles one round times: auto's check period (algorithm.prox_check_every), 1 for every other mode."""
-    plan = trainer.pi_old_plan
-    return plan.check_every if plan.method == "auto" else 1
+    choice = trainer.pi_old_choice
+    return choice.check_every if choice.method == "auto" else 1
 
 
 def run_check_period(trainer: PPOTrainer, ps: int, batches: list[TrainBatch], clock: Clock, checked: list) -> float:
@@ -465,12 +467,12 @@ def run_size(size: str, args, device: torch.device) -> dict:
 def reader_of(trainer: PPOTrainer) -> str:
     """What computed the old log-probs at triggers k >= 1: a slot reader, score-ahead ("ahead"), or where no slot is
     read the pi_old source (bypass, current, reference, loglinear: the labels of the JSON)."""
-    plan = trainer.pi_old_plan
-    if plan.score_ahead:
+    choice = trainer.pi_old_choice
+    if choice.score_ahead:
         return "ahead"
-    if plan.source == "slot":
+    if choice.source == "slot":
         return rank_of(trainer).pi_old.source.reader_name
-    return {"behav": "bypass", "live": "current", "copies": "reference", "none": "loglinear"}[plan.source]
+    return {"behav": "bypass", "live": "current", "reference": "reference", "none": "loglinear"}[choice.source]
 
 
 class _NoRollout:

@@ -1,7 +1,9 @@
-"""Exception classes of the snapshot engine (re-exported by dppo.snapshot).
+"""Exception classes raised in one layer and caught in others, in a pure-Python module below them all.
 
-They live in a pure-Python module so the compiled extension can raise them (it imports this module when it
-translates a C++ exception) and so that each also derives from the matching builtin.
+The snapshot engine's (re-exported by dppo.snapshot) live here so the compiled extension can raise them (it imports
+this module when it translates a C++ exception) and so that each also derives from the matching builtin.
+RankDiedError is raised by the actor's worker group (dppo.trainer.worker_group) and caught by the trainer, by a
+checkpoint's resume (dppo.checkpoint.run: dead ranks are not a checkpoint to pass over) and by the command line.
 """
 
 
@@ -29,3 +31,8 @@ class LayoutMismatchError(SnapshotError, ValueError):
 
 class SnapshotMemoryError(SnapshotError, MemoryError):
     """max_host_bytes would be exceeded, or allocating/pinning host memory failed."""
+
+
+class RankDiedError(RuntimeError):
+    """A call on the worker group found an actor rank's process dead (killed, or crashed); the message names the
+    rank and its node (dppo.trainer.worker_group raises it)."""

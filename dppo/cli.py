@@ -99,7 +99,7 @@ def _error_exit_codes() -> tuple:
     from dppo.launch.preflight import OutputDirError
     from dppo.launch.ray_cluster import RayConnectError
     from dppo.trainer.rollout import RolloutFailedError
-    from dppo.trainer.worker_group import RankDiedError
+    from dppo._errors import RankDiedError
 
     return (
         (RolloutFailedError, 1),

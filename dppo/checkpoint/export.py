@@ -3,7 +3,7 @@
 No Ray, no GPU, no process group: the checkpoint is verified as a resume verifies it (the run's ledger lists it,
 its manifest hashes to what the ledger recorded, every file matches the manifest; dppo.checkpoint.store), its
 trainer.pt is read with weights_only=True, and the actor's DCP shards are read whole with DCP's metadata
-unpickled through an allow-list (dppo.workers.actor.sharded_state.load_full_weights). An untrusted checkpoint is a
+unpickled through an allow-list (dppo.checkpoint.shards.load_full_weights). An untrusted checkpoint is a
 CheckpointError saying why, before any weight is read.
 
 The architecture: the checkpoint's own actor/huggingface/config.json where it holds one (save_contents with
@@ -30,11 +30,7 @@ from dppo.checkpoint.hf_model import (
     model_with_weights,
     save_hf_model,
 )
-from dppo.workers.actor.sharded_state import (
-    ShardedCheckpointError,
-    UnsafeCheckpointError,
-    load_full_weights,
-)
+from dppo.checkpoint.shards import ShardedCheckpointError, UnsafeCheckpointError, load_full_weights
 
 
 @dataclass

@@ -1,8 +1,8 @@
 """What a dppo checkpoint directory holds (dppo.checkpoint.store seals and verifies any set of files; these are the
 names the trainer writes and export / eval read)."""
 
-TRAINER_FILE = "trainer.pt"  # the trainer's own state (dppo.checkpoint.state), torch.load(weights_only=True)
-ACTOR_DIR = "actor"  # the actor ranks' shards (torch.distributed.checkpoint; dppo.workers.actor.sharded_state)
+TRAINER_FILE = "trainer.pt"  # the trainer's own state (dppo.trainer.state), torch.load(weights_only=True)
+ACTOR_DIR = "actor"  # the actor ranks' shards (torch.distributed.checkpoint; dppo.checkpoint.shards)
 # A mid-cycle checkpoint whose ranks kept no pi_old weights (loglinear, auto between checks, current, bypass, a cycle
 # scored wholly ahead): the cycle-start weights as they were published to the rollout, whole, in the model's dtype.
 PI_OLD_FILE = "pi_old.pt"

@@ -2,12 +2,15 @@
 
 A checkpoint is a directory of dppo.checkpoint.store (sealed by a manifest, recorded in the run's ledger) holding
 trainer.pt (the driver's state: TrainerState's fields, the RNG states, the config, the trackers', the algorithm's and
-pi_old's records) and actor/, the ranks' torch.distributed.checkpoint shards (dppo.workers.actor.sharded_state), which
+pi_old's records) and actor/, the ranks' torch.distributed.checkpoint shards (each rank writes and reads its own:
+dppo.workers.actor.sharded_state, in dppo.checkpoint.shards' format), which
 load at any world size. A mid-cycle one (written when the rollout failed beyond recovery) also holds pi_old's weights:
 the ranks' slot 0 where a later trigger still reads it, else pi_old.pt (dppo.checkpoint.layout).
 
-RunCheckpoints acts on a trainer it is handed (the Checkpointed protocol: its state, actor group, rollout, trackers
-and algorithm state); it never imports the trainer.
+RunCheckpoints acts on a trainer it is handed (the Checkpointed protocol: its loop's state as plain values, actor
+group, rollout, trackers and algorithm state); it never imports the trainer. The loop's state classes are the
+trainer's (dppo.trainer.state), which turns them into trainer.pt's layout and back; this module stores that layout
+and reads the layouts older dppo versions wrote into the current one.
 """
 
 from __future__ import annotations
@@ -18,16 +21,15 @@ from typing import Any, Protocol
 
 import torch
 
+from dppo._errors import RankDiedError
 from dppo._text import one_line
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.failure import CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate, is_write_failure
 from dppo.checkpoint.hf_model import CHECKPOINT_HF_DIR
+from dppo.checkpoint.shards import ShardedCheckpointError, UnsafeCheckpointError
 from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_ANCHOR, PI_OLD_FILE, PI_OLD_IN_FILE, PI_OLD_LIVE, TRAINER_FILE
-from dppo.checkpoint.state import CycleProgress, RolloutStart, TrainerState
 from dppo.config import DppoConfig, to_dict
 from dppo.rng import rng_state, set_rng_state
-from dppo.workers.actor.sharded_state import ShardedCheckpointError, UnsafeCheckpointError
-from dppo.workers.dispatch import RankDiedError
 
 # (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
 ResumePoint = tuple[Path, dict]
@@ -36,14 +38,16 @@ ResumePoint = tuple[Path, dict]
 class Checkpointed(Protocol):
     """What RunCheckpoints reads of the trainer it saves or resumes."""
 
-    state: TrainerState
     actor_group: Any  # dppo.trainer.worker_group.WorkerGroup
     rollout: Any  # a dppo.trainer.rollout source, or None before fit()
     trackers: Any  # dppo.trainer.trackers.Trackers
 
-    def algorithm_state(self) -> dict: ...
+    def run_state(self) -> dict:
+        """The loop's state as TRAINER_FILE holds it (dppo.trainer.state.TrainerState.to_state): global_step,
+        version, trigger, rollout, and cycle where the current cycle has started."""
+        ...
 
-    def cycle_elapsed_s(self) -> float: ...
+    def algorithm_state(self) -> dict: ...
 
     def save_policy(self, out_dir: Path, mid_cycle: bool) -> None: ...
 
@@ -127,43 +131,37 @@ class RunCheckpoints:
         """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle (progress.trigger > 0, with pi_old's
         weights). Every rank writes its shards into actor/ (DCP), this process trainer.pt."""
         self._trainer = trainer
-        run, progress = trainer.state, trainer.state.progress
-        if trainer.rollout is not None:
-            run.rollout_start.worker_restarts = trainer.rollout.worker_restarts
+        run = trainer.run_state()
+        mid_cycle = "cycle" in run
         state = {
-            "global_step": run.global_step,
-            "version": run.version,
-            "trigger": progress.trigger,
+            **run,
             "rng": rng_state(),
             "config": to_dict(self.cfg),
-            "rollout": run.rollout_start.to_state(),
             "trackers": trainer.trackers.state(),
             "algorithm": trainer.algorithm_state(),
         }
-        if progress.started:
-            state["cycle"] = progress.to_state(trainer.cycle_elapsed_s())
 
         def write(staging: Path) -> None:
-            saved = trainer.actor_group.save_checkpoint(str(staging / ACTOR_DIR), progress.started)
+            saved = trainer.actor_group.save_checkpoint(str(staging / ACTOR_DIR), mid_cycle)
             if saved["write_error"] is not None:  # the ranks are fine; the files are not (a full disk, say)
                 raise ShardedCheckpointError(saved["write_error"])
             state["anchor"] = saved["anchor"]
-            state["pi_old"] = self._pi_old_record(trainer, staging, progress.started, saved["anchor"])
+            state["pi_old"] = self._pi_old_record(trainer, staging, run["version"], mid_cycle, saved["anchor"])
             if "hf_model" in self.cfg.actor.checkpoint.save_contents:
-                trainer.save_policy(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=progress.started)
+                trainer.save_policy(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=mid_cycle)
             torch.save(state, staging / TRAINER_FILE)
 
-        return self.store.save(run.global_step, run.version, write, trigger=progress.trigger)
+        return self.store.save(run["global_step"], run["version"], write, trigger=run["trigger"])
 
     @staticmethod
-    def _pi_old_record(trainer: Checkpointed, staging: Path, mid_cycle: bool, anchored: bool) -> dict:
+    def _pi_old_record(trainer: Checkpointed, staging: Path, version: int, mid_cycle: bool, anchored: bool) -> dict:
         """What a checkpoint says of pi_old: the version its weights were published as, where those weights are (the
         live ones at a step boundary; mid-cycle the ranks' anchor, or else PI_OLD_FILE, written here from what the
         rollout was given), and the ranks' pi_old state (auto's switch, the cycle's verification so far)."""
         where = PI_OLD_LIVE if not mid_cycle else PI_OLD_ANCHOR if anchored else PI_OLD_IN_FILE
         if where == PI_OLD_IN_FILE:
             torch.save(trainer.rollout.published_weights(), staging / PI_OLD_FILE)
-        return {"version": trainer.state.version, "weights": where, **trainer.actor_group.pi_old_state()}
+        return {"version": version, "weights": where, **trainer.actor_group.pi_old_state()}
 
     def checkpoint_bytes(self) -> int:
         """About the bytes of a checkpoint: the newest one's on disk, else counted from the ranks' parameters."""
@@ -176,20 +174,20 @@ class RunCheckpoints:
     def save_due(self, trainer: Checkpointed) -> None:
         """The checkpoint of a step boundary; one that cannot be written is a warning, two in a row stop the run."""
         self._trainer = trainer
-        self.attempts.save(lambda: self.save(trainer), ckpt.CheckpointId(trainer.state.global_step).name)
+        self.attempts.save(lambda: self.save(trainer), ckpt.CheckpointId(trainer.run_state()["global_step"]).name)
 
     def after_failure(self, trainer: Checkpointed) -> str:
         """Checkpoint the intact trainer after a failure that left its state as it was (the rollout failed, or
         algorithm.filter_groups kept nothing); what happened, for the error message."""
         self._trainer = trainer
-        run = trainer.state
+        run = trainer.run_state()
+        step, started = run["global_step"], "cycle" in run
         if self.cfg.trainer.checkpoint_every == 0:
             return "no checkpoint written (trainer.checkpoint_every=0)"
-        if run.global_step == 0 and not run.progress.started:
+        if step == 0 and not started:
             return "nothing was trained yet, so no checkpoint was written"
-        started = run.progress.started
-        where = f"step {run.global_step}" + (f", trigger {run.progress.trigger}" if started else "")
-        name = ckpt.CheckpointId(run.global_step, run.progress.trigger).name
+        where = f"step {step}" + (f", trigger {run['trigger']}" if started else "")
+        name = ckpt.CheckpointId(step, run["trigger"]).name
         try:
             if name in self.store.ledger["checkpoints"]:
                 path = self.store.directory / name  # nothing happened since that checkpoint
@@ -213,9 +211,9 @@ class RunCheckpoints:
 
     def resume(self, trainer: Checkpointed, point: ResumePoint) -> ResumedRun:
         """Continue from point's checkpoint: the ranks load their shards, resharded to this world size (and pi_old's
-        weights if it was written mid-cycle), and trainer.state becomes the checkpoint's. One that does not fit the
-        ranks is passed over with a warning line, and the older trusted ones are tried in turn, as
-        CheckpointDir.newest does with the trainer states."""
+        weights if it was written mid-cycle), and the RNG states become the checkpoint's; the loop's state for the
+        trainer to take (ResumedRun.run_state). One that does not fit the ranks is passed over with a warning line,
+        and the older trusted ones are tried in turn, as CheckpointDir.newest does with the trainer states."""
         candidates = self.store.candidates()
         older = candidates[candidates.index(point[0]) + 1 :] if point[0] in candidates else []
         skipped = []
@@ -247,47 +245,43 @@ class RunCheckpoints:
             raise ckpt.CheckpointError(f"does not fit this run's model/optimizer: {type(err).__name__}: {err}") from err
 
     def _resumed(self, trainer: Checkpointed, path: Path, state: dict) -> ResumedRun:
-        """The trainer's own state from a checkpoint whose shards the ranks hold now."""
+        """What the trainer continues from, of a checkpoint whose shards the ranks hold now."""
         set_rng_state(state["rng"])
-        run = trainer.state
-        run.global_step, run.version = int(state["global_step"]), int(state["version"])
-        if "cycle" in state:
-            run.progress = CycleProgress.from_state(state["cycle"])
-        rollout = state["rollout"]
-        run.rollout_start = RolloutStart(
-            version=run.version,
-            consumed=int(rollout["consumed"]) if "consumed" in rollout else self._consumed_if_full(run),
-            next_grant=int(rollout["next_grant"]),
-            dropped_total=int(rollout["dropped_total"]),
-            worker_restarts=int(rollout["worker_restarts"]),
-        )
         pi_old = self._pi_old_of(trainer, path, state)
-        return ResumedRun(path, dict(state.get("algorithm") or {}), state.get("trackers"), *pi_old)
+        algorithm, trackers = dict(state.get("algorithm") or {}), state.get("trackers")
+        return ResumedRun(path, self._run_state(state), algorithm, trackers, *pi_old)
 
-    def _consumed_if_full(self, run: TrainerState) -> int:
-        """The groups consumed, for a checkpoint of an older dppo that did not keep the count: as if every trigger
-        had trained on a full mini-batch of G groups. Exact unless algorithm.filter_groups' limit left a trigger
-        fewer; then it counts too many, and the resumed buffer lets its workers run that many groups less far ahead
-        than the uninterrupted run's did."""
-        progress = run.progress
-        return (
-            run.version * self.cfg.trainer.train_batch_size
-            + progress.trigger * self.cfg.groups_per_trigger
-            + sum(held.num_groups for held in progress.ahead)
-            + (progress.pending.num_kept if progress.pending else 0)
-        )
+    def _run_state(self, state: dict) -> dict:
+        """The loop's keys of a TRAINER_FILE (Checkpointed.run_state's layout), one of an older dppo's brought to the
+        current layout: without the count of groups consumed, that count as if every trigger had trained on a full
+        mini-batch of G groups. Exact unless algorithm.filter_groups' limit left a trigger fewer; then it counts too
+        many, and the resumed buffer lets its workers run that many groups less far ahead than the uninterrupted
+        run's did."""
+        run = {key: state[key] for key in ("global_step", "version", "trigger", "rollout", "cycle") if key in state}
+        if "consumed" not in run["rollout"]:
+            cycle = run.get("cycle") or {}
+            ahead = sum(len(held["groups"]) for held in cycle.get("ahead", []))
+            pending = sum(bool(kept) for kept in cycle["pending"]["kept"]) if cycle.get("pending") else 0
+            consumed = (
+                int(run["version"]) * self.cfg.trainer.train_batch_size
+                + int(cycle.get("trigger", 0)) * self.cfg.groups_per_trigger
+                + ahead
+                + pending
+            )
+            run["rollout"] = {**run["rollout"], "consumed": consumed}
+        return run
 
     def _pi_old_of(self, trainer: Checkpointed, path: Path, state: dict) -> tuple[str, dict | None]:
         """Where the resumed run's first publish takes pi_old from, and the ranks' pi_old state loaded. A checkpoint
         of an older dppo has no pi_old record: mid-cycle without an anchor it kept no pi_old weights, so the rollout
         gets the live ones (one line says so)."""
-        record, progress = state.get("pi_old"), trainer.state.progress
+        record = state.get("pi_old")
         if record is None:
-            if progress.started and not state.get("anchor"):
+            if "cycle" in state and not state.get("anchor"):
                 self.store.warn(
                     f"checkpoint {path.name} was written mid-cycle by an older dppo that kept no pi_old weights: until "
-                    f"this cycle ends the rollout samples with the live weights ({progress.trigger} optimizer "
-                    f"step(s) past the cycle start) labelled version {trainer.state.version}, so staleness and "
+                    f"this cycle ends the rollout samples with the live weights ({state['cycle']['trigger']} optimizer "
+                    f"step(s) past the cycle start) labelled version {state['version']}, so staleness and "
                     "loglinear's interpolation are off by that much for this cycle's samples"
                 )
             return (PI_OLD_ANCHOR if state.get("anchor") else PI_OLD_LIVE), None
@@ -301,10 +295,12 @@ class RunCheckpoints:
 
 @dataclass(frozen=True)
 class ResumedRun:
-    """What a resume gives the trainer besides its state: where it came from, the algorithm's and the trackers'
-    states, and pi_old for its first publish (where: PI_OLD_LIVE, PI_OLD_ANCHOR or PI_OLD_IN_FILE with weights)."""
+    """What a resume gives the trainer: where it came from, its loop's state (Checkpointed.run_state's layout), the
+    algorithm's and the trackers' states, and pi_old for its first publish (where: PI_OLD_LIVE, PI_OLD_ANCHOR or
+    PI_OLD_IN_FILE with weights)."""
 
     path: Path
+    run_state: dict
     algorithm: dict
     trackers: dict | None
     pi_old: str

@@ -1,6 +1,7 @@
-"""The names each config key accepts, and the decisions made from the config alone (before any model exists):
-which slot readers are exact on a sharded actor, where a run's prompts come from. Which pi_old a run uses is
-dppo.config.pi_old's plan. The workers and the driver both ask here, so the config needs nothing from either."""
+"""The names each config key accepts, and the decisions made from the config alone (before any model exists): where
+a run's prompts come from. pi_old's names (algorithm.prox_logp_method, snapshot.strategy) are dppo.pi_old_names', and
+which pi_old a run uses is dppo.config.pi_old's choice. The workers and the driver both ask here, so the config needs
+nothing from either."""
 
 from __future__ import annotations
 
@@ -38,34 +39,6 @@ FILTER_REWARD_METRICS = ("reward", "score", "seq_reward")
 # rollout.name of a user's engine: package.module:Class (checked for its form only: the class is imported by the run's
 # start-up, dppo.launch.preflight, through dppo.workers.rollout.engines.registry)
 ENGINE_CLASS_PATH = re.compile(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*")
-
-# algorithm.prox_logp_method (dppo.workers.actor.prox_method implements each; dppo.config.pi_old plans with them)
-PROX_LOGP_METHODS = ("recompute", "loglinear", "metrics", "auto")
-
-# How trigger k >= 1 reads slot 0 (dppo.workers.actor.slot_readers implements each).
-SLOT_READER_NAMES = ("view", "swap", "stream")
-
-# Values of snapshot.strategy: a slot reader, "auto" (the fastest that fits) or "reference" (verl v1's scheme).
-SNAPSHOT_STRATEGIES = ("auto", *SLOT_READER_NAMES, "reference")
-
-# snapshot.strategy values that are exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from the
-# parameters it registered, not from what a forward pass is handed, so view and stream would read the live
-# weights there; swap writes slot 0 into that very storage and back.
-SHARDED_READERS = ("auto", "swap", "reference")
-
-
-class InexactUnderShardingError(ValueError):
-    """A slot reader that FSDP2 would silently bypass (it would compute with the live weights)."""
-
-
-def check_reader_for_sharding(name: str) -> None:
-    """InexactUnderShardingError naming `name` and the readers that work, unless it is exact under FSDP2."""
-    if name not in SHARDED_READERS:
-        raise InexactUnderShardingError(
-            f"snapshot.strategy={name!r} is not exact on a sharded (FSDP2) actor: FSDP2 all-gathers each layer from "
-            f"the parameters it registered, so the {name} reader would compute with the live weights instead of "
-            f"slot 0; use one of {', '.join(SHARDED_READERS)}"
-        )
 
 
 def prompt_source_kind(source: str | None, train_files: object) -> str:

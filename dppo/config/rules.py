@@ -7,14 +7,10 @@ import numpy as np
 
 from dppo.algo import GREEDY_BASELINE_ESTIMATORS, LOSS_AGG_MODES, loss_mode_agg_mode
 from dppo.config.checks import ConfigError, shown
-from dppo.config.choices import (
-    FILTER_REWARD_METRICS,
-    PRECISION_AUTO,
-    InexactUnderShardingError,
-    check_reader_for_sharding,
-)
+from dppo.config.choices import FILTER_REWARD_METRICS, PRECISION_AUTO
 from dppo.data.errors import MissingExtraError
 from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
+from dppo.pi_old_names import InexactUnderShardingError, check_strategy_for_sharding
 from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
 
 
@@ -51,7 +47,7 @@ def validate_combinations(cfg) -> None:
         )
     if world_size > 1 or cfg.actor.fsdp == "always":
         try:
-            check_reader_for_sharding(cfg.snapshot.strategy)
+            check_strategy_for_sharding(cfg.snapshot.strategy)
         except InexactUnderShardingError as err:
             raise ConfigError(
                 f"{err} (the actor is sharded: world size {world_size}, actor.fsdp={cfg.actor.fsdp!r})"

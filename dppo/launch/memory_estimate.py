@@ -104,7 +104,7 @@ def actor_rank(plan: RunPlan) -> dict[str, int]:
     """What one actor rank holds in this machine's host memory (rank 0's: it also gathers what it publishes)."""
     shape, ws, w = plan.shape, plan.world_size, plan.weight_bytes
     parts = {"process": PROCESS_BYTES}
-    if plan.takes_snapshots:
+    if plan.pi_old_choice.takes_snapshots:
         parts["snapshot slot"] = w // ws  # host arenas even when the model trains on a GPU
     if plan.trainer_on_gpu:
         return parts

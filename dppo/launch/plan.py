@@ -1,6 +1,6 @@
 """A run resolved once before it starts: plan_run(cfg, source) reads the config and the model's shape into a frozen
-RunPlan (where the processes run, what each holds, the batches), and the pre-flight checks and the memory estimate
-read the plan, never the config."""
+RunPlan (where the processes run, what each holds, which pi_old, the batches), and the pre-flight checks and the
+memory estimate read the plan, never the config; the trainer takes the plan's pi_old choice to its ranks."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dppo.config import DppoConfig
-from dppo.config.pi_old import plan_pi_old
+from dppo.config.pi_old import PiOldChoice, choose_pi_old
 from dppo.config.rules import require_resolved_precision
 from dppo.models import tiny_model_config
 from dppo.workers.rollout.engines import EngineSpec, batch_rows, engine_spec
@@ -53,7 +53,7 @@ class RunPlan:
     model_keys: str  # how the config names the model, for messages
     prompt_keys: str  # how the config sets the prompts' length, for messages
     # what an actor rank holds besides the weights
-    takes_snapshots: bool  # pi_old is the cycle-start weights, kept in a snapshot slot
+    pi_old_choice: PiOldChoice  # which pi_old (its takes_snapshots: a snapshot slot); the trainer hands it to the ranks
     kl_reference: bool  # actor.kl_loss_coef > 0 or algorithm.use_kl_in_reward
     reference_in_checkpoints: bool  # actor.kl_loss_coef > 0
     # the batches
@@ -112,7 +112,7 @@ def plan_run(cfg: DppoConfig, source) -> RunPlan:
         prompt_keys=f"task.length={cfg.task.length}"
         if cfg.data.kind == "task"
         else ("rollout.agent.max_prompt_length" if r.agent.enabled else "data.max_prompt_length"),
-        takes_snapshots=plan_pi_old(cfg).takes_snapshots,
+        pi_old_choice=choose_pi_old(cfg),
         kl_reference=a.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward,
         reference_in_checkpoints=a.kl_loss_coef > 0,
         rollout_n=r.n,

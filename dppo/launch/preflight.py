@@ -185,7 +185,7 @@ def check_cluster_fits(trainer, rollout, ray_cfg) -> None:
     """Once connected to Ray, before any rank or worker starts (the config's trainer, rollout and ray sections): the
     actor's and the rollout's pools fit the cluster's nodes together (PlacementError naming both pools and the
     counts); on a joined cluster (ray.address or RAY_ADDRESS) also the rollout workers' threads within its CPUs."""
-    placement.plan(trainer, rollout)
+    placement.pool_nodes(trainer, rollout)
     if not (ray_cfg.address or os.environ.get("RAY_ADDRESS")):
         return  # a local cluster: checked against this machine with the config
 

@@ -61,7 +61,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         if cfg.use_ray:
             init_ray(cfg.ray, cfg.rollout.num_threads)
             check_cluster_fits(cfg.trainer, cfg.rollout, cfg.ray)
-        trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point)
+        trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point, pi_old_choice=plan.pi_old_choice)
         print(trainer.actor_group.describe(), file=out, flush=True)
         if trainer.rollout is not None:  # started before the ranks (a fresh run's); else fit() makes it
             print(trainer.rollout.describe(), file=out, flush=True)

@@ -7,7 +7,7 @@ One global step is one sync cycle of trainer.parameter_sync_step triggers (optim
     for k in 0 .. parameter_sync_step - 1:        state.progress.trigger = k
         groups <- the mini-batch held since trigger 0, or drawn from the rollout: train_batch_size / parameter_sync_step
                   groups (rollout.fetch), more where algorithm.filter_groups drops some (dppo.trainer.filter_groups)
-        k == 0 (pi_old_plan.score_ahead): hold the later mini-batches that have arrived, scored now (take_ahead)
+        k == 0 (pi_old_choice.score_ahead): hold the later mini-batches that have arrived, scored now (take_ahead)
         metrics <- train_trigger(collate(groups), their old log-probs if held)
     end_cycle()
     rollout.publish(actor.rollout_weights(), version + 1)   gathered on rank 0, put into Ray's object store once
@@ -34,12 +34,13 @@ from pathlib import Path
 
 import torch
 
+from dppo._errors import RankDiedError
 from dppo.batch import AGENT_COUNTS, Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
 from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
-from dppo.checkpoint.state import CycleProgress, TrainerState
+from dppo.trainer.state import CycleProgress, TrainerState
 from dppo.config import DppoConfig, to_dict
-from dppo.config.pi_old import PiOldPlan, plan_pi_old
+from dppo.config.pi_old import PiOldChoice, choose_pi_old
 from dppo.config.rules import require_resolved_precision
 from dppo.data import make_prompt_source
 from dppo.data.source import PromptSource
@@ -53,7 +54,7 @@ from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
-from dppo.trainer.worker_group import RankDiedError, make_worker_group
+from dppo.trainer.worker_group import make_worker_group
 from dppo.workers.rollout.agent.runner import worker_agents
 from dppo.workers.rollout.engine_config import make_engine
 
@@ -115,13 +116,21 @@ class BaseTrainer:
     resumed_algorithm_state: dict = {}  # noqa: RUF012  the subclass's algorithm_state() a resumed run starts from
 
     def __init__(
-        self, cfg: DppoConfig, rollout=None, source: PromptSource | None = None, resume_point: ResumePoint | None = None
+        self,
+        cfg: DppoConfig,
+        rollout=None,
+        source: PromptSource | None = None,
+        resume_point: ResumePoint | None = None,
+        pi_old_choice: PiOldChoice | None = None,
     ):
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg)). rollout: where groups come
         from (default: started here, before the ranks, for a fresh run that has worker processes; else by fit()).
-        resume_point: what trainer.resume=true continues from, if the caller found it already."""
+        resume_point: what trainer.resume=true continues from, if the caller found it already. pi_old_choice: which
+        pi_old the run uses, as its plan chose it (dppo.launch.plan.RunPlan.pi_old_choice); default: chosen here from
+        cfg, for a trainer built without a plan. The ranks get it as it is."""
         require_resolved_precision(cfg)  # the ranks and engines take a dtype, not auto
         self.cfg, self.state = cfg, TrainerState()
+        self.pi_old_choice = pi_old_choice if pi_old_choice is not None else choose_pi_old(cfg)
         torch.set_num_threads(cfg.trainer.num_threads)
         seed_all(cfg.trainer.seed)
         self.source = source if source is not None else make_prompt_source(cfg)
@@ -144,7 +153,7 @@ class BaseTrainer:
             predicted = policy_config(cfg.model, self.source.vocab_size)
             self.rollout = make_rollout(cfg, self.source, predicted, self.state.rollout_start, early=True)
         try:
-            self.actor_group = make_worker_group(cfg, self.source.vocab_size)
+            self.actor_group = make_worker_group(cfg, self.pi_old_choice, self.source.vocab_size)
         except BaseException:
             self._close_early_rollout()
             raise
@@ -175,6 +184,7 @@ class BaseTrainer:
     def resume(self, point: ResumePoint) -> dict | None:
         """Continue from point's checkpoint (dppo.checkpoint.run); the trackers' state it holds."""
         resumed = self.checkpoints.resume(self, point)
+        self.state = TrainerState.from_state(resumed.run_state)
         self.resumed_from, self.resumed_algorithm_state = resumed.path, resumed.algorithm
         self._resumed_pi_old = (resumed.pi_old, resumed.pi_old_weights)
         return resumed.trackers
@@ -199,11 +209,6 @@ class BaseTrainer:
     def end_cycle(self) -> dict[str, float]:
         """Called after the last trigger of a cycle, before the weights go to the rollout; extra metrics."""
         return {}
-
-    @property
-    def pi_old_plan(self) -> PiOldPlan:
-        """Which pi_old the run uses (dppo.config.pi_old), of the config as it is now (a test may reconfigure)."""
-        return plan_pi_old(self.cfg)
 
     def close(self) -> None:
         """Release the actor's ranks, the rollout the constructor started if fit() never ran, and the evaluation
@@ -314,7 +319,7 @@ class BaseTrainer:
         ahead = None
         if progress.trigger == 0:  # the cycle's later mini-batches, taken and scored ahead where the plan says so
             pad, score = self.source.pad_token, self.actor_group.score_ahead
-            ahead = take_ahead(self.pi_old_plan, self.rollout, self.group_filter, version, pad, score)
+            ahead = take_ahead(self.pi_old_choice, self.rollout, self.group_filter, version, pad, score)
         batch = collate(groups, self.source.pad_token)  # the ranks move their part of the batch to their device
         metrics = {**self.train_trigger(batch, held.prox_logp if held else None), **_reward_extras(groups)}
         metrics.update(token_version_metrics(batch, version))
@@ -358,8 +363,12 @@ class BaseTrainer:
         """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle."""
         return self.checkpoints.save(self)
 
-    def cycle_elapsed_s(self) -> float:
-        return time.perf_counter() - self._cycle_start
+    def run_state(self) -> dict:
+        """The loop's state as a checkpoint keeps it (TrainerState.to_state), with the rollout's worker restarts so
+        far and the time the current cycle has taken."""
+        if self.rollout is not None:
+            self.state.rollout_start.worker_restarts = self.rollout.worker_restarts
+        return self.state.to_state(time.perf_counter() - self._cycle_start)
 
     def save_policy(self, out_dir: Path, mid_cycle: bool) -> None:
         """The live weights as a transformers directory inside a checkpoint: at a step boundary the weights just

@@ -52,7 +52,7 @@ import numpy as np
 from dppo.config.choices import FILTER_REWARD_METRICS
 from dppo.data import DataError
 from dppo.batch import Group
-from dppo.checkpoint.state import Draw, TrainerState
+from dppo.trainer.state import Draw, TrainerState
 
 log = logging.getLogger("dppo.trainer")
 

@@ -8,10 +8,10 @@
   reserved resources.
 
 Each pool is one STRICT_PACK placement group per node, pinned to its node (a label selector on Ray's node id), so
-a GPU reserved for a rollout worker is never a rank's. plan_nodes, a pure function of the cluster's nodes,
-chooses the nodes of both pools at once: a cluster that cannot hold both is refused (PlacementError, one line
-with the counts) before any placement group is made. The plan is a function of the nodes' total resources, so
-the actor's worker group, the rollout and the preflight check compute the same plan independently.
+a GPU reserved for a rollout worker is never a rank's. choose_nodes, a pure function of the cluster's nodes,
+chooses the nodes of both pools at once (PoolNodes): a cluster that cannot hold both is refused (PlacementError,
+one line with the counts) before any placement group is made. The choice is a function of the nodes' total
+resources, so the actor's worker group, the rollout and the preflight check make the same one independently.
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def rollout_pool(nnodes: int, n_gpus_per_node: int, gpus_per_worker: int = 1) ->
 
 
 @dataclass(frozen=True)
-class Plan:
+class PoolNodes:
     """Node ids of each pool, one per placement group (the actor's rank 0 on actor_nodes[0])."""
 
     actor_nodes: list[str]
@@ -99,7 +99,7 @@ def _kind(have: dict[str, float], need_a: dict[str, float], need_r: dict[str, fl
     return "either" if a and r else "actor" if a else "rollout" if r else None
 
 
-def plan_nodes(actor: Pool, rollout: Pool | None, nodes: list[dict[str, Any]], here: str | None = None) -> Plan:
+def choose_nodes(actor: Pool, rollout: Pool | None, nodes: list[dict[str, Any]], here: str | None = None) -> PoolNodes:
     """The nodes of both pools, from Ray's node table (ray.nodes(): "NodeID", "Alive", "Resources").
 
     A pool's placement groups go on distinct nodes; a node may host one of each pool if it holds both at once.
@@ -125,7 +125,7 @@ def plan_nodes(actor: Pool, rollout: Pool | None, nodes: list[dict[str, Any]], h
     if len(actor_nodes) < actor.nnodes or len(rollout_nodes) < count_r:
         raise PlacementError(_refusal(actor, rollout, nodes, len(actor_nodes), len(rollout_nodes)))
     order = {n["NodeID"]: i for i, n in enumerate(alive)}
-    return Plan(sorted(actor_nodes, key=order.get), sorted(rollout_nodes, key=order.get))
+    return PoolNodes(sorted(actor_nodes, key=order.get), sorted(rollout_nodes, key=order.get))
 
 
 def _refusal(actor: Pool, rollout: Pool | None, nodes: list[dict], actor_placed: int, rollout_placed: int) -> str:
@@ -170,11 +170,11 @@ def pools(trainer, rollout) -> tuple[Pool, Pool | None]:
     return actor_pool(t.nnodes, t.n_gpus_per_node, use_gpus(t)), rollout_pool(r.nnodes, r.n_gpus_per_node)
 
 
-def plan(trainer, rollout) -> Plan:
-    """plan_nodes for cfg's pools on the cluster this process is connected to (PlacementError if they do not fit).
+def pool_nodes(trainer, rollout) -> PoolNodes:
+    """choose_nodes for cfg's pools on the cluster this process is connected to (PlacementError if they do not fit).
     The same nodes every time while the cluster's nodes stay the same: the actor's worker group and the rollout
     each compute it when they place their pool, and the preflight check before either."""
-    return plan_nodes(*pools(trainer, rollout), ray.nodes(), ray.get_runtime_context().get_node_id())
+    return choose_nodes(*pools(trainer, rollout), ray.nodes(), ray.get_runtime_context().get_node_id())
 
 
 def place_pool(pool: Pool, node_ids: list[str]) -> list:

@@ -1,6 +1,6 @@
 """Score ahead: at trigger 0 of a Decoupled PPO cycle, the later mini-batches that have already arrived are
-scored with the live weights, which are pi_old until trigger 0's optimizer step (where the run's PiOldPlan says
-so: plan.score_ahead, dppo.config.pi_old).
+scored with the live weights, which are pi_old until trigger 0's optimizer step (where the run's PiOldChoice says
+so: choice.score_ahead, dppo.config.pi_old).
 
     trigger 0:  groups_0 <- rollout.fetch(G, v)                      waits, as every trigger does
                 groups_k <- rollout.fetch_ready(G, v), k = 1, 2 ..   no wait; stops at the first not all there
@@ -15,7 +15,7 @@ version, which does not change within a cycle. In trainer.mode=sync nothing runs
 the cycle's groups at trigger 0 (a ticket is seeded by its grant index: the same samples). The scoring runs the
 passes a slot read at trigger k would run (the same shard of the mini-batch on each rank, the same micro-batches),
 so the old log-probs are bitwise those of slot 0. The held mini-batches and their old log-probs are part of the
-cycle's progress (dppo.checkpoint.state.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
+cycle's progress (dppo.trainer.state.CycleProgress): a mid-cycle checkpoint keeps them, and counts their groups
 as taken. With algorithm.filter_groups each mini-batch is drawn as its trigger would draw it (dppo.trainer.
 filter_groups) from the groups that have arrived; a draw that cannot be filled from them stays pending in the
 cycle's progress, and its trigger draws the rest (waiting, and reading slot 0).
@@ -23,7 +23,7 @@ cycle's progress, and its trigger draws the rest (waiting, and reading slot 0).
 Where score-ahead lives: the driver's part here (take_ahead at trigger 0, before it trains; Ahead.hold once trigger 0
 is committed: BaseTrainer.run_cycle calls both), the ranks' in ActorRank.score_ahead and the pi_old provider
 (dppo.workers.actor.pi_old: skip_snapshot, and the scored old log-probs handed to prox), the held mini-batches in
-the cycle's progress (dppo.checkpoint.state.HeldBatch), the decision in the plan (dppo.config.pi_old).
+the cycle's progress (dppo.trainer.state.HeldBatch), the decision in the choice (dppo.config.pi_old).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ from dataclasses import dataclass
 import torch
 
 from dppo.batch import Group, TrainBatch, collate
-from dppo.checkpoint.state import CycleProgress, Draw, HeldBatch
-from dppo.config.pi_old import PiOldPlan
+from dppo.trainer.state import CycleProgress, Draw, HeldBatch
+from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.filter_groups import GroupFilter
 
 # score(batches, whole_cycle) -> log pi_old (B, R) of each batch: the actor group's ActorRank.score_ahead
@@ -75,14 +75,14 @@ class Ahead:
 
 
 def take_ahead(
-    plan: PiOldPlan, rollout, group_filter: GroupFilter, version: int, pad_token: int, score: ScoreAheadFn
+    choice: PiOldChoice, rollout, group_filter: GroupFilter, version: int, pad_token: int, score: ScoreAheadFn
 ) -> Ahead | None:
     """At trigger 0: the cycle's later mini-batches that have already arrived, taken in the order their triggers
     would take them and scored with the live weights, which are pi_old (score: the actor group's score_ahead, one
-    call for all of them); None where the plan does not score ahead (plan.score_ahead)."""
-    if not plan.score_ahead:
+    call for all of them); None where the choice does not score ahead (choice.score_ahead)."""
+    if not choice.score_ahead:
         return None
-    later = plan.parameter_sync_step - 1
+    later = choice.parameter_sync_step - 1
     start = time.perf_counter()
     draws, pending = take_ready(rollout, later, group_filter, version)
     size = group_filter.size

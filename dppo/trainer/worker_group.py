@@ -1,6 +1,6 @@
 """The actor as a worker group: trainer.nnodes x trainer.n_gpus_per_node ActorRanks behind one object.
 
-    actor = make_worker_group(cfg, vocab_size)
+    actor = make_worker_group(cfg, pi_old_choice, vocab_size)
     metrics = actor.update_actor(trigger, batch, advantages, version)   # DP: the batch split over the ranks
     actor.save_model_to_cpu(0)                                  # ALL: every rank snapshots its own shards
 
@@ -10,7 +10,7 @@ method's dispatch mode (dppo.workers.dispatch). Two ways to hold the ranks, one 
 - RayWorkerGroup (ray.enabled=true): each rank is a Ray actor in the actor's resource pool (dppo.trainer.placement):
   one placement group per node, one bundle per rank (a GPU and a CPU on CUDA, a CPU on the CPU), STRICT_PACK so a
   node's ranks sit together, each group pinned to its own node (a label selector on Ray's node id); the nodes are
-  planned together with the rollout's GPU pool, the driver's first where it fits. The ranks meet at rank 0's node
+  chosen together with the rollout's GPU pool, the driver's first where it fits. The ranks meet at rank 0's node
   address on a free port (NCCL or gloo).
 - LocalWorkerGroup (ray.enabled=false): the one rank in this process (tests and debugging).
 
@@ -25,15 +25,16 @@ from typing import Any
 
 import ray
 
+from dppo._errors import RankDiedError
+from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
-from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
+from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
 from dppo.workers.dispatch import (
     ALL,
     DP,
     DP_GATHER,
     RANK0,
-    RankDiedError,
     collect,
     dispatch_mode,
     gather_rows,
@@ -106,18 +107,18 @@ class LocalWorkerGroup(WorkerGroup):
 class RayWorkerGroup(WorkerGroup):
     """The ranks as Ray actors (see the module docstring)."""
 
-    def __init__(self, cfg, vocab_size: int) -> None:
+    def __init__(self, cfg, pi_old_choice: PiOldChoice, vocab_size: int) -> None:
         pool = pools(cfg.trainer, cfg.rollout)[0]
         self.world_size = pool.size
         self.sharded = uses_fsdp(cfg.actor.fsdp, self.world_size)
-        self._groups = place_pool(pool, plan(cfg.trainer, cfg.rollout).actor_nodes)
+        self._groups = place_pool(pool, pool_nodes(cfg.trainer, cfg.rollout).actor_nodes)
         self._dead = False
         rank_cls = ray.remote(ActorRank)
         # no runtime_env of their own: the ranks can start in the job's idle worker processes (torch's threads
         # are set in init_model)
         self._actors = [
             rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0).remote(
-                cfg, rank, self.world_size, vocab_size, True, publishes_deltas(cfg.rollout)
+                cfg, pi_old_choice, rank, self.world_size, vocab_size, True, publishes_deltas(cfg.rollout)
             )
             for rank in range(self.world_size)
         ]
@@ -177,10 +178,11 @@ class RayWorkerGroup(WorkerGroup):
                 self._abort()
 
 
-def make_worker_group(cfg, vocab_size: int) -> WorkerGroup:
-    """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process."""
+def make_worker_group(cfg, pi_old_choice: PiOldChoice, vocab_size: int) -> WorkerGroup:
+    """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process. pi_old_choice: the
+    run's (dppo.config.pi_old), handed to every rank as it is."""
     if cfg.use_ray:
-        return RayWorkerGroup(cfg, vocab_size)
-    rank = ActorRank(cfg, 0, 1, vocab_size)
+        return RayWorkerGroup(cfg, pi_old_choice, vocab_size)
+    rank = ActorRank(cfg, pi_old_choice, 0, 1, vocab_size)
     rank.init_model(*rank.master_address())
     return LocalWorkerGroup(rank)

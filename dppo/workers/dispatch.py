@@ -32,11 +32,6 @@ ALL, RANK0, DP, DP_GATHER = "all", "rank0", "dp", "dp_gather"
 DISPATCH_MODES = (ALL, RANK0, DP, DP_GATHER)
 
 
-class RankDiedError(RuntimeError):
-    """A call on the worker group found an actor rank's process dead (killed, or crashed); the message names the
-    rank and its node (dppo.trainer.worker_group raises it)."""
-
-
 def register(mode: str) -> Callable[[Callable], Callable]:
     """Mark a rank method as callable through the worker group with dispatch mode `mode`."""
     if mode not in DISPATCH_MODES:

@@ -30,7 +30,10 @@ SYSTEM = (
     "<calc>EXPRESSION</calc>; the result comes back as <result>...</result>. Then reply with the final number only."
 )
 EXAMPLE = [
-    {"role": "user", "content": "Solve the following multiplication: 123 * 456. Give only the result as your final answer."},
+    {
+        "role": "user",
+        "content": "Solve the following multiplication: 123 * 456. Give only the result as your final answer.",
+    },
     {"role": "assistant", "content": "<calc>123 * 456</calc>"},
     {"role": "user", "content": "<result>56088</result>"},
     {"role": "assistant", "content": "56088"},

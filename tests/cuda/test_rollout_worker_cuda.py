@@ -59,7 +59,7 @@ def test_a_gpu_generator_loads_host_weights_and_returns_its_groups_on_the_host(t
 
 def test_a_worker_of_the_rollout_pool_generates_on_its_gpu(tmp_path):
     ray = pytest.importorskip("ray")
-    from dppo.checkpoint.state import RolloutStart
+    from dppo.trainer.state import RolloutStart
     from dppo.trainer.rollout import RayRollout
 
     overrides = small_overrides(

@@ -81,7 +81,7 @@ def _logp(model, ids):
 
 def test_hf_model_at_world_size_2_is_the_trained_policy_bitwise(ws2_run):
     from dppo.models import model_from_config
-    from dppo.workers.actor.sharded_state import load_full_weights
+    from dppo.checkpoint.shards import load_full_weights
 
     hf = _load(ws2_run / "hf_model")
     shards = load_full_weights(ws2_run / "checkpoints" / LAST / "actor")  # what the two ranks held at the end

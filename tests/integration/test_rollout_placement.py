@@ -1,6 +1,6 @@
 """The actor's ranks and the rollout's GPU workers on a real Ray cluster that declares GPUs without CUDA (two
 raylets on this machine, 4 and 2 GPUs as resources): probe actors placed with the options the real ranks and
-workers get (dppo.trainer.placement) land on the planned nodes, in disjoint bundles, and Ray gives each the
+workers get (dppo.trainer.placement) land on the chosen nodes, in disjoint bundles, and Ray gives each the
 GPU ids of its own bundle."""
 
 from __future__ import annotations
@@ -11,7 +11,15 @@ import re
 import pytest
 from tiny_run import tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
-from dppo.trainer.placement import Plan, actor_pool, bundle_options, place_pool, plan_nodes, remove_pool, rollout_pool
+from dppo.trainer.placement import (
+    PoolNodes,
+    actor_pool,
+    bundle_options,
+    place_pool,
+    choose_nodes,
+    remove_pool,
+    rollout_pool,
+)
 
 pytestmark = pytest.mark.integration
 
@@ -53,12 +61,12 @@ def cluster():
 
 
 def place_and_probe(actor, rollout):
-    """Plan from the live node table, place both pools, start one probe per rank and per worker; returns
-    (plan, {pool name: [(node id, gpu ids, CUDA_VISIBLE_DEVICES) per rank or worker]}, {pool name: groups})."""
+    """Choose the nodes from the live node table, place both pools, start one probe per rank and per worker; returns
+    (chosen, {pool name: [(node id, gpu ids, CUDA_VISIBLE_DEVICES) per rank or worker]}, {pool name: groups})."""
     import ray
 
-    plan = plan_nodes(actor, rollout, ray.nodes(), ray.get_runtime_context().get_node_id())
-    groups = {"actor": place_pool(actor, plan.actor_nodes), "rollout": place_pool(rollout, plan.rollout_nodes)}
+    chosen = choose_nodes(actor, rollout, ray.nodes(), ray.get_runtime_context().get_node_id())
+    groups = {"actor": place_pool(actor, chosen.actor_nodes), "rollout": place_pool(rollout, chosen.rollout_nodes)}
     probe_cls = ray.remote(probe_class())
     seen = {}
     try:
@@ -73,11 +81,11 @@ def place_and_probe(actor, rollout):
         for g in groups.values():
             remove_pool(g)
         raise
-    return plan, seen, groups
+    return chosen, seen, groups
 
 
 def check_groups(groups: list, pool, node_ids: list[str]) -> None:
-    """Each placement group of the pool: per_node bundles of pool.bundle, all on its planned node."""
+    """Each placement group of the pool: per_node bundles of pool.bundle, all on its chosen node."""
     from ray.util.placement_group import placement_group_table
 
     for group, node_id in zip(groups, node_ids, strict=True):
@@ -101,11 +109,11 @@ def test_one_node_holds_both_pools_in_disjoint_gpus(cluster):
 
     head = ray.get_runtime_context().get_node_id()
     actor, rollout = actor_pool(1, 2, use_gpu=True), rollout_pool(1, 2)
-    plan, seen, groups = place_and_probe(actor, rollout)
+    chosen, seen, groups = place_and_probe(actor, rollout)
     try:
-        assert plan == Plan([head], [head])
-        check_groups(groups["actor"], actor, plan.actor_nodes)
-        check_groups(groups["rollout"], rollout, plan.rollout_nodes)
+        assert chosen == PoolNodes([head], [head])
+        check_groups(groups["actor"], actor, chosen.actor_nodes)
+        check_groups(groups["rollout"], rollout, chosen.rollout_nodes)
         assert {node for entries in seen.values() for node, _, _ in entries} == {head}
         check_disjoint(seen)
         assert sorted(g for entries in seen.values() for _, gpus, _ in entries for g in gpus) == [0, 1, 2, 3]
@@ -120,9 +128,9 @@ def test_pools_that_cannot_share_a_node_go_to_different_nodes(cluster):
     head = ray.get_runtime_context().get_node_id()
     other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
     actor, rollout = actor_pool(1, 4, use_gpu=True), rollout_pool(1, 2)  # 6 GPUs: the head holds 4
-    plan, seen, groups = place_and_probe(actor, rollout)
+    chosen, seen, groups = place_and_probe(actor, rollout)
     try:
-        assert plan == Plan([head], [other])
+        assert chosen == PoolNodes([head], [other])
         check_groups(groups["actor"], actor, [head])
         check_groups(groups["rollout"], rollout, [other])
         assert [node for node, _, _ in seen["actor"]] == [head] * 4
@@ -139,9 +147,9 @@ def test_two_nodes_each_hold_a_rank_and_a_worker(cluster):
     head = ray.get_runtime_context().get_node_id()
     other = next(n["NodeID"] for n in ray.nodes() if n["Alive"] and n["NodeID"] != head)
     actor, rollout = actor_pool(2, 1, use_gpu=True), rollout_pool(2, 1)
-    plan, seen, groups = place_and_probe(actor, rollout)
+    chosen, seen, groups = place_and_probe(actor, rollout)
     try:
-        assert plan == Plan([head, other], [head, other])
+        assert chosen == PoolNodes([head, other], [head, other])
         assert [node for node, _, _ in seen["actor"]] == [head, other]  # rank 0 on the driver's node
         assert [node for node, _, _ in seen["rollout"]] == [head, other]
         check_disjoint(seen)
@@ -163,8 +171,8 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
     from dppo.config import load_config
     from dppo.data import make_prompt_source
     from dppo.models import tiny_model_config
-    from dppo.trainer.placement import plan, pools
-    from dppo.checkpoint.state import RolloutStart
+    from dppo.trainer.placement import pool_nodes, pools
+    from dppo.trainer.state import RolloutStart
     from dppo.trainer.rollout import RayRollout
 
     cfg = load_config(
@@ -179,7 +187,7 @@ def test_the_real_rollout_workers_get_their_own_gpus(cluster, tmp_path):
     )
     actor = pools(cfg.trainer, cfg.rollout)[0]
     assert actor.bundle == {"GPU": 1.0, "CPU": 1.0}  # trainer.device=auto on a cluster with GPUs
-    actor_groups = place_pool(actor, plan(cfg.trainer, cfg.rollout).actor_nodes)  # what RayWorkerGroup places
+    actor_groups = place_pool(actor, pool_nodes(cfg.trainer, cfg.rollout).actor_nodes)  # what RayWorkerGroup places
     rollout = None
     try:
         probes = [

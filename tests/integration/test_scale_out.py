@@ -23,6 +23,7 @@ from dppo.models import as_state_dict, build_model
 from dppo.batch import Group, collate
 from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
+from dppo.config.pi_old import choose_pi_old
 from dppo.trainer.ppo import PPOTrainer
 from dppo.trainer.rollout import RolloutFailedError, RolloutSource
 from dppo.workers.rollout.worker import RolloutGenerator
@@ -186,9 +187,9 @@ def reconfigure(trainer: PPOTrainer, **extra) -> None:
     from dppo.trainer.filter_groups import GroupFilter
 
     cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor_group.world_size, **extra)
-    trainer.cfg = cfg
+    trainer.cfg, trainer.pi_old_choice = cfg, choose_pi_old(cfg)
     trainer.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # a trigger's draw size
-    trainer.actor_group.reconfigure(cfg)
+    trainer.actor_group.reconfigure(cfg, trainer.pi_old_choice)
 
 
 # ---- tests, in this order ------------------------------------------------------------------------
@@ -238,9 +239,9 @@ def test_every_strategy_allowed_under_fsdp2_gives_exact_old_log_probs(ws2, strat
     assert [r["debug/old_log_prob_max_abs_diff"] for r in records] == [0.0, 0.0]
     assert all(t["actor/grad_norm"] > 0 for t in triggers)  # the live weights moved between the triggers
     used = ws2.actor_group.execute(
-        lambda rank: rank.pi_old.source.reader_name if rank.pi_old.plan.source == "slot" else rank.pi_old.source.name
+        lambda rank: rank.pi_old.source.reader_name if rank.pi_old_choice.source == "slot" else rank.pi_old.source.name
     )
-    assert used == [{"auto": "swap", "swap": "swap", "reference": "copies"}[strategy]] * 2
+    assert used == [{"auto": "swap", "swap": "swap", "reference": "reference"}[strategy]] * 2
 
 
 def set_fuse_live(rank, fuse: bool) -> None:

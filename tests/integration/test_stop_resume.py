@@ -222,7 +222,7 @@ def test_a_sync_run_killed_with_sigkill_resumes_bitwise(tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"resumed from {out / 'checkpoints' / 'step_00000002'} (global step 2)" in resumed.stdout
     from dppo.checkpoint.layout import ACTOR_DIR
-    from dppo.workers.actor.sharded_state import load_full_weights
+    from dppo.checkpoint.shards import load_full_weights
 
     final = newest_trainer_state(out / "checkpoints")
     assert final["global_step"] == total

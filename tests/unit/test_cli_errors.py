@@ -140,7 +140,7 @@ def test_a_cluster_of_your_own_must_have_the_cpus_for_the_workers(small_cfg, mon
 
     monkeypatch.setattr(ray_cluster, "cluster_cpus", lambda: 3.0)
     monkeypatch.setattr(
-        placement, "plan", lambda trainer, rollout: None
+        placement, "pool_nodes", lambda trainer, rollout: None
     )  # the pools fit (tests/integration/test_rollout_placement.py)
     cfg = small_cfg(**{"ray.enabled": True, "ray.address": "auto", "rollout.num_workers": 2, "rollout.num_threads": 2})
     with pytest.raises(

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dppo.batch import Group, collate, token_version_metrics
-from dppo.checkpoint.state import group_from_state, group_state
+from dppo.trainer.state import group_from_state, group_state
 
 
 def _group(prompt_len: int, versions: list[list[int]] | None, version: int, lengths: list[int]) -> Group:

@@ -24,10 +24,8 @@ from dppo.config.checks import (
     positive,
     require,
 )
-from dppo.config.choices import (
-    PROX_ANCHORS,
-    PROX_LOGP_METHODS,
-)
+from dppo.config.choices import PROX_ANCHORS
+from dppo.pi_old_names import PROX_LOGP_METHODS
 
 
 @dataclass

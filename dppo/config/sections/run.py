@@ -18,9 +18,9 @@ from dppo.config.choices import (
     DEVICES,
     EVAL_ENGINES,
     LOGGERS,
-    SNAPSHOT_STRATEGIES,
     TRAINER_MODES,
 )
+from dppo.pi_old_names import SNAPSHOT_STRATEGIES
 
 
 @dataclass

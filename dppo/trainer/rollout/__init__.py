@@ -13,7 +13,7 @@ make_rollout picks the source a config asks for.
 
 from __future__ import annotations
 
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.config import DppoConfig
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutFailedError

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dppo.batch import Group
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.config import DppoConfig, ReplayConfig, RolloutConfig
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore, StoredGroup
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from dppo.batch import Group
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, cloned_state
 from dppo.trainer.rollout.source import RolloutSource

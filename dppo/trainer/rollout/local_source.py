@@ -33,7 +33,7 @@ from typing import Any
 import cloudpickle
 import torch
 
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutSettings, buffer_core
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord

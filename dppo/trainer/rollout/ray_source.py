@@ -22,11 +22,11 @@ from ray.exceptions import GetTimeoutError, RayTaskError
 
 from dppo._text import one_line
 from dppo.batch import Group
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.models import as_state_dict
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
-from dppo.trainer.placement import bundle_options, place_pool, plan, pools, remove_pool
+from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.buffer_server import ReplayBufferActor, Taken
@@ -57,7 +57,7 @@ class RayRollout(SupervisedRollout[RayWorker]):
         # predecessor's); CPU workers (no pool): spread over the nodes, reserving nothing.
         self._pool = pools(cfg.trainer, cfg.rollout)[1]
         self._groups = (
-            place_pool(self._pool, plan(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
+            place_pool(self._pool, pool_nodes(cfg.trainer, cfg.rollout).rollout_nodes) if self._pool is not None else []
         )
         threads = ReplayBufferActor.threads(self.settings.rollout.num_workers)
         self.buffer = buffer_core(

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from typing import Any, Generic, Literal, TypeVar
 
 from dppo.batch import Group
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, groups_of
 from dppo.trainer.rollout.source import RolloutSource
 from dppo.workers.rollout.buffer_server import Taken

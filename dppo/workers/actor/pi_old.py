@@ -1,15 +1,15 @@
-"""The pi_old provider: everything about pi_old on one actor rank, built once from the run's PiOldPlan.
+"""The pi_old provider: everything about pi_old on one actor rank, built once from the run's PiOldChoice.
 
-    pi_old = make_pi_old(plan, model, optimizer, score, copy_model)     # dppo.config.pi_old.plan_pi_old(cfg)
+    pi_old = make_pi_old(choice, model, optimizer, score, copy_model)     # choice: the run's, as the rank was handed it
 
 The rank holds this one object and asks it for everything pi_old; it composes three pieces, each chosen by one
-field of the plan and each implementing a declared interface:
+field of the choice and each implementing a declared interface:
 
-    source    PiOldSource (dppo.workers.actor.pi_old_sources), plan.source: which weights' log-probs are pi_old and
-              how they are scored (the behavior log-probs, the live weights, slot 0, verl v1's copies, nothing)
-    method    ProxMethod (dppo.workers.actor.prox_method), plan.method: how the loss gets log pi_prox from the
+    source    PiOldSource (dppo.workers.actor.pi_old_sources), choice.source: which weights' log-probs are pi_old and
+              how they are scored (the behavior log-probs, the live weights, slot 0, verl v1's reference scheme, none)
+    method    ProxMethod (dppo.workers.actor.prox_method), choice.method: how the loss gets log pi_prox from the
               source's (exact, exact and measured, loglinear, auto: its switch is made with it)
-    verifier  OldLogProbVerifier (dppo.workers.actor.pi_old_verify), plan.verify: checks what the loss used
+    verifier  OldLogProbVerifier (dppo.workers.actor.pi_old_verify), choice.verify: checks what the loss used
 
 Per trigger the update calls, in this order:
 
@@ -40,7 +40,7 @@ import torch
 
 from dppo import snapshot
 from dppo.batch import TrainBatch
-from dppo.config.pi_old import PiOldPlan
+from dppo.config.pi_old import PiOldChoice
 from dppo.workers.actor.pi_old_sources import PI_OLD_SOURCES, PiOldSource
 from dppo.workers.actor.pi_old_verify import CopyModel, NoVerifier, OldLogProbVerifier, ReferenceVerifier
 from dppo.workers.actor.prox_method import ProxFn, ProxMethod, StepVersions, make_prox_method
@@ -66,13 +66,13 @@ class PiOldProvider:
 
     def __init__(
         self,
-        plan: PiOldPlan,
+        choice: PiOldChoice,
         model: torch.nn.Module,
         source: PiOldSource,
         method: ProxMethod,
         verifier: OldLogProbVerifier,
     ) -> None:
-        self.plan, self.model = plan, model
+        self.choice, self.model = choice, model
         self.source, self.method, self.verifier = source, method, verifier
         self._own_pool: snapshot.SnapshotPool | None = None  # for verl's snapshot calls where the source keeps none
         self._skipped = 0  # the current cycle's triggers whose update was not applied (StepVersions.v_theta)
@@ -88,7 +88,7 @@ class PiOldProvider:
         start = time.perf_counter()
         old_logp = self._old_log_probs(trigger, batch, scored)  # (b, R), or None: from the training forward
         old_log_prob_s = time.perf_counter() - start
-        steps = StepVersions.of(batch, version, trigger, self.plan.parameter_sync_step, self._skipped)
+        steps = StepVersions.of(batch, version, trigger, self.choice.parameter_sync_step, self._skipped)
         return TriggerProx(self.method.prox(old_logp, batch, steps), steps, old_log_prob_s)
 
     def _old_log_probs(self, trigger: int, batch: TrainBatch, scored: torch.Tensor | None) -> torch.Tensor | None:
@@ -171,7 +171,7 @@ class PiOldProvider:
         if self.source.pool is not None:
             return self.source.pool
         if self._own_pool is None:
-            self._own_pool = snapshot.SnapshotPool(self.model, device_budget_bytes=self.plan.device_budget_bytes)
+            self._own_pool = snapshot.SnapshotPool(self.model, device_budget_bytes=self.choice.device_budget_bytes)
         return self._own_pool
 
     def close(self) -> None:
@@ -180,14 +180,14 @@ class PiOldProvider:
 
 
 def make_pi_old(
-    plan: PiOldPlan,
+    choice: PiOldChoice,
     model: torch.nn.Module,
     optimizer: torch.optim.Optimizer,
     score: ScoreFn,
     copy_model: CopyModel = copy.deepcopy,
 ) -> PiOldProvider:
-    """The provider of plan over the rank's model and optimizer; score(module, batch, params) scores in the rank's
-    precision; copy_model makes the verifier's independent copies of pi_old (plan.verify)."""
-    source = PI_OLD_SOURCES[plan.source](model, optimizer, score, plan)
-    verifier = ReferenceVerifier(model, score, plan.source == "live", copy_model) if plan.verify else NoVerifier()
-    return PiOldProvider(plan, model, source, make_prox_method(plan), verifier)
+    """The provider of choice over the rank's model and optimizer; score(module, batch, params) scores in the rank's
+    precision; copy_model makes the verifier's independent copies of pi_old (choice.verify)."""
+    source = PI_OLD_SOURCES[choice.source](model, optimizer, score, choice)
+    verifier = ReferenceVerifier(model, score, choice.source == "live", copy_model) if choice.verify else NoVerifier()
+    return PiOldProvider(choice, model, source, make_prox_method(choice), verifier)

@@ -1,22 +1,22 @@
-"""Where pi_old's log-probs come from on one rank: one PiOldSource per value of PiOldPlan.source (dppo.config.pi_old).
+"""Where pi_old's log-probs come from on one rank: one PiOldSource per value of PiOldChoice.source (dppo.config.pi_old).
 
-    behav   BehavSource: the behavior log-probs that came with the samples; no recompute, no snapshot.
-    live    LiveSource: pi_old is the live weights at every trigger (prox_anchor=current, or parameter_sync_step=1,
-            where slot 0 would never be read), so its log-probs are the training forward pass's own, detached
-            (compute returns None: no pass of its own).
-    slot    SlotSource: Decoupled PPO, every trigger uses the weights of the cycle start. Trigger 0 saves the live
-            weights into snapshot slot 0 asynchronously and returns None: pi_old is the live weights, whose
-            log-probs the training forward pass gives (the copy and that pass only read the weights; pool.guard
-            fences the first optimizer step on the copy); trigger k >= 1 scores with slot 0 through a slot reader
-            (view, stream or swap, dppo.workers.actor.slot_readers) chosen by snapshot.strategy, leaving the live
-            weights alone.
-    copies  CopiesSource: snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking
-            per-parameter pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
-    none    NoSource: loglinear approximates pi_old at every trigger from the training forward; nothing is scored.
+    behav      BehavSource: the behavior log-probs that came with the samples; no recompute, no snapshot.
+    live       LiveSource: pi_old is the live weights at every trigger (prox_anchor=current, or parameter_sync_step=1,
+               where slot 0 would never be read), so its log-probs are the training forward pass's own, detached
+               (compute returns None: no pass of its own).
+    slot       SlotSource: Decoupled PPO, every trigger uses the weights of the cycle start. Trigger 0 saves the live
+               weights into snapshot slot 0 asynchronously and returns None: pi_old is the live weights, whose
+               log-probs the training forward pass gives (the copy and that pass only read the weights; pool.guard
+               fences the first optimizer step on the copy); trigger k >= 1 scores with slot 0 through a slot reader
+               (view, stream or swap, dppo.workers.actor.slot_readers) chosen by snapshot.strategy, leaving the live
+               weights alone.
+    reference  ReferenceSource: snapshot.strategy=reference, for comparison only: verl v1's scheme of blocking
+               per-parameter pageable copies (save at trigger 0; save, restore, forward, restore, clear at k >= 1).
+    none       NoSource: loglinear approximates pi_old at every trigger from the training forward; nothing is scored.
 
 None from compute means "no separate pass": the update takes log pi_old from its own forward pass (the prox method,
 dppo.workers.actor.prox_method). Where the rollout correction needs the whole mini-batch's old log-probs before the
-first backward pass, fuse_live is False (PiOldPlan.fuse_live) and the live-weight triggers run a no-grad pass of
+first backward pass, fuse_live is False (PiOldChoice.fuse_live) and the live-weight triggers run a no-grad pass of
 their own. A source only computes; the provider (dppo.workers.actor.pi_old) decides when it is asked.
 
 An exception in any source propagates and leaves the live weights and the optimizer state as they were.
@@ -24,8 +24,8 @@ An exception in any source propagates and leaves the live weights and the optimi
 Under FSDP2 (a sharded model, dppo.workers.actor.fsdp) every source runs rank-locally on the rank's own shards; slot 0
 holds the local shards. FSDP2 all-gathers from the storage it registered, not from what a forward pass is handed,
 so view (functional_call over the slot) and stream (the slot substituted block by block) would silently compute
-with the live weights there: they are refused (SHARDED_READERS lists what works), and auto reads with swap, which
-writes slot 0 into that very storage and back.
+with the live weights there: they are refused (dppo.pi_old_names.SHARDED_STRATEGIES lists what works), and auto
+reads with swap, which writes slot 0 into that very storage and back.
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ import torch
 from dppo import snapshot
 from dppo.algo import UnknownNameError
 from dppo.batch import TrainBatch
-from dppo.config.choices import check_reader_for_sharding
-from dppo.config.pi_old import SOURCES, PiOldPlan
+from dppo.config.pi_old import PiOldChoice
+from dppo.pi_old_names import check_strategy_for_sharding
 from dppo.workers.actor.fsdp import is_sharded, local_tensor
 from dppo.workers.actor.slot_readers import SLOT_READERS, ScoreFn, SlotReader, StreamReader, choose_reader
 
@@ -56,10 +56,12 @@ class PiOldSource(ABC):
     name = ""
 
     def __init__(
-        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, plan: PiOldPlan
+        self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, score: ScoreFn, choice: PiOldChoice
     ) -> None:
         self.model, self.optimizer, self.score = model, optimizer, score
-        self.fuse_live = plan.fuse_live  # where pi_old is the live weights: the training forward's log-probs, or a pass
+        self.fuse_live = (
+            choice.fuse_live
+        )  # where pi_old is the live weights: the training forward's log-probs, or a pass
         self.snapshot_s = 0.0  # seconds spent in snapshot calls since the last take_snapshot_s()
         self.moved_bytes = 0  # weight bytes copied by snapshot work so far (saves, swaps, streamed steps, restores)
 
@@ -148,16 +150,16 @@ class NoSource(PiOldSource):
 class SlotSource(PiOldSource):
     name = "slot"
 
-    def __init__(self, model, optimizer, score, plan: PiOldPlan) -> None:
-        super().__init__(model, optimizer, score, plan)
-        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=plan.device_budget_bytes)
+    def __init__(self, model, optimizer, score, choice: PiOldChoice) -> None:
+        super().__init__(model, optimizer, score, choice)
+        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=choice.device_budget_bytes)
         # The save at trigger 0 is asynchronous: the first optimizer step must not overwrite a weight
         # before the copy has read it.
         self._guard = self._pool.guard(optimizer)
         self.sharded = is_sharded(model)
         # One reader of each kind over this pool: the stream reader keeps its traced schedule between reads.
         self._readers = {name: cls(self) for name, cls in SLOT_READERS.items()}
-        self.use_reader(plan.reader)
+        self.use_reader(choice.reader)
         self._skip_next = False  # skip_snapshot() was called: the next trigger 0 takes no snapshot
         self._slot_is_pi_old = False  # slot 0 holds this cycle's pi_old (a cycle that skipped it holds an older one)
 
@@ -191,11 +193,11 @@ class SlotSource(PiOldSource):
 
     def use_reader(self, name: str) -> None:
         """Read slot 0 at triggers k >= 1 with SLOT_READERS[name] ("auto": chosen at the first read, and
-        again whenever slot 0 has moved to another tier since). A sharded model allows SHARDED_READERS only."""
+        again whenever slot 0 has moved to another tier since). A sharded model allows SHARDED_STRATEGIES only."""
         if name != "auto" and name not in SLOT_READERS:
             raise UnknownReaderError(f"unknown slot reader {name!r}; valid names: {', '.join(SLOT_READERS)}")
         if self.sharded:
-            check_reader_for_sharding(name)
+            check_strategy_for_sharding(name)
         self._reader: SlotReader | None = None if name == "auto" else self._readers[name]
         self._auto = name == "auto"
         self._reader_tier: str | None = None  # the tier of slot 0 that auto chose the reader for
@@ -257,7 +259,7 @@ class SlotSource(PiOldSource):
             self._pool.clear(0)
 
 
-class CopiesSource(PiOldSource):
+class ReferenceSource(PiOldSource):
     """The reference (verl v1) scheme, re-created for comparison only (snapshot.strategy=reference).
 
     Trigger 0: blocking per-parameter pageable save of the live weights (a sharded model's local shards) into
@@ -267,10 +269,10 @@ class CopiesSource(PiOldSource):
     three full weight transfers, none overlapped with anything.
     """
 
-    name = "copies"
+    name = "reference"
 
-    def __init__(self, model, optimizer, score, plan: PiOldPlan) -> None:
-        super().__init__(model, optimizer, score, plan)
+    def __init__(self, model, optimizer, score, choice: PiOldChoice) -> None:
+        super().__init__(model, optimizer, score, choice)
         self._slot: dict[str, torch.Tensor] | None = None
         self._nbytes = sum(local_tensor(p).nbytes for p in model.parameters())
 
@@ -315,8 +317,7 @@ class CopiesSource(PiOldSource):
         self._slot = None
 
 
-# one source class per PiOldPlan.source (dppo.config.pi_old.SOURCES)
+# one source class per name of dppo.pi_old_names.SOURCES
 PI_OLD_SOURCES: dict[str, type[PiOldSource]] = {
-    cls.name: cls for cls in (BehavSource, LiveSource, SlotSource, CopiesSource, NoSource)
+    cls.name: cls for cls in (BehavSource, LiveSource, SlotSource, ReferenceSource, NoSource)
 }
-assert tuple(PI_OLD_SOURCES) == SOURCES

@@ -1,4 +1,4 @@
-"""trainer.verify_old_log_prob (PiOldPlan.verify): every old log-prob the loss uses, checked against an independent
+"""trainer.verify_old_log_prob (PiOldChoice.verify): every old log-prob the loss uses, checked against an independent
 copy of pi_old's weights.
 
 ReferenceVerifier scores each trigger's mini-batch again with a copy of pi_old's weights made by copy_model (default
@@ -75,7 +75,7 @@ class NoVerifier(OldLogProbVerifier):
 
 
 class ReferenceVerifier(OldLogProbVerifier):
-    """See the module docstring. follows_live: pi_old is the live weights at every trigger (PiOldPlan.source live),
+    """See the module docstring. follows_live: pi_old is the live weights at every trigger (PiOldChoice.source live),
     so the copy is made anew at every trigger and a checkpoint's anchor is never pi_old."""
 
     def __init__(

@@ -25,8 +25,7 @@ from dataclasses import dataclass
 import torch
 
 from dppo.algo import loglinear_alpha, loglinear_prox_log_prob, prox_approx_metrics
-from dppo.config.choices import PROX_LOGP_METHODS
-from dppo.config.pi_old import PiOldPlan
+from dppo.config.pi_old import PiOldChoice
 from dppo.batch import TrainBatch
 from dppo.workers.actor.prox_auto import INTERP_KEY, METHOD_CODES, AutoProxSwitch
 
@@ -204,13 +203,13 @@ class Auto(ProxMethod):
             self.switch.load_state(state["switch"])
 
 
-_METHODS = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
-assert tuple(_METHODS) == PROX_LOGP_METHODS
+# one method per name of dppo.pi_old_names.PROX_LOGP_METHODS
+PROX_METHODS: dict[str, type[ProxMethod]] = {cls.name: cls for cls in (Recompute, Loglinear, Metrics, Auto)}
 
 
-def make_prox_method(plan: PiOldPlan) -> ProxMethod:
-    """The method plan.method names (one of PROX_LOGP_METHODS; the plan has checked it); auto's switch is made from
-    the plan's check cadence and bound, and whether stale samples can come (auto's checks must see them)."""
-    if plan.method == "auto":
-        return Auto(AutoProxSwitch(plan.check_every, plan.max_is_err, plan.stale_samples))
-    return _METHODS[plan.method]()
+def make_prox_method(choice: PiOldChoice) -> ProxMethod:
+    """The method choice.method names (one of PROX_LOGP_METHODS; the choice has checked it); auto's switch is made from
+    the choice's check cadence and bound, and whether stale samples can come (auto's checks must see them)."""
+    if choice.method == "auto":
+        return Auto(AutoProxSwitch(choice.check_every, choice.max_is_err, choice.stale_samples))
+    return PROX_METHODS[choice.method]()

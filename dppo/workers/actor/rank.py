@@ -13,8 +13,8 @@ any larger world size runs FSDP2 (dppo.workers.actor.fsdp.parallelize).
 Precision (actor.mixed_precision): one dppo.workers.actor.precision.Precision, set in init_model, under which the
 update's forward and every pass of score run, so that the old log-probs are those of the training forward's compute.
 
-pi_old: one provider (self.pi_old, dppo.workers.actor.pi_old), built from the run's PiOldPlan (dppo.config.pi_old),
-answers everything about it: the old log-probs and the prox of each trigger, score-ahead's skipped snapshot, the
+pi_old: one provider (self.pi_old, dppo.workers.actor.pi_old), built from the run's PiOldChoice (dppo.config.pi_old:
+made once, where the run is planned, and handed to every rank; a rank never reads the keys that decide it), answers everything about it: the old log-probs and the prox of each trigger, score-ahead's skipped snapshot, the
 verifier, auto's switch, the checkpoint pieces and the pool of verl's snapshot calls.
 """
 
@@ -32,7 +32,8 @@ from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
-from dppo.config.pi_old import PiOldPlan, plan_pi_old
+from dppo.checkpoint.shards import ShardedCheckpointError
+from dppo.config.pi_old import PiOldChoice
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
 from dppo.workers.actor.fsdp import (
     free_port,
@@ -49,7 +50,7 @@ from dppo.workers.actor.pi_old_sources import with_weights
 from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.weight_fingerprint import fingerprint, print_dtype
-from dppo.workers.actor.sharded_state import ShardedCheckpointError, load_lr_step, load_sharded, save_sharded
+from dppo.workers.actor.sharded_state import load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
 from dppo.workers.dispatch import ALL, DP, DP_GATHER, RANK0, register
 
@@ -64,15 +65,24 @@ class ActorRank:
     """One actor rank. The constructor is light; init_model (on every rank at once) builds everything."""
 
     def __init__(
-        self, cfg, rank: int, world_size: int, vocab_size: int, own_process: bool = False, publish_deltas: bool = False
+        self,
+        cfg,
+        pi_old_choice: PiOldChoice,
+        rank: int,
+        world_size: int,
+        vocab_size: int,
+        own_process: bool = False,
+        publish_deltas: bool = False,
     ) -> None:
-        """own_process: this rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem).
-        publish_deltas: rank 0 publishes, next to the full weights, what changed since its last publish
-        (rollout.weight_sync=delta with an engine that accepts deltas; the driver asks the engine's spec)."""
+        """pi_old_choice: the run's (dppo.config.pi_old.choose_pi_old(cfg), made by the driver). own_process: this
+        rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem). publish_deltas: rank 0
+        publishes, next to the full weights, what changed since its last publish (rollout.weight_sync=delta with an
+        engine that accepts deltas; the driver asks the engine's spec)."""
         if own_process:
             keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in
         self.own_process = own_process
         self.cfg, self.rank, self.world_size, self.vocab_size = cfg, rank, world_size, vocab_size
+        self.pi_old_choice = pi_old_choice
         self.peers = RankGroup(rank, world_size)
         self.sharded = uses_fsdp(cfg.actor.fsdp, world_size)
         self.model: torch.nn.Module | None = None
@@ -132,28 +142,28 @@ class ActorRank:
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
             bound_retention(2 * local_bytes)
-        self.setup_update(plan_pi_old(cfg))
+        self.setup_update(self.pi_old_choice)
 
-    def setup_update(self, plan: PiOldPlan) -> None:
-        """The objective (the loss and the rollout correction) of self.cfg and the pi_old provider of plan, over the
+    def setup_update(self, choice: PiOldChoice) -> None:
+        """The objective (the loss and the rollout correction) of self.cfg and the pi_old provider of choice, over the
         model and the optimizer built."""
         self.rollout_correction = self.cfg.algorithm.rollout_correction.to_algo()
         self.objective = select_objective(self.cfg.actor, self.cfg.algorithm.rollout_correction, self.cfg.trainer.seed)
-        self.pi_old = make_pi_old(plan, self.model, self.optimizer, self.score, copy_model=self.plain_copy)
+        self.pi_old = make_pi_old(choice, self.model, self.optimizer, self.score, copy_model=self.plain_copy)
 
     @register(ALL)
-    def reconfigure(self, cfg) -> None:
+    def reconfigure(self, cfg, pi_old_choice: PiOldChoice) -> None:
         """Run on with cfg's algorithm and snapshot settings over the same weights and optimizer (benchmarks and
-        tests compare settings on one model): the pi_old provider is released and built anew from cfg's plan. The
-        precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
+        tests compare settings on one model): the pi_old provider is released and built anew from pi_old_choice
+        (cfg's). The precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
         if cfg.actor.mixed_precision != self.cfg.actor.mixed_precision:
             raise ValueError(
                 f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
                 f"{self.cfg.actor.mixed_precision} (set once, at init_model)"
             )
         self.pi_old.close()
-        self.cfg = cfg
-        self.setup_update(plan_pi_old(cfg))
+        self.cfg, self.pi_old_choice = cfg, pi_old_choice
+        self.setup_update(pi_old_choice)
 
     @register(ALL)
     def parameter_bytes(self) -> int:
@@ -331,7 +341,7 @@ class ActorRank:
         if weights is None:
             state = full_state_dict(self.model, cpu_offload=True)
         else:
-            # copies: a plain module's CPU state dict aliases the live tensors, which get their values back
+            # reference: a plain module's CPU state dict aliases the live tensors, which get their values back
             gathered = lambda: {k: v.clone() for k, v in full_state_dict(self.model, cpu_offload=True).items()}  # noqa: E731
             state = with_weights(self.model, weights, gathered)
         if self.rank != 0:
@@ -370,7 +380,7 @@ class ActorRank:
         with_anchor, make the pi_old weights it holds slot 0 of the cycle it was written in."""
         anchor = load_sharded(path, self.model, self.optimizer, self.ref_model, with_anchor)
         self.pi_old.close()  # the pi_old pieces start as a new process's would (nothing of a later cycle kept)
-        self.setup_update(self.pi_old.plan)
+        self.setup_update(self.pi_old_choice)
         if anchor is not None:
             self.pi_old.load_anchor(anchor)
         self._resume_lr_schedule(path)

@@ -1,16 +1,16 @@
-"""plan_pi_old: the keys that decide pi_old resolved into one frozen PiOldPlan (dppo.config.pi_old), field by field,
-against the table of what each combination means (docs/old_log_probs.md); the plan refuses names it does not know
-and states no plan can mean."""
+"""choose_pi_old: the keys that decide pi_old resolved into one frozen PiOldChoice (dppo.config.pi_old), field by field,
+against the table of what each combination means (docs/old_log_probs.md); the choice refuses names it does not know
+and states no choice can mean."""
 
 import dataclasses
 
 import pytest
 
 from dppo.config import load_config
-from dppo.config.pi_old import PiOldPlan, plan_pi_old
+from dppo.config.pi_old import PiOldChoice, choose_pi_old
 
 # The defaults: Decoupled PPO, separate_async with stale samples allowed, parameter_sync_step 4, auto reader.
-DEFAULT = PiOldPlan(
+DEFAULT = PiOldChoice(
     source="slot",
     method="recompute",
     reader="auto",
@@ -49,7 +49,7 @@ CASES = [  # (overrides, the fields that differ from DEFAULT)
         {"algorithm.prox_logp_method": "auto", **PS1},
         {"source": "live", "method": "auto", "reader": None, "score_ahead": False, "parameter_sync_step": 1},
     ),
-    ({"snapshot.strategy": "reference"}, {"source": "copies", "reader": None, "score_ahead": False}),
+    ({"snapshot.strategy": "reference"}, {"source": "reference", "reader": None, "score_ahead": False}),
     (
         {"snapshot.strategy": "stream", "snapshot.device_budget_bytes": 1 << 20},
         {"reader": "stream", "device_budget_bytes": 1 << 20},
@@ -74,9 +74,9 @@ CASES = [  # (overrides, the fields that differ from DEFAULT)
 )
 def test_the_plan_of_each_combination_of_keys(overrides, fields):
     cfg = load_config([f"{k}={'null' if v is None else v}" for k, v in overrides.items()])
-    plan = plan_pi_old(cfg)
-    assert dataclasses.asdict(plan) == dataclasses.asdict(dataclasses.replace(DEFAULT, **fields))  # a diff by field
-    assert plan == dataclasses.replace(DEFAULT, **fields)  # and equal as plans
+    choice = choose_pi_old(cfg)
+    assert dataclasses.asdict(choice) == dataclasses.asdict(dataclasses.replace(DEFAULT, **fields))  # a diff by field
+    assert choice == dataclasses.replace(DEFAULT, **fields)  # and equal as choices
 
 
 def test_the_plan_is_frozen():
@@ -85,7 +85,7 @@ def test_the_plan_is_frozen():
 
 
 @pytest.mark.parametrize("fields, match", [
-    ({"source": "nope"}, r"source='nope'; valid names: behav, live, slot, copies, none"),
+    ({"source": "nope"}, r"source='nope'; valid names: behav, live, slot, reference, none"),
     ({"method": "cubic"}, r"method='cubic'; valid names: recompute, loglinear, metrics, auto"),
     ({"reader": "reference"}, r"reader='reference'; valid names: auto, view, swap, stream"),
     ({"source": "live"}, r"reader='auto' with source='live': only a slot is read"),

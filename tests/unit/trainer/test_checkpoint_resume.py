@@ -333,9 +333,9 @@ def test_dcp_values_load_without_running_code(tmp_path):
     """DCP's own planner loads non-tensor values with torch.load(weights_only=False); dppo's does not."""
     from types import SimpleNamespace
 
-    from dppo.workers.actor.sharded_state import UnsafeCheckpointError, _safe_reader_classes
+    from dppo.checkpoint.shards import UnsafeCheckpointError, safe_reader_classes
 
-    _, planner_cls = _safe_reader_classes()
+    _, planner_cls = safe_reader_classes()
     planner = planner_cls()
     planner.flatten_state_dict, planner.state_dict = False, {}
     item = SimpleNamespace(dest_index=SimpleNamespace(fqn="optimizer.param_groups.0.lr"))
@@ -463,3 +463,35 @@ def test_a_run_whose_triggers_train_on_fewer_groups_resumes_with_the_groups_it_c
         assert (older.rollout_start.consumed, older.rollout_start.next_grant) == (4 * 4, 32)  # 4 versions x B
     finally:
         older.close()
+
+
+def test_an_older_mid_cycle_checkpoint_counts_what_its_cycle_consumed(small_cfg, tmp_path):
+    """A mid-cycle trainer.pt of a dppo that kept no consumed count, read into the current layout (RunCheckpoints) and
+    into the loop's state (TrainerState): full mini-batches of G groups for the versions and the cycle's triggers done,
+    the groups held ahead, and the kept groups of the draw pending; the rest of the state as it was saved."""
+    from dppo.batch import Group
+    from dppo.checkpoint.run import RunCheckpoints
+    from dppo.trainer.state import CycleProgress, Draw, HeldBatch, RolloutStart, TrainerState
+
+    def groups(count: int) -> list[Group]:
+        return [
+            Group(torch.zeros(3, dtype=torch.long), *[torch.zeros(2, 4)] * 3, torch.zeros(2), 5) for _ in range(count)
+        ]
+
+    cfg = small_cfg(**{"trainer.parameter_sync_step": 4, "trainer.train_batch_size": 8})  # G = 2 groups a trigger
+    progress = CycleProgress(
+        trigger=2,
+        ahead=[HeldBatch(groups(3), torch.zeros(6, 4))],
+        pending=Draw(groups(3), [True, False, True], dropped=1),
+    )
+    saved = TrainerState(5, 5, progress, RolloutStart(5, consumed=999, next_grant=60, dropped_total=7)).to_state(1.5)
+    del saved["rollout"]["consumed"]
+    state = TrainerState.from_state(RunCheckpoints(cfg, tmp_path)._run_state(saved))
+    assert state.rollout_start.consumed == 5 * 8 + 2 * 2 + 3 + 2
+    assert (state.global_step, state.version, state.progress.trigger, state.progress.elapsed_s) == (5, 5, 2, 1.5)
+    assert (state.rollout_start.version, state.rollout_start.next_grant, state.rollout_start.dropped_total) == (
+        5,
+        60,
+        7,
+    )
+    assert state.progress.pending.kept == [True, False, True] and state.progress.ahead[0].num_groups == 3

@@ -2,10 +2,12 @@
 that parameter_sync_step=1 takes no snapshot, and that a failure inside it leaves all state intact."""
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 
+from dppo.config.pi_old import choose_pi_old
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.actor.pi_old_sources import SlotSource
 
@@ -106,7 +108,7 @@ def test_each_snapshot_strategy_gives_the_cycle_start_policy_bitwise(small_cfg, 
     assert all(c["equal_to_anchor"] and c["live_unchanged"] for c in trainer.checks), trainer.checks
     source = trainer.actor_group.local_rank.pi_old.source
     if strategy == "reference":
-        assert source.name == "copies" and source.pool is None
+        assert source.name == "reference" and source.pool is None
     else:  # the reader really went through the pool
         reader = {"auto": "view"}.get(strategy, strategy)  # auto on the CPU: the slot in place
         assert source.reader_name == reader
@@ -137,6 +139,22 @@ def test_ps1_and_bypass_and_current_take_no_snapshot(small_cfg, bypass, anchor):
     source = trainer.actor_group.local_rank.pi_old.source
     assert source.pool is None
     assert not isinstance(source, SlotSource)
+
+
+def test_the_ranks_build_pi_old_from_the_choice_they_are_handed(small_cfg):
+    """The trainer hands its PiOldChoice to the ranks as it is, and no rank chooses pi_old from the config itself: a
+    choice other than the config's (the swap reader where the config says view) is the one the provider is built
+    from, at the start and again after a checkpoint is loaded (which builds the provider anew)."""
+    cfg = cycle_cfg(small_cfg, 2, False, **{"snapshot.strategy": "view"})
+    handed = dataclasses.replace(choose_pi_old(cfg), reader="swap")
+    trainer = PPOTrainer(cfg, pi_old_choice=handed)
+    rank = trainer.actor_group.local_rank
+    assert trainer.pi_old_choice is handed and rank.pi_old.choice is handed
+    assert rank.pi_old.source.reader_name == "swap"
+    path = trainer.save_checkpoint()
+    trainer.actor_group.load_checkpoint(str(path / "actor"))
+    assert rank.pi_old.choice is handed and rank.pi_old.source.reader_name == "swap"
+    trainer.close()
 
 
 @pytest.mark.parametrize("strategy", ["view", "swap", "stream", "reference"])
@@ -217,11 +235,11 @@ def test_metrics_of_a_cycle(small_cfg):
 
 
 def test_unknown_reader_and_source_names_list_the_valid_ones(small_cfg):
-    from dppo.config.pi_old import PiOldPlan
+    from dppo.config.pi_old import PiOldChoice
     from dppo.workers.actor.pi_old_sources import UnknownReaderError
 
     rank = PPOTrainer(cycle_cfg(small_cfg, 2, False)).actor_group.local_rank
     with pytest.raises(UnknownReaderError, match="'fast'.*view, swap, stream"):
         rank.pi_old.source.use_reader("fast")
-    with pytest.raises(KeyError, match="'nope'.*behav, live, slot, copies, none"):
-        PiOldPlan(source="nope")
+    with pytest.raises(KeyError, match="'nope'.*behav, live, slot, reference, none"):
+        PiOldChoice(source="nope")

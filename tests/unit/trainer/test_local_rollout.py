@@ -22,7 +22,7 @@ from dppo.config.checks import ConfigError
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config
 from dppo.trainer.rollout import InProcessRollout, LocalRollout, RolloutFailedError
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.workers.rollout.process import SharedState
 from tests.processes import alive
 from tests.tiny_run import small_overrides
@@ -183,7 +183,7 @@ def test_the_workers_die_with_a_killed_trainer(tmp_path):
         from dppo.data import make_prompt_source
         from dppo.models import policy_config
         from dppo.trainer.rollout import LocalRollout
-        from dppo.checkpoint.state import RolloutStart
+        from dppo.trainer.state import RolloutStart
         cfg = load_config(overrides={overrides!r})
         source = make_prompt_source(cfg)
         model_config = policy_config(cfg.model, source.vocab_size)

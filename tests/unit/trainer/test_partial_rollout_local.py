@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import dppo.workers.rollout.process as process
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.config import load_config
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.config import ReplayConfig, RolloutConfig
 from dppo.data import make_prompt_source
 from dppo.models import policy_config

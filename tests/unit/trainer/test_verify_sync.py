@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dppo.checkpoint.state import RolloutStart
+from dppo.trainer.state import RolloutStart
 from dppo.config import load_config
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config

@@ -12,7 +12,7 @@ import torch
 import dppo.snapshot
 from dppo.batch import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
-from dppo.workers.actor.pi_old_sources import CopiesSource, SlotSource
+from dppo.workers.actor.pi_old_sources import ReferenceSource, SlotSource
 from dppo.workers.actor.slot_readers import choose_reader
 
 
@@ -208,11 +208,11 @@ def test_trigger_0_save_overlaps_the_forward_pass_and_fences_the_first_step(smal
 
 def test_reference_strategy_is_only_chosen_by_name_and_ps1_takes_no_snapshot(small_cfg):
     rank = PPOTrainer(strategy_cfg(small_cfg, **{"snapshot.strategy": "reference"})).actor_group.local_rank
-    assert isinstance(rank.pi_old.source, CopiesSource)
+    assert isinstance(rank.pi_old.source, ReferenceSource)
     rank = PPOTrainer(strategy_cfg(small_cfg, ps=1, **{"snapshot.strategy": "reference"})).actor_group.local_rank
     assert rank.pi_old.source.name == "live"
     rank = PPOTrainer(strategy_cfg(small_cfg)).actor_group.local_rank
     assert isinstance(rank.pi_old.source, SlotSource) and rank.pi_old.source.reader_name == "auto"
-    source = CopiesSource(rank.model, rank.optimizer, rank.score, rank.pi_old.plan)
+    source = ReferenceSource(rank.model, rank.optimizer, rank.score, rank.pi_old.choice)
     with pytest.raises(RuntimeError, match="trigger 2: the reference slot 0 is empty"):
         source.compute(2, None)

@@ -5,7 +5,8 @@ from torch.distributed.checkpoint import FileSystemReader
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 from dppo.checkpoint.hf_model import model_with_weights
-from dppo.workers.actor.sharded_state import load_full_weights, load_sharded, save_sharded
+from dppo.checkpoint.shards import load_full_weights
+from dppo.workers.actor.sharded_state import load_sharded, save_sharded
 
 CONFIG = Qwen2Config(
     vocab_size=4000,

@@ -7,7 +7,7 @@ import pytest
 from torch.distributed.checkpoint.api import CheckpointException
 
 from dppo.stopping import Stopped
-from dppo.workers.actor.sharded_state import ShardedCheckpointError, _dcp_errors
+from dppo.checkpoint.shards import ShardedCheckpointError, dcp_errors
 
 
 def test_a_write_error_is_one_line_per_rank():
@@ -17,12 +17,12 @@ def test_a_write_error_is_one_line_per_rank():
         match=r"writing the checkpoint '/x' failed: rank 0: OSError: "
         r"\[Errno 28\] No space left on device",
     ):
-        with _dcp_errors("writing the checkpoint", "/x"):
+        with dcp_errors("writing the checkpoint", "/x"):
             raise CheckpointException("failed", failures)
 
 
 def test_a_stop_signal_during_a_write_is_raised_as_the_stop():
     with pytest.raises(Stopped) as info:
-        with _dcp_errors("writing the checkpoint", "/x"):
+        with dcp_errors("writing the checkpoint", "/x"):
             raise CheckpointException("failed", {0: (Stopped(signal.SIGTERM), None)})
     assert info.value.signum == signal.SIGTERM

@@ -1,6 +1,8 @@
-"""What a checkpoint holds besides the weights, as tensors and plain types (torch.load(weights_only=True) reads
-them): where the run is (TrainerState: its steps and version, how far the current sync cycle got, where the rollout
-picks up); the RNG states are dppo.rng's.
+"""The loop's state: where the run is (TrainerState: its steps and version, how far the current sync cycle got,
+where the rollout picks up), moved by the step loop (dppo.trainer.base), score-ahead, the group filter and the
+rollout sources. Each class turns itself into the tensors and plain types a checkpoint's trainer.pt holds
+(to_state; torch.load(weights_only=True) reads them) and back (from_state); dppo.checkpoint.run stores that layout
+and never sees the classes. The RNG states are dppo.rng's.
 
 A run resumed from a checkpoint continues exactly where the checkpointed one was: a boundary checkpoint
 (trigger 0) at the start of the next sync cycle, a mid-cycle one (written when the rollout failed beyond
@@ -229,6 +231,17 @@ class RolloutStart:
             "worker_restarts": self.worker_restarts,
         }
 
+    @staticmethod
+    def from_state(state: dict, version: int) -> RolloutStart:
+        """The start to_state() described, at the policy version the run continues at."""
+        return RolloutStart(
+            version,
+            int(state["consumed"]),
+            int(state["next_grant"]),
+            int(state["dropped_total"]),
+            int(state["worker_restarts"]),
+        )
+
     def took(self, version: int, groups: list[Group], dropped: int, discarded: int = 0) -> None:
         """The trainer at `version` took these groups (and the rollout dropped `dropped` meanwhile); discarded: how many
         of them it told the rollout it does not train on (algorithm.filter_groups)."""
@@ -246,3 +259,26 @@ class TrainerState:
     version: int = 0  # policy version of the live weights' last sync to the rollout
     progress: CycleProgress = field(default_factory=CycleProgress)  # of the current cycle
     rollout_start: RolloutStart = field(default_factory=RolloutStart)  # where a new rollout picks up
+
+    def to_state(self, cycle_elapsed_s: float) -> dict:
+        """The state as a checkpoint's trainer file holds it (plain values and tensors): global_step, version,
+        trigger, rollout, and where the cycle has started, cycle (with the time it has taken so far)."""
+        state = {
+            "global_step": self.global_step,
+            "version": self.version,
+            "trigger": self.progress.trigger,
+            "rollout": self.rollout_start.to_state(),
+        }
+        if self.progress.started:
+            state["cycle"] = self.progress.to_state(cycle_elapsed_s)
+        return state
+
+    @staticmethod
+    def from_state(state: dict) -> TrainerState:
+        """The state to_state() described (a checkpoint's, in the current layout: dppo.checkpoint.run reads older ones
+        into it)."""
+        version = int(state["version"])
+        progress = CycleProgress.from_state(state["cycle"]) if "cycle" in state else CycleProgress()
+        return TrainerState(
+            int(state["global_step"]), version, progress, RolloutStart.from_state(state["rollout"], version)
+        )
