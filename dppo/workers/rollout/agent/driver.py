@@ -18,6 +18,8 @@ import queue
 import threading
 import time
 
+import torch
+
 from dppo.workers.rollout.engines.base import TokenOutput, TokenRequest, TokenStream
 
 _IDLE_POLL_S = 0.05  # how long the thread waits for a request when none runs, before it looks at stop again
@@ -36,6 +38,9 @@ class EngineDriver:
         self._error: BaseException | None = None
         self.busy_s = 0.0  # time the thread spent in the engine's steps
         self.steps = 0
+        # the creating thread's intra-op threads: a new thread starts with OpenMP's default instead (vLLM's CPU attention
+        # checks that its kernels and their metadata agree on the count: "thread_num == thread_num (2 vs. 1)")
+        self._num_threads = torch.get_num_threads()
         self._thread = threading.Thread(target=self._run, name="dppo-agent-engine", daemon=True)
         self._thread.start()
 
@@ -65,6 +70,7 @@ class EngineDriver:
         self._thread.join()
 
     def _run(self) -> None:
+        torch.set_num_threads(self._num_threads)
         try:
             while not self._stop.is_set():
                 self._take_new(block=self._stream.running == 0)
