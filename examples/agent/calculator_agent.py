@@ -28,6 +28,8 @@ dppo.tools.sandbox instead.
 
 from __future__ import annotations
 
+import asyncio
+
 from dppo.data.rewards import last_number
 from dppo.tools.calculator import CalculatorError, calculate, find_calls
 
@@ -49,6 +51,8 @@ EXAMPLE = [
     {"role": "assistant", "content": "285705"},
 ]
 MAX_CALLS = 2  # calculator calls per run; the turn after the last one must answer
+# seconds each call waits before it answers: 0 here; benchmarks/agent_latency.py sets it to simulate a remote tool
+TOOL_LATENCY_S = 0.0
 MAX_TOKENS = 24  # per turn: a call or an answer is a few tokens; digits are one token each in SmolLM2's vocabulary
 
 
@@ -72,6 +76,8 @@ async def agent(client, row) -> dict:
         if not expressions or calls == MAX_CALLS:
             break
         calls += 1
+        if TOOL_LATENCY_S:
+            await asyncio.sleep(TOOL_LATENCY_S)
         messages.append({"role": "user", "content": f"<result>{calculator(expressions[0])}</result>"})
     answer = last_number(text) if not find_calls(text) else None
     right = answer is not None and answer.replace(",", "") == str(row["ground_truth"]).strip()
