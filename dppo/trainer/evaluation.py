@@ -123,13 +123,14 @@ def _best_key(key: str, n: int) -> str:
     return f"{head}/best@{n}/{rest}"
 
 
-def score_agents(agents, source: PromptSource, version: int, n: int = 1) -> dict[str, float]:
+def score_agents(agents, source: PromptSource, version: int, n: int = 1, limit: int | None = None) -> dict[str, float]:
     """The source's evaluation metrics of an agent (rollout.agent) run on each of source.eval_prompts() through
     agents (a dppo.workers.rollout.agent.AgentRollout over an engine that holds the weights of version): once and
     greedily with n=1, else n times sampled at the engine's temperature (and each metric's best of n, as score_policy).
     val/score/<data_source> is its rewards' mean, val/agent/<key>/<data_source> the mean of each of its agent/* values
-    (the agent's own extras, e.g. tool use, and agent/errors, agent/turns_mean, ...)."""
-    prompts = source.eval_prompts()
+    (the agent's own extras, e.g. tool use, and agent/errors, agent/turns_mean, ...). limit: the first that many held-out
+    rows only."""
+    prompts = source.eval_prompts()[:limit]
     if len(prompts) == 0:
         return {}
     runs = agents.run(prompts.meta, n, version, greedy=n == 1)  # prompt-major: each row's n runs in a row

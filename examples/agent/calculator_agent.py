@@ -4,17 +4,17 @@ It is written as a user of dppo writes an agent: an async function of an OpenAI 
 the reward (rollout.agent.path=examples/agent/calculator_agent.py, rollout.agent.name=agent). The conversation:
 
     system     how to call the calculator: <calc>EXPRESSION</calc>, and that its answer comes back as <result>...</result>
-    user       two solved examples (the demonstration turns), each: "Solve the following multiplication: 123 * 456. ..."
+    user       one solved example (the demonstration turn): "Solve the following multiplication: 123 * 456. ..."
     assistant  <calc>123 * 456</calc>
     user       <result>56088</result>
     assistant  56088
-    ...        (907 * 315 the same way)
     user       the row's question (reasoning-gym's `products`: "Solve the following multiplication: 361 * 220. ...")
 
-About 230 tokens before the question's answer. Measured on the base model (vLLM, bf16, 64 held-out problems, 4 samples
-each at temperature 1, 2026-12-04): with one demonstration the model called the calculator in 19% of its runs and
-answered 9% right; with these two, 87% and 51%; with the two but their questions shortened to "123 * 456 = ?", 10%
-and 2% (it matches the examples' wording).
+About 150 tokens before the model's first turn. Measured on the base model (vLLM, bf16, 2026-12-04): with this one
+demonstration it called the calculator in 19% of its runs at temperature 1 and answered 9% right (64 held-out
+problems, 4 samples each), greedy 0.20; with a second demonstration (907 * 315) 87% and 51%, and greedy 1.000 on the
+256 held-out problems: the prompt alone would do the task, so make agent keeps one and leaves the rest to the
+training. With the two questions shortened to "123 * 456 = ?", 10% and 2% (it matches the example's wording).
 
 then the model's turns: where one holds a <calc> call, the calculator's result (or its error) comes back as the next
 user message, `<result>...</result>`, and the model answers again; at most MAX_CALLS calls. The reward is 1 when the
@@ -42,13 +42,6 @@ EXAMPLE = [
     {"role": "assistant", "content": "<calc>123 * 456</calc>"},
     {"role": "user", "content": "<result>56088</result>"},
     {"role": "assistant", "content": "56088"},
-    {
-        "role": "user",
-        "content": "Solve the following multiplication: 907 * 315. Give only the result as your final answer.",
-    },
-    {"role": "assistant", "content": "<calc>907 * 315</calc>"},
-    {"role": "user", "content": "<result>285705</result>"},
-    {"role": "assistant", "content": "285705"},
 ]
 MAX_CALLS = 2  # calculator calls per run; the turn after the last one must answer
 # seconds each call waits before it answers: 0 here; benchmarks/agent_latency.py sets it to simulate a remote tool
