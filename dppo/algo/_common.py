@@ -181,6 +181,20 @@ def check_masked_terms(
     return mask, checks
 
 
+def check_added_term(
+    coef: object, response_mask: object, normalizers: object, loss_scale_factor: object, **tensors: torch.Tensor
+) -> tuple[torch.Tensor, Checks]:
+    """The checks of a coef-weighted term added to the policy loss and aggregated as it is (kl_loss, entropy_bonus):
+    coef a finite number, the first of tensors a tensor (named before any complaint about the mask), then
+    check_masked_terms over response_mask with normalizers, then loss_scale_factor. Returns check_masked_terms'."""
+    check_number("coef", coef)
+    first_name, first = next(iter(tensors.items()))
+    check_tensor(first_name, first)
+    mask, checks = check_masked_terms("response_mask", response_mask, normalizers, **tensors)
+    check_loss_scale_factor(loss_scale_factor)
+    return mask, checks
+
+
 def to_floats(metrics: Mapping[str, torch.Tensor], checks: Checks | None = None) -> dict[str, float]:
     """Copy 0-dim metric tensors (and check flags) to python floats in one device sync; raise on a failed check."""
     values = [v.detach().float().reshape(()) for v in metrics.values()]

@@ -10,9 +10,7 @@ from dppo.algo._common import (
     Checks,
     LossNormalizers,
     as_mask,
-    check_loss_scale_factor,
-    check_masked_terms,
-    check_number,
+    check_added_term,
     check_same_shape,
     check_tensor,
     lookup,
@@ -127,12 +125,9 @@ def kl_loss(
 
     Aggregated over response_mask (the loss mask) with normalizers and loss_scale_factor, as the policy loss.
     """
-    check_number("coef", coef)
-    check_tensor("log_prob", log_prob)
-    mask, checks = check_masked_terms(
-        "response_mask", response_mask, normalizers, log_prob=log_prob, ref_log_prob=ref_log_prob
+    mask, checks = check_added_term(
+        coef, response_mask, normalizers, loss_scale_factor, log_prob=log_prob, ref_log_prob=ref_log_prob
     )
-    check_loss_scale_factor(loss_scale_factor)
     per_token = lookup(KL_PENALTIES, kind, "KL penalty kind")(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
     kl = agg_loss_unchecked(per_token, mask, loss_agg_mode, normalizers, loss_scale_factor)
     metrics = to_floats({"actor/kl_loss": kl.detach()}, checks)
