@@ -219,11 +219,14 @@ def masked_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: 
     return (logp - base_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
-def unclamped_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def unclamped_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """log_prob - base_log_prob in fp32 (B, T) as it is (the losses that never exponentiate it, or exponentiate it
-    unclamped as verl does), 0 where mask is 0; differentiable in log_prob only."""
+    unclamped as verl does; the KL estimators), 0 where mask is 0 whatever is there (None: every position is valid);
+    differentiable in log_prob only."""
     logp, base_logp = log_prob.float(), base_log_prob.detach().float()
-    return torch.where(mask, logp, 0.0) - torch.where(mask, base_logp, 0.0)
+    if mask is not None:
+        logp, base_logp = torch.where(mask, logp, 0.0), torch.where(mask, base_logp, 0.0)
+    return logp - base_logp
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
