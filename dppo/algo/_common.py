@@ -164,15 +164,24 @@ class Checks:
             raise exc(f"{message}: value {value} at index {list(pos)} {where}")
 
 
+def checked_mask(mask_name: str, mask: object, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """The bool view of a (B, T) mask (bool, or nonzero = valid), after checking that it is 2-D and that each tensor
+    is a tensor of its shape: the first one must be given, the others may be None (absent)."""
+    mask = as_mask(mask_name, mask)
+    check_2d(mask_name, mask)
+    first_name, first = next(iter(tensors.items()))
+    check_tensor(first_name, first)
+    check_same_shape(mask_name, mask, **tensors)
+    return mask
+
+
 def check_masked_terms(
     mask_name: str, mask: object, normalizers: object = None, **tensors: torch.Tensor | None
 ) -> tuple[torch.Tensor, Checks]:
-    """The checks every loss term over a (B, T) mask shares: mask (bool, or nonzero = valid) is 2-D, each tensor
-    is a tensor of mask's shape (None: absent), normalizers are valid. Returns the bool mask and a Checks that
-    flags NaN/inf in each tensor where the mask is valid (raised by to_floats, in the metrics' device sync)."""
-    mask = as_mask(mask_name, mask)
-    check_2d(mask_name, mask)
-    check_same_shape(mask_name, mask, **tensors)
+    """The checks every loss term over a (B, T) mask shares: checked_mask's, and normalizers are valid. Returns the
+    bool mask and a Checks that flags NaN/inf in each tensor where the mask is valid (raised by to_floats, in the
+    metrics' device sync)."""
+    mask = checked_mask(mask_name, mask, **tensors)
     check_normalizers(normalizers)
     checks = Checks(mask, mask_name)
     for name, t in tensors.items():
