@@ -55,26 +55,18 @@ def build_model(model_cfg, vocab_size: int, seed: int) -> torch.nn.Module:
     """
     dtype = DTYPES[model_cfg.dtype]
     if model_cfg.path is not None:
-        if not os.path.isdir(model_cfg.path):
-            raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
+        path = _model_dir(model_cfg)
         with quiet_transformers():
             # loaded straight into dtype (each tensor cast as it is read): no whole fp32 copy beside the bf16 one
-            model = AutoModelForCausalLM.from_pretrained(model_cfg.path, local_files_only=True, dtype=dtype).to(dtype)
+            model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=dtype).to(dtype)
         if model.config.vocab_size < vocab_size:
             raise ValueError(
                 f"model at {model_cfg.path!r} has vocab_size {model.config.vocab_size}; the task needs {vocab_size}"
             )
     else:
-        config = tiny_model_config(
-            vocab_size,
-            model_cfg.hidden_size,
-            model_cfg.num_hidden_layers,
-            model_cfg.num_attention_heads,
-            model_cfg.intermediate_size,
-        )
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            model = Qwen2ForCausalLM(config).to(dtype)
+            model = Qwen2ForCausalLM(_tiny_config(model_cfg, vocab_size)).to(dtype)
     model.config.use_cache = False  # training passes never need the KV cache
     return model.eval()
 
@@ -83,19 +75,29 @@ def policy_config(model_cfg, vocab_size: int):
     """The transformers config of the policy build_model(model_cfg, vocab_size, seed) builds, without building it: the
     tiny model's, or model.path's config.json (what the rollout workers need to build their copies)."""
     if model_cfg.path is not None:
-        if not os.path.isdir(model_cfg.path):
-            raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
-        config = AutoConfig.from_pretrained(model_cfg.path, local_files_only=True)
+        config = AutoConfig.from_pretrained(_model_dir(model_cfg), local_files_only=True)
     else:
-        config = tiny_model_config(
-            vocab_size,
-            model_cfg.hidden_size,
-            model_cfg.num_hidden_layers,
-            model_cfg.num_attention_heads,
-            model_cfg.intermediate_size,
-        )
+        config = _tiny_config(model_cfg, vocab_size)
     config.use_cache = False  # as build_model sets it
     return config
+
+
+def _model_dir(model_cfg) -> str:
+    """model_cfg.path, after checking that it is a directory (a local transformers model: no hub access)."""
+    if not os.path.isdir(model_cfg.path):
+        raise FileNotFoundError(f"model.path={model_cfg.path!r} is not a directory")
+    return model_cfg.path
+
+
+def _tiny_config(model_cfg, vocab_size: int):
+    """The tiny Qwen2-style model's config: model_cfg's sizes over vocab_size tokens."""
+    return tiny_model_config(
+        vocab_size,
+        model_cfg.hidden_size,
+        model_cfg.num_hidden_layers,
+        model_cfg.num_attention_heads,
+        model_cfg.intermediate_size,
+    )
 
 
 @contextlib.contextmanager

@@ -164,20 +164,43 @@ class Checks:
             raise exc(f"{message}: value {value} at index {list(pos)} {where}")
 
 
+def checked_mask(mask_name: str, mask: object, **tensors: torch.Tensor | None) -> torch.Tensor:
+    """The bool view of a (B, T) mask (bool, or nonzero = valid), after checking that it is 2-D and that each tensor
+    is a tensor of its shape: the first one must be given, the others may be None (absent)."""
+    mask = as_mask(mask_name, mask)
+    check_2d(mask_name, mask)
+    first_name, first = next(iter(tensors.items()))
+    check_tensor(first_name, first)
+    check_same_shape(mask_name, mask, **tensors)
+    return mask
+
+
 def check_masked_terms(
     mask_name: str, mask: object, normalizers: object = None, **tensors: torch.Tensor | None
 ) -> tuple[torch.Tensor, Checks]:
-    """The checks every loss term over a (B, T) mask shares: mask (bool, or nonzero = valid) is 2-D, each tensor
-    is a tensor of mask's shape (None: absent), normalizers are valid. Returns the bool mask and a Checks that
-    flags NaN/inf in each tensor where the mask is valid (raised by to_floats, in the metrics' device sync)."""
-    mask = as_mask(mask_name, mask)
-    check_2d(mask_name, mask)
-    check_same_shape(mask_name, mask, **tensors)
+    """The checks every loss term over a (B, T) mask shares: checked_mask's, and normalizers are valid. Returns the
+    bool mask and a Checks that flags NaN/inf in each tensor where the mask is valid (raised by to_floats, in the
+    metrics' device sync)."""
+    mask = checked_mask(mask_name, mask, **tensors)
     check_normalizers(normalizers)
     checks = Checks(mask, mask_name)
     for name, t in tensors.items():
         if t is not None:
             checks.finite(name, t)
+    return mask, checks
+
+
+def check_added_term(
+    coef: object, response_mask: object, normalizers: object, loss_scale_factor: object, **tensors: torch.Tensor
+) -> tuple[torch.Tensor, Checks]:
+    """The checks of a coef-weighted term added to the policy loss and aggregated as it is (kl_loss, entropy_bonus):
+    coef a finite number, the first of tensors a tensor (named before any complaint about the mask), then
+    check_masked_terms over response_mask with normalizers, then loss_scale_factor. Returns check_masked_terms'."""
+    check_number("coef", coef)
+    first_name, first = next(iter(tensors.items()))
+    check_tensor(first_name, first)
+    mask, checks = check_masked_terms("response_mask", response_mask, normalizers, **tensors)
+    check_loss_scale_factor(loss_scale_factor)
     return mask, checks
 
 
@@ -205,11 +228,14 @@ def masked_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: 
     return (logp - base_logp).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
 
 
-def unclamped_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+def unclamped_log_ratio(log_prob: torch.Tensor, base_log_prob: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """log_prob - base_log_prob in fp32 (B, T) as it is (the losses that never exponentiate it, or exponentiate it
-    unclamped as verl does), 0 where mask is 0; differentiable in log_prob only."""
+    unclamped as verl does; the KL estimators), 0 where mask is 0 whatever is there (None: every position is valid);
+    differentiable in log_prob only."""
     logp, base_logp = log_prob.float(), base_log_prob.detach().float()
-    return torch.where(mask, logp, 0.0) - torch.where(mask, base_logp, 0.0)
+    if mask is not None:
+        logp, base_logp = torch.where(mask, logp, 0.0), torch.where(mask, base_logp, 0.0)
+    return logp - base_logp
 
 
 def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -10,13 +10,12 @@ from dppo.algo._common import (
     Checks,
     LossNormalizers,
     as_mask,
-    check_loss_scale_factor,
-    check_masked_terms,
-    check_number,
+    check_added_term,
     check_same_shape,
     check_tensor,
     lookup,
     to_floats,
+    unclamped_log_ratio,
 )
 from dppo.algo.aggregation import agg_loss_unchecked
 
@@ -45,14 +44,6 @@ def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
     """pi_ref/pi - log(pi_ref/pi) - 1: unbiased, >= 0, low variance (Schulman); written as verl writes it."""
     kl = (-log_ratio).clamp(-K3_LOG_RATIO_BOUND, K3_LOG_RATIO_BOUND)  # log pi_ref / pi
     return (torch.exp(kl) - kl - 1).clamp(-K3_BOUND, K3_BOUND)
-
-
-def _masked_diff(log_prob: torch.Tensor, ref_log_prob: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """log_prob - ref_log_prob in fp32 (B, T), 0 where mask is 0 (whatever is there), differentiable in log_prob."""
-    logp, ref = log_prob.float(), ref_log_prob.detach().float()
-    if mask is not None:
-        logp, ref = torch.where(mask, logp, 0.0), torch.where(mask, ref, 0.0)
-    return logp - ref
 
 
 def _straight_through(estimator: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torch.Tensor], torch.Tensor]:
@@ -110,7 +101,7 @@ def kl_penalty(
     checks.finite("log_prob", log_prob)
     checks.finite("ref_log_prob", ref_log_prob)
     to_floats({}, checks)
-    return estimator(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
+    return estimator(unclamped_log_ratio(log_prob, ref_log_prob, mask))  # (B, T)
 
 
 def kl_loss(
@@ -127,13 +118,11 @@ def kl_loss(
 
     Aggregated over response_mask (the loss mask) with normalizers and loss_scale_factor, as the policy loss.
     """
-    check_number("coef", coef)
-    check_tensor("log_prob", log_prob)
-    mask, checks = check_masked_terms(
-        "response_mask", response_mask, normalizers, log_prob=log_prob, ref_log_prob=ref_log_prob
+    mask, checks = check_added_term(
+        coef, response_mask, normalizers, loss_scale_factor, log_prob=log_prob, ref_log_prob=ref_log_prob
     )
-    check_loss_scale_factor(loss_scale_factor)
-    per_token = lookup(KL_PENALTIES, kind, "KL penalty kind")(_masked_diff(log_prob, ref_log_prob, mask))  # (B, T)
+    estimator = lookup(KL_PENALTIES, kind, "KL penalty kind")
+    per_token = estimator(unclamped_log_ratio(log_prob, ref_log_prob, mask))  # (B, T)
     kl = agg_loss_unchecked(per_token, mask, loss_agg_mode, normalizers, loss_scale_factor)
     metrics = to_floats({"actor/kl_loss": kl.detach()}, checks)
     return coef * kl, {**metrics, "actor/kl_coef": float(coef)}

@@ -18,10 +18,7 @@ import torch
 
 from dppo.algo._common import (
     AlgoInputError,
-    as_mask,
-    check_2d,
-    check_same_shape,
-    check_tensor,
+    checked_mask,
     lookup,
 )
 from dppo.algo.kl import kl_penalty
@@ -87,12 +84,10 @@ def apply_kl_penalty(
     the batch's KL; returns them and {"actor/reward_kl_penalty": that KL, "actor/reward_kl_penalty_coeff": beta}
     (beta before the update, as verl reports it). log_prob is the policy's log-probs (verl's old_log_probs),
     ref_log_prob the reference's, all (B, T); kl_penalty_kind a dppo.algo.KL_PENALTIES name."""
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
-    check_same_shape(
+    mask = checked_mask(
         "response_mask",
-        mask,
-        token_level_scores=check_tensor("token_level_scores", token_level_scores),
+        response_mask,
+        token_level_scores=token_level_scores,
         log_prob=log_prob,
         ref_log_prob=ref_log_prob,
     )

@@ -84,47 +84,69 @@ def _scaled_fp32(chunk: torch.Tensor, temperature: float) -> tuple[torch.Tensor,
     return (x.div_(temperature) if temperature != 1.0 else x), True
 
 
+def _scaled_chunks(x: torch.Tensor, rows: int, temperature: float) -> Iterator[tuple[slice, torch.Tensor, bool]]:
+    """For each chunk of x's rows, as _row_chunks walks them: (its rows in the flat (N,) index, the chunk / temperature
+    in fp32 (n, V), whether that is a new tensor the caller may overwrite)."""
+    for start, chunk in _row_chunks(x, rows):
+        scaled, fresh = _scaled_fp32(chunk, temperature)
+        yield slice(start, start + chunk.shape[0]), scaled, fresh
+
+
+def _row_outputs(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two empty fp32 (N,) rows of a forward over logits (..., V): its result and the log-sum-exp backward keeps."""
+    n_rows = logits.numel() // logits.shape[-1]
+    return (
+        torch.empty(n_rows, dtype=torch.float32, device=logits.device),
+        torch.empty(n_rows, dtype=torch.float32, device=logits.device),
+    )
+
+
+def _keep_for_backward(ctx, logits: torch.Tensor, temperature: float, rows: int, *tensors: torch.Tensor) -> None:
+    """What backward needs besides tensors (the first of them the rows it walks): the temperature, the chunk size
+    and logits' shape (that of the gradient)."""
+    ctx.save_for_backward(*tensors)
+    ctx.temperature, ctx.rows, ctx.shape = temperature, rows, logits.shape
+
+
+def _empty_grad(ctx, source: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient to fill (logits' shape and dtype) and its (N, V) rows, a view (it is contiguous)."""
+    grad = torch.empty(ctx.shape, dtype=source.dtype, device=source.device)
+    return grad, grad.view(-1, source.shape[-1])
+
+
 class _LogProbFn(torch.autograd.Function):
     """log softmax(logits / T)[label] per row, chunked; backward recomputes the softmax per chunk."""
 
     @staticmethod
     def forward(ctx, logits, labels, temperature, rows):  # logits (..., V), labels (N,) -> (N,)
-        n_rows = labels.shape[0]
-        logp = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        logp, lse = _row_outputs(logits)  # (N,) each
         source = _rows_source(logits, rows)
-        for start, chunk in _row_chunks(source, rows):
-            stop = start + chunk.shape[0]
-            x, _ = _scaled_fp32(chunk, temperature)  # (n, V)
-            lse[start:stop] = torch.logsumexp(x, dim=-1)
-            picked = x.gather(-1, labels[start:stop, None]).squeeze(-1)  # (n,)
-            logp[start:stop] = picked - lse[start:stop]
-        ctx.save_for_backward(source, labels, lse)
-        ctx.temperature, ctx.rows, ctx.shape = temperature, rows, logits.shape
+        for r, x, _ in _scaled_chunks(source, rows, temperature):  # x (n, V)
+            lse[r] = torch.logsumexp(x, dim=-1)
+            picked = x.gather(-1, labels[r, None]).squeeze(-1)  # (n,)
+            logp[r] = picked - lse[r]
+        _keep_for_backward(ctx, logits, temperature, rows, source, labels, lse)
         return logp
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_logp):  # (N,) -> d/dlogits (..., V)
         logits, labels, lse = ctx.saved_tensors
-        grad = torch.empty(ctx.shape, dtype=logits.dtype, device=logits.device)
-        grad_rows = grad.view(-1, logits.shape[-1])  # (N, V), contiguous
+        grad, grad_rows = _empty_grad(ctx, logits)  # grad_rows (N, V)
         g_all = grad_logp.float()
-        for start, chunk in _row_chunks(logits, ctx.rows):
-            stop = start + chunk.shape[0]
-            g = g_all[start:stop, None]  # (n, 1)
-            x, fresh = _scaled_fp32(chunk, ctx.temperature)  # (n, V)
+        for r, x, fresh in _scaled_chunks(logits, ctx.rows, ctx.temperature):  # x (n, V)
+            g = g_all[r, None]  # (n, 1)
             # softmax (n, V), built in the gradient's own rows when they are fp32, else in x if x is a copy
             if grad.dtype == torch.float32:
-                p = torch.sub(x, lse[start:stop, None], out=grad_rows[start:stop])
+                p = torch.sub(x, lse[r, None], out=grad_rows[r])
             else:
-                p = x.sub_(lse[start:stop, None]) if fresh else x - lse[start:stop, None]
+                p = x.sub_(lse[r, None]) if fresh else x - lse[r, None]
             # d logp / d x = onehot(label) - softmax; d x / d logits = 1 / T
-            p.exp_().mul_(-g).scatter_add_(-1, labels[start:stop, None], g)
+            p.exp_().mul_(-g).scatter_add_(-1, labels[r, None], g)
             if ctx.temperature != 1.0:
                 p.div_(ctx.temperature)
             if grad.dtype != torch.float32:
-                grad_rows[start:stop] = p
+                grad_rows[r] = p
         return grad, None, None, None
 
 
@@ -133,13 +155,9 @@ class _EntropyFn(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits, temperature, rows):  # logits (..., V) -> (N,)
-        n_rows = logits.numel() // logits.shape[-1]
-        entropy = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
-        lse = torch.empty(n_rows, dtype=torch.float32, device=logits.device)
+        entropy, lse = _row_outputs(logits)  # (N,) each
         source = _rows_source(logits, rows)
-        for start, chunk in _row_chunks(source, rows):
-            stop = start + chunk.shape[0]
-            x, fresh = _scaled_fp32(chunk, temperature)  # (n, V)
+        for r, x, fresh in _scaled_chunks(source, rows, temperature):  # x (n, V)
             lse_c = torch.logsumexp(x, dim=-1)  # (n,)
             logp = x.sub_(lse_c[:, None]) if fresh else x - lse_c[:, None]  # (n, V)
             p = torch.exp(logp)  # (n, V)
@@ -150,28 +168,24 @@ class _EntropyFn(torch.autograd.Function):
             # lse leaves sum p = s = exp(-d) != 1 and costs ~d * H; the entropy of p / s,
             # -sum(p log p) / s + log s, removes it (5x closer to fp64 at V ~ 1e5) for one row sum.
             s = p.sum(-1)  # (n,)
-            entropy[start:stop] = logp.mul_(p).sum(-1).div_(s).neg_().add_(s.log())
-            lse[start:stop] = lse_c
-        ctx.save_for_backward(source, lse, entropy)
-        ctx.temperature, ctx.rows, ctx.shape = temperature, rows, logits.shape
+            entropy[r] = logp.mul_(p).sum(-1).div_(s).neg_().add_(s.log())
+            lse[r] = lse_c
+        _keep_for_backward(ctx, logits, temperature, rows, source, lse, entropy)
         return entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_entropy):  # (N,) -> d/dlogits (..., V)
         logits, lse, entropy = ctx.saved_tensors
-        grad = torch.empty(ctx.shape, dtype=logits.dtype, device=logits.device)
-        grad_rows = grad.view(-1, logits.shape[-1])  # (N, V)
+        grad, grad_rows = _empty_grad(ctx, logits)  # grad_rows (N, V)
         g_all = grad_entropy.float()
-        for start, chunk in _row_chunks(logits, ctx.rows):
-            stop = start + chunk.shape[0]
-            x, fresh = _scaled_fp32(chunk, ctx.temperature)  # (n, V)
-            logp = x.sub_(lse[start:stop, None]) if fresh else x - lse[start:stop, None]  # (n, V), ours to overwrite
+        for r, x, fresh in _scaled_chunks(logits, ctx.rows, ctx.temperature):  # x (n, V)
+            logp = x.sub_(lse[r, None]) if fresh else x - lse[r, None]  # (n, V), ours to overwrite
             p = torch.exp(logp)  # (n, V)
             logp.nan_to_num_(nan=torch.nan, posinf=torch.inf, neginf=0.0)  # p = 0 there: gradient 0, not nan
             # dH / dx_j = -p_j (log p_j + H); d x / d logits = 1 / T
-            logp.add_(entropy[start:stop, None]).mul_(p).mul_(-g_all[start:stop, None] / ctx.temperature)
-            grad_rows[start:stop] = logp
+            logp.add_(entropy[r, None]).mul_(p).mul_(-g_all[r, None] / ctx.temperature)
+            grad_rows[r] = logp
         return grad, None, None
 
 

@@ -17,6 +17,7 @@ import torch
 from dppo.algo._common import (
     AlgoInputError,
     LossNormalizers,
+    check_added_term,
     check_loss_scale_factor,
     check_masked_terms,
     check_number,
@@ -332,9 +333,6 @@ def entropy_bonus(
 
     Aggregated over response_mask (the loss mask) with normalizers and loss_scale_factor, as the policy loss.
     """
-    check_number("coef", coef)
-    check_tensor("entropy", entropy)
-    mask, checks = check_masked_terms("response_mask", response_mask, normalizers, entropy=entropy)
-    check_loss_scale_factor(loss_scale_factor)
+    mask, checks = check_added_term(coef, response_mask, normalizers, loss_scale_factor, entropy=entropy)
     mean_entropy = agg_loss_unchecked(entropy.float(), mask, loss_agg_mode, normalizers, loss_scale_factor)
     return -coef * mean_entropy, to_floats({"actor/entropy": mean_entropy}, checks)

@@ -19,10 +19,7 @@ import torch
 
 from dppo.algo._common import (
     AlgoInputError,
-    Checks,
-    as_mask,
-    check_2d,
-    check_same_shape,
+    check_masked_terms,
     check_tensor,
     masked_log_ratio,
     masked_max,
@@ -73,15 +70,10 @@ def loglinear_prox_log_prob(
     v_behav (B,) or (B, T) integer optimizer-step counts of the weights that sampled each sequence (token).
     Raises AlgoInputError for bad versions or shapes and NonFiniteError for NaN/inf at a valid position.
     """
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
-    check_same_shape(
-        "response_mask", mask, log_prob=check_tensor("log_prob", log_prob), rollout_log_prob=rollout_log_prob
+    mask, checks = check_masked_terms(
+        "response_mask", response_mask, log_prob=log_prob, rollout_log_prob=rollout_log_prob
     )
     v_behav = _check_versions(v_prox, v_theta, v_behav, mask.shape)  # (B, T)
-    checks = Checks(mask)
-    checks.finite("log_prob", log_prob)
-    checks.finite("rollout_log_prob", rollout_log_prob)
     to_floats({}, checks)
     with torch.no_grad():
         behav = torch.where(mask, rollout_log_prob.float(), 0.0)  # (B, T)
@@ -102,22 +94,13 @@ def prox_approx_metrics(
     prox_approx/is_weight_abs_err_mean, prox_approx/is_weight_abs_err_max: of the IS weight pi_prox / pi_behav
     (each log-ratio clamped to [-20, 20] as everywhere in dppo.algo).
     """
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
-    check_same_shape(
+    mask, checks = check_masked_terms(
         "response_mask",
-        mask,
-        approx_log_prob=check_tensor("approx_log_prob", approx_log_prob),
+        response_mask,
+        approx_log_prob=approx_log_prob,
         prox_log_prob=prox_log_prob,
         rollout_log_prob=rollout_log_prob,
     )
-    checks = Checks(mask)
-    for name, t in (
-        ("approx_log_prob", approx_log_prob),
-        ("prox_log_prob", prox_log_prob),
-        ("rollout_log_prob", rollout_log_prob),
-    ):
-        checks.finite(name, t)
     with torch.no_grad():
         err = masked_log_ratio(approx_log_prob, prox_log_prob, mask).abs()  # (B, T), 0 where masked
         w_approx = torch.exp(masked_log_ratio(approx_log_prob, rollout_log_prob, mask))

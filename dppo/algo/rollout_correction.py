@@ -16,11 +16,7 @@ import torch
 
 from dppo.algo._common import (
     LOG_RATIO_BOUND,
-    Checks,
-    as_mask,
-    check_2d,
-    check_same_shape,
-    check_tensor,
+    check_masked_terms,
     masked_max,
     masked_mean,
     masked_min,
@@ -182,15 +178,11 @@ def compute_rollout_correction_and_rejection_mask(
     (B, T), ShapeMismatchError on shape mismatch and NonFiniteError for NaN/inf at a valid position (all
     ValueErrors).
     """
-    mask = as_mask("response_mask", response_mask)
-    check_2d("response_mask", mask)
-    check_tensor("old_log_prob", old_log_prob)
-    check_same_shape("response_mask", mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob)
+    mask, checks = check_masked_terms(
+        "response_mask", response_mask, old_log_prob=old_log_prob, rollout_log_prob=rollout_log_prob
+    )
     if not isinstance(config, RolloutCorrectionConfig):
         raise TypeError(f"config must be a RolloutCorrectionConfig; got {type(config).__name__}")
-    checks = Checks(mask)
-    checks.finite("old_log_prob", old_log_prob)
-    checks.finite("rollout_log_prob", rollout_log_prob)
     with torch.no_grad():
         weights, keep, metrics = rollout_correction_tensors(old_log_prob, rollout_log_prob, mask, config)
     return weights, keep, to_floats(metrics, checks)

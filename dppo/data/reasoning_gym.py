@@ -256,17 +256,7 @@ class ReasoningGymSource(TextSource):
             builtin=ReasoningGymScore(rg.dataset, rg.config),
             builtin_label=f"reasoning-gym {rg.dataset!r}'s score_answer",
         )
-        source = cls(
-            tokenizer,
-            tokenized(train_entries, seed),
-            tokenized(val_entries, val_seed, None if rg.val_config is None else rg.held_out_config)
-            if val_entries
-            else None,
-            reward,
-            data.max_response_length,
-            data.shuffle,
-            run_seed if data.seed is None else data.seed,
-            batch_size,
-        )
-        source.check_model_vocab(model_path)
-        return source
+        train = tokenized(train_entries, seed)
+        held_out_config = None if rg.val_config is None else rg.held_out_config
+        val = tokenized(val_entries, val_seed, held_out_config) if val_entries else None
+        return cls._from_rows(data, model_path, tokenizer, train, val, reward, run_seed, batch_size)

@@ -201,10 +201,21 @@ class TextSource(PromptSource):
             rows = read_parquet_files(files, data.prompt_key)
             return tokenize_rows(tokenizer, rows, data.max_prompt_length, data.truncation)
 
+        train = load(data.train_files)
+        val = load(data.val_files) if data.val_files is not None else None
+        return cls._from_rows(data, model_path, tokenizer, train, val, reward, seed, batch_size)
+
+    @classmethod
+    def _from_rows(
+        cls, data, model_path: str, tokenizer, train: TextRows, val: TextRows | None, reward, seed: int, batch_size: int
+    ) -> TextSource:
+        """The source of from_config (a subclass's too) once its rows and reward are made: data's response length and
+        shuffle, shuffled at data.seed or else seed (trainer.seed), batch_size groups a step, and checked against
+        model_path's vocabulary (check_model_vocab)."""
         source = cls(
             tokenizer,
-            load(data.train_files),
-            load(data.val_files) if data.val_files is not None else None,
+            train,
+            val,
             reward,
             data.max_response_length,
             data.shuffle,
