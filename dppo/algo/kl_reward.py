@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dppo.algo_names import KL_CONTROLLER_TYPES
 from dppo.algo._common import (
     AlgoInputError,
     as_mask,
@@ -25,8 +26,6 @@ from dppo.algo._common import (
     lookup,
 )
 from dppo.algo.kl import kl_penalty
-
-KL_CONTROLLER_TYPES = ("fixed", "adaptive")
 
 
 def _check_positive(name: str, value) -> float:
