@@ -24,6 +24,7 @@ from dppo.config import ConfigError, load_config, to_dict
 from dppo.data import make_prompt_source
 from dppo.devices import resolve_device
 from dppo.launch.machine import check_machine
+from dppo.launch.preflight import check_prompt_source
 from dppo.launch.precision import resolve_precision
 from dppo.models import build_model
 from dppo.checkpoint.export import load_checkpoint_policy
@@ -125,6 +126,7 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     overrides = list(overrides)
     policy, cfg = load_eval_target(target, overrides, config_file)
     check_machine(cfg)  # the device, the threads, the data files an override names
+    check_prompt_source(cfg.data, cfg.model, cfg.task, cfg.trainer)  # a dataset, a task: built small, or one line
     cfg, precision = resolve_precision(cfg)  # rollout.dtype=auto: the engine's dtype on this machine
     torch.set_num_threads(cfg.trainer.num_threads)
     source = make_prompt_source(cfg)
