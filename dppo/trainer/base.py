@@ -52,6 +52,7 @@ from dppo.trainer.outputs import PublishedPolicy, RunResult, finish_run
 from dppo.trainer.progress import make_progress
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
+from dppo.trainer.rollout.settings import engine_settings
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import make_worker_group
@@ -92,7 +93,7 @@ def _published_policy(cfg: DppoConfig, source: PromptSource, model_config) -> Pu
     device = resolve_device(cfg.trainer.device)
 
     def engine():
-        return make_engine(cfg, source, model_config, device)
+        return make_engine(cfg.rollout.name, engine_settings(cfg, source), model_config, device)
 
     agents = None
     if getattr(source, "agent", None) is not None:  # rollout.agent: the agent is evaluated, on an engine
