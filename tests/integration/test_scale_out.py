@@ -25,6 +25,7 @@ from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.config.pi_old import choose_pi_old
 from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.worker_group import actor_settings
 from dppo.trainer.rollout import RolloutFailedError, RolloutSource
 from dppo.trainer.rollout.settings import worker_settings
 from dppo.workers.rollout.worker import RolloutGenerator
@@ -190,7 +191,7 @@ def reconfigure(trainer: PPOTrainer, **extra) -> None:
     cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor_group.world_size, **extra)
     trainer.cfg, trainer.pi_old_choice = cfg, choose_pi_old(cfg)
     trainer.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # a trigger's draw size
-    trainer.actor_group.reconfigure(cfg, trainer.pi_old_choice)
+    trainer.actor_group.reconfigure(actor_settings(cfg), trainer.pi_old_choice)
 
 
 # ---- tests, in this order ------------------------------------------------------------------------

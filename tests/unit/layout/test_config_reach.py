@@ -23,7 +23,6 @@ ROOT_CONFIG_READERS = {
     "commands/evaluate.py": "`dppo eval`, a command verb above dppo.launch: it resolves its config as launch does",
     "data/__init__.py": "make_prompt_source(cfg): the data, task, model.path, reward and agent keys of a source",
     "checkpoint/run.py": "RunCheckpoints writes the run's whole config into each checkpoint and reads its cadence",
-    "workers/actor/rank.py": "ActorRank reads the actor, algorithm, snapshot, model and trainer sections (not narrowed)",
 }
 
 
