@@ -22,7 +22,6 @@ ROOT_CONFIG_READERS = {
     "config/rules.py": "the config's rules across its own sections",
     "commands/evaluate.py": "`dppo eval`, a command verb above dppo.launch: it resolves its config as launch does",
     "data/__init__.py": "make_prompt_source(cfg): the data, task, model.path, reward and agent keys of a source",
-    "checkpoint/run.py": "RunCheckpoints writes the run's whole config into each checkpoint and reads its cadence",
 }
 
 
