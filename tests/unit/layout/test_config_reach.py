@@ -21,7 +21,9 @@ ROOT_CONFIG_READERS = {
     "config/pi_old.py": "choose_pi_old: the one decision made from the config's pi_old keys (the config's own)",
     "config/rules.py": "the config's rules across its own sections",
     "commands/evaluate.py": "`dppo eval`, a command verb above dppo.launch: it resolves its config as launch does",
-    "data/__init__.py": "make_prompt_source(cfg): the data, task, model.path, reward and agent keys of a source",
+    "data/__init__.py": "make_prompt_source(cfg), called at start-up only (launch, dppo eval, a trainer built without "
+    "a source): it dispatches to the sources' from_config, which take their own sections; not moved to the driver yet "
+    "(its ~65 call sites in 30 test files)",
 }
 
 
