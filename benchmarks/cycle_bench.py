@@ -88,7 +88,7 @@ from dppo.batch import TrainBatch
 from dppo.config import load_config
 from dppo.config.pi_old import choose_pi_old
 from dppo.trainer.ppo import PPOTrainer
-from dppo.trainer.worker_group import LocalWorkerGroup
+from dppo.trainer.worker_group import LocalWorkerGroup, actor_settings
 
 # name -> (hidden_size, num_hidden_layers, num_attention_heads, intermediate_size) of the Qwen2-style model
 SIZES = {
@@ -191,7 +191,7 @@ def mode_trainer(base: PPOTrainer, cfg, separate_pass: bool = False) -> PPOTrain
     trainer.cfg, trainer.pi_old_choice = cfg, choice
     trainer.setup()
     rank = copy.copy(rank_of(base))
-    rank.cfg, rank.pi_old_choice = cfg, choice
+    rank.settings, rank.pi_old_choice = actor_settings(cfg), choice
     rank.setup_update(choice)
     trainer.actor_group = LocalWorkerGroup(rank)
     return trainer

@@ -91,9 +91,10 @@ def run_world_size(bench, size: str, world_size: int, repeats: int, out_dir: str
 def reconfigure(trainer, cfg) -> None:
     """cfg's algorithm settings for the driver and every rank, over the same weights and optimizer."""
     from dppo.config.pi_old import choose_pi_old
+    from dppo.trainer.worker_group import actor_settings
 
     trainer.cfg, trainer.pi_old_choice = cfg, choose_pi_old(cfg)
-    trainer.actor_group.reconfigure(cfg, trainer.pi_old_choice)
+    trainer.actor_group.reconfigure(actor_settings(cfg), trainer.pi_old_choice)
 
 
 def run(bench, size: str, world_size: int, repeats: int) -> dict:

@@ -105,6 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     from dppo.data import make_prompt_source
     from dppo.data.reasoning_gym import split_entries
     from dppo.models import build_model
+    from dppo.trainer.rollout.settings import engine_settings
     from dppo.workers.rollout.engine_config import make_engine
 
     torch.set_num_threads(args.threads)
@@ -116,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     questions = [e["question"] for e in entries]
     prompts = source.eval_prompts()
     model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
-    engine = make_engine(cfg, source, model.config)
+    engine = make_engine(cfg.rollout.name, engine_settings(cfg, source), model.config)
     right, greedy = [0] * len(prompts), [False] * len(prompts)
     try:
         engine.load_weights(model.state_dict())

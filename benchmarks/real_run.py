@@ -344,7 +344,8 @@ def base_main(args) -> int:
     from dppo.models import build_model
     from dppo.trainer.evaluation import score_agents, score_engine
     from dppo.workers.rollout.agent.runner import worker_agents
-    from dppo.workers.rollout.engine_config import engine_settings, make_engine
+    from dppo.trainer.rollout.settings import engine_settings
+    from dppo.workers.rollout.engine_config import make_engine
 
     torch.set_num_threads(args.threads)
     from dppo.launch.precision import resolve_precision
@@ -355,7 +356,7 @@ def base_main(args) -> int:
     start = time.perf_counter()
     source = make_prompt_source(cfg)
     model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
-    engine = make_engine(cfg, source, model.config)
+    engine = make_engine(cfg.rollout.name, engine_settings(cfg, source), model.config)
     agents = None
     try:
         engine.load_weights(model.state_dict())

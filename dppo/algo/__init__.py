@@ -5,6 +5,7 @@ included) and never change a result. Metrics are dict[str, float] with verl-styl
 after verl 0.9.1's agree with verl's on the same inputs (tests/oracle runs verl's own functions as the oracle).
 """
 
+from dppo.algo_names import GREEDY_BASELINE_ESTIMATORS, TOKEN_LEVEL_ESTIMATORS
 from dppo.algo._common import (
     AlgoInputError,
     NonFiniteError,
@@ -22,8 +23,6 @@ from dppo.algo.aggregation import (
 from dppo.algo.estimators import (
     ADVANTAGE_ESTIMATORS,
     ESTIMATOR_DEFAULTS,
-    GREEDY_BASELINE_ESTIMATORS,
-    TOKEN_LEVEL_ESTIMATORS,
     get_advantage_estimator,
 )
 from dppo.algo.kl import KL_PENALTIES, kl_loss, kl_penalty
@@ -67,7 +66,7 @@ from dppo.algo.prox_approx import (
     prox_approx_metrics,
 )
 from dppo.algo.rollout_correction import compute_rollout_correction_and_rejection_mask
-from dppo.algo.rollout_correction_config import (
+from dppo.rollout_correction_config import (
     RS_OPTIONS,
     RolloutCorrectionConfig,
     RolloutCorrectionConfigError,

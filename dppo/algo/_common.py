@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from dppo.algo_names import UnknownNameError  # defined with the names, torch-free (the config raises it)
+
 # Log-ratios are clamped to this bound before exp (as verl does): exp(20) ~ 4.9e8 stays finite in fp32.
 LOG_RATIO_BOUND = 20.0
 
@@ -22,13 +24,6 @@ class ShapeMismatchError(AlgoInputError):
 
 class NonFiniteError(AlgoInputError):
     """A NaN or inf sits at a position the mask marks as valid."""
-
-
-class UnknownNameError(ValueError, KeyError):
-    """A registry lookup (loss, estimator, aggregation mode) got a name it does not know."""
-
-    def __str__(self) -> str:  # KeyError.__str__ would quote the message
-        return str(self.args[0]) if self.args else ""
 
 
 def lookup(registry: Mapping[str, Callable], name: str, what: str) -> Callable:

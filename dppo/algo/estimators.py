@@ -37,13 +37,6 @@ ESTIMATOR_DEFAULTS: dict[str, object] = {
     "reward_baselines": _REQUIRED,
 }
 
-# verl's estimators that read the token-level rewards token by token (discounted returns, returns-to-go); the others
-# read each sequence's sum, the outcome score dppo's estimators take.
-TOKEN_LEVEL_ESTIMATORS = ("reinforce_plus_plus", "remax")
-
-# Estimators that need one greedy response per prompt (not trained on) and its score as reward_baselines.
-GREEDY_BASELINE_ESTIMATORS = ("remax",)
-
 
 def _with_config(name: str, fn: Estimator, renames: dict[str, str] | None = None) -> Estimator:
     """fn called as fn(scores, group_index, response_mask, **config) with verl's key names (renames: verl's

@@ -16,14 +16,13 @@ from dataclasses import dataclass
 
 import torch
 
+from dppo.algo_names import KL_CONTROLLER_TYPES
 from dppo.algo._common import (
     AlgoInputError,
     checked_mask,
     lookup,
 )
 from dppo.algo.kl import kl_penalty
-
-KL_CONTROLLER_TYPES = ("fixed", "adaptive")
 
 
 def _check_positive(name: str, value) -> float:

@@ -18,6 +18,7 @@ from collections.abc import Callable
 
 import torch
 
+from dppo.algo_names import FIXED_AGG_MODES  # sapo's and geo_mean's own aggregations
 from dppo.algo._common import (
     LossNormalizers,
     check_loss_scale_factor,
@@ -48,10 +49,6 @@ POLICY_LOSS_DEFAULTS: dict[str, float | None] = {
     "tau_pos": 1.0,
     "tau_neg": 1.05,
 }
-
-# Losses whose aggregation does not follow loss_agg_mode (verl's): sapo always takes seq-mean-token-mean;
-# geo_mean puts each sequence's loss on one token and averages over sequences (seq-mean-token-sum).
-FIXED_AGG_MODES = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-sum"}
 
 
 def loss_mode_agg_mode(loss_mode: str, loss_agg_mode: str) -> str:

@@ -22,7 +22,7 @@ from dppo.algo._common import (
     masked_min,
     to_floats,
 )
-from dppo.algo.rollout_correction_config import Bounds, RolloutCorrectionConfig
+from dppo.rollout_correction_config import Bounds, RolloutCorrectionConfig
 
 # ---------------------------------------------------------------------------------------------------
 # Rejection mask

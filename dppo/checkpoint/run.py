@@ -28,7 +28,7 @@ from dppo.checkpoint.failure import CheckpointAttempts, cause_in_words, checkpoi
 from dppo.checkpoint.hf_model import CHECKPOINT_HF_DIR
 from dppo.checkpoint.shards import ShardedCheckpointError, UnsafeCheckpointError
 from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_ANCHOR, PI_OLD_FILE, PI_OLD_IN_FILE, PI_OLD_LIVE, TRAINER_FILE
-from dppo.config import DppoConfig, to_dict
+from dppo.config import TrainerConfig
 from dppo.rng import rng_state, set_rng_state
 
 # (checkpoint directory, the trainer state in its TRAINER_FILE): what a resumed run starts from
@@ -112,17 +112,30 @@ def _check_cycle_fits(trainer, state: dict) -> None:
         )
 
 
+@dataclass(frozen=True)
+class CheckpointSettings:
+    """What a run's checkpoints read of its config, resolved once by the driver (dppo.trainer.base.
+    checkpoint_settings): the trainer section (the cadence, the shape of a cycle, resume's checks), the whole config as
+    plain data (recorded in every checkpoint), and two facts of the actor section."""
+
+    trainer: TrainerConfig  # checkpoint_every, total_steps, train_batch_size, verify_old_log_prob, ...
+    config: dict  # the run's resolved config as plain data (dppo.config.to_dict): each trainer.pt records it
+    groups_per_trigger: int  # the groups each optimizer step consumes
+    hf_model: bool  # actor.checkpoint.save_contents holds hf_model: a transformers directory of the policy too
+    reference: bool  # actor.kl_loss_coef > 0: a checkpoint's size counts the reference policy
+
+
 class RunCheckpoints:
     """The checkpoints of one run (its output directory's checkpoints/): due, save, after a failure, resume."""
 
-    def __init__(self, cfg: DppoConfig, output_dir: Path) -> None:
-        self.cfg = cfg
+    def __init__(self, settings: CheckpointSettings, output_dir: Path) -> None:
+        self.settings = settings
         self.store = ckpt.CheckpointDir(output_dir / "checkpoints")
         self._trainer: Checkpointed | None = None  # the one checkpoint_bytes sizes checkpoints of
         self.attempts = CheckpointAttempts(self.store, self.checkpoint_bytes)
 
     def due(self, global_step: int) -> bool:
-        every, total = self.cfg.trainer.checkpoint_every, self.cfg.trainer.total_steps
+        every, total = self.settings.trainer.checkpoint_every, self.settings.trainer.total_steps
         return every > 0 and (global_step % every == 0 or global_step == total)
 
     # ---- writing --------------------------------------------------------------------------------------------
@@ -136,7 +149,7 @@ class RunCheckpoints:
         state = {
             **run,
             "rng": rng_state(),
-            "config": to_dict(self.cfg),
+            "config": self.settings.config,
             "trackers": trainer.trackers.state(),
             "algorithm": trainer.algorithm_state(),
         }
@@ -147,7 +160,7 @@ class RunCheckpoints:
                 raise ShardedCheckpointError(saved["write_error"])
             state["anchor"] = saved["anchor"]
             state["pi_old"] = self._pi_old_record(trainer, staging, run["version"], mid_cycle, saved["anchor"])
-            if "hf_model" in self.cfg.actor.checkpoint.save_contents:
+            if self.settings.hf_model:
                 trainer.save_policy(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=mid_cycle)
             torch.save(state, staging / TRAINER_FILE)
 
@@ -169,7 +182,7 @@ class RunCheckpoints:
         if measured is not None or self._trainer is None:
             return measured or 0
         weight_bytes = sum(self._trainer.actor_group.parameter_bytes())  # every rank's shards: the model once
-        return checkpoint_bytes_estimate(weight_bytes, 1, self.cfg.actor.kl_loss_coef > 0)
+        return checkpoint_bytes_estimate(weight_bytes, 1, self.settings.reference)
 
     def save_due(self, trainer: Checkpointed) -> None:
         """The checkpoint of a step boundary; one that cannot be written is a warning, two in a row stop the run."""
@@ -182,7 +195,7 @@ class RunCheckpoints:
         self._trainer = trainer
         run = trainer.run_state()
         step, started = run["global_step"], "cycle" in run
-        if self.cfg.trainer.checkpoint_every == 0:
+        if self.settings.trainer.checkpoint_every == 0:
             return "no checkpoint written (trainer.checkpoint_every=0)"
         if step == 0 and not started:
             return "nothing was trained yet, so no checkpoint was written"
@@ -220,7 +233,7 @@ class RunCheckpoints:
         for path in [point[0], *older]:
             try:
                 trusted = self.store.trusted(path)
-                state = point[1] if path == point[0] else read_trainer_state(self.cfg.trainer, path, trusted)
+                state = point[1] if path == point[0] else read_trainer_state(self.settings.trainer, path, trusted)
                 self._load_actor(trainer, path, state)
             except ckpt.CheckpointError as err:
                 reason = one_line(err)
@@ -263,8 +276,8 @@ class RunCheckpoints:
             ahead = sum(len(held["groups"]) for held in cycle.get("ahead", []))
             pending = sum(bool(kept) for kept in cycle["pending"]["kept"]) if cycle.get("pending") else 0
             consumed = (
-                int(run["version"]) * self.cfg.trainer.train_batch_size
-                + int(cycle.get("trigger", 0)) * self.cfg.groups_per_trigger
+                int(run["version"]) * self.settings.trainer.train_batch_size
+                + int(cycle.get("trigger", 0)) * self.settings.groups_per_trigger
                 + ahead
                 + pending
             )
@@ -288,7 +301,7 @@ class RunCheckpoints:
         trainer.actor_group.load_pi_old_state(record)
         where = record["weights"]
         weights = ckpt.load_torch(path / PI_OLD_FILE) if where == PI_OLD_IN_FILE else None
-        if weights is not None and self.cfg.trainer.verify_old_log_prob:
+        if weights is not None and self.settings.trainer.verify_old_log_prob:
             trainer.actor_group.load_published_pi_old(weights)
         return where, weights
 

@@ -24,12 +24,14 @@ from dppo.config import ConfigError, load_config, to_dict
 from dppo.data import make_prompt_source
 from dppo.devices import resolve_device
 from dppo.launch.machine import check_machine
+from dppo.launch.preflight import check_prompt_source
 from dppo.launch.precision import resolve_precision
 from dppo.models import build_model
 from dppo.checkpoint.export import load_checkpoint_policy
 from dppo.checkpoint.store import MANIFEST, atomic_write_bytes
 from dppo.trainer.evaluation import score_engine, score_policy
-from dppo.workers.rollout.engine_config import engine_settings, make_engine
+from dppo.trainer.rollout.settings import engine_settings
+from dppo.workers.rollout.engine_config import make_engine
 
 
 @dataclass
@@ -125,6 +127,7 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
     overrides = list(overrides)
     policy, cfg = load_eval_target(target, overrides, config_file)
     check_machine(cfg)  # the device, the threads, the data files an override names
+    check_prompt_source(cfg.data, cfg.model, cfg.task, cfg.trainer)  # a dataset, a task: built small, or one line
     cfg, precision = resolve_precision(cfg)  # rollout.dtype=auto: the engine's dtype on this machine
     torch.set_num_threads(cfg.trainer.num_threads)
     source = make_prompt_source(cfg)
@@ -150,10 +153,11 @@ def run_eval(target: str | os.PathLike, overrides: list[str] = (), config_file: 
 def _score_with_engine(cfg, source, policy: torch.nn.Module, device: torch.device, n: int) -> dict[str, float]:
     """trainer.eval_engine=rollout: the policy's weights in an engine as rollout.name and rollout.dtype build it,
     decoding as many prompts at once as a rollout batch holds rows (vLLM's KV cache is sized for those)."""
-    engine = make_engine(cfg, source, policy.config, device)
+    settings = engine_settings(cfg, source)
+    engine = make_engine(cfg.rollout.name, settings, policy.config, device)
     try:
         engine.load_weights(policy.state_dict())
-        rows = engine_settings(cfg, source).rows
+        rows = settings.rows
         return score_engine(engine, source, n, cfg.trainer.seed, prompts_per_batch=max(1, rows // n))
     finally:
         engine.close()

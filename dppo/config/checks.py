@@ -1,11 +1,10 @@
 """The small checks every config section uses: each raises ConfigError naming the key, the value and what was
-expected, in one line."""
+expected, in one line. Checks of values only: what the machine has is dppo.launch.machine's to ask."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
-import os
 
 
 class ConfigError(ValueError):
@@ -40,19 +39,6 @@ def check_numbers(section: object, prefix: str, unbounded: tuple[str, ...] = ())
             require(math.isfinite(value), key, value, "a finite number")
         elif isinstance(value, int):
             require(-INT64_MAX - 1 <= value <= INT64_MAX, key, value, "an integer within int64 (|value| < 2**63)")
-
-
-def machine_cpus() -> int:
-    """CPUs this process may run on."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        return os.cpu_count() or 1
-
-
-def at_most_cpus(key: str, value: int) -> None:
-    cpus = machine_cpus()
-    require(value <= cpus, key, value, f"at most the {cpus} CPUs of this machine")
 
 
 def positive(key: str, value: float) -> None:

@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import re
 
-from dppo.models import DTYPES as MODEL_DTYPES
-
 TRAINER_MODES = ("separate_async", "sync")
 EVAL_ENGINES = ("policy", "rollout")
 PROX_ANCHORS = ("cycle_start", "current")
 OFF_POLICY_STRATEGIES = ("drop", "wait")
 DEVICES = ("cpu", "cuda", "auto")
-DTYPES = tuple(MODEL_DTYPES)  # model.dtype, rollout.dtype (dppo.models.DTYPES maps each to its torch dtype)
+# model.dtype, rollout.dtype: dppo.models.DTYPES maps each to its torch dtype (the names here, without torch, are what the
+# config accepts; tests/unit/config/test_config_imports.py checks the two agree)
+DTYPES = ("float32", "bfloat16", "float16")
 FSDP_MODES = ("auto", "always")
 MIXED_PRECISIONS = ("bfloat16",)  # actor.mixed_precision (dppo.workers.actor.precision)
 # actor.mixed_precision and rollout.dtype: bf16 where this machine computes it faster, decided before a run starts

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dppo.algo import UnknownNameError
+from dppo.algo_names import UnknownNameError
 from dppo.pi_old_names import EXACT_METHODS, PROX_LOGP_METHODS, READER_CHOICES, SOURCES
 
 

@@ -1,17 +1,14 @@
 """Rules across config sections, checked once every section has passed its own (cfg is a
-dppo.config.schema.DppoConfig): each error names the keys and values involved."""
+dppo.config.schema.DppoConfig): each error names the keys and values involved. Pure checks of the values: nothing
+here builds a dataset or a task, imports a user's module or asks the machine (dppo.launch.preflight does, before a
+run starts)."""
 
 from __future__ import annotations
 
-import numpy as np
-
-from dppo.algo import GREEDY_BASELINE_ESTIMATORS, LOSS_AGG_MODES, loss_mode_agg_mode
-from dppo.config.checks import ConfigError, shown
+from dppo.algo_names import FIXED_AGG_MODES, GREEDY_BASELINE_ESTIMATORS, LOSS_AGG_NORMALIZERS
+from dppo.config.checks import ConfigError
 from dppo.config.choices import FILTER_REWARD_METRICS, PRECISION_AUTO
-from dppo.data.errors import MissingExtraError
-from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
 from dppo.pi_old_names import InexactUnderShardingError, check_strategy_for_sharding
-from dppo.tasks import PromptSampler, UnknownTaskError, held_out_prompts, make_task
 
 
 def require_resolved_precision(cfg) -> None:
@@ -137,12 +134,12 @@ def _check_policy_loss(a, actor) -> None:
             "takes its loss from algorithm.rollout_correction.loss_type (ppo_clip or reinforce), as verl's does; "
             "leave loss_mode=vanilla there"
         )
-    pg_mode = loss_mode_agg_mode(loss_mode, actor.loss_agg_mode)
+    pg_mode = FIXED_AGG_MODES.get(loss_mode, actor.loss_agg_mode)  # dppo.algo.loss_mode_agg_mode's rule
     other_terms = actor.entropy_coeff > 0 or actor.kl_loss_coef > 0
     if (
         a.rollout_correction.rollout_rs is not None
         and other_terms
-        and LOSS_AGG_MODES[pg_mode].normalizer != LOSS_AGG_MODES[actor.loss_agg_mode].normalizer
+        and LOSS_AGG_NORMALIZERS[pg_mode] != LOSS_AGG_NORMALIZERS[actor.loss_agg_mode]
     ):
         raise ConfigError(
             f"actor.policy_loss.loss_mode={loss_mode!r} aggregates with {pg_mode}, the entropy and KL terms with "
@@ -191,8 +188,9 @@ def _prompt_source_in_words(data, task) -> tuple[str, str]:
 
 def _check_data_or_task(data, model, task, reward, trainer) -> None:
     """Each prompt source's own keys, and only its: text data (parquet) needs a model directory (its tokenizer);
-    reasoning-gym problems a model directory and a dataset that exists with a config it takes; a task must leave
-    prompts to train on. The keys of the other sources must stay unset."""
+    reasoning-gym problems a model directory, a dataset name and held-out seeds apart from the training ones. The keys
+    of the other sources must stay unset. (That the dataset exists and takes its config, and that a task leaves
+    prompts to train on, is dppo.launch.preflight.check_prompt_source's to find out: it builds them.)"""
     kind = data.kind
     if kind != "reasoning_gym" and data.reasoning_gym.dataset is not None:
         raise ConfigError(
@@ -224,8 +222,6 @@ def _check_data_or_task(data, model, task, reward, trainer) -> None:
         )
     if kind == "reasoning_gym":
         _check_reasoning_gym(data.reasoning_gym, model, trainer.seed)
-        return
-    _check_prompts_left_for_training(task, trainer)
 
 
 def _require_model_path(model, what: str) -> None:
@@ -237,8 +233,8 @@ def _require_model_path(model, what: str) -> None:
 
 
 def _check_reasoning_gym(rg, model, trainer_seed: int) -> None:
-    """A dataset reasoning-gym has, a config it takes, a model directory, and held-out problems whose seeds are not
-    the training ones' (reasoning-gym draws item i from seed + i). Imports reasoning-gym (about a second)."""
+    """A dataset name, a model directory, and held-out problems whose seeds are not the training ones'
+    (reasoning-gym draws item i from seed + i)."""
     if rg.dataset is None:
         raise ConfigError(
             "data.source=reasoning_gym needs data.reasoning_gym.dataset: a reasoning-gym dataset name, "
@@ -253,58 +249,3 @@ def _check_reasoning_gym(rg, model, trainer_seed: int) -> None:
             f"(data.reasoning_gym.seed={seed}, size={rg.size}; reasoning-gym draws item i from seed + i); "
             f"use a val_seed >= {seed + rg.size} or null"
         )
-    key = "config"
-    try:
-        make_dataset(rg.dataset, rg.config, size=1, seed=seed)
-        if rg.val_config is not None:
-            key = "val_config"
-            make_dataset(rg.dataset, rg.held_out_config, size=1, seed=val_seed)
-    except UnknownDatasetError as err:
-        raise ConfigError(f"data.reasoning_gym.dataset={rg.dataset!r}: {err}") from None
-    except DatasetConfigError as err:
-        raise ConfigError(f"data.reasoning_gym.{key}: {err}") from None
-    except MissingExtraError as err:
-        raise ConfigError(str(err)) from None
-
-
-def _check_prompts_left_for_training(task_cfg, t) -> None:
-    """The held-out eval prompts must leave the task prompts to train on (else every worker fails after Ray starts).
-
-    Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
-    try:
-        task = make_task(task_cfg.name, task_cfg.length)
-        task.sample_prompts(np.random.default_rng(0), 1)  # a prompt of this length can be made at all
-    except (UnknownTaskError, TypeError) as err:  # TypeError: the factory returned something other than a Task
-        raise ConfigError(f"task.name={task_cfg.name!r}: {err}") from None
-    except MemoryError:
-        raise ConfigError(
-            f"task.length={shown(task_cfg.length)}: a single prompt of task {task_cfg.name!r} cannot be allocated"
-        ) from None
-    if t.eval_prompts == 0:
-        return
-    where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
-    if task.distinct_prompts is not None and t.eval_prompts >= task.distinct_prompts:  # counted, not drawn
-        raise ConfigError(
-            f"trainer.eval_prompts={shown(t.eval_prompts)}: {where} has only {task.distinct_prompts} distinct prompts, "
-            f"and all would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
-            f"{task.distinct_prompts} or raise task.length"
-        )
-    try:
-        held_out = held_out_prompts(task, t.seed, t.eval_prompts)
-    except MemoryError:
-        raise ConfigError(
-            f"trainer.eval_prompts={shown(t.eval_prompts)}: the held-out prompts cannot be allocated"
-        ) from None
-    if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
-        raise ConfigError(
-            f"trainer.eval_prompts={t.eval_prompts}: {where} has only {len(held_out)} distinct prompts, and all "
-            f"would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
-            f"{len(held_out)} or raise task.length"
-        )
-    try:
-        PromptSampler(task, t.seed, held_out).sample(1)
-    except RuntimeError:
-        raise ConfigError(
-            f"trainer.eval_prompts={t.eval_prompts} holds out (nearly) every distinct prompt of {where}: no "
-            "training prompt could be drawn; lower trainer.eval_prompts or raise task.length"
-        ) from None

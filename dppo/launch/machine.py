@@ -14,8 +14,21 @@ import os
 import torch
 
 from dppo.config import ConfigError, DppoConfig
-from dppo.config.checks import at_most_cpus, machine_cpus, shown
+from dppo.config.checks import require, shown
 from dppo.data.errors import DataFileError
+
+
+def machine_cpus() -> int:
+    """CPUs this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
+def at_most_cpus(key: str, value: int) -> None:
+    cpus = machine_cpus()
+    require(value <= cpus, key, value, f"at most the {cpus} CPUs of this machine")
 
 
 def ray_address_in_environment() -> str | None:

@@ -1,5 +1,11 @@
-"""Checks `dppo train` makes before it builds the model or starts Ray: what would otherwise fail minutes later.
+"""Checks `dppo train` makes before it builds the model or starts Ray: what would otherwise fail minutes later, and
+the config's rules (dppo.config, pure checks of its values) cannot say without building or asking something. The
+machine itself (the GPU, the CPUs, the model directory and the data files) is dppo.launch.machine's; the map of
+every kind of check is dppo.config's docstring.
 
+- the run's prompts can be made (check_prompt_source, `dppo eval` too): task.name's factory imports, a task leaves
+  prompts to train on once its held-out eval prompts are drawn, a reasoning-gym dataset exists, takes its config
+  and val_config and is installed (one item each built);
 - the output directory can be created and written (OutputDirError), and has room for about two checkpoints
   (a warning line if not);
 - the rollout engine rollout.name names imports, and its spec finds what it needs installed and on this machine;
@@ -19,9 +25,14 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from dppo.config import ConfigError
+from dppo.config.checks import require, shown
+from dppo.data.errors import MissingExtraError
+from dppo.data.reasoning_gym import DatasetConfigError, UnknownDatasetError, make_dataset
+from dppo.tasks import TASKS, PromptSampler, UnknownTaskError, held_out_prompts, make_task, task_exists
 from dppo.launch import ray_cluster
 from dppo.trainer import placement
 from dppo.checkpoint.failure import checkpoint_bytes_estimate, free_bytes, size_in_words
@@ -206,3 +217,86 @@ def check_rollout_engine(rollout, model) -> None:
     problem = spec.check_installed() or spec.check_setup(rollout, model)
     if problem is not None:
         raise ConfigError(problem)
+
+
+# ---- the prompts: built once, small, before anything starts ---------------------------------------------------
+
+
+def check_prompt_source(data, model, task, trainer) -> None:
+    """ConfigError, in one line naming the key, where the run's prompts cannot be made (the config's data, model,
+    task and trainer sections, which passed dppo.config's rules): task.name's factory does not import; a
+    reasoning-gym dataset that does not exist, refuses its config or val_config, or is not installed (one item of
+    each is built); a task whose held-out eval prompts would leave none to train on (drawn as the trainer will).
+    What the config's rules cannot say without building them; `dppo train` and `dppo eval` ask before the output
+    directory is made, so a bad dataset fails before anything starts, not in every worker after Ray is up."""
+    require(
+        task_exists(task.name),  # imports a module:function factory
+        "task.name",
+        task.name,
+        "a registered task (" + ", ".join(TASKS) + ") or an importable module:function",
+    )
+    if data.kind == "reasoning_gym":
+        _build_reasoning_gym(data.reasoning_gym, trainer.seed)
+    elif data.kind == "task":
+        _check_prompts_left_for_training(task, trainer)
+
+
+def _build_reasoning_gym(rg, trainer_seed: int) -> None:
+    """One item of the training dataset and of the held-out one (val_config), as the run will build them; imports
+    reasoning-gym (about a second)."""
+    seed, val_seed = rg.resolved_seeds(trainer_seed)
+    key = "config"
+    try:
+        make_dataset(rg.dataset, rg.config, size=1, seed=seed)
+        if rg.val_config is not None:
+            key = "val_config"
+            make_dataset(rg.dataset, rg.held_out_config, size=1, seed=val_seed)
+    except UnknownDatasetError as err:
+        raise ConfigError(f"data.reasoning_gym.dataset={rg.dataset!r}: {err}") from None
+    except DatasetConfigError as err:
+        raise ConfigError(f"data.reasoning_gym.{key}: {err}") from None
+    except MissingExtraError as err:
+        raise ConfigError(str(err)) from None
+
+
+def _check_prompts_left_for_training(task_cfg, t) -> None:
+    """The held-out eval prompts must leave the task prompts to train on (else every worker fails after Ray starts).
+
+    Draws the held-out set exactly as the trainer will, then one training prompt as a worker would."""
+    try:
+        task = make_task(task_cfg.name, task_cfg.length)
+        task.sample_prompts(np.random.default_rng(0), 1)  # a prompt of this length can be made at all
+    except (UnknownTaskError, TypeError) as err:  # TypeError: the factory returned something other than a Task
+        raise ConfigError(f"task.name={task_cfg.name!r}: {err}") from None
+    except MemoryError:
+        raise ConfigError(
+            f"task.length={shown(task_cfg.length)}: a single prompt of task {task_cfg.name!r} cannot be allocated"
+        ) from None
+    if t.eval_prompts == 0:
+        return
+    where = f"task {task_cfg.name!r} with task.length={task_cfg.length}"
+    if task.distinct_prompts is not None and t.eval_prompts >= task.distinct_prompts:  # counted, not drawn
+        raise ConfigError(
+            f"trainer.eval_prompts={shown(t.eval_prompts)}: {where} has only {task.distinct_prompts} distinct prompts, "
+            f"and all would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
+            f"{task.distinct_prompts} or raise task.length"
+        )
+    try:
+        held_out = held_out_prompts(task, t.seed, t.eval_prompts)
+    except MemoryError:
+        raise ConfigError(
+            f"trainer.eval_prompts={shown(t.eval_prompts)}: the held-out prompts cannot be allocated"
+        ) from None
+    if len(held_out) < t.eval_prompts:  # the task ran out of distinct prompts: all of them are held out
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts}: {where} has only {len(held_out)} distinct prompts, and all "
+            f"would be held out for evaluation, none left to train on; lower trainer.eval_prompts below "
+            f"{len(held_out)} or raise task.length"
+        )
+    try:
+        PromptSampler(task, t.seed, held_out).sample(1)
+    except RuntimeError:
+        raise ConfigError(
+            f"trainer.eval_prompts={t.eval_prompts} holds out (nearly) every distinct prompt of {where}: no "
+            "training prompt could be drawn; lower trainer.eval_prompts or raise task.length"
+        ) from None

@@ -18,6 +18,7 @@ from dppo.launch.preflight import (
     check_checkpoint_space,
     check_cluster_fits,
     check_output_dir,
+    check_prompt_source,
     check_rollout_engine,
     check_sequence_length,
     check_training_memory,
@@ -40,6 +41,7 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
     out = sys.stdout if out is None else out
     cfg = resolve_ray(cfg)  # ray.enabled=null decided with what only this machine knows
     check_machine(cfg)  # the GPU, the CPUs, the model directory and the data files the config names
+    check_prompt_source(cfg.data, cfg.model, cfg.task, cfg.trainer)  # a dataset, a task: built small, or one line
     cfg, precision = resolve_precision(cfg)  # actor.mixed_precision / rollout.dtype auto: bf16 where it is faster
     if precision is not None:
         print(precision, file=out, flush=True)

@@ -37,7 +37,7 @@ import torch
 from dppo._errors import RankDiedError
 from dppo.batch import AGENT_COUNTS, Group, TrainBatch, collate, token_version_metrics
 from dppo.checkpoint.layout import PI_OLD_ANCHOR, PI_OLD_LIVE
-from dppo.checkpoint.run import ResumePoint, RunCheckpoints, find_resume_point
+from dppo.checkpoint.run import CheckpointSettings, ResumePoint, RunCheckpoints, find_resume_point
 from dppo.trainer.state import CycleProgress, TrainerState
 from dppo.config import DppoConfig, to_dict
 from dppo.config.pi_old import PiOldChoice, choose_pi_old
@@ -52,6 +52,7 @@ from dppo.trainer.outputs import PublishedPolicy, RunResult, finish_run
 from dppo.trainer.progress import make_progress
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
+from dppo.trainer.rollout.settings import engine_settings
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import make_worker_group
@@ -83,6 +84,17 @@ def _reward_extras(groups: list[Group]) -> dict[str, float]:
     return metrics
 
 
+def checkpoint_settings(cfg: DppoConfig) -> CheckpointSettings:
+    """What the run's checkpoints read of cfg (RunCheckpoints receives this, never the config)."""
+    return CheckpointSettings(
+        trainer=cfg.trainer,
+        config=to_dict(cfg),
+        groups_per_trigger=cfg.groups_per_trigger,
+        hf_model="hf_model" in cfg.actor.checkpoint.save_contents,
+        reference=cfg.actor.kl_loss_coef > 0,
+    )
+
+
 def _state_field(name: str) -> property:
     return property(lambda self: getattr(self.state, name), lambda self, value: setattr(self.state, name, value))
 
@@ -92,7 +104,7 @@ def _published_policy(cfg: DppoConfig, source: PromptSource, model_config) -> Pu
     device = resolve_device(cfg.trainer.device)
 
     def engine():
-        return make_engine(cfg, source, model_config, device)
+        return make_engine(cfg.rollout.name, engine_settings(cfg, source), model_config, device)
 
     agents = None
     if getattr(source, "agent", None) is not None:  # rollout.agent: the agent is evaluated, on an engine
@@ -137,7 +149,7 @@ class BaseTrainer:
         self.response_length = cfg.rollout.max_new_tokens or self.source.response_length
         self.output_dir = Path(cfg.trainer.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
-        self.checkpoints = RunCheckpoints(cfg, self.output_dir)
+        self.checkpoints = RunCheckpoints(checkpoint_settings(cfg), self.output_dir)
         self.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # how a trigger draws
         self.resumed_from: Path | None = None
         self.trackers, self._resumed_pi_old = Trackers([]), (PI_OLD_LIVE, None)

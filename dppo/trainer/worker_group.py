@@ -26,10 +26,12 @@ from typing import Any
 import ray
 
 from dppo._errors import RankDiedError
+from dppo.config import DppoConfig
 from dppo.config.pi_old import PiOldChoice
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
 from dppo.workers.actor.rank import ActorRank, uses_fsdp
+from dppo.workers.actor.settings import ActorSettings
 from dppo.workers.dispatch import (
     ALL,
     DP,
@@ -107,7 +109,7 @@ class LocalWorkerGroup(WorkerGroup):
 class RayWorkerGroup(WorkerGroup):
     """The ranks as Ray actors (see the module docstring)."""
 
-    def __init__(self, cfg, pi_old_choice: PiOldChoice, vocab_size: int) -> None:
+    def __init__(self, cfg: DppoConfig, pi_old_choice: PiOldChoice, vocab_size: int) -> None:
         pool = pools(cfg.trainer, cfg.rollout)[0]
         self.world_size = pool.size
         self.sharded = uses_fsdp(cfg.actor.fsdp, self.world_size)
@@ -118,7 +120,13 @@ class RayWorkerGroup(WorkerGroup):
         # are set in init_model)
         self._actors = [
             rank_cls.options(**bundle_options(pool, self._groups, rank), max_restarts=0).remote(
-                cfg, pi_old_choice, rank, self.world_size, vocab_size, True, publishes_deltas(cfg.rollout)
+                actor_settings(cfg),
+                pi_old_choice,
+                rank,
+                self.world_size,
+                vocab_size,
+                True,
+                publishes_deltas(cfg.rollout),
             )
             for rank in range(self.world_size)
         ]
@@ -178,11 +186,28 @@ class RayWorkerGroup(WorkerGroup):
                 self._abort()
 
 
-def make_worker_group(cfg, pi_old_choice: PiOldChoice, vocab_size: int) -> WorkerGroup:
+def actor_settings(cfg: DppoConfig) -> ActorSettings:
+    """What each actor rank of cfg reads (the ranks receive this, never the config)."""
+    t = cfg.trainer
+    return ActorSettings(
+        actor=cfg.actor,
+        algorithm=cfg.algorithm,
+        model=cfg.model,
+        rollout=cfg.rollout,
+        seed=t.seed,
+        device=t.device,
+        num_threads=t.num_threads,
+        collective_timeout_s=t.collective_timeout_s,
+        total_steps=t.total_steps,
+        parameter_sync_step=t.parameter_sync_step,
+    )
+
+
+def make_worker_group(cfg: DppoConfig, pi_old_choice: PiOldChoice, vocab_size: int) -> WorkerGroup:
     """The actor's ranks for cfg: Ray actors with ray.enabled, else the one rank in this process. pi_old_choice: the
-    run's (dppo.config.pi_old), handed to every rank as it is."""
+    run's (dppo.config.pi_old), handed to every rank as it is, as is its actor_settings(cfg)."""
     if cfg.use_ray:
         return RayWorkerGroup(cfg, pi_old_choice, vocab_size)
-    rank = ActorRank(cfg, pi_old_choice, 0, 1, vocab_size)
+    rank = ActorRank(actor_settings(cfg), pi_old_choice, 0, 1, vocab_size)
     rank.init_model(*rank.master_address())
     return LocalWorkerGroup(rank)

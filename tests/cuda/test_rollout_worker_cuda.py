@@ -42,12 +42,13 @@ def check_groups(groups, config, weights, temperature: float) -> None:
 
 
 def test_a_gpu_generator_loads_host_weights_and_returns_its_groups_on_the_host(tmp_path):
+    from dppo.trainer.rollout.settings import worker_settings
     from dppo.workers.rollout.worker import RolloutGenerator
 
     cfg = load_config(small_overrides(tmp_path))
     source = make_prompt_source(cfg)
     config, weights = host_weights(source.vocab_size)
-    generator = RolloutGenerator(cfg, source, config, 0, torch.device("cuda", 0))
+    generator = RolloutGenerator(worker_settings(cfg, source, config), source, config, 0, torch.device("cuda", 0))
     generator.load_weights(weights, 0)
     for name, t in generator.engine.model.state_dict().items():
         assert t.device.type == "cuda" and torch.equal(t.cpu(), weights[name]), name

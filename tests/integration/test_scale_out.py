@@ -25,7 +25,9 @@ from dppo.trainer.base import find_resume_point
 from dppo.config import load_config
 from dppo.config.pi_old import choose_pi_old
 from dppo.trainer.ppo import PPOTrainer
+from dppo.trainer.worker_group import actor_settings
 from dppo.trainer.rollout import RolloutFailedError, RolloutSource
+from dppo.trainer.rollout.settings import worker_settings
 from dppo.workers.rollout.worker import RolloutGenerator
 import partial_rollout
 from partial_rollout import PartialRollout  # tests/partial_rollout.py (tests/conftest.py puts tests/ on sys.path)
@@ -119,7 +121,7 @@ def groups(tmp_path_factory) -> list[Group]:
     cfg = make_cfg(tmp_path_factory.mktemp("groups"), 1)
     source = make_prompt_source(cfg)
     model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
-    generator = RolloutGenerator(cfg, source, model.config, 0)
+    generator = RolloutGenerator(worker_settings(cfg, source, model.config), source, model.config, 0)
     generator.load_weights(model.state_dict(), 0)
     generator.seed_ticket(0)
     return generator.generate(120)
@@ -189,7 +191,7 @@ def reconfigure(trainer: PPOTrainer, **extra) -> None:
     cfg = make_cfg(Path(trainer.cfg.trainer.output_dir), trainer.actor_group.world_size, **extra)
     trainer.cfg, trainer.pi_old_choice = cfg, choose_pi_old(cfg)
     trainer.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # a trigger's draw size
-    trainer.actor_group.reconfigure(cfg, trainer.pi_old_choice)
+    trainer.actor_group.reconfigure(actor_settings(cfg), trainer.pi_old_choice)
 
 
 # ---- tests, in this order ------------------------------------------------------------------------

@@ -7,12 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from dppo.algo import (
-    KL_PENALTIES,
-    LOSS_AGG_MODES,
-    LOSS_MODES,
-    clip_range,
-)
+from dppo.algo_names import KL_PENALTY_NAMES, LOSS_AGG_NORMALIZERS, LOSS_MODE_NAMES
 from dppo.config.checks import (
     check_numbers,
     nonnegative,
@@ -82,7 +77,7 @@ class PolicyLossSection:
 
     def __post_init__(self) -> None:
         check_numbers(self, "actor.policy_loss")
-        one_of("actor.policy_loss.loss_mode", self.loss_mode, tuple(LOSS_MODES))
+        one_of("actor.policy_loss.loss_mode", self.loss_mode, LOSS_MODE_NAMES)
         positive("actor.policy_loss.clip_cov_ratio", self.clip_cov_ratio)
         require(
             self.clip_cov_lb < self.clip_cov_ub,
@@ -285,17 +280,19 @@ class ActorConfig:
         nonnegative("actor.weight_decay", self.weight_decay)
         positive("actor.micro_batch_size", self.micro_batch_size)
         nonnegative("actor.grad_clip", self.grad_clip)
-        low, high = clip_range(self.clip_ratio, self.clip_ratio_low, self.clip_ratio_high)
+        # verl's reading of the three clip keys, as dppo.algo.clip_range reads them: null falls back to clip_ratio
+        low = self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+        high = self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
         fallback = " (the lower clip: actor.clip_ratio_low is null)" if self.clip_ratio_low is None else ""
         require(
             0 <= low < 1, "actor.clip_ratio" + ("_low" if not fallback else ""), low, "a value in [0, 1)" + fallback
         )
         nonnegative("actor.clip_ratio_high" if self.clip_ratio_high is not None else "actor.clip_ratio", high)
         require(self.clip_ratio_c > 1, "actor.clip_ratio_c", self.clip_ratio_c, "a value > 1")
-        one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_MODES))
+        one_of("actor.loss_agg_mode", self.loss_agg_mode, tuple(LOSS_AGG_NORMALIZERS))
         nonnegative("actor.entropy_coeff", self.entropy_coeff)
         nonnegative("actor.kl_loss_coef", self.kl_loss_coef)
-        one_of("actor.kl_loss_type", self.kl_loss_type, tuple(KL_PENALTIES))
+        one_of("actor.kl_loss_type", self.kl_loss_type, KL_PENALTY_NAMES)
         one_of("actor.fsdp", self.fsdp, FSDP_MODES)
         if self.mixed_precision is not None:
             one_of("actor.mixed_precision", self.mixed_precision, (*MIXED_PRECISIONS, PRECISION_AUTO))

@@ -8,14 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
-from dppo.algo import (
-    ADVANTAGE_ESTIMATORS,
-    KL_CONTROLLER_TYPES,
-    KL_PENALTIES,
-    RolloutCorrectionConfig,
-    RolloutCorrectionConfigError,
-    TOKEN_LEVEL_ESTIMATORS,
-)
+from dppo.algo_names import ADVANTAGE_ESTIMATOR_NAMES, KL_CONTROLLER_TYPES, KL_PENALTY_NAMES, TOKEN_LEVEL_ESTIMATORS
 from dppo.config.checks import (
     ConfigError,
     check_numbers,
@@ -26,6 +19,7 @@ from dppo.config.checks import (
 )
 from dppo.config.choices import PROX_ANCHORS
 from dppo.pi_old_names import PROX_LOGP_METHODS
+from dppo.rollout_correction_config import RolloutCorrectionConfig, RolloutCorrectionConfigError
 
 
 @dataclass
@@ -66,7 +60,8 @@ class RolloutCorrectionSection:
     """Bypass-mode loss: ppo_clip or reinforce."""
 
     def to_algo(self):
-        """The dppo.algo.RolloutCorrectionConfig these settings describe (validated there)."""
+        """The dppo.algo.RolloutCorrectionConfig these settings describe (validated there: dppo.rollout_correction_config,
+        torch-free)."""
         return RolloutCorrectionConfig(**dataclasses.asdict(self))
 
     def __post_init__(self) -> None:
@@ -199,15 +194,15 @@ class AlgorithmConfig:
 
     def __post_init__(self) -> None:
         check_numbers(self, "algorithm")
-        one_of("algorithm.adv_estimator", self.adv_estimator, tuple(ADVANTAGE_ESTIMATORS))
+        one_of("algorithm.adv_estimator", self.adv_estimator, ADVANTAGE_ESTIMATOR_NAMES)
         require(0 <= self.gamma <= 1, "algorithm.gamma", self.gamma, "a value in [0, 1]")
         positive("algorithm.prox_check_every", self.prox_check_every)
         positive("algorithm.prox_max_is_err", self.prox_max_is_err)
         one_of("algorithm.prox_anchor", self.prox_anchor, PROX_ANCHORS)
         one_of("algorithm.prox_logp_method", self.prox_logp_method, PROX_LOGP_METHODS)
-        one_of("algorithm.kl_penalty", self.kl_penalty, tuple(KL_PENALTIES))
+        one_of("algorithm.kl_penalty", self.kl_penalty, KL_PENALTY_NAMES)
         if self.use_kl_in_reward and self.adv_estimator in TOKEN_LEVEL_ESTIMATORS:
-            usable = ", ".join(e for e in ADVANTAGE_ESTIMATORS if e not in TOKEN_LEVEL_ESTIMATORS)
+            usable = ", ".join(e for e in ADVANTAGE_ESTIMATOR_NAMES if e not in TOKEN_LEVEL_ESTIMATORS)
             raise ConfigError(
                 f"algorithm.use_kl_in_reward=true with algorithm.adv_estimator={self.adv_estimator!r}: "
                 "that estimator reads the rewards token by token, which dppo's estimators do not "

@@ -20,7 +20,7 @@ from dppo.config.choices import (
     prompt_source_kind,
 )
 from dppo.data.text import TRUNCATIONS
-from dppo.tasks import TASKS, task_exists
+from dppo.tasks import TASKS
 
 
 @dataclass
@@ -68,8 +68,10 @@ class TaskConfig:
 
     def __post_init__(self) -> None:
         check_numbers(self, "task")
+        # a name of the registry, or the form of a factory's path: the factory is imported before the run starts
+        # (dppo.launch.preflight.check_prompt_source), not by the config
         require(
-            task_exists(self.name),
+            self.name in TASKS or ":" in self.name,
             "task.name",
             self.name,
             "a registered task (" + ", ".join(TASKS) + ") or an importable module:function",

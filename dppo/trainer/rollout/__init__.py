@@ -7,6 +7,8 @@
     supervised.py    what RayRollout and LocalRollout share: the worker records, their checks and restarts,
                      the fetch that waits while it watches the workers
     common.py        RolloutFailedError, RolloutSettings, the replay buffer's start, groups_of, cloned_state
+    settings.py      what the workers and engines get of the config, read once here: RolloutWorkerSettings and
+                     EngineSettings (they never see the config)
 
 make_rollout picks the source a config asks for.
 """

@@ -30,8 +30,8 @@ def groups_of(taken: tuple[list[StoredGroup], int] | None) -> tuple[list[Group],
 
 @dataclass(frozen=True)
 class RolloutSettings:
-    """What a rollout source decides with: its own config sections and the two trainer values it needs. (The root
-    config still travels to the rollout workers, whose engines read model.*, algorithm.* and trainer.seed.)"""
+    """What a rollout source decides with: its own config sections and the two trainer values it needs. (Its
+    workers get theirs, a RolloutWorkerSettings: dppo.trainer.rollout.settings.)"""
 
     rollout: RolloutConfig
     replay: ReplayConfig

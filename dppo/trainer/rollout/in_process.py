@@ -10,6 +10,7 @@ from dppo.batch import Group
 from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, cloned_state
+from dppo.trainer.rollout.settings import worker_settings
 from dppo.trainer.rollout.source import RolloutSource
 from dppo.workers.rollout.buffer_client import InProcessClient, run_ticket
 from dppo.workers.rollout.worker import RolloutGenerator
@@ -21,10 +22,10 @@ class InProcessRollout(RolloutSource):
     """trainer.mode=sync without Ray: generate each trigger's groups in this process, then take them."""
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
-        """cfg: the root config, which the generator takes whole (its engine reads model.*, algorithm.*); the buffer
-        reads RolloutSettings.of(cfg)."""
+        """cfg: the root config, read here: the generator gets its RolloutWorkerSettings, the buffer
+        RolloutSettings.of(cfg)."""
         self.buffer = buffer_core(RolloutSettings.of(cfg), start)
-        self.worker = RolloutGenerator(cfg, source, model_config, 0)
+        self.worker = RolloutGenerator(worker_settings(cfg, source, model_config), source, model_config, 0)
         self._client = InProcessClient(self.buffer)
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
 

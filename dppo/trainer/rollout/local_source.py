@@ -36,6 +36,7 @@ import torch
 from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutSettings, buffer_core
+from dppo.trainer.rollout.settings import worker_settings
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.buffer_server import BufferServer, Taken
 from dppo.workers.rollout.process import SharedState, answer_calls, main
@@ -61,13 +62,13 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     """Rollout workers as local processes (see the module docstring)."""
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart, fork: bool = False) -> None:
-        """cfg: the root config, which the workers receive whole (their engines read model.*, algorithm.*); the rest
+        """cfg: the root config, read here: the workers get their RolloutWorkerSettings (worker_settings), the rest
         reads RolloutSettings.of(cfg). fork: the first workers may be forked (made before the actor's rank, whose
         threads a fork would copy half of); they still are not where this process runs other Python threads or
         holds a CUDA context."""
         super().__init__(RolloutSettings.of(cfg), start)
         self.buffer = BufferServer(buffer_core(self.settings, start))
-        self._payload = cloudpickle.dumps((cfg, source, model_config))
+        self._payload = cloudpickle.dumps((worker_settings(cfg, source, model_config), source, model_config))
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
         # rollout.partial_rollout: the newest published version, which the workers read once per decode chunk
         self._published_version = multiprocessing.RawValue("q", -1) if cfg.rollout.partial_rollout else None

@@ -28,6 +28,7 @@ from dppo.models import as_state_dict
 from dppo.trainer.actor_deaths import death_in_words, process_gone_errors
 from dppo.trainer.placement import bundle_options, place_pool, pool_nodes, pools, remove_pool
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core
+from dppo.trainer.rollout.settings import worker_settings
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.buffer_server import ReplayBufferActor, Taken
 from dppo.workers.rollout.ray_worker import RolloutWorkerActor
@@ -49,8 +50,9 @@ class RayRollout(SupervisedRollout[RayWorker]):
     """Rollout workers and the replay buffer as Ray actors (see the module docstring)."""
 
     def __init__(self, cfg, source: PromptSource, model_config, start: RolloutStart):
-        """cfg: the root config, which the workers receive whole (their engines read model.*, algorithm.*) and the
-        placement plans the rollout's pool from beside the actor's; the rest reads RolloutSettings.of(cfg)."""
+        """cfg: the root config, read here: the workers get their RolloutWorkerSettings (worker_settings), the
+        placement plans the rollout's pool from the trainer and rollout sections, the rest reads
+        RolloutSettings.of(cfg)."""
         super().__init__(RolloutSettings.of(cfg), start)
         self.mode = self.settings.mode
         # GPU workers: one bundle each in the rollout's own placement groups (a restarted worker takes its
@@ -67,17 +69,19 @@ class RayRollout(SupervisedRollout[RayWorker]):
         # The PromptSource object itself goes to the workers (cloudpickle carries lambdas and closures): a worker
         # process has only the built-in tasks registered, so looking task.name up there would miss a
         # register_task one; text data arrives tokenized, with the tokenizer and the reward function.
-        self._worker_args = (cfg, ray.put(source), model_config)
+        self._worker_args = (worker_settings(cfg, source, model_config), ray.put(source), model_config)
         self._running = False
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
         self.workers = [self._spawn(i, self.new_holder(), 0) for i in range(self.settings.rollout.num_workers)]
 
     def _spawn(self, index: int, holder: int, restarts: int) -> RayWorker:
-        cfg, source_ref, model_config = self._worker_args
+        settings, source_ref, model_config = self._worker_args
         options = (
             {"scheduling_strategy": "SPREAD"} if self._pool is None else bundle_options(self._pool, self._groups, index)
         )
-        actor = self._worker_cls.options(**options).remote(cfg, source_ref, model_config, index, self.buffer, holder)
+        actor = self._worker_cls.options(**options).remote(
+            settings, source_ref, model_config, index, self.buffer, holder
+        )
         worker = RayWorker(index, holder, restarts, actor)
         if self._running:
             worker.run = actor.run.remote()

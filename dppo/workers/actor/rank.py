@@ -49,6 +49,7 @@ from dppo.workers.actor.pi_old import VERIFIER_STATE, make_pi_old
 from dppo.workers.actor.pi_old_sources import with_weights
 from dppo.workers.actor.precision import Precision
 from dppo.workers.actor.publish_delta import delta_publisher
+from dppo.workers.actor.settings import ActorSettings
 from dppo.workers.weight_fingerprint import fingerprint, print_dtype
 from dppo.workers.actor.sharded_state import load_lr_step, load_sharded, save_sharded
 from dppo.workers.actor.update import select_objective, update_policy
@@ -66,7 +67,7 @@ class ActorRank:
 
     def __init__(
         self,
-        cfg,
+        settings: ActorSettings,
         pi_old_choice: PiOldChoice,
         rank: int,
         world_size: int,
@@ -74,21 +75,23 @@ class ActorRank:
         own_process: bool = False,
         publish_deltas: bool = False,
     ) -> None:
-        """pi_old_choice: the run's (dppo.config.pi_old.choose_pi_old(cfg), made by the driver). own_process: this
+        """settings: the run's ActorSettings (the driver's bundle of what a rank reads); pi_old_choice: the run's
+        (dppo.config.pi_old.choose_pi_old(cfg), made by the driver). own_process: this
         rank is a process of its own (a Ray actor), whose malloc it may tune (dppo.hostmem). publish_deltas: rank 0
         publishes, next to the full weights, what changed since its last publish (rollout.weight_sync=delta with an
         engine that accepts deltas; the driver asks the engine's spec)."""
         if own_process:
             keep_freed_host_memory()  # CPU steps reuse their freed gradients' pages instead of faulting them in
         self.own_process = own_process
-        self.cfg, self.rank, self.world_size, self.vocab_size = cfg, rank, world_size, vocab_size
+        self.settings, self.rank, self.world_size, self.vocab_size = settings, rank, world_size, vocab_size
         self.pi_old_choice = pi_old_choice
         self.peers = RankGroup(rank, world_size)
-        self.sharded = uses_fsdp(cfg.actor.fsdp, world_size)
+        self.sharded = uses_fsdp(settings.actor.fsdp, world_size)
         self.model: torch.nn.Module | None = None
         self._closed = False
-        self._delta_publisher = delta_publisher(cfg.rollout, cfg.model.dtype, publish_deltas) if rank == 0 else None
-        self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
+        model_dtype = settings.model.dtype
+        self._delta_publisher = delta_publisher(settings.rollout, model_dtype, publish_deltas) if rank == 0 else None
+        self._print_dtype = print_dtype(settings.rollout, model_dtype)  # None: rollout.verify_sync=false
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -113,19 +116,19 @@ class ActorRank:
     @register(ALL)
     def init_model(self, master_addr: str, master_port: int) -> None:
         """Join the process group (if sharded), build the model, shard it, and build the optimizer and the update."""
-        cfg = self.cfg
-        torch.set_num_threads(cfg.trainer.num_threads)
-        self.device = resolve_device(cfg.trainer.device, current_gpu=True)
+        s = self.settings
+        torch.set_num_threads(s.num_threads)
+        self.device = resolve_device(s.device, current_gpu=True)
         self.peers.device = self.device
-        self.precision = Precision.of(cfg.actor.mixed_precision, self.sharded, self.device.type)
+        self.precision = Precision.of(s.actor.mixed_precision, self.sharded, self.device.type)
         if self.sharded:
             init_process_group(
-                self.rank, self.world_size, master_addr, master_port, self.device.type, cfg.trainer.collective_timeout_s
+                self.rank, self.world_size, master_addr, master_port, self.device.type, s.collective_timeout_s
             )
-        seed_all(cfg.trainer.seed)  # a rank's process of its own, or the driver's: the model is built from the seed
-        self.model = build_model(cfg.model, self.vocab_size, seed=cfg.trainer.seed).to(self.device)
+        seed_all(s.seed)  # a rank's process of its own, or the driver's: the model is built from the seed
+        self.model = build_model(s.model, self.vocab_size, seed=s.seed).to(self.device)
         # the reference policy of the KL penalty: the initial weights, sharded like the policy
-        needs_ref = cfg.actor.kl_loss_coef > 0 or cfg.algorithm.use_kl_in_reward  # the KL loss's or the reward's
+        needs_ref = s.actor.kl_loss_coef > 0 or s.algorithm.use_kl_in_reward  # the KL loss's or the reward's
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if needs_ref else None
         if self.sharded:
             parallelize(self.model, self.device.type, self.world_size, self.precision.fsdp_param_dtype)
@@ -134,10 +137,10 @@ class ActorRank:
         # fused: one kernel over all parameters (DTensors included); on the CPU 5x faster than the per-tensor
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=cfg.actor.lr, weight_decay=cfg.actor.weight_decay, fused=True
+            self.model.parameters(), lr=s.actor.lr, weight_decay=s.actor.weight_decay, fused=True
         )
         self.lr_scheduler = make_lr_scheduler(
-            self.optimizer, cfg.actor.optim, cfg.trainer.total_steps, cfg.trainer.parameter_sync_step
+            self.optimizer, s.actor.optim, s.total_steps, s.parameter_sync_step
         )  # actor.optim's schedule, stepped once per trigger
         if self.own_process:  # keep what a step frees (its gradients, about as much in activations), not the build's
             local_bytes = sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
@@ -145,24 +148,25 @@ class ActorRank:
         self.setup_update(self.pi_old_choice)
 
     def setup_update(self, choice: PiOldChoice) -> None:
-        """The objective (the loss and the rollout correction) of self.cfg and the pi_old provider of choice, over the
-        model and the optimizer built."""
-        self.rollout_correction = self.cfg.algorithm.rollout_correction.to_algo()
-        self.objective = select_objective(self.cfg.actor, self.cfg.algorithm.rollout_correction, self.cfg.trainer.seed)
+        """The objective (the loss and the rollout correction) of self.settings and the pi_old provider of choice, over
+        the model and the optimizer built."""
+        s = self.settings
+        self.rollout_correction = s.algorithm.rollout_correction.to_algo()
+        self.objective = select_objective(s.actor, s.algorithm.rollout_correction, s.seed)
         self.pi_old = make_pi_old(choice, self.model, self.optimizer, self.score, copy_model=self.plain_copy)
 
     @register(ALL)
-    def reconfigure(self, cfg, pi_old_choice: PiOldChoice) -> None:
-        """Run on with cfg's algorithm and snapshot settings over the same weights and optimizer (benchmarks and
-        tests compare settings on one model): the pi_old provider is released and built anew from pi_old_choice
-        (cfg's). The precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
-        if cfg.actor.mixed_precision != self.cfg.actor.mixed_precision:
+    def reconfigure(self, settings: ActorSettings, pi_old_choice: PiOldChoice) -> None:
+        """Run on with settings' algorithm and actor settings over the same weights and optimizer (benchmarks and
+        tests compare settings on one model): the pi_old provider is released and built anew from pi_old_choice.
+        The precision stays the one the rank was built with (an FSDP2 policy's is fixed when it is sharded)."""
+        if settings.actor.mixed_precision != self.settings.actor.mixed_precision:
             raise ValueError(
-                f"reconfigure to actor.mixed_precision={cfg.actor.mixed_precision}: the rank computes in "
-                f"{self.cfg.actor.mixed_precision} (set once, at init_model)"
+                f"reconfigure to actor.mixed_precision={settings.actor.mixed_precision}: the rank computes in "
+                f"{self.settings.actor.mixed_precision} (set once, at init_model)"
             )
         self.pi_old.close()
-        self.cfg, self.pi_old_choice = cfg, pi_old_choice
+        self.settings, self.pi_old_choice = settings, pi_old_choice
         self.setup_update(pi_old_choice)
 
     @register(ALL)
@@ -186,8 +190,8 @@ class ActorRank:
                 module,
                 batch.input_ids,
                 batch.response_length,
-                self.cfg.rollout.temperature,
-                self.cfg.actor.micro_batch_size,
+                self.settings.rollout.temperature,
+                self.settings.actor.micro_batch_size,
                 params,
                 batch.attention_mask,
             )
@@ -204,7 +208,7 @@ class ActorRank:
 
     def plain_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
         """An unsharded policy on this rank's device holding the whole weights state."""
-        plain = model_from_config(self.model.config, self.cfg.model.dtype).to(self.device)
+        plain = model_from_config(self.model.config, self.settings.model.dtype).to(self.device)
         plain.load_state_dict(state)
         return self.precision.plain_copy(plain)
 
@@ -254,8 +258,8 @@ class ActorRank:
             self.optimizer,
             batch,
             objective,
-            self.cfg.actor,
-            self.cfg.rollout.temperature,
+            self.settings.actor,
+            self.settings.rollout.temperature,
             ref_logp,
             self.peers,
             self.precision,

@@ -176,8 +176,8 @@ def answer_calls(conn, buffer: BufferServer, holder: int, pid: int) -> tuple[str
 
 
 def main(conn, payload: bytes, worker_index: int, parent_pid: int, published=None) -> None:
-    """The worker process's main: payload is cloudpickle.dumps((cfg, source, model_config)), the trainer's
-    PromptSource object itself (a worker must not rebuild it: a register_task task exists in the trainer only);
+    """The worker process's main: payload is cloudpickle.dumps((settings, source, model_config)): the driver's
+    RolloutWorkerSettings of the run, and the trainer's PromptSource object itself (a worker must not rebuild it: a register_task task exists in the trainer only);
     parent_pid: the trainer's process; published: the trainer's shared counter of its newest version (None: no
     mid-ticket loads)."""
     die_with_parent(f"dppo-rollout-{worker_index}")
@@ -189,9 +189,9 @@ def main(conn, payload: bytes, worker_index: int, parent_pid: int, published=Non
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        cfg, source, model_config = cloudpickle.loads(payload)
-        generator = worker_generator(cfg, source, model_config, worker_index, "cpu")
-        run_tickets(PipeClient(conn, published), generator, cfg.rollout.groups_per_batch)
+        settings, source, model_config = cloudpickle.loads(payload)
+        generator = worker_generator(settings, source, model_config, worker_index, "cpu")
+        run_tickets(PipeClient(conn, published), generator, settings.groups_per_batch)
     except (EOFError, BrokenPipeError, ConnectionResetError):
         return  # the trainer closed its end or is gone: nothing to report to
     except BaseException as err:  # noqa: BLE001  reported to the trainer, which raises it as the rollout's failure

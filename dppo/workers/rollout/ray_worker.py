@@ -21,7 +21,7 @@ from dppo.models import as_state_dict
 from dppo.workers.rollout.buffer_client import BufferClient, run_ticket, run_tickets
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync
 from dppo.workers.rollout.replay_buffer import Finished, Published, Ticket, map_weights
-from dppo.workers.rollout.worker import Weights, worker_generator
+from dppo.workers.rollout.worker import RolloutWorkerSettings, Weights, worker_generator
 
 
 def worker_device(worker_index: int, gpu_ids: list, cuda_available: bool) -> torch.device:
@@ -96,12 +96,21 @@ class RayBufferClient(BufferClient):
 class RolloutWorkerActor:
     """Ray actor: generate batches of groups between weight reloads until the replay buffer closes."""
 
-    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int, buffer, holder: int):
-        """holder: this incarnation's id at the replay buffer (a restarted worker gets a new one)."""
+    def __init__(
+        self,
+        settings: RolloutWorkerSettings,
+        source: PromptSource,
+        model_config,
+        worker_index: int,
+        buffer,
+        holder: int,
+    ):
+        """settings: the driver's RolloutWorkerSettings of the run; holder: this incarnation's id at the replay
+        buffer (a restarted worker gets a new one)."""
         device = worker_device(worker_index, ray.get_gpu_ids(), torch.cuda.is_available())
-        self.core = worker_generator(cfg, source, model_config, worker_index, device)
+        self.core = worker_generator(settings, source, model_config, worker_index, device)
         self.client = RayBufferClient(buffer, holder)
-        self.groups_per_batch = cfg.rollout.groups_per_batch
+        self.groups_per_batch = settings.groups_per_batch
 
     def step(self, num_groups: int) -> int:
         """Sync mode: one generation boundary (run_ticket); groups made (0: stopped)."""

@@ -10,22 +10,44 @@ from __future__ import annotations
 
 import abc
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dppo.algo import GREEDY_BASELINE_ESTIMATORS
+from dppo.config.sections.rollout import AgentSection
 from dppo.data.source import PromptSource
 from dppo.hostmem import bound_retention, keep_freed_host_memory
 from dppo.batch import Group
 from dppo.workers.rollout.agent.runner import agent_groups, worker_agents
 from dppo.workers.rollout.engine_config import make_engine
-from dppo.workers.rollout.engines import Refresh, RolloutEngine, WeightSync
+from dppo.workers.rollout.engines import EngineSettings, Refresh, RolloutEngine, WeightSync
 from dppo.workers.rollout.replay_buffer import Published, SyncCost
 from dppo.workers.sync_check import WeightFingerprint, verify
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
 _TICKET_STREAM = 0x71C4E7
+
+
+@dataclass(frozen=True)
+class RolloutWorkerSettings:
+    """What a rollout worker reads of a run: its engine's settings and its sampling, resolved once by the driver
+    (dppo.trainer.rollout.settings.worker_settings) and handed to each worker as they are. A worker never sees the
+    config itself."""
+
+    engine_name: str  # rollout.name: a builtin engine, or a RolloutEngine class path of the user's own
+    engine: EngineSettings  # what the engine is built from, for the run's prompts
+    seed: int  # trainer.seed: each ticket's prompts and samples are drawn from it and the ticket's grant index
+    n: int  # rollout.n: responses per prompt
+    temperature: float  # rollout.temperature (an agent's sampling; the engine's own is engine.temperature)
+    max_new_tokens: int  # rollout.max_new_tokens, else the source's response length: an agent turn's budget
+    groups_per_batch: int  # rollout.groups_per_batch: the groups a worker asks for in one ticket (separate_async)
+    num_threads: int  # rollout.num_threads: torch's threads in a worker's own process
+    partial_rollout: bool  # rollout.partial_rollout: generate() takes a refresh (mid-ticket weights)
+    verify_sync: bool  # rollout.verify_sync: each load checked against the publish's fingerprint
+    greedy_baseline: bool  # algorithm.adv_estimator scores a greedy response to each prompt as its baseline (ReMax)
+    agent: AgentSection  # rollout.agent: the agents' runtime, where the source runs an agent (source.agent)
+    step_bytes: int  # generation_step_bytes: what one generate() call allocates and frees again, its largest part
 
 
 class Weights(abc.ABC):
@@ -51,28 +73,36 @@ class StateDictWeights(Weights):
 class RolloutGenerator:
     """One worker's rollout engine, prompt sampler and sampling state; generate() returns scored groups."""
 
-    def __init__(self, cfg, source: PromptSource, model_config, worker_index: int, device: str | torch.device = "cpu"):
-        """source: the trainer's PromptSource object, never rebuilt from the config here: a worker process has only
-        the built-in tasks registered, not one the driver added with register_task, and need not see the data
-        files. model_config: the trainer model's transformers config; the weights arrive with the first ticket.
-        device: where the model copy and the sampling loop run (the groups come back on the host)."""
+    def __init__(
+        self,
+        settings: RolloutWorkerSettings,
+        source: PromptSource,
+        model_config,
+        worker_index: int,
+        device: str | torch.device = "cpu",
+    ):
+        """settings: the driver's RolloutWorkerSettings of the run. source: the trainer's PromptSource object, never
+        rebuilt here: a worker process has only the built-in tasks registered, not one the driver added with
+        register_task, and need not see the data files. model_config: the trainer model's transformers config; the
+        weights arrive with the first ticket. device: where the model copy and the sampling loop run (the groups
+        come back on the host)."""
         self.source = source
         self.worker_index = worker_index
-        self.engine: RolloutEngine = make_engine(cfg, source, model_config, torch.device(device))  # rollout.name's
-        self.seed = cfg.trainer.seed
+        self.engine: RolloutEngine = make_engine(settings.engine_name, settings.engine, model_config, device)
+        self.seed = settings.seed
         self.prompts = source.sampler([self.seed, _TICKET_STREAM])  # positioned per ticket
-        self.n = cfg.rollout.n
-        self.partial = cfg.rollout.partial_rollout  # generate() takes a refresh (mid-ticket weights)
-        self.greedy_baseline = cfg.algorithm.adv_estimator in GREEDY_BASELINE_ESTIMATORS  # ReMax
+        self.n = settings.n
+        self.partial = settings.partial_rollout  # generate() takes a refresh (mid-ticket weights)
+        self.greedy_baseline = settings.greedy_baseline  # ReMax
         self.version = -1  # no weights loaded yet
         self.last_sync: WeightSync | None = None  # what the latest load cost
         self.loaded_publish: str | None = None  # id of the publish the engine holds (None: none known)
-        self.verify_sync = cfg.rollout.verify_sync  # check each load against the publish's fingerprint
+        self.verify_sync = settings.verify_sync  # check each load against the publish's fingerprint
         # rollout.agent: the agents' runtime (an endpoint and its threads), started at the first ticket (after a fork)
-        self._agent_cfg = cfg.rollout.agent if getattr(source, "agent", None) is not None else None
+        self._agent_cfg = settings.agent if getattr(source, "agent", None) is not None else None
         self._agents = None
-        self._max_new_tokens = cfg.rollout.max_new_tokens or source.response_length
-        self._temperature = cfg.rollout.temperature
+        self._max_new_tokens = settings.max_new_tokens
+        self._temperature = settings.temperature
 
     def seed_ticket(self, first: int) -> None:
         """Draw the next groups' prompts and samples from (trainer.seed, first), the grant index of the ticket's
@@ -192,13 +222,17 @@ def generation_step_bytes(rollout, micro_batch_size: int, vocab_size: int) -> in
 
 
 def worker_generator(
-    cfg, source: PromptSource, model_config, worker_index: int, device: str | torch.device = "cpu"
+    settings: RolloutWorkerSettings,
+    source: PromptSource,
+    model_config,
+    worker_index: int,
+    device: str | torch.device = "cpu",
 ) -> RolloutGenerator:
     """The RolloutGenerator of a rollout worker's own process (a Ray actor's, a local worker process's), the process
     set up for generating first: generation's freed KV caches stay mapped (keep_freed_host_memory), within a bound
-    of one generate() call's largest part, and rollout.num_threads threads."""
+    of one generate() call's largest part (settings.step_bytes), and rollout.num_threads threads."""
     keep_freed_host_memory()
-    torch.set_num_threads(cfg.rollout.num_threads)
-    generator = RolloutGenerator(cfg, source, model_config, worker_index, device)
-    bound_retention(generation_step_bytes(cfg.rollout, cfg.actor.micro_batch_size, model_config.vocab_size))
+    torch.set_num_threads(settings.num_threads)
+    generator = RolloutGenerator(settings, source, model_config, worker_index, device)
+    bound_retention(settings.step_bytes)
     return generator

@@ -119,10 +119,6 @@ def test_overrides_are_typed_and_nested():
             ["trainer.n_gpus_per_node=2", "ray.enabled=false", "trainer.mode=sync"],
             ["trainer.n_gpus_per_node=2", "ray.enabled=false runs one rank"],
         ),
-        # Too few distinct prompts for the held-out set: all would be held out, none left to train on.
-        (["task.length=2"], ["trainer.eval_prompts=256", "task.length=2", "only 100 distinct prompts"]),
-        (["task.length=1"], ["trainer.eval_prompts=256", "task.length=1", "only 10 distinct prompts"]),
-        (["task.length=2", "trainer.eval_prompts=100"], ["trainer.eval_prompts=100", "task.length=2"]),
     ],
 )
 def test_bad_settings_raise_config_error_naming_key_and_value(override, fragments):
@@ -172,20 +168,6 @@ def test_bypass_mode_takes_rejection_sampling_with_either_loss(loss_type):
     )
     rc = cfg.algorithm.rollout_correction.to_algo()
     assert rc.rs_bounds["token_k1"] == (0.5, 2.0) and rc.rollout_is_batch_normalize is True
-
-
-def test_a_task_factory_that_returns_no_task_is_a_config_error(tmp_path, monkeypatch):
-    (tmp_path / "not_a_task_mod.py").write_text("def make(length):\n    return 'copy'\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(
-        ConfigError, match=r"task.name='not_a_task_mod:make': .*returned str; expected a dppo.tasks.Task"
-    ):
-        load_config(["task.name=not_a_task_mod:make", "trainer.eval_prompts=0"])
-
-
-def test_the_held_out_set_may_leave_few_training_prompts_but_not_none(tmp_path):
-    assert load_config(["task.length=2", "trainer.eval_prompts=99"]).trainer.eval_prompts == 99
-    assert load_config(["task.length=1", "trainer.eval_prompts=0"]).task.length == 1
 
 
 @pytest.mark.parametrize(

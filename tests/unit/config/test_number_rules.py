@@ -1,10 +1,9 @@
 """One rule for numbers: '_' never separates digits (YAML would read 1_000 as 1000 and 0.5_2 as 0.52), on the
-command line and in a config file alike; range checks that cost nothing (eval prompts counted, not drawn)."""
+command line and in a config file alike."""
 
 import pytest
 
 from dppo.config import ConfigError, load_config
-from dppo.config import rules
 
 RC = "algorithm.rollout_correction"
 
@@ -48,16 +47,3 @@ def test_in_a_threshold_underscore_separates_lo_and_hi_from_the_command_line_and
 def test_a_text_value_that_looks_like_an_underscored_number_stays_as_written(tmp_path):
     assert load_config(["trainer.output_dir=2024_01"]).trainer.output_dir == "2024_01"  # YAML: 202401
     assert from_file(tmp_path, "trainer:\n  output_dir: 2024_01\n").trainer.output_dir == "2024_01"
-
-
-def test_eval_prompts_past_what_the_task_can_make_are_refused_by_counting(monkeypatch):
-    def never(*args, **kwargs):
-        raise AssertionError("the held-out set was drawn")
-
-    monkeypatch.setattr(rules, "held_out_prompts", never)
-    with pytest.raises(
-        ConfigError,
-        match=r"trainer.eval_prompts=1000000: task 'copy' with task.length=3 has only "
-        r"1000 distinct prompts",
-    ):
-        load_config(["trainer.eval_prompts=1000000", "task.length=3"])

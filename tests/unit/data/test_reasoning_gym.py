@@ -19,6 +19,7 @@ from dppo.config import ConfigError, load_config
 from dppo.data import make_prompt_source
 from dppo.data.reasoning_gym import ReasoningGymSource, extract_answer, generate
 from dppo.data.source import Prompts
+from dppo.launch.preflight import check_prompt_source
 
 CONFIG = {**BASIC_ARITHMETIC, "operators": ["+", "-"]}
 
@@ -210,8 +211,9 @@ def test_a_bad_dataset_or_setting_is_one_line_exit_2_before_anything_starts(
 
 def test_without_reasoning_gym_installed_it_is_one_line_naming_the_extra(rg_args, monkeypatch):
     monkeypatch.setitem(sys.modules, "reasoning_gym", None)  # import reasoning_gym raises ImportError
+    cfg = load_config(rg_args())  # plain data: the dataset is built before the run starts, not by the config
     with pytest.raises(ConfigError, match=r"data.source=reasoning_gym needs the reasoning_gym package.*dppo\[tasks\]"):
-        load_config(rg_args())
+        check_prompt_source(cfg.data, cfg.model, cfg.task, cfg.trainer)
 
 
 def test_a_3_step_run_on_an_imported_gguf_model_logs_the_verifiers_rewards_and_the_held_out_score(

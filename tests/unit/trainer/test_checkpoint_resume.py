@@ -471,6 +471,7 @@ def test_an_older_mid_cycle_checkpoint_counts_what_its_cycle_consumed(small_cfg,
     the groups held ahead, and the kept groups of the draw pending; the rest of the state as it was saved."""
     from dppo.batch import Group
     from dppo.checkpoint.run import RunCheckpoints
+    from dppo.trainer.base import checkpoint_settings
     from dppo.trainer.state import CycleProgress, Draw, HeldBatch, RolloutStart, TrainerState
 
     def groups(count: int) -> list[Group]:
@@ -486,7 +487,7 @@ def test_an_older_mid_cycle_checkpoint_counts_what_its_cycle_consumed(small_cfg,
     )
     saved = TrainerState(5, 5, progress, RolloutStart(5, consumed=999, next_grant=60, dropped_total=7)).to_state(1.5)
     del saved["rollout"]["consumed"]
-    state = TrainerState.from_state(RunCheckpoints(cfg, tmp_path)._run_state(saved))
+    state = TrainerState.from_state(RunCheckpoints(checkpoint_settings(cfg), tmp_path)._run_state(saved))
     assert state.rollout_start.consumed == 5 * 8 + 2 * 2 + 3 + 2
     assert (state.global_step, state.version, state.progress.trigger, state.progress.elapsed_s) == (5, 5, 2, 1.5)
     assert (state.rollout_start.version, state.rollout_start.next_grant, state.rollout_start.dropped_total) == (

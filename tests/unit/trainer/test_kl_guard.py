@@ -15,6 +15,7 @@ from dppo.batch import TrainBatch
 from dppo.config import ConfigError
 from dppo.trainer.ppo import PPOTrainer
 from dppo.config.pi_old import choose_pi_old
+from dppo.trainer.worker_group import actor_settings
 from dppo.workers.actor.rank import ActorRank
 
 PS = 3
@@ -142,7 +143,7 @@ def test_the_guard_catches_a_moved_policy_whose_signed_ppo_kl_is_not_positive(sm
     actor/ppo_kl, the signed mean, is -0.5 or 0, under the bound 0.1, but the policy is far from pi_old. k3 (e^0.5 -
     1.5 = 0.149, or the mean of e - 2 and 1/e) is past it: no step, on each path pi_old reaches the loss by."""
     cfg = small_cfg(**{"actor.max_ppo_kl": 0.1, "actor.micro_batch_size": 4, **PI_OLD_PATHS[path]})
-    rank = ActorRank(cfg, choose_pi_old(cfg), 0, 1, 12)
+    rank = ActorRank(actor_settings(cfg), choose_pi_old(cfg), 0, 1, 12)
     rank.init_model(*rank.master_address())
     batch, old = moved_batch(rank, shift)
     delta, mask = old - rank.score(rank.model, batch), batch.response_mask

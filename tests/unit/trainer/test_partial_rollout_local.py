@@ -17,6 +17,7 @@ from dppo.config import load_config
 from dppo.data import make_prompt_source
 from dppo.models import build_model, policy_config
 from dppo.trainer.rollout import LocalRollout
+from dppo.trainer.rollout.settings import worker_settings
 from dppo.workers.rollout.worker import RolloutGenerator
 from tests.tiny_run import small_overrides
 
@@ -76,7 +77,7 @@ def test_a_local_worker_loads_a_version_published_mid_ticket_and_its_groups_carr
     assert dropped == 0 and [g.index for g in groups] == [0, 1]
     assert all(g.version == 0 for g in groups)  # the ticket's start version: staleness counts the oldest token
     # the same ticket generated here, its first look handing version 1
-    reference = RolloutGenerator(cfg, source, model_config, 0)
+    reference = RolloutGenerator(worker_settings(cfg, source, model_config), source, model_config, 0)
     reference.load_weights(v0, 0)
     reference.seed_ticket(0)
     looks = []

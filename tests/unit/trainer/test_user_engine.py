@@ -177,7 +177,8 @@ def test_what_a_users_spec_declares_is_what_the_start_up_and_the_trainer_go_by(t
     from dppo.launch.plan import plan_run
     from dppo.launch.precision import rollout_on_gpu
     from dppo.launch.preflight import check_rollout_engine
-    from dppo.workers.rollout.engine_config import engine_settings, publishes_deltas
+    from dppo.trainer.rollout.settings import engine_settings
+    from dppo.workers.rollout.engine_config import publishes_deltas
 
     name, _ = user_module
     declared = f"{name}:DeclaredEngine"

@@ -131,13 +131,14 @@ def test_on_a_worker_a_changed_tensor_fails_the_load_as_the_vllm_engines_would_a
 ):
     """The worker's side (RolloutGenerator.check_load, on Ray and in local processes alike): WeightSyncMismatchError,
     which the sources answer with a restart, and no claim to hold the publish (the next load is a full one)."""
+    from dppo.trainer.rollout.settings import worker_settings
     from dppo.workers.rollout.worker import RolloutGenerator
     from dppo.workers.sync_check import WeightSyncMismatchError
     from dppo.workers.weight_fingerprint import fingerprint
 
     cfg, source, model_config, state = _setup(tmp_path)
     _corrupt_after_load(monkeypatch)
-    generator = RolloutGenerator(cfg, source, model_config, 0)
+    generator = RolloutGenerator(worker_settings(cfg, source, model_config), source, model_config, 0)
     generator.loaded_publish = "an earlier publish"
     with pytest.raises(WeightSyncMismatchError) as err:
         generator.load_weights(state, 3, fingerprint(state, torch.float32))

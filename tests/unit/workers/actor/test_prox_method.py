@@ -13,6 +13,7 @@ from dppo.batch import TrainBatch
 from dppo.trainer.ppo import PPOTrainer
 from dppo.workers.actor.loss_choice import LossChoice
 from dppo.config.pi_old import choose_pi_old
+from dppo.trainer.worker_group import actor_settings
 from dppo.workers.actor.rank import ActorRank
 
 P, R, V, B = 3, 5, 12, 11
@@ -25,7 +26,7 @@ REJECTION = {
 
 def make_rank(small_cfg, **extra) -> ActorRank:
     cfg = small_cfg(**{"actor.lr": 0.01, "actor.micro_batch_size": 4, **extra})
-    rank = ActorRank(cfg, choose_pi_old(cfg), 0, 1, V)
+    rank = ActorRank(actor_settings(cfg), choose_pi_old(cfg), 0, 1, V)
     rank.init_model(*rank.master_address())
     return rank
 

@@ -12,6 +12,7 @@ from dppo.config import load_config
 from dppo.models import model_from_config
 from dppo.workers.actor import rank as rank_module
 from dppo.config.pi_old import choose_pi_old
+from dppo.trainer.worker_group import actor_settings
 from dppo.workers.actor.rank import ActorRank
 from dppo.workers.sync_check import verify
 from dppo.workers.weight_fingerprint import fingerprint, prints_of
@@ -34,7 +35,7 @@ def tied_rank(tmp_path, monkeypatch):
         tie_word_embeddings=True,
     )
     monkeypatch.setattr(rank_module, "build_model", lambda *args, **kwargs: model_from_config(config, "float32"))
-    rank = ActorRank(cfg, choose_pi_old(cfg), 0, 1, config.vocab_size)
+    rank = ActorRank(actor_settings(cfg), choose_pi_old(cfg), 0, 1, config.vocab_size)
     rank.init_model(*rank.master_address())
     assert rank.model.lm_head.weight is rank.model.model.embed_tokens.weight
     return rank

@@ -13,6 +13,7 @@ from dppo.data.source import Prompts
 from dppo.generation import sample_responses
 from dppo.models import build_model
 from dppo.batch import collate, left_pad
+from dppo.trainer.rollout.settings import worker_settings
 from dppo.workers.rollout.worker import RolloutGenerator
 
 TINY = [
@@ -29,7 +30,7 @@ def generator_for(*overrides):
     cfg = load_config([*TINY, *overrides])
     source = make_prompt_source(cfg)
     model = build_model(cfg.model, source.vocab_size, seed=cfg.trainer.seed)
-    gen = RolloutGenerator(cfg, source, model.config, 0)
+    gen = RolloutGenerator(worker_settings(cfg, source, model.config), source, model.config, 0)
     gen.load_weights(model.state_dict(), 0)
     gen.seed_ticket(0)
     return gen, source, model
