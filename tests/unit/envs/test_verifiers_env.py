@@ -251,3 +251,32 @@ def test_an_env_that_scores_groups_is_refused(example):
         verifiers_agent(make)
     with pytest.raises(VerifiersEnvError, match="expected a verifiers Environment, got dict"):
         verifiers_agent(dict)
+
+
+FAKE_ENV_PACKAGE = """
+import verifiers as vf
+from datasets import Dataset
+
+
+def exact(completion, answer) -> float:
+    return float(completion[-1].content.strip() == answer)
+
+
+def load_environment(system_prompt="Answer."):
+    dataset = Dataset.from_list([{"question": "6 * 7", "answer": "42"}])
+    return vf.SingleTurnEnv(dataset=dataset, system_prompt=system_prompt, rubric=vf.Rubric(funcs=[exact]))
+"""
+
+
+def test_an_installed_environment_runs_by_its_id_with_its_arguments(tmp_path, monkeypatch, run, tokenizer):
+    (tmp_path / "dppo_fake_env.py").write_text(FAKE_ENV_PACKAGE)  # what `vf-install dppo-fake-env` puts on the path
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = _handlers()
+    agent = verifiers_agent("dppo-fake-env", system_prompt="Reply with the number.")
+    assert _handlers() == before
+    assert isinstance(agent.env, vf.SingleTurnEnv) and agent.env.env_id == "dppo-fake-env"
+    result, trajectory, requests, _ = run(agent, ["79420"])
+    assert (result["score"], result["exact"], trajectory.turns) == (1.0, 1.0, 1)
+    assert decode(tokenizer, requests[0].prompt_ids).startswith("<|im_start|>system\nReply with the number.<|im_end|>")
+    with pytest.raises(VerifiersEnvError, match=r"environment arguments \['size'\] are for an environment id"):
+        verifiers_agent(agent.env, size=3)
