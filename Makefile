@@ -23,7 +23,7 @@ $(BIN)/python:
 
 # The stamp rebuilds the extension whenever setup.py or anything in csrc/ changes.
 $(VENV)/.installed: $(BIN)/python $(BUILD_INPUTS)
-	$(BIN)/python -m pip install --no-build-isolation -e ".[test,trackers,gguf,tasks,agents]"
+	$(BIN)/python -m pip install --no-build-isolation -e ".[test,trackers,gguf,tasks,agents,lora]"
 	$(BIN)/python -m dppo.build_info
 	touch $@
 
@@ -91,7 +91,7 @@ $(VLLM_VENV)/.vllm: $(VLLM_BIN)/python
 	touch $@
 
 $(VLLM_VENV)/.installed: $(VLLM_VENV)/.vllm $(BUILD_INPUTS)
-	DPPO_NO_EXTENSION=1 $(VLLM_BIN)/python -m pip install --no-build-isolation -e ".[test,agents]"
+	DPPO_NO_EXTENSION=1 $(VLLM_BIN)/python -m pip install --no-build-isolation -e ".[test,agents,lora]"
 	$(VLLM_BIN)/python setup.py build_ext --build-lib $(VLLM_VENV)/dppo-ext --build-temp $(VLLM_VENV)/build-temp
 	$(VLLM_BIN)/python -m dppo.build_info
 	touch $@

@@ -16,6 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, Qwen2Config, Qwen2For
 from transformers.utils import logging as hf_logging
 
 from dppo.algo import log_probs_from_logits
+from dppo.lora import LoraPublish
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -207,8 +208,9 @@ def retied(state_dict: Mapping[str, torch.Tensor], aliases: Mapping[str, str]) -
 
 
 def as_state_dict(weights) -> dict[str, torch.Tensor]:
-    """A state dict from what a publish carries: a state dict itself, or SharedWeights."""
-    return weights.state_dict() if isinstance(weights, SharedWeights) else weights
+    """A state dict from what a publish carries: a state dict itself, SharedWeights, or a LoRA publish (the merged
+    model)."""
+    return weights.state_dict() if isinstance(weights, (SharedWeights, LoraPublish)) else weights
 
 
 def accepts_logits_to_keep(model: torch.nn.Module) -> bool:

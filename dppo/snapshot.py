@@ -85,6 +85,8 @@ class SnapshotPool:
         module_or_mapping: an nn.Module (its named parameters, tied ones stored once) or a Mapping
             name -> tensor. All tensors must be on one device (CPU or one CUDA device).
         include_buffers: also snapshot the module's buffers (e.g. BatchNorm running statistics).
+        trainable_only: of a module, only the parameters that require grad (LoRA's adapters beside a frozen base:
+            the frozen tensors never change, so a slot of the trainable ones is the whole snapshot).
         max_host_bytes: cap on the host memory of all arenas; a save that would need more raises
             SnapshotMemoryError and leaves the pool as it was. None: no cap.
         device_budget_bytes: device memory that slots may use (CUDA pools). A slot whose bytes fit the
@@ -103,6 +105,7 @@ class SnapshotPool:
         module_or_mapping: torch.nn.Module | Mapping[str, torch.Tensor],
         *,
         include_buffers: bool = False,
+        trainable_only: bool = False,
         max_host_bytes: int | None = None,
         device_budget_bytes: int = 0,
         checksum: bool = False,
@@ -133,6 +136,7 @@ class SnapshotPool:
         else:
             raise TypeError(f"expected an nn.Module or a Mapping[str, Tensor], got {type(module_or_mapping).__name__}")
         self._include_buffers = include_buffers
+        self._trainable_only = trainable_only
         self._recorded = self._current()
         for name, t in self._recorded:
             if not isinstance(name, str):
@@ -160,6 +164,8 @@ class SnapshotPool:
             return list(self._mapping.items())
         assert self._module is not None
         named = list(self._module.named_parameters(remove_duplicate=False))
+        if self._trainable_only:
+            named = [(name, p) for name, p in named if p.requires_grad]
         if self._include_buffers:
             named += list(self._module.named_buffers(remove_duplicate=False))
         return named

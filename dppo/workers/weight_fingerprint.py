@@ -23,6 +23,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from dppo.lora import LoraPublish
 from dppo.models import DTYPES
 from dppo.workers.sync_check import TensorPrint, WeightFingerprint
 from dppo.workers.weight_delta import bits
@@ -191,5 +192,8 @@ def print_dtype(rollout, model_dtype: str) -> torch.dtype | None:
 
 
 def fingerprint_for(state_dict: dict[str, torch.Tensor], dtype: torch.dtype | None) -> WeightFingerprint | None:
-    """fingerprint(state_dict, dtype), or None where dtype is (verification off: print_dtype)."""
-    return None if dtype is None else fingerprint(state_dict, dtype)
+    """fingerprint(state_dict, dtype), or None where dtype is (verification off: print_dtype). A LoRA publish's
+    fingerprint is its adapter's (a worker checks the adapter that arrived, then its engine against its own merge)."""
+    if dtype is None:
+        return None
+    return fingerprint(state_dict.adapter if isinstance(state_dict, LoraPublish) else state_dict, dtype)

@@ -43,6 +43,21 @@ class ModelConfig:
     dtype: str = "float32"
     """Parameter dtype of the trainer and the rollout workers."""
 
+    lora_rank: int = 0
+    """LoRA's rank r (verl's key; needs the lora extra, peft): the base frozen, low-rank adapters trained, pi_old's
+    snapshots, the optimizer state and each weight sync the adapter's alone. 0: LoRA off, the whole model trained."""
+
+    lora_alpha: float = 16
+    """LoRA's alpha: the adapter's product is scaled by lora_alpha / lora_rank."""
+
+    target_modules: Any = "all-linear"
+    """The modules that get adapters: all-linear (every linear layer but the LM head), or a list of module names
+    (e.g. [q_proj, v_proj]); a name that matches no module of the model is an error naming it."""
+
+    lora_dropout: float = 0.0
+    """Dropout on the adapter's input; only 0: dppo scores every log-prob in eval mode (dropout off), so that old and
+    new log-probs are deterministic functions of the weights."""
+
     def __post_init__(self) -> None:
         check_numbers(self, "model")
         for key in ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size"):
@@ -54,6 +69,26 @@ class ModelConfig:
             f"a multiple of model.num_attention_heads={self.num_attention_heads}",
         )
         one_of("model.dtype", self.dtype, DTYPES)
+        nonnegative("model.lora_rank", self.lora_rank)
+        if self.lora_rank:
+            positive("model.lora_alpha", self.lora_alpha)
+            require(
+                self.target_modules == "all-linear"
+                or (
+                    isinstance(self.target_modules, (list, tuple))
+                    and len(self.target_modules) > 0
+                    and all(isinstance(t, str) and t for t in self.target_modules)
+                ),
+                "model.target_modules",
+                self.target_modules,
+                "all-linear or a non-empty list of module names",
+            )
+            require(
+                self.lora_dropout == 0,
+                "model.lora_dropout",
+                self.lora_dropout,
+                "0 (dppo scores log-probs in eval mode, dropout off: a nonzero dropout would never be applied)",
+            )
         if self.path is not None:
             require(isinstance(self.path, str) and self.path, "model.path", self.path, "a local model directory")
 

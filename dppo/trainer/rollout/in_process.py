@@ -4,9 +4,13 @@ through the same worker loop (dppo.workers.rollout.buffer_client.run_ticket, ove
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from dppo.batch import Group
+from dppo.lora import LoraPublish
+from dppo.models import as_state_dict
 from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, cloned_state
@@ -40,13 +44,16 @@ class InProcessRollout(RolloutSource):
         """A copy of state_dict (the rank's CPU state dict: the live tensors, which the cycle's steps move) is what the
         worker loads at its next ticket and, once the buffer has it, what published_weights() gives back (a publish
         that failed leaves the last one's)."""
-        published = cloned_state(state_dict)
+        if isinstance(state_dict, LoraPublish):  # the base is the run's one copy; the adapter copied
+            published = dataclasses.replace(state_dict, adapter=cloned_state(state_dict.adapter))
+        else:
+            published = cloned_state(state_dict)
         self.buffer.publish(published, version, fingerprint_for(published, self._print_dtype))
         self._published = published
 
     def published_weights(self) -> dict[str, torch.Tensor]:
-        """The weights of the last publish, exactly as published (the model's dtype)."""
-        return self._published
+        """The weights of the last publish, exactly as published (the model's dtype; a LoRA publish merged)."""
+        return as_state_dict(self._published)
 
     def fetch(self, num_groups: int, trainer_version: int) -> tuple[list[Group], int]:
         made = 0

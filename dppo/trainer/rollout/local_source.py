@@ -33,13 +33,14 @@ from typing import Any
 import cloudpickle
 import torch
 
+from dppo.lora import LoraPublish
 from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
 from dppo.trainer.rollout.common import RolloutSettings, buffer_core
 from dppo.trainer.rollout.settings import worker_settings
 from dppo.trainer.rollout.supervised import SupervisedRollout, WorkerEnd, WorkerRecord
 from dppo.workers.rollout.buffer_server import BufferServer, Taken
-from dppo.workers.rollout.process import SharedState, answer_calls, main
+from dppo.workers.rollout.process import SharedLora, SharedState, answer_calls, main
 from dppo.workers.sync_check import WeightSyncMismatchError
 from dppo.workers.weight_fingerprint import fingerprint_for, print_dtype
 
@@ -72,6 +73,7 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         self._print_dtype = print_dtype(cfg.rollout, cfg.model.dtype)  # None: rollout.verify_sync=false
         # rollout.partial_rollout: the newest published version, which the workers read once per decode chunk
         self._published_version = multiprocessing.RawValue("q", -1) if cfg.rollout.partial_rollout else None
+        self._lora_base: tuple[str, SharedState] | None = None  # (base id, its shared memory): a LoRA run's, once
         ctx = self._context(fork)
         self.workers = [
             self._start(i, self.new_holder(), 0, ctx)  # all forked before any thread
@@ -128,7 +130,12 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
     def publish(self, state_dict, version: int) -> None:
         """The rank's state dict (CPU tensors, possibly the live ones): copied into shared memory for the workers;
         what published_weights() gives back once the buffer has it (a publish that failed leaves the last one's)."""
-        shared = SharedState(state_dict)
+        if isinstance(state_dict, LoraPublish):  # the base into shared memory once per run, the adapter each time
+            if self._lora_base is None or self._lora_base[0] != state_dict.base_id:
+                self._lora_base = (state_dict.base_id, SharedState(state_dict.base_state()))
+            shared = SharedLora(state_dict, self._lora_base[1])
+        else:
+            shared = SharedState(state_dict)
         self.buffer.publish(shared, version, fingerprint_for(state_dict, self._print_dtype))
         self._published = shared
         if self._published_version is not None:

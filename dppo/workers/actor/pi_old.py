@@ -171,7 +171,9 @@ class PiOldProvider:
         if self.source.pool is not None:
             return self.source.pool
         if self._own_pool is None:
-            self._own_pool = snapshot.SnapshotPool(self.model, device_budget_bytes=self.choice.device_budget_bytes)
+            self._own_pool = snapshot.SnapshotPool(
+                self.model, device_budget_bytes=self.choice.device_budget_bytes, trainable_only=True
+            )
         return self._own_pool
 
     def close(self) -> None:

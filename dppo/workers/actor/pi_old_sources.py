@@ -105,12 +105,21 @@ class PiOldSource(ABC):
         """Release the snapshot memory."""
 
 
+def trainable_parameters(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """The parameters pi_old is made of: those that require grad (every one of a fully trained model; LoRA's adapters
+    beside a frozen base, which no step changes)."""
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
 def with_weights(model: torch.nn.Module, weights: dict[str, torch.Tensor], fn: Callable[[], object]) -> object:
     """fn() while model's parameters hold weights; the live values are put back afterwards, also if fn raises.
 
     weights are what anchor_weights() returns: a sharded model's local shards (written into the storage FSDP2
     gathers from), else whole tensors."""
-    params = {name: local_tensor(p) for name, p in model.named_parameters()}
+    params = {name: local_tensor(p) for name, p in trainable_parameters(model)}
+    missing = [name for name in params if name not in weights]
+    if missing:
+        raise KeyError(f"pi_old's weights lack {len(missing)} trainable tensor(s), first {missing[0]!r}")
     live = {name: p.detach().clone() for name, p in params.items()}
     try:
         with torch.no_grad():
@@ -152,7 +161,8 @@ class SlotSource(PiOldSource):
 
     def __init__(self, model, optimizer, score, choice: PiOldChoice) -> None:
         super().__init__(model, optimizer, score, choice)
-        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=choice.device_budget_bytes)
+        # the trainable parameters only: a frozen base (LoRA) is the same at every trigger
+        self._pool = snapshot.SnapshotPool(model, device_budget_bytes=choice.device_budget_bytes, trainable_only=True)
         # The save at trigger 0 is asynchronous: the first optimizer step must not overwrite a weight
         # before the copy has read it.
         self._guard = self._pool.guard(optimizer)
@@ -274,16 +284,17 @@ class ReferenceSource(PiOldSource):
     def __init__(self, model, optimizer, score, choice: PiOldChoice) -> None:
         super().__init__(model, optimizer, score, choice)
         self._slot: dict[str, torch.Tensor] | None = None
-        self._nbytes = sum(local_tensor(p).nbytes for p in model.parameters())
+        self._nbytes = sum(local_tensor(p).nbytes for _, p in trainable_parameters(model))
+        self.moved_bytes_per_copy = self._nbytes  # one slot's bytes (the rank's snapshot/bytes)
 
     def _save(self) -> dict[str, torch.Tensor]:
         self.moved_bytes += self._nbytes
-        return {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in self.model.named_parameters()}
+        return {name: local_tensor(p).detach().to("cpu", copy=True) for name, p in trainable_parameters(self.model)}
 
     @torch.no_grad()
     def _restore(self, state: dict[str, torch.Tensor]) -> None:
         self.moved_bytes += self._nbytes
-        for name, p in self.model.named_parameters():
+        for name, p in trainable_parameters(self.model):
             local_tensor(p).copy_(state[name].to(p.device))  # in place: a shard's storage is what FSDP2 gathers
 
     def compute(self, trigger: int, batch: TrainBatch) -> torch.Tensor | None:

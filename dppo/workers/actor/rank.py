@@ -30,6 +30,7 @@ import torch.distributed as dist
 from dppo.devices import resolve_device
 from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
+from dppo.lora import LoraPublisher, LoraSpec, apply_lora
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
 from dppo.checkpoint.shards import ShardedCheckpointError
@@ -92,6 +93,8 @@ class ActorRank:
         model_dtype = settings.model.dtype
         self._delta_publisher = delta_publisher(settings.rollout, model_dtype, publish_deltas) if rank == 0 else None
         self._print_dtype = print_dtype(settings.rollout, model_dtype)  # None: rollout.verify_sync=false
+        self.lora = LoraSpec.of(settings.model)  # None: LoRA off
+        self._lora_publisher = LoraPublisher(self.lora) if self.lora is not None and rank == 0 else None
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -127,6 +130,8 @@ class ActorRank:
             )
         seed_all(s.seed)  # a rank's process of its own, or the driver's: the model is built from the seed
         self.model = build_model(s.model, self.vocab_size, seed=s.seed).to(self.device)
+        if self.lora is not None:  # model.lora_rank: peft's adapters injected, the base frozen (A drawn from the seed)
+            self.model = apply_lora(self.model, self.lora)
         # the reference policy of the KL penalty: the initial weights, sharded like the policy
         needs_ref = s.actor.kl_loss_coef > 0 or s.algorithm.use_kl_in_reward  # the KL loss's or the reward's
         self.ref_model = copy.deepcopy(self.model).requires_grad_(False) if needs_ref else None
@@ -136,8 +141,12 @@ class ActorRank:
                 parallelize(self.ref_model, self.device.type, self.world_size, self.precision.fsdp_param_dtype)
         # fused: one kernel over all parameters (DTensors included); on the CPU 5x faster than the per-tensor
         # loop (94M fp32 parameters, one thread: 143 ms instead of 730 ms a step)
+        # the trainable parameters: all of them, or LoRA's adapters (the optimizer state is then the adapter's alone)
         self.optimizer = torch.optim.AdamW(
-            self.model.parameters(), lr=s.actor.lr, weight_decay=s.actor.weight_decay, fused=True
+            [p for p in self.model.parameters() if p.requires_grad],
+            lr=s.actor.lr,
+            weight_decay=s.actor.weight_decay,
+            fused=True,
         )
         self.lr_scheduler = make_lr_scheduler(
             self.optimizer, s.actor.optim, s.total_steps, s.parameter_sync_step
@@ -277,8 +286,17 @@ class ActorRank:
         metrics["timing_s/update_actor"] = update_s
         metrics["timing_s/old_log_prob"] = prox.old_log_prob_s
         metrics["timing_s/snapshot"] = self.pi_old.take_snapshot_s()
+        metrics["snapshot/bytes"] = self._snapshot_bytes()
         merged = self.peers.reduce_metrics(metrics)
         return {**merged, **self.pi_old.record(merged)}
+
+    def _snapshot_bytes(self) -> float:
+        """The bytes of this rank's share of one pi_old slot (the metrics sum them over the ranks): the trainable
+        tensors (LoRA: the adapter's); 0 where the pi_old source keeps no snapshot (behav, live, loglinear)."""
+        source = self.pi_old.source
+        if source.pool is not None:
+            return float(source.pool.nbytes)
+        return float(getattr(source, "moved_bytes_per_copy", 0))
 
     @register(RANK0)
     def end_cycle(self) -> dict[str, float]:
@@ -353,6 +371,14 @@ class ActorRank:
         # a tied weight as one tensor (the gather or the copies above may have made two): a fingerprint records the
         # tie by it, and the weight-sync check accepts an engine that holds the tied tensor once (vLLM) by that record
         state = retied(state, tied_aliases(self.model))
+        if self._lora_publisher is not None:  # the base once, the adapter every time (dppo.lora.LoraPublish)
+            publish = self._lora_publisher.publish(state, tied_aliases(self.model), to_object_store)
+            if not to_object_store:
+                return publish
+            import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
+
+            prints = [] if self._print_dtype is None else [fingerprint(publish.adapter, self._print_dtype)]
+            return [ray.put(publish)] + prints
         if to_object_store:
             import ray  # only where a rank may be a Ray actor: a rank in the driver's own process needs no Ray
 

@@ -106,7 +106,8 @@ def candidate_blocks(model: torch.nn.Module) -> list[Block]:
             params = [
                 (owner, attr, f"{layer_name}.{owner_name}.{attr}" if owner_name else f"{layer_name}.{attr}")
                 for owner_name, owner in layer.named_modules(remove_duplicate=False)
-                for attr, _ in owner.named_parameters(recurse=False, remove_duplicate=False)
+                for attr, p in owner.named_parameters(recurse=False, remove_duplicate=False)
+                if p.requires_grad  # what a slot holds (a frozen LoRA base is not streamed: it never changes)
             ]  # fmt: skip
             if params:
                 blocks.append(Block(layer, layer_name, params))
@@ -115,7 +116,8 @@ def candidate_blocks(model: torch.nn.Module) -> list[Block]:
             continue
         params = [
             (module, attr, f"{name}.{attr}" if name else attr)
-            for attr, _ in module.named_parameters(recurse=False, remove_duplicate=False)
+            for attr, p in module.named_parameters(recurse=False, remove_duplicate=False)
+            if p.requires_grad
         ]
         if params:
             blocks.append(Block(module, name or "(root)", params))

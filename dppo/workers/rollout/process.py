@@ -25,6 +25,7 @@ trainer's process (PR_SET_PDEATHSIG) if it is killed mid-generation.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import math
 import mmap
 import os
@@ -36,6 +37,7 @@ import cloudpickle
 import torch
 
 from dppo._text import one_line
+from dppo.lora import LoraPublish, LoraSpec
 from dppo.workers.rollout.buffer_client import BufferClient, run_tickets
 from dppo.workers.rollout.buffer_server import WORKER_CALLS, BufferServer
 from dppo.workers.rollout.replay_buffer import Finished, Published, Ticket, map_weights, publish_in
@@ -114,6 +116,33 @@ class SharedState:
         return layout.views(buffer)
 
 
+@dataclass(frozen=True)
+class LoraLayout:
+    """A LoRA publish's place in shared memory (model.lora_rank): the base's SharedLayout (the same memory for the
+    whole run) and this version's adapter's, their two descriptors following the answer in that order."""
+
+    base: SharedLayout
+    adapter: SharedLayout
+    base_id: str
+    scaling: float
+    spec: LoraSpec
+
+
+class SharedLora:
+    """A LoRA publish for the local workers: the base in one SharedState written once per run (base_memory, handed
+    in again at every publish) and the adapter in a small one of its own."""
+
+    def __init__(self, publish: LoraPublish, base_memory: SharedState) -> None:
+        self.base, self.adapter = base_memory, SharedState(publish.adapter)
+        self.publish = dataclasses.replace(publish, adapter=self.adapter.state_dict())
+        self.layout = LoraLayout(self.base.layout, self.adapter.layout, publish.base_id, publish.scaling, publish.spec)
+        self.fds = (self.base.fd, self.adapter.fd)
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """The merged model (what the trainer's published_weights() reads)."""
+        return self.publish.state_dict()
+
+
 def die_with_parent(name: str) -> None:
     """Have the kernel SIGKILL this process when its parent dies, and name it (its comm, what ps and top show; the
     command line stays the trainer's for a forked worker). Linux; a no-op where prctl is missing."""
@@ -132,14 +161,23 @@ class PipeClient(BufferClient):
     def __init__(self, conn, published=None) -> None:
         self.conn, self.published = conn, published
         self.looks_mid_ticket = published is not None
+        self._lora_base: tuple[str, dict[str, torch.Tensor]] | None = None  # (base id, its mapping): LoRA publishes
 
     def _call(self, name: str, *args):
         self.conn.send((name, *args))
         # a publish's memory: its descriptor follows on the pipe; mapped here (closed once its tensors are dropped)
         return map_weights(self.conn.recv(), lambda layout: StateDictWeights(self._attach(layout)))
 
-    def _attach(self, layout: SharedLayout) -> dict[str, torch.Tensor]:
-        return SharedState.attach(reduction.recv_handle(self.conn), layout)
+    def _attach(self, layout: SharedLayout | LoraLayout):
+        if not isinstance(layout, LoraLayout):
+            return SharedState.attach(reduction.recv_handle(self.conn), layout)
+        base_fd, adapter_fd = reduction.recv_handle(self.conn), reduction.recv_handle(self.conn)
+        if self._lora_base is None or self._lora_base[0] != layout.base_id:  # mapped once per run's base
+            self._lora_base = (layout.base_id, SharedState.attach(base_fd, layout.base))
+        else:
+            os.close(base_fd)
+        adapter = SharedState.attach(adapter_fd, layout.adapter)
+        return LoraPublish(self._lora_base[1], adapter, layout.scaling, layout.base_id, layout.spec)
 
     def acquire(self, version: int, num_groups: int) -> Ticket:
         return self._call("acquire", version, num_groups)
@@ -170,7 +208,9 @@ def answer_calls(conn, buffer: BufferServer, holder: int, pid: int) -> tuple[str
             publish = publish_in(answer)  # its weights a SharedState: the layout goes in the answer, the memory apart
             conn.send(map_weights(answer, lambda shared: shared.layout))
             if publish is not None:
-                reduction.send_handle(conn, publish.weights.fd, pid)
+                shared = publish.weights
+                for fd in shared.fds if isinstance(shared, SharedLora) else (shared.fd,):  # LoRA: base, adapter
+                    reduction.send_handle(conn, fd, pid)
     except (EOFError, OSError):
         return None  # the worker exited (or was killed), or the trainer closed the pipe
 

@@ -17,9 +17,11 @@ import ray
 import torch
 
 from dppo.data.source import PromptSource
+from dppo.lora import LoraPublish
 from dppo.models import as_state_dict
 from dppo.workers.rollout.buffer_client import BufferClient, run_ticket, run_tickets
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync
+from dppo.workers.rollout.lora_sync import load_lora
 from dppo.workers.rollout.replay_buffer import Finished, Published, Ticket, map_weights
 from dppo.workers.rollout.worker import RolloutWorkerSettings, Weights, worker_generator
 
@@ -44,12 +46,13 @@ def load_published(engine: RolloutEngine, published: list, holds: str | None) ->
     only the delta where it starts from `holds`, else the full weights. (what it cost, the id the engine holds now)."""
     full_ref, delta = published[0], (published[1] if len(published) > 1 else None)
     if delta is not None and holds is not None and delta.base == holds and engine.accepts_delta:
-        sync = engine.load_delta(ray.get(delta.ref))
-    else:
-        # SharedWeights: views of the object store's copy, loaded in place into the engine's model and dropped when
-        # this returns (no second copy of the weights in this process); a plain state dict from a delta publisher
-        sync = engine.load_weights(as_state_dict(ray.get(full_ref)))
-    return sync, full_ref.hex()
+        return engine.load_delta(ray.get(delta.ref)), full_ref.hex()
+    weights = ray.get(full_ref)
+    if isinstance(weights, LoraPublish):  # model.lora_rank: the adapter (the base is its own ObjectRef, read once)
+        return load_lora(engine, weights, holds)
+    # SharedWeights: views of the object store's copy, loaded in place into the engine's model and dropped when
+    # this returns (no second copy of the weights in this process); a plain state dict from a delta publisher
+    return engine.load_weights(as_state_dict(weights)), full_ref.hex()
 
 
 class ObjectStoreWeights(Weights):

@@ -22,7 +22,10 @@ from dppo.batch import Group
 from dppo.workers.rollout.agent.runner import agent_groups, worker_agents
 from dppo.workers.rollout.engine_config import make_engine
 from dppo.workers.rollout.engines import EngineSettings, Refresh, RolloutEngine, WeightSync
+from dppo.lora import LoraPublish
+from dppo.workers.rollout.lora_sync import LoraLoad, load_lora
 from dppo.workers.rollout.replay_buffer import Published, SyncCost
+from dppo.workers.weight_fingerprint import fingerprint, prints_of
 from dppo.workers.sync_check import WeightFingerprint, verify
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
@@ -67,6 +70,8 @@ class StateDictWeights(Weights):
         self.state_dict = state_dict
 
     def load_into(self, engine: RolloutEngine, holds: str | None) -> tuple[WeightSync, str | None]:
+        if isinstance(self.state_dict, LoraPublish):  # model.lora_rank: the base once, then the adapter
+            return load_lora(engine, self.state_dict, holds)
         return engine.load_weights(self.state_dict), None
 
 
@@ -132,7 +137,9 @@ class RolloutGenerator:
         """What the run's metrics get of the latest load: its cost where the engine reports its loads (the vllm
         engine; the hf engine's is a load_state_dict into its own copy), and the check's seconds with any engine
         (rollout.verify_sync: timing_s/weight_sync_verify); None where neither."""
-        return SyncCost.of(self.last_sync, load_reported=self.engine.reports_sync)
+        # a LoRA load is reported with any engine: its bytes are what LoRA saves (rollout/weight_sync_bytes)
+        reported = self.engine.reports_sync or isinstance(self.last_sync, LoraLoad)
+        return SyncCost.of(self.last_sync, load_reported=reported)
 
     def check_load(self, sync: WeightSync, expected: WeightFingerprint | None, version: int) -> WeightSync:
         """rollout.verify_sync: read back what the engine holds after loading `version` and compare it with the
@@ -143,7 +150,15 @@ class RolloutGenerator:
             return sync
         start = time.perf_counter()
         try:
-            verify(expected, self.engine.held_prints(expected), version)
+            if isinstance(sync, LoraLoad):
+                # the adapter that arrived is the one the trainer published (expected: its adapter's fingerprint),
+                # and the engine holds the merge computed from it
+                verify(expected, prints_of(sync.adapter, getattr(torch, expected.dtype)), version)
+                merged = fingerprint(sync.loaded, getattr(torch, expected.dtype))
+                held = self.engine.held_prints(merged)
+                verify(merged, {name: held[name] for name in merged.tensors if name in held}, version)
+            else:
+                verify(expected, self.engine.held_prints(expected), version)
         except Exception:
             self.loaded_publish = None  # whatever the engine holds now, it is not that publish
             raise

@@ -176,6 +176,15 @@ class RolloutEngine(ABC):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
         """Make the engine sample from these weights (transformers names, the trainer's dtype) from now on."""
 
+    # Whether load_partial may be called: a LoRA publish then loads the adapter's target modules alone
+    # (dppo.workers.rollout.lora_sync); an engine without it loads the whole merged model every time.
+    loads_partial: bool = False
+
+    def load_partial(self, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> WeightSync:
+        """Replace these tensors (transformers names) in place, the others staying as loaded last. held: the whole
+        weights those others are (an engine that reloads fused layers whole takes their other tensors from it)."""
+        raise NotImplementedError(f"{type(self).__name__} loads whole weights only")
+
     @property
     def accepts_delta(self) -> bool:
         """Whether load_delta may be called now: rollout.weight_sync=delta and weights loaded before."""

@@ -81,6 +81,20 @@ class HFEngine(RolloutEngine):
         self.model.load_state_dict(state_dict)
         return WeightSync(time.perf_counter() - start, state_dict_bytes(state_dict))
 
+    loads_partial = True
+
+    def load_partial(self, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> WeightSync:
+        """These tensors into the model copy, the rest as they are (a LoRA publish's merged targets)."""
+        start = time.perf_counter()
+        own = self.model.state_dict()
+        unknown = [name for name in tensors if name not in own]
+        if unknown:
+            raise KeyError(f"the rollout model has no tensor {unknown[0]!r} ({len(unknown)} unknown)")
+        with torch.no_grad():
+            for name, t in tensors.items():
+                own[name].copy_(t)
+        return WeightSync(time.perf_counter() - start, state_dict_bytes(tensors))
+
     def held_prints(self, expected: WeightFingerprint) -> dict[str, TensorPrint]:
         """The model copy's own state dict (a tied lm_head under both names, as published)."""
         return prints_of(self.model.state_dict(), getattr(torch, expected.dtype))
