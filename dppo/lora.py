@@ -213,14 +213,13 @@ class LoraPublish:
     def base_state(self) -> dict[str, torch.Tensor]:
         """The base under transformers names (views of the object store's copy where it is there)."""
         if self._base_state is None:
-            from dppo.models import as_state_dict
-
             base = self.base
             if type(base).__name__ == "ObjectRef":
                 import ray
 
                 base = ray.get(base)
-            self._base_state = as_state_dict(base)
+            # dppo.models.SharedWeights (the object store's form) has state_dict(); a plain dict is the tensors
+            self._base_state = base.state_dict() if hasattr(base, "state_dict") and not isinstance(base, dict) else base
         return self._base_state
 
     def state_dict(self) -> dict[str, torch.Tensor]:
@@ -265,33 +264,3 @@ def save_adapter(publish: LoraPublish, out_dir: Path, base_model: str | None = N
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     return out_dir
-
-
-class LoraPublisher:
-    """Rank 0's side of a LoRA policy's publishes: the base put into the object store at the first publish (its
-    ObjectRef then travels inside every LoraPublish), the adapter copied every time."""
-
-    def __init__(self, spec: LoraSpec) -> None:
-        self.spec = spec
-        self.base: Any = None  # ObjectRef of SharedWeights, or the base's CPU tensors outside Ray
-        self.base_id: str | None = None
-
-    def publish(
-        self, state: Mapping[str, torch.Tensor], aliases: Mapping[str, str], to_object_store: bool
-    ) -> LoraPublish:
-        """state: the injected model's whole CPU state dict (peft names); aliases: its tied names (tied_aliases)."""
-        base, adapter = split_state(state)
-        if self.base is None:
-            plain_aliases = {plain_name(a): plain_name(n) for a, n in aliases.items()}
-            if to_object_store:
-                import ray
-
-                from dppo.models import SharedWeights
-
-                self.base = ray.put(SharedWeights.of(base, plain_aliases))
-                self.base_id = self.base.hex()
-            else:
-                self.base = {name: t.detach().clone() for name, t in base.items()}  # frozen, yet not the live tensors
-                self.base_id = f"local-{id(self.base):x}"
-        adapter = {name: t.detach().to("cpu", copy=True) for name, t in adapter.items()}
-        return LoraPublish(self.base, adapter, self.spec.scaling, self.base_id, self.spec)

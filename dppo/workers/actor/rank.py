@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dppo.devices import resolve_device
 from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.lora import LoraPublisher, LoraSpec, apply_lora
+from dppo.lora import LoraSpec, apply_lora
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
 from dppo.checkpoint.shards import ShardedCheckpointError
@@ -49,6 +49,7 @@ from dppo.workers.actor.lr_schedule import make_lr_scheduler, set_lr_step, step_
 from dppo.workers.actor.pi_old import VERIFIER_STATE, make_pi_old
 from dppo.workers.actor.pi_old_sources import with_weights
 from dppo.workers.actor.precision import Precision
+from dppo.workers.actor.lora_publish import LoraPublisher
 from dppo.workers.actor.publish_delta import delta_publisher
 from dppo.workers.actor.settings import ActorSettings
 from dppo.workers.weight_fingerprint import fingerprint, print_dtype
