@@ -98,6 +98,7 @@ def _error_exit_codes() -> tuple:
     from dppo.checkpoint.failure import CheckpointWriteError
     from dppo.launch.preflight import OutputDirError
     from dppo.launch.ray_cluster import RayConnectError
+    from dppo.lora import LoraError
     from dppo.trainer.rollout import RolloutFailedError
     from dppo._errors import RankDiedError
 
@@ -105,6 +106,7 @@ def _error_exit_codes() -> tuple:
         (RolloutFailedError, 1),
         (RankDiedError, 1),
         (ConfigError, 2),
+        (LoraError, 2),  # model.target_modules naming a module the model lacks: the plan's count finds it
         (PlacementError, 2),
         (MissingExtraError, 2),
         (OutputDirError, 3),

@@ -60,6 +60,12 @@ def validate_combinations(cfg) -> None:
             "trainer.verify_old_log_prob=true checks the recomputed old log-probs, but "
             "algorithm.rollout_correction.bypass_mode=true does not recompute them"
         )
+    if cfg.model.lora_rank and cfg.rollout.weight_sync == "delta":
+        raise ConfigError(
+            f"model.lora_rank={cfg.model.lora_rank} with rollout.weight_sync=delta: LoRA syncs the adapter alone "
+            "already (a worker merges its target modules from the base it holds and loads those); use "
+            "rollout.weight_sync=full"
+        )
     _check_prox_logp_method(cfg.algorithm, cfg.snapshot, t)
     _check_policy_loss(cfg.algorithm, cfg.actor)
     _check_stability_remedies(t, cfg.actor, cfg.algorithm, _prompt_source_in_words(cfg.data, cfg.task))

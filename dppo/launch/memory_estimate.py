@@ -20,6 +20,11 @@ Every process of a CPU run and what it holds at its peak (W: the model's bytes i
     object store       the published weights: one version, two while a new one is put before the old is let go
     ray runtime        GCS, raylet, dashboard and Ray's other helpers
 
+LoRA (model.lora_rank > 0; A: the adapter's bytes, counted from a meta model by dppo.launch.plan): a rank holds the
+frozen base and the adapter (W + A, its 1/ws), the gradients, AdamW's moments and a snapshot slot of the adapter alone
+(A/ws each); a publish puts the base once and the adapter every time, so the object store (or the local workers'
+shared memory) holds W + 2 A. A rollout worker holds merged weights, W, as without LoRA.
+
 Calibrated on benchmarks/memory_bench.py's measurements of this machine (summed PSS of every process) and, by process,
 on benchmarks/real_run_bench.py's of issue 35's run (SmolLM2-135M: within 12% for the driver and 3% for the rollout
 worker, fp32 and bf16; see benchmarks/RESULTS.md); tests/unit/trainer/test_memory_estimate.py checks the per-role accounting against what a
@@ -103,14 +108,15 @@ def _gib(n: int) -> str:
 def actor_rank(plan: RunPlan) -> dict[str, int]:
     """What one actor rank holds in this machine's host memory (rank 0's: it also gathers what it publishes)."""
     shape, ws, w = plan.shape, plan.world_size, plan.weight_bytes
+    t = plan.trainable_bytes  # W, or LoRA's adapter: what the gradients, AdamW and a slot hold
     parts = {"process": PROCESS_BYTES}
     if plan.pi_old_choice.takes_snapshots:
-        parts["snapshot slot"] = w // ws  # host arenas even when the model trains on a GPU
+        parts["snapshot slot"] = t // ws  # host arenas even when the model trains on a GPU
     if plan.trainer_on_gpu:
         return parts
-    parts.update({"weights": w // ws, "grads": w // ws, "optimizer": 2 * w // ws})
-    if plan.kl_reference:  # the KL loss's or the reward's reference
-        parts["kl reference"] = w // ws
+    parts.update({"weights": (w + plan.adapter_bytes) // ws, "grads": t // ws, "optimizer": 2 * t // ws})
+    if plan.kl_reference:  # the KL loss's or the reward's reference (a copy of the model, adapters and all)
+        parts["kl reference"] = (w + plan.adapter_bytes) // ws
     c = plan.compute_bytes
     if ws > 1:
         layer = (shape.params - shape.embedding_params) // max(1, shape.layers)
@@ -122,9 +128,10 @@ def actor_rank(plan: RunPlan) -> dict[str, int]:
     logits = micro * (shape.response_length + 1) * shape.vocab_size * c * LOGIT_COPIES
     logits += log_prob_work(micro * shape.response_length, shape.vocab_size)
     saved = micro * length * shape.layers * saved_bytes_per_token_layer(plan)
-    # the backward of a tied embedding: the lm_head's gradient and the input embedding's, summed into one
+    # the backward of a tied embedding: the lm_head's gradient and the input embedding's, summed into one (none where
+    # LoRA freezes them)
     b = DTYPE_BYTES[plan.model_dtype]
-    tied = 2 * shape.embedding_params * b if shape.embedding_params and _tied(shape) else 0
+    tied = 2 * shape.embedding_params * b if shape.embedding_params and _tied(shape) and not plan.adapter_bytes else 0
     parts["activations"] = logits + saved + tied
     if plan.mixed_precision and not plan.sharded:
         parts["bf16 weight copies"] = shape.params * c  # autocast's casts of the weights, saved for the backward
@@ -227,12 +234,12 @@ def estimate(plan: RunPlan) -> MemoryEstimate:
         if not in_process:  # shared memory: a new version is copied in before the old one is let go
             roles += [
                 Role("rollout worker", plan.num_workers, rollout_worker(plan)),
-                Role("shared weights", 1, {"published weights": 2 * w}),
+                Role("shared weights", 1, {"published weights": published_bytes(plan)}),
             ]
         return MemoryEstimate(tuple(roles), params, plan.model_dtype)
     local = plan.local_cluster
     workers = plan.num_workers if local and not plan.rollout_gpus_per_node else 0
-    store = 2 * w if local else 0  # a new version is put before the old one is let go
+    store = published_bytes(plan) if local else 0
     roles = (
         Role("driver", 1, {"process": PROCESS_BYTES, **eval_engine(plan)}),  # its final policy: once the ranks went
         Role("actor rank", plan.world_size if local else 0, actor_rank(plan)),
@@ -242,6 +249,14 @@ def estimate(plan: RunPlan) -> MemoryEstimate:
         Role("ray runtime", 1 if local else 0, {"process": RAY_RUNTIME_BYTES}),
     )
     return MemoryEstimate(roles, params, plan.model_dtype)
+
+
+def published_bytes(plan: RunPlan) -> int:
+    """What the published weights take in the object store or the local workers' shared memory: two versions (a new
+    one is put before the old is let go), of the whole weights, or with LoRA the base once and two adapters."""
+    if plan.adapter_bytes:
+        return plan.weight_bytes + 2 * plan.adapter_bytes
+    return 2 * plan.weight_bytes
 
 
 def what_to_change(plan: RunPlan) -> str:

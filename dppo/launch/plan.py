@@ -13,6 +13,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dppo.config import DppoConfig
 from dppo.config.pi_old import PiOldChoice, choose_pi_old
 from dppo.config.rules import require_resolved_precision
+from dppo.lora import LoraSpec, apply_lora
 from dppo.models import tiny_model_config
 from dppo.workers.rollout.engines import EngineSpec, batch_rows, engine_spec
 
@@ -33,6 +34,12 @@ class RunShape:
     kv_width: int = 0
     intermediate: int = 0  # the MLP's width
     embedding_params: int = 0  # the input embeddings, and the lm_head where it is not tied to them
+    adapter_params: int = 0  # LoRA's adapters (model.lora_rank > 0), beside params; 0 without LoRA
+
+    @property
+    def trainable_params(self) -> int:
+        """The parameters the optimizer steps and a pi_old snapshot holds: the adapter's with LoRA, else all."""
+        return self.adapter_params or self.params
 
 
 @dataclass(frozen=True)
@@ -80,6 +87,18 @@ class RunPlan:
     def weight_bytes(self) -> int:
         """W: the model's bytes in model.dtype."""
         return self.shape.params * DTYPE_BYTES[self.model_dtype]
+
+    @property
+    def trainable_bytes(self) -> int:
+        """The trainable parameters' bytes in model.dtype (peft builds the adapters in their base layer's dtype): what
+        the gradients, each of AdamW's moments and a snapshot slot hold; W without LoRA."""
+        return self.shape.trainable_params * DTYPE_BYTES[self.model_dtype]
+
+    @property
+    def adapter_bytes(self) -> int:
+        """LoRA's adapter in model.dtype (0 without LoRA): what the trainer's model holds beside W, and each publish
+        carries after the first."""
+        return self.shape.adapter_params * DTYPE_BYTES[self.model_dtype]
 
     @property
     def compute_bytes(self) -> int:
@@ -146,13 +165,22 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
     """The RunShape of the model m (the config's model section) with source, its responses max_new_tokens long (else
     the source's answer length): model.path's model is built on the meta device, the tiny one counted. agent: the
     config's rollout.agent; where it is on, a sequence is an agent run's first prompt (rollout.agent.max_prompt_length)
-    and its whole trajectory (the source's response length, data.max_response_length)."""
+    and its whole trajectory (the source's response length, data.max_response_length). With model.lora_rank > 0 the
+    adapters are injected into a meta model (LoraError, one line naming it, for a target module the model lacks)."""
     prompt_length = source.prompt_length
     response_length = max_new_tokens or source.response_length
     if agent is not None and agent.enabled:
         prompt_length, response_length = agent.max_prompt_length, source.response_length
+    lora = LoraSpec.of(m)
+    adapter_params = 0
     if m.path is None:
         config = tiny_model_config(source.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
+        if lora is not None:
+            tiny = tiny_model_config(
+                source.vocab_size, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.intermediate_size
+            )
+            with torch.device("meta"):
+                adapter_params = adapter_parameters(AutoModelForCausalLM.from_config(tiny), lora)
         params = tiny_model_parameters(source.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
         vocab_size = source.vocab_size
         layers, hidden, kv_width, intermediate = m.num_hidden_layers, m.hidden_size, m.hidden_size, m.intermediate_size
@@ -167,6 +195,8 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
         intermediate = getattr(config, "intermediate_size", 0) or 0
         embeddings = (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
         embedding_params = sum(p.numel() for p in {id(p): p for p in embeddings}.values())
+        if lora is not None:
+            adapter_params = adapter_parameters(model, lora)
     return RunShape(
         params,
         vocab_size,
@@ -178,7 +208,17 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
         kv_width,
         intermediate,
         embedding_params,
+        adapter_params,
     )
+
+
+def adapter_parameters(model: torch.nn.Module, spec: LoraSpec) -> int:
+    """The parameters of spec's adapters in model (a meta model: nothing allocated), r x (in + out) per target linear;
+    LoraError naming a target module the model lacks. peft's initialisation draws from torch's global generator even
+    on the meta device: forked, so the run's seeded weights are what they would be without this count."""
+    with torch.random.fork_rng(devices=[]):
+        model = apply_lora(model, spec)
+    return sum(p.numel() for p in model.parameters() if p.requires_grad)
 
 
 def _widths(config) -> tuple[int, int, int]:

@@ -154,13 +154,16 @@ def check_training_memory(plan: RunPlan) -> MemoryEstimate:
     the estimate by role and what to change, if it exceeds the memory available. With the actor on GPUs, also a
     lower bound of each GPU's share: a 1/world-size shard of the weights, gradients and Adam moments and an
     update's batch."""
-    trainer_copies = 4 + (1 if plan.reference_in_checkpoints else 0)  # weights, grads, 2 Adam moments (+ reference)
+    # the weights (LoRA: the base and the adapter) and the reference's copy of them; the gradients and 2 Adam moments
+    # of the trainable ones (LoRA: the adapter's)
+    model_bytes = plan.weight_bytes + plan.adapter_bytes
+    trainer_bytes = model_bytes * (2 if plan.reference_in_checkpoints else 1) + 3 * plan.trainable_bytes
     what = f"{plan.shape.params:,} parameters in {plan.model_dtype}, {plan.model_keys}"
     if plan.trainer_on_gpu and _ranks_here(plan):
         _, update = batch_bytes(plan)
         free, _ = torch.cuda.mem_get_info()
         _require_fits(
-            trainer_copies * plan.weight_bytes // plan.world_size + update,
+            trainer_bytes // plan.world_size + update,
             free,
             what,
             "GPU",

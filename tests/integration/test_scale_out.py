@@ -542,3 +542,42 @@ def ckpt_state(path: Path) -> dict:
 
 def without_timing(record: dict) -> dict:
     return {k: v for k, v in record.items() if not k.startswith("timing_s/")}
+
+
+def adapter_bytes(rank) -> int:
+    """The bytes of the rank's trainable tensors (LoRA's adapter), whole: a sharded rank's local shards summed over
+    the ranks by the caller."""
+    from dppo.workers.actor.fsdp import local_tensor
+
+    return sum(local_tensor(p).numel() * p.element_size() for p in rank.model.parameters() if p.requires_grad)
+
+
+def test_lora_at_world_size_2_updates_as_world_size_1_and_snapshots_the_adapter_alone(cluster, groups, tmp_path):
+    """model.lora_rank at world size 2 (FSDP2 over a frozen base and its adapters): the same metrics, exact old
+    log-probs (the verifier's reference a plain copy with the adapters injected), the same adapter and merged
+    weights as world size 1, and pi_old's slot the adapter's bytes (its shards summed over the ranks)."""
+    lora = {"model.lora_rank": 4, "model.lora_alpha": 8, "actor.lr": 0.05}
+    ws1 = PPOTrainer(make_cfg(tmp_path / "ws1", 1, **lora), rollout=FixedRollout(groups))
+    ws2 = PPOTrainer(make_cfg(tmp_path / "ws2", 2, **lora), rollout=FixedRollout(groups))
+    try:
+        one, one_records = run_cycles(ws1, 2)
+        two, two_records = run_cycles(ws2, 2)
+        whole = adapter_bytes(ws1.actor_group.local_rank)
+        shards = ws2.actor_group.execute(adapter_bytes)
+        assert sum(shards) == whole and all(0 < s < whole for s in shards)  # each rank holds a part
+        assert whole == 4 * 4 * 2 * (4 * (32 + 32) + 3 * (32 + 64))  # fp32, r (in + out) per linear of 2 layers
+        for trigger in (*one, *two):
+            assert trigger["snapshot/bytes"] == whole
+        assert [r["debug/old_log_prob_max_abs_diff"] for r in one_records + two_records] == [0.0] * 4
+        for a, b in zip(one, two, strict=True):
+            for key in ("actor/pg_loss", "actor/kl_loss", "actor/grad_norm", "actor/entropy"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+        assert one[-1]["actor/kl_loss"] > 0  # the adapters moved the policy off the reference
+        published_one = ws1.actor_group.rollout_weights()
+        published_two = ray.get(ws2.actor_group.rollout_weights()[0])
+        assert published_two.adapter.keys() == published_one.adapter.keys()
+        assert_weights_close(published_two.adapter, published_one.adapter)
+        assert_weights_close(published_two.state_dict(), published_one.state_dict())
+    finally:
+        ws1.close()
+        ws2.close()

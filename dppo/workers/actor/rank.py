@@ -30,7 +30,7 @@ import torch.distributed as dist
 from dppo.devices import resolve_device
 from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.lora import LoraSpec, apply_lora
+from dppo.lora import LoraSpec, apply_lora, is_adapter
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
 from dppo.checkpoint.shards import ShardedCheckpointError
@@ -217,8 +217,15 @@ class ActorRank:
         return self.plain_model(full_state_dict(model, cpu_offload=False))  # every rank gets the whole model
 
     def plain_model(self, state: dict[str, torch.Tensor]) -> torch.nn.Module:
-        """An unsharded policy on this rank's device holding the whole weights state."""
-        plain = model_from_config(self.model.config, self.settings.model.dtype).to(self.device)
+        """An unsharded policy on this rank's device holding the whole weights state: the policy's own state dict (with
+        LoRA's adapters under peft names: the copy gets them injected, so it computes as the policy does, W x + s B A x)
+        or merged weights under transformers names (a publish's)."""
+        plain = model_from_config(self.model.config, self.settings.model.dtype)
+        if self.lora is not None and any(is_adapter(name) for name in state):
+            # on the CPU, its generator forked: peft draws A (overwritten below), and the run's generators stay as they are
+            with torch.random.fork_rng(devices=[]):
+                plain = apply_lora(plain, self.lora)
+        plain = plain.to(self.device)
         plain.load_state_dict(state)
         return self.precision.plain_copy(plain)
 

@@ -8,8 +8,11 @@ merged model every time (correct, only not smaller).
 
 The check of such a load (rollout.verify_sync) is two comparisons, made by the worker (dppo.workers.rollout.worker):
 the adapter that arrived against the trainer's fingerprint of the adapter it published (an adapter that was not sent,
-or a stale one, is named there: never mistaken for staleness), and what the engine holds afterwards, read back from
-it, against the merge computed here (LoraLoad.loaded).
+or a stale one, is named there: never mistaken for staleness), and everything the engine holds afterwards, read back
+from it, against the whole merged model (MergedPrints: the base's prints taken once per base, the targets' at every
+load). The whole model, not the targets alone: an engine that reloads a fused layer whole (vLLM's qkv_proj under a
+q_proj-only adapter) rewrites tensors that were not sent, and reads back every parameter it has by name, which only
+the whole model's shapes map.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import torch
 
 from dppo.lora import LoraPublish, merged_targets
 from dppo.workers.rollout.engines import RolloutEngine, WeightSync
+from dppo.workers.sync_check import WeightFingerprint
+from dppo.workers.weight_fingerprint import fingerprint
 
 
 def holds_id(publish: LoraPublish) -> str:
@@ -34,7 +39,9 @@ class LoraLoad(WeightSync):
     handed to the engine."""
 
     adapter: dict[str, torch.Tensor] | None = None
-    loaded: dict[str, torch.Tensor] | None = None  # the whole merged model on a full load, the targets on a partial one
+    targets: dict[str, torch.Tensor] | None = None  # the merged weights of the adapter's targets (transformers names)
+    base: dict[str, torch.Tensor] | None = None  # the base the merge was computed from (transformers names)
+    base_id: str | None = None  # LoraPublish.base_id of that base
 
 
 def load_lora(engine: RolloutEngine, publish: LoraPublish, holds: str | None) -> tuple[WeightSync, str]:
@@ -43,12 +50,35 @@ def load_lora(engine: RolloutEngine, publish: LoraPublish, holds: str | None) ->
     base = publish.base_state()
     targets = merged_targets(base, publish.adapter, publish.scaling)
     if holds == holds_id(publish) and engine.loads_partial:
-        loaded = targets
         sync = engine.load_partial(targets, base)
         moved = publish.nbytes  # what travelled: the adapter (the base's views are read where they lie)
     else:
-        loaded = {**base, **targets}
-        sync = engine.load_weights(loaded)
+        sync = engine.load_weights({**base, **targets})
         moved = sync.bytes
-    out = LoraLoad(sync.seconds, moved, sync.changed_fraction, adapter=publish.adapter, loaded=loaded)
+    out = LoraLoad(
+        sync.seconds,
+        moved,
+        sync.changed_fraction,
+        adapter=publish.adapter,
+        targets=targets,
+        base=base,
+        base_id=publish.base_id,
+    )
     return out, holds_id(publish)
+
+
+class MergedPrints:
+    """The fingerprint of the merged model a LoRA load leaves in an engine: the base's prints, taken once per base
+    (it never changes within a run: a checksum of the whole model once, not at every load), with the targets' merged
+    weights' prints over them."""
+
+    def __init__(self) -> None:
+        self._base: tuple[str, torch.dtype, WeightFingerprint] | None = None  # (base id, dtype, the base's prints)
+
+    def of(self, load: LoraLoad, dtype: torch.dtype) -> WeightFingerprint:
+        """The whole merged model's fingerprint in dtype (the engine's)."""
+        if self._base is None or self._base[:2] != (load.base_id, dtype):
+            self._base = (load.base_id, dtype, fingerprint(load.base, dtype))
+        base = self._base[2]
+        targets = fingerprint(load.targets, dtype)
+        return WeightFingerprint(base.dtype, {**base.tensors, **targets.tensors}, dict(base.aliases))

@@ -23,9 +23,9 @@ from dppo.workers.rollout.agent.runner import agent_groups, worker_agents
 from dppo.workers.rollout.engine_config import make_engine
 from dppo.workers.rollout.engines import EngineSettings, Refresh, RolloutEngine, WeightSync
 from dppo.lora import LoraPublish
-from dppo.workers.rollout.lora_sync import LoraLoad, load_lora
+from dppo.workers.rollout.lora_sync import LoraLoad, MergedPrints, load_lora
 from dppo.workers.rollout.replay_buffer import Published, SyncCost
-from dppo.workers.weight_fingerprint import fingerprint, prints_of
+from dppo.workers.weight_fingerprint import prints_of
 from dppo.workers.sync_check import WeightFingerprint, verify
 
 # Tags the SeedSequence of a ticket's streams apart from every other use of trainer.seed.
@@ -103,6 +103,7 @@ class RolloutGenerator:
         self.last_sync: WeightSync | None = None  # what the latest load cost
         self.loaded_publish: str | None = None  # id of the publish the engine holds (None: none known)
         self.verify_sync = settings.verify_sync  # check each load against the publish's fingerprint
+        self._merged_prints = MergedPrints()  # a LoRA run's: the base's prints, taken once
         # rollout.agent: the agents' runtime (an endpoint and its threads), started at the first ticket (after a fork)
         self._agent_cfg = settings.agent if getattr(source, "agent", None) is not None else None
         self._agents = None
@@ -153,10 +154,10 @@ class RolloutGenerator:
             if isinstance(sync, LoraLoad):
                 # the adapter that arrived is the one the trainer published (expected: its adapter's fingerprint),
                 # and the engine holds the merge computed from it
+                # (the whole of it: every tensor the engine holds, whether this load wrote it or not)
                 verify(expected, prints_of(sync.adapter, getattr(torch, expected.dtype)), version)
-                merged = fingerprint(sync.loaded, getattr(torch, expected.dtype))
-                held = self.engine.held_prints(merged)
-                verify(merged, {name: held[name] for name in merged.tensors if name in held}, version)
+                merged = self._merged_prints.of(sync, getattr(torch, expected.dtype))
+                verify(merged, self.engine.held_prints(merged), version)
             else:
                 verify(expected, self.engine.held_prints(expected), version)
         except Exception:

@@ -119,6 +119,10 @@ def test_overrides_are_typed_and_nested():
             ["trainer.n_gpus_per_node=2", "ray.enabled=false", "trainer.mode=sync"],
             ["trainer.n_gpus_per_node=2", "ray.enabled=false runs one rank"],
         ),
+        (
+            ["model.lora_rank=8", "rollout.weight_sync=delta"],
+            ["model.lora_rank=8", "rollout.weight_sync=delta", "adapter alone", "rollout.weight_sync=full"],
+        ),
     ],
 )
 def test_bad_settings_raise_config_error_naming_key_and_value(override, fragments):
@@ -128,6 +132,13 @@ def test_bad_settings_raise_config_error_naming_key_and_value(override, fragment
     message = str(info.value)
     for fragment in fragments:
         assert fragment in message, message
+
+
+@pytest.mark.parametrize("lora_rank, weight_sync", [(8, "full"), (0, "delta")])
+def test_lora_takes_full_syncs_and_delta_syncs_take_a_whole_model(lora_rank, weight_sync):
+    """The rule against model.lora_rank with rollout.weight_sync=delta refuses that pair alone."""
+    cfg = load_config([f"model.lora_rank={lora_rank}", f"rollout.weight_sync={weight_sync}"])
+    assert (cfg.model.lora_rank, cfg.rollout.weight_sync) == (lora_rank, weight_sync)
 
 
 def test_building_a_config_probes_nothing_of_the_machine(tmp_path, monkeypatch):

@@ -276,3 +276,52 @@ def test_an_eval_engine_is_counted_in_the_driver_as_a_rollout_workers_engine(sma
     added = driver.each_bytes - plain_driver.each_bytes
     expected = worker["weights"] + worker["kv cache and logits"] + (VLLM_IMPORT_BYTES if engine == "vllm" else 0)
     assert added == expected > 0
+
+
+@pytest.mark.parametrize("targets", ["all-linear", "[q_proj,v_proj]"])
+def test_lora_counts_the_adapters_gradients_optimizer_and_slot_alone(small_cfg, targets):
+    """model.lora_rank: a rank holds the frozen base and the adapter, the gradients, AdamW's moments and the snapshot
+    slot of the adapter alone, and the object store the base once and two adapters; the adapter's size is r x
+    (in + out) per target linear, counted by hand for the tiny model (32 wide, an MLP of 64, one layer, key/value as
+    wide as the queries)."""
+    from dppo.launch.memory_estimate import estimate
+
+    keys = {"ray.enabled": True, "trainer.device": "cpu", "trainer.mode": "separate_async"}
+    full = small_cfg(**keys)
+    lora = small_cfg(**keys, **{"model.lora_rank": 4, "model.target_modules": targets})
+    source = make_prompt_source(full)
+    h, i, r = 32, 64, 4
+    per_target = {"q_proj": h + h, "k_proj": h + h, "v_proj": h + h, "o_proj": h + h}
+    per_target |= {"gate_proj": h + i, "up_proj": h + i, "down_proj": i + h}
+    named = list(per_target) if targets == "all-linear" else ["q_proj", "v_proj"]
+    adapter = 4 * r * sum(per_target[name] for name in named)  # fp32 bytes: 2176 params over all seven linears
+    plan_full, plan_lora = plan_run(full, source), plan_run(lora, source)
+    assert plan_lora.shape.params == plan_full.shape.params and plan_lora.adapter_bytes == adapter
+    w = plan_full.weight_bytes
+    assert plan_full.pi_old_choice.takes_snapshots  # the slot below is counted
+
+    def roles(memory):
+        return {role.name: role.parts for role in memory.roles if role.count}
+
+    without, with_lora = estimate(plan_full), estimate(plan_lora)
+    rank = roles(with_lora)["actor rank"]
+    assert rank["weights"] == w + adapter
+    assert rank["grads"] == rank["snapshot slot"] == adapter and rank["optimizer"] == 2 * adapter
+    assert roles(with_lora)["object store"]["published weights"] == w + 2 * adapter
+    assert roles(with_lora)["rollout worker"] == roles(without)["rollout worker"]  # merged weights: W
+    # lower by the gradients', AdamW's and the slot's share of the base (4 (W - A)), less the adapter the rank holds
+    # beside the base (A), and by the object store's second base (W - 2 A)
+    saved = 4 * (w - adapter) - adapter + (w - 2 * adapter)
+    assert without.total_bytes - with_lora.total_bytes == saved
+
+
+def test_a_lora_target_the_model_lacks_is_one_line_exit_2_before_anything_starts(small_args, monkeypatch, capsys):
+    def started(*args, **kwargs):
+        raise AssertionError("the trainer was built for a run whose LoRA targets are not in the model")
+
+    monkeypatch.setattr(dppo.launch.run.ppo, "PPOTrainer", started)
+    overrides = small_args(**{"model.lora_rank": 4, "model.target_modules": "[q_proj,qkv_proj]"})
+    assert main(["train", *overrides]) == 2
+    lines = [line for line in capsys.readouterr().err.strip().splitlines() if line]
+    assert len(lines) == 1 and lines[0].startswith("dppo: error: "), lines
+    assert "model.target_modules" in lines[0] and "'qkv_proj'" in lines[0] and "'q_proj'" not in lines[0], lines[0]
