@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from dppo.data import make_prompt_source
-from dppo.lora import LoraPublish, LoraPublisher, LoraSpec, apply_lora, is_adapter
+from dppo.lora import LoraPublish, LoraSpec, apply_lora, is_adapter
+from dppo.workers.actor.lora_publish import LoraPublisher
 from dppo.models import build_model, tied_aliases
 from dppo.trainer.rollout.settings import worker_settings
 from dppo.workers.rollout.lora_sync import holds_id
