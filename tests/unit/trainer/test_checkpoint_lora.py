@@ -31,6 +31,20 @@ def without_timing(records: list[dict]) -> list[dict]:
     return [{k: v for k, v in r.items() if not k.startswith(("timing_s/", "rollout/weight_sync_"))} for r in records]
 
 
+def recording_publishes(monkeypatch) -> list[tuple[int, dict]]:
+    """From now on every publish to an in-process rollout appends (version, a copy of its adapter) to the list."""
+    from dppo.trainer.rollout import InProcessRollout
+
+    published, publish = [], InProcessRollout.publish
+
+    def recording(self, weights, version):
+        published.append((version, {k: v.clone() for k, v in weights.adapter.items()}))
+        return publish(self, weights, version)
+
+    monkeypatch.setattr(InProcessRollout, "publish", recording)
+    return published
+
+
 def newest_checkpoint(out) -> tuple:
     """(path, trainer state) of the newest trusted checkpoint of the run in out."""
     return ckpt.CheckpointDir(f"{out}/checkpoints").newest(lambda p, m: ckpt.load_torch(p / TRAINER_FILE))
@@ -69,8 +83,10 @@ def test_a_lora_run_resumed_from_its_checkpoint_is_bitwise_the_run_that_never_st
         "trainer.verify_old_log_prob": pi_old == "file",  # the verifier's pi_old: pi_old.pt's adapter on the base
     }
     out = small_cfg().trainer.output_dir
+    published = recording_publishes(monkeypatch)
     clean = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": f"{out}-clean"}))
     clean.fit()
+    cycle_start = dict(published)[1]  # version 1's adapter: pi_old of the cycle the mid-cycle stops are in
     expected_weights = weights(clean.actor_group.local_rank.model)
     expected_records = without_timing(read_metrics(f"{out}-clean/metrics.jsonl"))
 
@@ -92,9 +108,14 @@ def test_a_lora_run_resumed_from_its_checkpoint_is_bitwise_the_run_that_never_st
         assert state["pi_old"]["adapter_only"] is True
         assert all(is_adapter(name) for name in ckpt.load_torch(path / PI_OLD_FILE))
 
+    published.clear()
     resumed = PPOTrainer(small_cfg(**{**common, "trainer.output_dir": out, "trainer.resume": True}))
     assert resumed.resumed_from == path
     resumed.fit()
+    if pi_old != "live":  # the cycle's pi_old published again as its version, never the live adapter
+        version, first = published[0]
+        assert version == 1 and first.keys() == cycle_start.keys()
+        assert [name for name in first if not torch.equal(first[name], cycle_start[name])] == []
     got = weights(resumed.actor_group.local_rank.model)
     assert got.keys() == expected_weights.keys()
     assert [name for name in got if not torch.equal(got[name], expected_weights[name])] == []
