@@ -47,7 +47,8 @@ EXIT_CODES = (
         "invalid config: an unknown key, a wrong type or value, an impossible combination, or more than this "
         "machine or cluster has (CPUs, memory for the model, nodes or GPUs for the actor's ranks and the rollout's "
         "GPU workers); or an optional package the run or command needs is not installed (the line names the extra: "
-        "dppo[gguf], dppo[tasks])",
+        "dppo[gguf], dppo[tasks]); or a LoRA checkpoint (trainer.resume=true, dppo export, dppo eval) met a base "
+        "model other than the one its adapter was trained on (the line names both weights' hashes)",
     ),
     (
         3,
@@ -342,8 +343,12 @@ def _train(args) -> int:
 def _export(args) -> int:
     from dppo.checkpoint.export import export_checkpoint
 
+    from dppo.checkpoint.hf_model import ADAPTER_DIR
+
     out = export_checkpoint(args.checkpoint, args.out_dir)
     print(f"exported {args.checkpoint} to {out}")
+    if (out / ADAPTER_DIR).is_dir():  # a LoRA run's: out is the merged model
+        print(f"adapter (PEFT): {out / ADAPTER_DIR}")
     return 0
 
 

@@ -8,6 +8,10 @@ CheckpointError saying why, before any weight is read.
 
 The architecture: the checkpoint's own actor/huggingface/config.json where it holds one (save_contents with
 hf_model), else model.path's config, else the tiny built-in model of the run's model.* sizes.
+
+A LoRA run's checkpoint holds the adapter alone: its base is rebuilt as the run built it (model.path, or the tiny
+model of trainer.seed), checked against the hash the checkpoint recorded (dppo.checkpoint.lora_base), and the export
+is the merged model, with the adapter in PEFT's format in OUT_DIR/adapter/.
 """
 
 from __future__ import annotations
@@ -19,12 +23,15 @@ from pathlib import Path
 import torch
 
 from dppo._text import one_line
+from dppo.lora import LoraPublish, save_adapter
 from dppo.config.choices import prompt_source_kind
 from dppo.models import tiny_model_config
 from dppo.tasks import make_task
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.layout import ACTOR_DIR, TRAINER_FILE
+from dppo.checkpoint.lora_base import LORA_RECORD, adapter_on_its_base
 from dppo.checkpoint.hf_model import (
+    ADAPTER_DIR,
     CHECKPOINT_HF_DIR,
     has_tokenizer,
     model_with_weights,
@@ -42,6 +49,7 @@ class CheckpointPolicy:
     config: dict  # the run's resolved config (to_dict), as trainer.pt holds it
     global_step: int
     tokenizer_dir: str | None  # where its tokenizer is: the checkpoint's actor/huggingface/ or model.path; or None
+    lora: LoraPublish | None = None  # a LoRA run's adapter (model is it merged into its base); None: trained whole
 
 
 def verify(checkpoint_dir: str | os.PathLike) -> tuple[Path, dict]:
@@ -81,11 +89,7 @@ def _hf_config(path: Path, config: dict, weights: dict[str, torch.Tensor]):
         return AutoConfig.from_pretrained(saved, local_files_only=True)
     model = config["model"]
     if model.get("path") is not None:
-        if not os.path.isdir(model["path"]):
-            raise ckpt.CheckpointError(
-                f"refusing checkpoint {str(path)!r}: its model.path={model['path']!r} (the "
-                "architecture and the tokenizer) is not a directory here"
-            )
+        _check_model_path(path, config)
         return AutoConfig.from_pretrained(model["path"], local_files_only=True)
     vocab_size = weights["model.embed_tokens.weight"].shape[0]
     return tiny_model_config(
@@ -97,6 +101,16 @@ def _hf_config(path: Path, config: dict, weights: dict[str, torch.Tensor]):
     )
 
 
+def _check_model_path(path: Path, config: dict) -> None:
+    """CheckpointError unless the run's model.path (if any) is a directory here."""
+    model_path = config["model"].get("path")
+    if model_path is not None and not os.path.isdir(model_path):
+        raise ckpt.CheckpointError(
+            f"refusing checkpoint {str(path)!r}: its model.path={model_path!r} (the architecture, the tokenizer and "
+            "a LoRA adapter's base) is not a directory here"
+        )
+
+
 def load_checkpoint_policy(checkpoint_dir: str | os.PathLike) -> CheckpointPolicy:
     """The verified checkpoint's policy (its "model" weights, whatever world size wrote them) on the CPU."""
     path, state = verify(checkpoint_dir)
@@ -105,11 +119,15 @@ def load_checkpoint_policy(checkpoint_dir: str | os.PathLike) -> CheckpointPolic
     except (UnsafeCheckpointError, ShardedCheckpointError) as err:
         raise ckpt.CheckpointError(f"refusing checkpoint {str(path)!r}: {one_line(err)}") from None
     config = state["config"]
+    lora = None
+    if state.get(LORA_RECORD) is not None:  # the adapter alone: merged into its base, rebuilt as the run built it
+        _check_model_path(path, config)
+        weights, lora = adapter_on_its_base(config, state[LORA_RECORD], weights, str(path))
     model = model_with_weights(_hf_config(path, config, weights), config["model"]["dtype"], weights)
     saved = path / ACTOR_DIR / CHECKPOINT_HF_DIR
     tokenizer_dir = str(saved) if has_tokenizer(saved) else config["model"].get("path")
     return CheckpointPolicy(
-        path, model, config, int(state["global_step"]), tokenizer_dir if has_tokenizer(tokenizer_dir) else None
+        path, model, config, int(state["global_step"]), tokenizer_dir if has_tokenizer(tokenizer_dir) else None, lora
     )
 
 
@@ -134,8 +152,13 @@ def generation_tokens(config: dict, tokenizer_dir: str | None) -> tuple[int | No
 
 
 def export_checkpoint(checkpoint_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Path:
-    """The policy of checkpoint_dir as a transformers directory at out_dir (see save_hf_model); CheckpointError if
-    the checkpoint is not trusted."""
+    """The policy of checkpoint_dir as a transformers directory at out_dir (see save_hf_model), a LoRA run's merged,
+    with its adapter in PEFT's format in out_dir/adapter/ (a subdirectory: transformers would take an
+    adapter_config.json beside config.json for an adapter to load); CheckpointError if the checkpoint is not
+    trusted, BaseModelMismatchError if a LoRA adapter's base is not the one it was trained on."""
     policy = load_checkpoint_policy(checkpoint_dir)
     eos, pad = generation_tokens(policy.config, policy.tokenizer_dir)
-    return save_hf_model(policy.model, out_dir, policy.tokenizer_dir, eos, pad)
+    out = save_hf_model(policy.model, out_dir, policy.tokenizer_dir, eos, pad)
+    if policy.lora is not None:
+        save_adapter(policy.lora, out / ADAPTER_DIR, base_model=policy.config["model"].get("path"))
+    return out

@@ -23,6 +23,7 @@ import torch
 from dppo.models import model_from_config, quiet_transformers, tied_aliases, with_aliases
 
 HF_MODEL_DIR = "hf_model"  # under trainer.output_dir: the policy at the end of the run
+ADAPTER_DIR = "adapter"  # a LoRA adapter (PEFT's format): beside hf_model/ at a run's end, in dppo export's OUT_DIR
 CHECKPOINT_HF_DIR = "huggingface"  # under a checkpoint's actor/ directory (actor.checkpoint.save_contents: hf_model)
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "tokenizer.model")
 

@@ -9,3 +9,5 @@ PI_OLD_FILE = "pi_old.pt"
 # Where a checkpoint's pi_old weights are (trainer.pt's pi_old.weights): the live ones (a step boundary), the ranks'
 # anchor (their shards' slot 0), or PI_OLD_FILE.
 PI_OLD_LIVE, PI_OLD_ANCHOR, PI_OLD_IN_FILE = "live", "anchor", "file"
+# trainer.pt's pi_old.adapter_only: PI_OLD_FILE holds a LoRA policy's adapter alone (peft names), not the whole model
+PI_OLD_ADAPTER_ONLY = "adapter_only"

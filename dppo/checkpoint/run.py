@@ -26,8 +26,17 @@ from dppo._text import one_line
 from dppo.checkpoint import store as ckpt
 from dppo.checkpoint.failure import CheckpointAttempts, cause_in_words, checkpoint_bytes_estimate, is_write_failure
 from dppo.checkpoint.hf_model import CHECKPOINT_HF_DIR
+from dppo.checkpoint.lora_base import LORA_RECORD, base_in_words, check_base
 from dppo.checkpoint.shards import ShardedCheckpointError, UnsafeCheckpointError
-from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_ANCHOR, PI_OLD_FILE, PI_OLD_IN_FILE, PI_OLD_LIVE, TRAINER_FILE
+from dppo.checkpoint.layout import (
+    ACTOR_DIR,
+    PI_OLD_ADAPTER_ONLY,
+    PI_OLD_ANCHOR,
+    PI_OLD_FILE,
+    PI_OLD_IN_FILE,
+    PI_OLD_LIVE,
+    TRAINER_FILE,
+)
 from dppo.config import TrainerConfig
 from dppo.rng import rng_state, set_rng_state
 
@@ -50,6 +59,10 @@ class Checkpointed(Protocol):
     def algorithm_state(self) -> dict: ...
 
     def save_policy(self, out_dir: Path, mid_cycle: bool) -> None: ...
+
+    def published_adapter(self) -> dict | None:
+        """The adapter (peft names) of the last publish of a LoRA policy; None where the policy is trained whole."""
+        ...
 
 
 def find_resume_point(trainer, checkpoints: ckpt.CheckpointDir | None = None) -> ResumePoint | None:
@@ -159,6 +172,9 @@ class RunCheckpoints:
             if saved["write_error"] is not None:  # the ranks are fine; the files are not (a full disk, say)
                 raise ShardedCheckpointError(saved["write_error"])
             state["anchor"] = saved["anchor"]
+            lora = trainer.actor_group.lora_base_record()  # LoRA: the base's hash, its tensors not saved
+            if lora is not None:
+                state[LORA_RECORD] = lora
             state["pi_old"] = self._pi_old_record(trainer, staging, run["version"], mid_cycle, saved["anchor"])
             if self.settings.hf_model:
                 trainer.save_policy(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=mid_cycle)
@@ -172,9 +188,12 @@ class RunCheckpoints:
         live ones at a step boundary; mid-cycle the ranks' anchor, or else PI_OLD_FILE, written here from what the
         rollout was given), and the ranks' pi_old state (auto's switch, the cycle's verification so far)."""
         where = PI_OLD_LIVE if not mid_cycle else PI_OLD_ANCHOR if anchored else PI_OLD_IN_FILE
+        record = {"version": version, "weights": where}
         if where == PI_OLD_IN_FILE:
-            torch.save(trainer.rollout.published_weights(), staging / PI_OLD_FILE)
-        return {"version": version, "weights": where, **trainer.actor_group.pi_old_state()}
+            adapter = trainer.published_adapter()  # LoRA: the adapter alone, its base rebuilt on resume
+            torch.save(adapter if adapter is not None else trainer.rollout.published_weights(), staging / PI_OLD_FILE)
+            record[PI_OLD_ADAPTER_ONLY] = adapter is not None
+        return {**record, **trainer.actor_group.pi_old_state()}
 
     def checkpoint_bytes(self) -> int:
         """About the bytes of a checkpoint: the newest one's on disk, else counted from the ranks' parameters."""
@@ -245,9 +264,12 @@ class RunCheckpoints:
             f"no usable checkpoint in {str(self.store.directory)!r}; skipped {len(skipped)} (newest: {skipped[0]})"
         )
 
-    @staticmethod
-    def _load_actor(trainer: Checkpointed, path: Path, state: dict) -> None:
-        """The actor's shards of checkpoint path into the ranks; CheckpointError if they do not fit or are unsafe."""
+    def _load_actor(self, trainer: Checkpointed, path: Path, state: dict) -> None:
+        """The actor's shards of checkpoint path into the ranks; CheckpointError if they do not fit or are unsafe,
+        BaseModelMismatchError (a ConfigError: no older checkpoint fits better) if a LoRA adapter's base is not this
+        run's."""
+        lora = trainer.actor_group.lora_base_record()
+        check_base(state.get(LORA_RECORD), lora and lora["base_hash"], str(path), base_in_words(self.settings.config))
         try:
             trainer.actor_group.load_checkpoint(str(path / ACTOR_DIR), bool(state.get("anchor")))
         except UnsafeCheckpointError as err:
@@ -303,6 +325,8 @@ class RunCheckpoints:
         weights = ckpt.load_torch(path / PI_OLD_FILE) if where == PI_OLD_IN_FILE else None
         if weights is not None and self.settings.trainer.verify_old_log_prob:
             trainer.actor_group.load_published_pi_old(weights)
+        if weights is not None and record.get(PI_OLD_ADAPTER_ONLY):  # published as a LoRA policy: on the ranks' base
+            weights = trainer.actor_group.rollout_weights(adapter=weights)
         return where, weights
 
 

@@ -91,4 +91,8 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
             f"{result.output_dir / 'config.yaml'})",
             file=out,
         )
+    if result.adapter_path is not None:
+        print(
+            f"adapter: {result.adapter_path} (PEFT; PeftModel.from_pretrained(base, {result.adapter_path}))", file=out
+        )
     return result

@@ -252,7 +252,8 @@ class BaseTrainer:
         try:
             self._train()
             p, m = self.published, self.metrics
-            return finish_run(p, self.response_length, m, self.trackers, self.state.global_step, self.output_dir, start)
+            step, base_model = self.state.global_step, self.cfg.model.path  # base_model: what a LoRA adapter is for
+            return finish_run(p, self.response_length, m, self.trackers, step, self.output_dir, start, base_model)
         finally:
             self.trackers.close()
             self.published.close()  # finish_run closed the evaluation engine; a run that raised before it, here
@@ -364,7 +365,8 @@ class BaseTrainer:
     def publish_weights(self, version: int, anchor: bool = False, weights: dict | None = None) -> None:
         """The actor's whole weights to the rollout as `version` (gathered on rank 0 and put into the object store
         once); a cycle resumed mid-way publishes its pi_old instead: the ranks' anchor (anchor), or weights (the
-        state dict of the checkpoint's pi_old.pt), which the rollout then takes as they are."""
+        state dict of the checkpoint's pi_old.pt; a LoRA run's: its adapter's publish on the ranks' base), which the
+        rollout then takes as they are."""
         weights = weights if weights is not None else self.actor_group.rollout_weights(anchor)
         self.rollout.publish(weights, version)
         self.published.set(weights, version)  # only once the rollout has them: a failed publish published nothing
@@ -381,6 +383,11 @@ class BaseTrainer:
         if self.rollout is not None:
             self.state.rollout_start.worker_restarts = self.rollout.worker_restarts
         return self.state.to_state(time.perf_counter() - self._cycle_start)
+
+    def published_adapter(self) -> dict | None:
+        """The adapter (peft names) of the last publish of a LoRA policy; None where the policy is trained whole."""
+        publish = self.published.lora()
+        return None if publish is None else publish.adapter
 
     def save_policy(self, out_dir: Path, mid_cycle: bool) -> None:
         """The live weights as a transformers directory inside a checkpoint: at a step boundary the weights just

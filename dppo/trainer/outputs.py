@@ -13,8 +13,9 @@ from typing import Callable
 import ray
 import torch
 
-from dppo.checkpoint.hf_model import HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
+from dppo.checkpoint.hf_model import ADAPTER_DIR, HF_MODEL_DIR, has_tokenizer, model_with_weights, save_hf_model
 from dppo.data.source import PromptSource
+from dppo.lora import LoraPublish, save_adapter
 from dppo.models import as_state_dict, model_from_config
 from dppo.trainer.evaluation import EngineEvaluation, score_policy
 from dppo.trainer.report import format_table, plot_run, summarize
@@ -33,6 +34,7 @@ class RunResult:
     summary: list[tuple[str, str]]
     wall_s: float
     hf_model_path: Path | None = None  # the final policy as a transformers directory
+    adapter_path: Path | None = None  # a LoRA run's final adapter in PEFT's format (hf_model/ is it merged)
 
     def summary_table(self) -> str:
         return format_table(self.summary)
@@ -77,6 +79,11 @@ class PublishedPolicy:
         """A state dict from what a publish carries: a state dict, SharedWeights or [ObjectRef] of them."""
         return as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
 
+    def lora(self) -> LoraPublish | None:
+        """The last publish where it is a LoRA policy's (its base and adapter), else None."""
+        weights = ray.get(self.weights[0]) if isinstance(self.weights, list) else self.weights
+        return weights if isinstance(weights, LoraPublish) else None
+
     def model(self) -> torch.nn.Module:
         if self._model is None or self._model_version != self.version:
             weights = self.state_dict_of(self.weights)
@@ -107,6 +114,12 @@ class PublishedPolicy:
         model = self.model() if weights is None else model_with_weights(self.model_config, self.dtype, weights)
         return save_hf_model(model, out_dir, self.tokenizer_dir, self.source.eos_token, self.source.pad_token)
 
+    def save_adapter(self, out_dir: Path, base_model: str | None) -> Path | None:
+        """A LoRA policy's published adapter in PEFT's format at out_dir (what PeftModel.from_pretrained loads on
+        base_model, model.path: None for the tiny model); None, and nothing written, for a policy trained whole."""
+        publish = self.lora()
+        return None if publish is None else save_adapter(publish, out_dir, base_model=base_model)
+
 
 def write_results(
     output_dir: Path,
@@ -115,6 +128,7 @@ def write_results(
     evaluation: dict[str, float],
     wall_s: float,
     hf_model_path: Path | None,
+    adapter_path: Path | None = None,
 ) -> RunResult:
     """training_curves.png and summary.json of a finished run, and the RunResult naming every output."""
     plot_path = plot_run(records, output_dir / "training_curves.png", evaluation) if records else None
@@ -124,15 +138,32 @@ def write_results(
         json.dumps({"evaluation": evaluation, "wall_s": wall_s, "summary": dict(summary)}, indent=2)
     )
     return RunResult(
-        output_dir, metrics_path, plot_path, summary_path, records, evaluation, summary, wall_s, hf_model_path
+        output_dir,
+        metrics_path,
+        plot_path,
+        summary_path,
+        records,
+        evaluation,
+        summary,
+        wall_s,
+        hf_model_path,
+        adapter_path,
     )
 
 
 def finish_run(
-    published: PublishedPolicy, response_length: int, metrics, trackers, step: int, output_dir: Path, start: float
+    published: PublishedPolicy,
+    response_length: int,
+    metrics,
+    trackers,
+    step: int,
+    output_dir: Path,
+    start: float,
+    base_model: str | None = None,
 ) -> RunResult:
     """The end of a run: the final evaluation (joining the last step's line of metrics, a MetricsLog, and the
-    trackers' summary), hf_model/, training_curves.png and summary.json; start: the run's perf_counter at fit()."""
+    trackers' summary), hf_model/ (and a LoRA run's adapter/, on base_model: model.path), training_curves.png and
+    summary.json; start: the run's perf_counter at fit()."""
     try:
         evaluation = published.evaluate(response_length)
     finally:
@@ -141,5 +172,6 @@ def finish_run(
         metrics.amend_last(evaluation)
         trackers.summary(evaluation, step)
     hf_model_path = published.save(output_dir / HF_MODEL_DIR)
+    adapter_path = published.save_adapter(output_dir / ADAPTER_DIR, base_model)
     wall_s = time.perf_counter() - start
-    return write_results(output_dir, metrics.path, metrics.records, evaluation, wall_s, hf_model_path)
+    return write_results(output_dir, metrics.path, metrics.records, evaluation, wall_s, hf_model_path, adapter_path)

@@ -71,7 +71,7 @@ class WorkerGroup:
     def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
         raise NotImplementedError
 
-    def rollout_weights(self, anchor: bool = False):
+    def rollout_weights(self, anchor: bool = False, adapter: dict | None = None):
         """The whole model's weights as the rollout takes them (see ActorRank.rollout_weights)."""
         raise NotImplementedError
 
@@ -99,8 +99,8 @@ class LocalWorkerGroup(WorkerGroup):
     def _run(self, name: str, per_rank: list[list[Any]]) -> list[Any]:
         return [getattr(self.local_rank, name)(*per_rank[0])]
 
-    def rollout_weights(self, anchor: bool = False):
-        return self._dispatch("rollout_weights", RANK0, (False, anchor))
+    def rollout_weights(self, anchor: bool = False, adapter: dict | None = None):
+        return self._dispatch("rollout_weights", RANK0, (False, anchor, adapter))
 
     def close(self) -> None:
         self.local_rank.close()
@@ -173,8 +173,8 @@ class RayWorkerGroup(WorkerGroup):
             ray.kill(actor, no_restart=True)
         remove_pool(self._groups)
 
-    def rollout_weights(self, anchor: bool = False):
-        return self._dispatch("rollout_weights", RANK0, (True, anchor))
+    def rollout_weights(self, anchor: bool = False, adapter: dict | None = None):
+        return self._dispatch("rollout_weights", RANK0, (True, anchor, adapter))
 
     def close(self) -> None:
         if self._dead:

@@ -30,9 +30,10 @@ import torch.distributed as dist
 from dppo.devices import resolve_device
 from dppo.rng import seed_all
 from dppo.hostmem import bound_retention, keep_freed_host_memory
-from dppo.lora import LoraSpec, apply_lora, is_adapter
+from dppo.lora import LoraSpec, apply_lora, base_hash, is_adapter, merged_state, split_state
 from dppo.models import SharedWeights, build_model, model_from_config, response_log_probs, retied, tied_aliases
 from dppo.batch import TrainBatch
+from dppo.checkpoint.lora_base import lora_record
 from dppo.checkpoint.shards import ShardedCheckpointError
 from dppo.config.pi_old import PiOldChoice
 from dppo.workers.actor.collectives import MAX, RankGroup, as_share
@@ -96,6 +97,7 @@ class ActorRank:
         self._print_dtype = print_dtype(settings.rollout, model_dtype)  # None: rollout.verify_sync=false
         self.lora = LoraSpec.of(settings.model)  # None: LoRA off
         self._lora_publisher = LoraPublisher(self.lora) if self.lora is not None and rank == 0 else None
+        self._lora_record: dict | None = None  # lora_base_record()'s, once computed (the base never changes)
 
     # ---- set-up ------------------------------------------------------------------------------------
 
@@ -329,8 +331,16 @@ class ActorRank:
     @register(ALL)
     def load_published_pi_old(self, weights: dict[str, torch.Tensor]) -> None:
         """pi_old's whole weights as a mid-cycle checkpoint kept them where the ranks kept none (trainer.pt's
-        pi_old.pt): the old-log-prob verifier's reference for the rest of the cycle."""
-        self.pi_old.load_published(weights, self.plain_model)
+        pi_old.pt): the old-log-prob verifier's reference for the rest of the cycle. A LoRA run's pi_old.pt holds the
+        adapter alone: the reference is a copy of the LoRA model holding it, which computes as the live model did
+        (sharded, that adapter merged into the whole base: equal to fp32 rounding)."""
+        build = self.plain_model
+        if self.lora is not None and not self.sharded:
+            build = lambda adapter: with_weights(self.model, adapter, lambda: self.plain_copy(self.model))  # noqa: E731
+        elif self.lora is not None:  # every rank gathers the whole base (collective)
+            base, _ = split_state(full_state_dict(self.model, cpu_offload=False))
+            weights = merged_state(base, {k: v.to(self.device) for k, v in weights.items()}, self.lora.scaling)
+        self.pi_old.load_published(weights, build)
 
     # ---- snapshots (verl's worker-group names) -------------------------------------------------------
 
@@ -363,10 +373,11 @@ class ActorRank:
     # ---- weights out and in ----------------------------------------------------------------------------
 
     @register(RANK0)
-    def rollout_weights(self, to_object_store: bool, anchor: bool = False):
+    def rollout_weights(self, to_object_store: bool, anchor: bool = False, adapter: dict | None = None):
         """The whole model's weights for the rollout, gathered on rank 0 (every rank takes part): [ObjectRef]
         of ONE ray.put (to_object_store), else the CPU state dict itself. anchor: pi_old's weights (slot 0, a
-        cycle resumed mid-way) where the pi_old source keeps any, else the live ones."""
+        cycle resumed mid-way) where the pi_old source keeps any, else the live ones. adapter (LoRA): this adapter
+        (peft names, whole tensors: a mid-cycle checkpoint's pi_old.pt) on the base, in place of the live one."""
         weights = self.pi_old.anchor_weights() if anchor else None
         if weights is None:
             state = full_state_dict(self.model, cpu_offload=True)
@@ -379,6 +390,11 @@ class ActorRank:
         # a tied weight as one tensor (the gather or the copies above may have made two): a fingerprint records the
         # tie by it, and the weight-sync check accepts an engine that holds the tied tensor once (vLLM) by that record
         state = retied(state, tied_aliases(self.model))
+        if adapter is not None:
+            missing = sorted(name for name in state if is_adapter(name) and name not in adapter)
+            if self.lora is None or missing:
+                raise KeyError(f"an adapter to publish must hold every adapter tensor of a LoRA model, lacks {missing}")
+            state = {**state, **adapter}
         if self._lora_publisher is not None:  # the base once, the adapter every time (dppo.lora.LoraPublish)
             publish = self._lora_publisher.publish(state, tied_aliases(self.model), to_object_store)
             if not to_object_store:
@@ -407,7 +423,15 @@ class ActorRank:
         not raised, so that a full disk leaves the ranks running and the driver decides (a raising rank is torn down)."""
         anchor = self.pi_old.anchor_weights() if with_anchor else None
         try:
-            save_sharded(path, self.model, self.optimizer, self.ref_model, anchor, lr_step=self.lr_scheduler.last_epoch)
+            save_sharded(
+                path,
+                self.model,
+                self.optimizer,
+                self.ref_model,
+                anchor,
+                lr_step=self.lr_scheduler.last_epoch,
+                adapter_only=self.lora is not None,  # LoRA: the frozen base is rebuilt, its hash recorded instead
+            )
         except ShardedCheckpointError as err:
             return {"anchor": False, "write_error": str(err)}
         return {"anchor": anchor is not None, "write_error": None}
@@ -416,12 +440,26 @@ class ActorRank:
     def load_checkpoint(self, path: str, with_anchor: bool = False) -> None:
         """Load the DCP checkpoint at path, resharded to this world size (the caller verified its files); with
         with_anchor, make the pi_old weights it holds slot 0 of the cycle it was written in."""
-        anchor = load_sharded(path, self.model, self.optimizer, self.ref_model, with_anchor)
+        anchor = load_sharded(
+            path, self.model, self.optimizer, self.ref_model, with_anchor, adapter_only=self.lora is not None
+        )
         self.pi_old.close()  # the pi_old pieces start as a new process's would (nothing of a later cycle kept)
         self.setup_update(self.pi_old_choice)
         if anchor is not None:
             self.pi_old.load_anchor(anchor)
         self._resume_lr_schedule(path)
+
+    @register(RANK0)
+    def lora_base_record(self) -> dict | None:
+        """What a checkpoint of a LoRA run records of its frozen base (dppo.checkpoint.lora_base.lora_record: the hash
+        of its weights under transformers names, the vocabulary size); None where LoRA is off. Collective when
+        sharded (the base is gathered once; it never changes, so the record is kept)."""
+        if self.lora is None:
+            return None
+        if self._lora_record is None:
+            base, _ = split_state(full_state_dict(self.model, cpu_offload=True))  # {} on the ranks but 0
+            self._lora_record = lora_record(base_hash(base), self.vocab_size) if self.rank == 0 else {}
+        return self._lora_record
 
     def _resume_lr_schedule(self, path: str) -> None:
         """The lr schedule at the step count the checkpoint at path holds; one written before the schedule was
