@@ -106,7 +106,10 @@ def run_variant(name: str, out: Path, overrides: list[str]) -> dict:
     result = json.loads((out / "real_run.json").read_text())
     syncs = [r["rollout/weight_sync_bytes"] for r in records if "rollout/weight_sync_bytes" in r]
     snapshots = [r["snapshot/bytes"] for r in records if "snapshot/bytes" in r]
+    log = (out / "real_run.log").read_text(errors="replace").splitlines()
+    estimate = next((line.strip() for line in log if line.strip().startswith("memory estimate:")), None)
     return {
+        "estimate": estimate,  # the preflight's line (dppo train prints it before it starts)
         "real_run": result,
         "wall_s": wall_s,
         "peak_bytes": memory,
@@ -151,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     for label, f, lval in rows:
         print(f"| {label} | {f} | {lval} | {ratio(lval, f)} |")
     (out / "lora_real.json").write_text(json.dumps({"args": vars(args), "runs": runs}, indent=1) + "\n")
+    for name in ("full", "lora"):
+        print(f"{name}: {runs[name]['estimate']}")
     print(f"\nwritten: {out / 'lora_real.json'}")
     return 0
 
