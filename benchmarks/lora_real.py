@@ -108,7 +108,7 @@ def run_variant(name: str, out: Path, overrides: list[str]) -> dict:
     snapshots = [r["snapshot/bytes"] for r in records if "snapshot/bytes" in r]
     log = (out / "real_run.log").read_text(errors="replace").splitlines()
     estimate = next((line.strip() for line in log if line.strip().startswith("memory estimate:")), None)
-    return {
+    found = {
         "estimate": estimate,  # the preflight's line (dppo train prints it before it starts)
         "real_run": result,
         "wall_s": wall_s,
@@ -116,6 +116,8 @@ def run_variant(name: str, out: Path, overrides: list[str]) -> dict:
         "sync_bytes_after_first": max(syncs[1:]) if len(syncs) > 1 else None,
         "snapshot_bytes": max(snapshots) if snapshots else None,
     }
+    (out / "variant.json").write_text(json.dumps(found, indent=1) + "\n")  # kept should the other variant fail
+    return found
 
 
 def ratio(a, b) -> str:
@@ -134,10 +136,9 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     common = [f"trainer.total_steps={args.steps}", *args.overrides]
     lora = [f"model.lora_rank={args.rank}", f"model.lora_alpha={args.alpha}", f"actor.lr={args.lora_lr}"]
-    runs = {
-        "full": run_variant("full fine-tuning", out / "full", common),
-        "lora": run_variant(f"LoRA r={args.rank}", out / "lora", [*common, *lora]),
-    }
+    # LoRA first: a failure there costs no full run
+    runs = {"lora": run_variant(f"LoRA r={args.rank}", out / "lora", [*common, *lora])}
+    runs["full"] = run_variant("full fine-tuning", out / "full", common)
     full, lo = runs["full"], runs["lora"]
     rows = [
         ("snapshot bytes (pi_old's slot)", full["snapshot_bytes"], lo["snapshot_bytes"]),

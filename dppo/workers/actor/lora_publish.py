@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dppo.lora import LoraPublish, LoraSpec, plain_name, split_state
-from dppo.models import SharedWeights
+from dppo.models import SharedWeights, retied, with_aliases
 
 
 class LoraPublisher:
@@ -33,7 +33,9 @@ class LoraPublisher:
                 self.base = ray.put(SharedWeights.of(base, plain_aliases))
                 self.base_id = self.base.hex()
             else:
-                self.base = {name: t.detach().clone() for name, t in base.items()}  # frozen, yet not the live tensors
+                # frozen, yet not the live tensors; a tied weight stays one tensor (what the sync check tells ties by)
+                copies = {name: t.detach().clone() for name, t in base.items() if name not in plain_aliases}
+                self.base = retied(with_aliases(copies, plain_aliases), plain_aliases)
                 self.base_id = f"local-{id(self.base):x}"
         adapter = {name: t.detach().to("cpu", copy=True) for name, t in adapter.items()}
         return LoraPublish(self.base, adapter, self.spec.scaling, self.base_id, self.spec)

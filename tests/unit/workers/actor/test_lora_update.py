@@ -137,3 +137,26 @@ def test_rank_publishes_the_base_once_and_the_adapter_whose_merge_the_rank_compu
         torch.testing.assert_close(
             plain_live(input_ids=ids).logits, rank.model(input_ids=ids).logits, rtol=1e-5, atol=1e-5
         )
+
+
+def test_a_tied_weight_stays_one_tensor_in_the_base_a_lora_publish_carries(small_cfg):
+    """vLLM holds a tied lm_head once; the sync check accepts that by the base's tie, so the in-process publisher's
+    copy of the base must keep it (a copy per name would make two tensors the engine does not have)."""
+    from transformers import Qwen2Config
+
+    from dppo.lora import LoraSpec, apply_lora
+    from dppo.models import model_from_config, tied_aliases
+    from dppo.workers.actor.lora_publish import LoraPublisher
+    from dppo.workers.weight_fingerprint import fingerprint
+
+    config = Qwen2Config(
+        vocab_size=V, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
+        num_key_value_heads=1, tie_word_embeddings=True,
+    )  # fmt: skip
+    spec = LoraSpec(4, 8.0, "all-linear")
+    model = apply_lora(model_from_config(config, "float32"), spec)
+    publish = LoraPublisher(spec).publish(model.state_dict(), tied_aliases(model), to_object_store=False)
+    base = publish.base_state()
+    assert base["lm_head.weight"] is base["model.embed_tokens.weight"]
+    assert base["lm_head.weight"].data_ptr() != model.lm_head.weight.data_ptr()  # a copy, not the live tensor
+    assert fingerprint(publish.state_dict(), torch.float32).aliases == {"lm_head.weight": "model.embed_tokens.weight"}
