@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from dppo.lora import LoraPublish, LoraSpec, plain_name, split_state
-from dppo.models import SharedWeights, retied, with_aliases
+from dppo.models import SharedWeights, retied
 
 
 class LoraPublisher:
@@ -33,9 +33,9 @@ class LoraPublisher:
                 self.base = ray.put(SharedWeights.of(base, plain_aliases))
                 self.base_id = self.base.hex()
             else:
-                # frozen, yet not the live tensors; a tied weight stays one tensor (what the sync check tells ties by)
-                copies = {name: t.detach().clone() for name, t in base.items() if name not in plain_aliases}
-                self.base = retied(with_aliases(copies, plain_aliases), plain_aliases)
+                # the frozen tensors themselves, no copy (no step, load or pi_old read writes a frozen parameter:
+                # they hold only the trainable ones); a tied weight stays one tensor, as the sync check tells ties by it
+                self.base = retied(dict(base), plain_aliases)
                 self.base_id = f"local-{id(self.base):x}"
         adapter = {name: t.detach().to("cpu", copy=True) for name, t in adapter.items()}
         return LoraPublish(self.base, adapter, self.spec.scaling, self.base_id, self.spec)

@@ -141,7 +141,7 @@ def test_rank_publishes_the_base_once_and_the_adapter_whose_merge_the_rank_compu
 
 def test_a_tied_weight_stays_one_tensor_in_the_base_a_lora_publish_carries(small_cfg):
     """vLLM holds a tied lm_head once; the sync check accepts that by the base's tie, so the in-process publisher's
-    copy of the base must keep it (a copy per name would make two tensors the engine does not have)."""
+    base must keep it (a copy per name would make two tensors the engine does not have)."""
     from transformers import Qwen2Config
 
     from dppo.lora import LoraSpec, apply_lora
@@ -158,5 +158,5 @@ def test_a_tied_weight_stays_one_tensor_in_the_base_a_lora_publish_carries(small
     publish = LoraPublisher(spec).publish(model.state_dict(), tied_aliases(model), to_object_store=False)
     base = publish.base_state()
     assert base["lm_head.weight"] is base["model.embed_tokens.weight"]
-    assert base["lm_head.weight"].data_ptr() != model.lm_head.weight.data_ptr()  # a copy, not the live tensor
+    assert base["lm_head.weight"].data_ptr() == model.lm_head.weight.data_ptr()  # the frozen tensor itself: no copy
     assert fingerprint(publish.state_dict(), torch.float32).aliases == {"lm_head.weight": "model.embed_tokens.weight"}
