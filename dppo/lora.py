@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -173,18 +174,6 @@ def merged_targets(
     return out
 
 
-def injected_names(plain: Mapping[str, torch.Tensor], model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """plain (transformers names) renamed to an injected model's own names (a target's weight and bias under
-    base_layer); names the model lacks are kept as they are (load_state_dict names them)."""
-    own = set(model.state_dict())
-    out = {}
-    for name, t in plain.items():
-        module, _, leaf = name.rpartition(".")
-        based = f"{module}{_BASE_LAYER}.{leaf}"
-        out[based if based in own and name not in own else name] = t
-    return out
-
-
 def base_hash(base: Mapping[str, torch.Tensor]) -> str:
     """A hash of the frozen base's values (names, shapes, dtypes and bytes, in name order): a checkpoint records it,
     and a resume on other base weights is refused."""
@@ -247,8 +236,6 @@ def save_adapter(publish: LoraPublish, out_dir: Path, base_model: str | None = N
     out_dir = Path(out_dir)
     staging = out_dir.with_name(out_dir.name + ".partial")
     if staging.exists():
-        import shutil
-
         shutil.rmtree(staging)
     staging.mkdir(parents=True)
     config = publish.spec.peft_config()
@@ -259,8 +246,6 @@ def save_adapter(publish: LoraPublish, out_dir: Path, base_model: str | None = N
     save_file(tensors, str(staging / "adapter_model.safetensors"), metadata={"format": "pt"})
     (staging / "dppo_lora.json").write_text(json.dumps({"scaling": publish.scaling}) + "\n")
     if out_dir.exists():
-        import shutil
-
         shutil.rmtree(out_dir)
     staging.rename(out_dir)
     return out_dir
