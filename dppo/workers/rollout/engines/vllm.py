@@ -261,16 +261,11 @@ class VLLMEngine(RolloutEngine):
 
     def load_partial(self, tensors: dict[str, torch.Tensor], held: dict[str, torch.Tensor]) -> WeightSync:
         """These tensors (a LoRA publish's merged targets): each fused layer they touch reloaded whole, its other
-        tensors from held; with delta, the held copy is updated from them."""
+        tensors from held (LoRA runs sync full weights: rollout.weight_sync=delta is refused with model.lora_rank)."""
         start = time.perf_counter()
         whole = {**held, **tensors}
         weights = reload_groups(whole, list(tensors), self.packed_modules)
-        weights = {name: t.to(self.dtype) for name, t in weights.items()}
-        if self.delta is not None and self.delta.weights:
-            for name, t in weights.items():
-                if name in self.delta.weights:
-                    self.delta.weights[name].copy_(t)
-        self._reload(weights)
+        self._reload({name: t.to(self.dtype) for name, t in weights.items()})
         return WeightSync(time.perf_counter() - start, state_dict_bytes(tensors))
 
     @property
