@@ -41,6 +41,11 @@ class Group:
     # (n, R) long: the version of the weights that sampled each token; None: all the group's version (an engine
     # without rollout.partial_rollout, a checkpoint from before it)
     token_versions: torch.Tensor | None = None
+    # the ticket that generated it, as the replay buffer received it (plain ints, set by its put): first (grant index
+    # of its first group, which seeds it), size (its groups), version (the weights it started with) and looks (per
+    # mid-ticket load under rollout.partial_rollout: [the engine's look that loaded it, 1-based; the version loaded]);
+    # the run's schedule records it (dppo.trainer.schedule). None: not through a buffer
+    ticket: dict | None = None
 
     @property
     def size(self) -> int:

@@ -59,7 +59,9 @@ EXIT_CODES = (
     (
         4,
         "trainer.resume=true found checkpoints but none it can use (a warning line names each one skipped), or "
-        "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted",
+        "the run's checkpoint ledger is unreadable; dppo export and dppo eval: the checkpoint is not trusted; dppo "
+        "replay: the run's schedule.jsonl is missing or damaged, or the replay stopped following it (the line names "
+        "the step and the trigger)",
     ),
     (5, "the Ray cluster of ray.address or RAY_ADDRESS cannot be joined"),
     (
@@ -71,6 +73,11 @@ EXIT_CODES = (
         "mini-batches' worth: a constant reward; checkpointed first); "
         "dppo import-gguf: SRC is missing, a directory, not a GGUF file, or a GGUF that transformers cannot load as "
         "a causal LM",
+    ),
+    (
+        7,
+        "dppo replay without overrides: the replay did not end where the run did (its weights or its metrics differ; "
+        "the lines before say where first)",
     ),
     (70, "an unexpected error: a bug, or an exception in your own code (its traceback is printed)"),
     (130, "stopped by SIGINT (Ctrl-C); checkpoints already written are kept"),
@@ -102,6 +109,7 @@ def _error_exit_codes() -> tuple:
     from dppo.lora import LoraError
     from dppo.trainer.rollout import RolloutFailedError
     from dppo._errors import RankDiedError
+    from dppo.trainer.schedule import ScheduleError
 
     return (
         (RolloutFailedError, 1),
@@ -114,6 +122,7 @@ def _error_exit_codes() -> tuple:
         (OutputPathError, 3),
         (CheckpointWriteError, 3),
         (CheckpointError, 4),
+        (ScheduleError, 4),
         (RayConnectError, 5),
         (DataError, 6),
         (GGUFError, 6),
@@ -198,9 +207,31 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument(
         "overrides", nargs="*", metavar="key=value", help="config overrides, e.g. data.val_files=v.parquet"
     )
+    _add_replay(commands)
     _add_import_gguf(commands)
     _add_data(commands)
     return parser
+
+
+def _add_replay(commands) -> None:
+    replay = commands.add_parser(
+        "replay",
+        help="train again along a run's recorded schedule, bitwise, or re-train its samples under another loss",
+        description="Re-run a run (its config.yaml) with a rollout that follows its schedule.jsonl: every ticket "
+        "generated with its recorded version, seed and mid-ticket switches, every group taken at its recorded "
+        "trigger; then compare the final weights and metrics.jsonl with the run's (exit code 7 if they differ and "
+        "no key=value was given). --samples trains on the run's stored samples instead (trainer.record_samples=true), "
+        "so key=value overrides of the loss re-train exactly the same data. docs/replay.md.",
+        epilog="examples:\n  dppo replay outputs/dppo\n  dppo replay outputs/dppo --until 30 --out /tmp/at30\n"
+        "  dppo replay outputs/dppo --samples actor.policy_loss.loss_mode=vanilla algorithm.prox_logp_method=bypass\n",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    replay.add_argument("run_dir", metavar="RUN_DIR", help="a run's trainer.output_dir (schedule.jsonl, config.yaml)")
+    replay.add_argument("--until", type=int, metavar="STEP", help="stop after this global step and checkpoint there")
+    replay.add_argument("--out", metavar="DIR", help="the replay's own run directory (default: RUN_DIR/replay)")
+    replay.add_argument("--samples", action="store_true", help="train on the run's stored samples (no generation)")
+    replay.add_argument("--debug", action="store_true", help="print the traceback of errors too (also: DPPO_DEBUG=1)")
+    replay.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides, e.g. actor.clip_ratio=0.1")
 
 
 def _add_import_gguf(commands) -> None:
@@ -304,9 +335,9 @@ def _main(argv: list[str] | None) -> int:
 
     with StopOnSignal() as stop, _warning_lines():
         try:
-            return {"train": _train, "export": _export, "eval": _eval, "import-gguf": _import_gguf, "data": _data}[
-                args.command
-            ](args)
+            commands = {"train": _train, "export": _export, "eval": _eval, "replay": _replay}
+            commands.update({"import-gguf": _import_gguf, "data": _data})
+            return commands[args.command](args)
         except KeyboardInterrupt:  # Stopped, or what Ray made of it (ray.get raises a plain KeyboardInterrupt)
             if debug:
                 traceback.print_exc()
@@ -338,6 +369,22 @@ def _train(args) -> int:
 
     run(cfg)
     return 0
+
+
+def _replay(args) -> int:
+    from dppo.commands.replay import replay
+
+    result = replay(args.run_dir, args.until, args.out, args.overrides, args.samples)
+    print(f"\nreplay of {result.run_dir} ({result.steps} step(s), {result.tickets} ticket(s) generated):")
+    for line in result.lines():
+        print(f"  {line}")
+    if result.equal:
+        print("the replay ended where the run did")
+        return 0
+    if result.counterfactual:
+        print("the overrides changed the run (above: how)")
+        return 0
+    return 7
 
 
 def _export(args) -> int:

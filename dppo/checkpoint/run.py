@@ -64,6 +64,10 @@ class Checkpointed(Protocol):
         """The adapter (peft names) of the last publish of a LoRA policy; None where the policy is trained whole."""
         ...
 
+    def save_records(self, directory: Path) -> None:
+        """The run's own records that go with a checkpoint (its schedule), written into the checkpoint's directory."""
+        ...
+
 
 def find_resume_point(trainer, checkpoints: ckpt.CheckpointDir | None = None) -> ResumePoint | None:
     """The newest trusted checkpoint of the run in trainer.output_dir (trainer: the config's trainer section) whose
@@ -178,6 +182,7 @@ class RunCheckpoints:
             state["pi_old"] = self._pi_old_record(trainer, staging, run["version"], mid_cycle, saved["anchor"])
             if self.settings.hf_model:
                 trainer.save_policy(staging / ACTOR_DIR / CHECKPOINT_HF_DIR, mid_cycle=mid_cycle)
+            trainer.save_records(staging)
             torch.save(state, staging / TRAINER_FILE)
 
         return self.store.save(run["global_step"], run["version"], write, trigger=run["trigger"])

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from typing import TextIO
 
 import ray
@@ -26,12 +27,17 @@ from dppo.launch.preflight import (
 from dppo.launch.machine import check_machine, resolve_ray
 from dppo.launch.precision import resolve_precision
 from dppo.launch.ray_cluster import init_ray, probe_cluster, shutdown_ray
+from dppo.data.source import PromptSource
+from dppo.trainer.rollout.source import RolloutSource
 from dppo.trainer.trackers import check_installed
 
+RolloutOf = Callable[[DppoConfig, PromptSource], RolloutSource]
 
-def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
+
+def run(cfg: DppoConfig, out: TextIO | None = None, rollout_of: RolloutOf | None = None) -> RunResult:
     """Train with cfg, print the summary and the output paths to out (default: the current sys.stdout), and
-    shut down a Ray cluster we started (one the caller had connected to stays up).
+    shut down a Ray cluster we started (one the caller had connected to stays up). rollout_of(cfg, source): where the
+    groups come from instead of the rollout cfg asks for (`dppo replay`: a run's schedule).
 
     Before any Ray process starts: the output directory is written to, the model's training memory is checked
     against what is available, and the checkpoint to resume from (trainer.resume) is chosen and its trainer
@@ -63,7 +69,15 @@ def run(cfg: DppoConfig, out: TextIO | None = None) -> RunResult:
         if cfg.use_ray:
             init_ray(cfg.ray, cfg.rollout.num_threads)
             check_cluster_fits(cfg.trainer, cfg.rollout, cfg.ray)
-        trainer = ppo.PPOTrainer(cfg, source=source, resume_point=resume_point, pi_old_choice=plan.pi_old_choice)
+        rollout = rollout_of(cfg, source) if rollout_of is not None else None
+        try:
+            trainer = ppo.PPOTrainer(
+                cfg, rollout=rollout, source=source, resume_point=resume_point, pi_old_choice=plan.pi_old_choice
+            )
+        except BaseException:
+            if rollout is not None:
+                rollout.close()
+            raise
         print(trainer.actor_group.describe(), file=out, flush=True)
         if trainer.rollout is not None:  # started before the ranks (a fresh run's); else fit() makes it
             print(trainer.rollout.describe(), file=out, flush=True)

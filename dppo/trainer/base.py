@@ -53,6 +53,7 @@ from dppo.trainer.progress import make_progress
 from dppo.trainer.report import MetricsLog
 from dppo.trainer.rollout import RolloutFailedError, make_rollout
 from dppo.trainer.rollout.settings import engine_settings
+from dppo.trainer.schedule import ScheduleRecorder
 from dppo.trainer.score_ahead import take_ahead
 from dppo.trainer.trackers import Trackers, make_trackers
 from dppo.trainer.worker_group import make_worker_group
@@ -147,10 +148,14 @@ class BaseTrainer:
         seed_all(cfg.trainer.seed)
         self.source = source if source is not None else make_prompt_source(cfg)
         self.response_length = cfg.rollout.max_new_tokens or self.source.response_length
-        self.output_dir = Path(cfg.trainer.output_dir)
+        t = cfg.trainer
+        self.output_dir = Path(t.output_dir)
         self.output_dir.mkdir(parents=True, exist_ok=True)
         self.checkpoints = RunCheckpoints(checkpoint_settings(cfg), self.output_dir)
-        self.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger)  # how a trigger draws
+        # the run's schedule (schedule.jsonl): every take, recorded for `dppo replay`
+        self.schedule = ScheduleRecorder(self.output_dir, t.seed, t.record_samples)
+        # how a trigger draws
+        self.group_filter = GroupFilter(cfg.algorithm.filter_groups, cfg.groups_per_trigger, self.schedule.took)
         self.resumed_from: Path | None = None
         self.trackers, self._resumed_pi_old = Trackers([]), (PI_OLD_LIVE, None)
         if cfg.trainer.resume and resume_point is None:
@@ -186,6 +191,10 @@ class BaseTrainer:
         self.published = _published_policy(cfg, self.source, self.model_config)
         tracker_state = self.resume(resume_point) if resume_point is not None else None
         continued = self.state.global_step if self.resumed_from else None
+        if self.resumed_from:
+            self.schedule.resumed(self.resumed_from, self.state.global_step)  # the checkpoint's copy, then on
+        else:
+            self.schedule.fresh()
         self.metrics = MetricsLog(self.output_dir / "metrics.jsonl", resume_step=continued)
         self.setup()
         t = cfg.trainer
@@ -353,6 +362,7 @@ class BaseTrainer:
             ahead.hold(
                 progress, partial(self.group_filter.commit, self.state), partial(self.state.rollout_start.took, version)
             )
+        progress.metrics.add(self.schedule.commit(self.state.global_step + 1, progress.trigger - 1, version))
 
     # ---- weights out --------------------------------------------------------------------------------
 
@@ -376,6 +386,10 @@ class BaseTrainer:
     def save_checkpoint(self) -> Path:
         """Checkpoint the trainer as it is now: at a step boundary, or mid-cycle."""
         return self.checkpoints.save(self)
+
+    def save_records(self, directory: Path) -> None:
+        """The run's records that go with a checkpoint, into its staging directory: the schedule so far."""
+        self.schedule.save_into(directory)
 
     def run_state(self) -> dict:
         """The loop's state as a checkpoint keeps it (TrainerState.to_state), with the rollout's worker restarts so

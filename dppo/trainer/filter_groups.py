@@ -46,6 +46,7 @@ With the filter off a draw is one fetch of G groups, all kept: the loop takes ex
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import numpy as np
 
@@ -55,6 +56,9 @@ from dppo.batch import Group
 from dppo.trainer.state import Draw, TrainerState
 
 log = logging.getLogger("dppo.trainer")
+
+# told of every take: ("fetch" or "ready", groups asked for, what the rollout returned: (groups, dropped) or None)
+TakeHook = Callable[[str, int, tuple[list[Group], int] | None], None]
 
 # max_num_gen_batches <= 0 (verl: no limit): the most mini-batches' worth of groups a trigger draws all the same
 DEFAULT_MAX_BATCHES = 10
@@ -96,8 +100,10 @@ def keeps(group: Group, metric: str) -> bool:
 class GroupFilter:
     """Draws a trigger's mini-batch (see the module docstring) from a rollout source (fetch, fetch_ready, discard)."""
 
-    def __init__(self, filter_cfg, groups_per_trigger: int) -> None:
-        """filter_cfg: algorithm.filter_groups; groups_per_trigger: G."""
+    def __init__(self, filter_cfg, groups_per_trigger: int, on_take: TakeHook | None = None) -> None:
+        """filter_cfg: algorithm.filter_groups; groups_per_trigger: G; on_take(call, want, got): told of every take
+        (call "fetch" or "ready", the groups asked for and what the rollout returned): the run's schedule."""
+        self.on_take = on_take
         self.enabled = filter_cfg.enable
         self.metric = filter_cfg.metric
         self.size = groups_per_trigger
@@ -120,7 +126,10 @@ class GroupFilter:
         this trigger at trigger 0) if given; NothingKeptError if it reached the default limit with none kept."""
         draw = _copy(pending)
         while not self.done(draw):
-            self._add(rollout, draw, rollout.fetch(self._wanted(draw), version))
+            wanted = self._wanted(draw)
+            got = rollout.fetch(wanted, version)
+            self._took("fetch", wanted, got)
+            self._add(rollout, draw, got)
         self._check(draw)
         return draw
 
@@ -130,7 +139,9 @@ class GroupFilter:
         not there). NothingKeptError as fetch."""
         draw = Draw()
         while not self.done(draw):
-            got = rollout.fetch_ready(self._wanted(draw), version)
+            wanted = self._wanted(draw)
+            got = rollout.fetch_ready(wanted, version)
+            self._took("ready", wanted, got)
             if got is None:
                 return draw
             self._add(rollout, draw, got)
@@ -167,6 +178,10 @@ class GroupFilter:
             "filter_groups/kept_frac": draw.num_kept / len(draw.taken),
             "filter_groups/at_limit": float(self.at_limit(draw)),
         }
+
+    def _took(self, call: str, wanted: int, got) -> None:
+        if self.on_take is not None:
+            self.on_take(call, wanted, got)
 
     def _wanted(self, draw: Draw) -> int:
         return min(self.size - draw.num_kept, self.limit - len(draw.taken))

@@ -25,7 +25,7 @@ from dppo.batch import AGENT_COUNTS, Group
 
 # Trigger metrics that count events: summed over a cycle's triggers, like the times (actor.max_ppo_kl's skips,
 # algorithm.filter_groups' triggers at its limit)
-COUNTED_METRICS = ("actor/skipped_updates", "filter_groups/at_limit", *AGENT_COUNTS)
+COUNTED_METRICS = ("actor/skipped_updates", "filter_groups/at_limit", "schedule/bytes", *AGENT_COUNTS)
 
 
 @dataclass

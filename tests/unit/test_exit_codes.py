@@ -1,6 +1,7 @@
 """The exit codes of `dppo train` as documented: one table (--help and docs/troubleshooting.md say the same), and a
 case for every code of it that produces that code."""
 
+import json
 import os
 import re
 import signal
@@ -67,6 +68,19 @@ def unexpected(tmp_path, monkeypatch) -> list[str]:
     return small_overrides(tmp_path)
 
 
+def replay_differs(tmp_path, monkeypatch) -> list[str]:
+    """A finished run whose schedule was edited: its first trigger's second group moved to the mini-batch taken ahead
+    for the next trigger (and that one's first group back): the replay trains other mini-batches and ends elsewhere."""
+    assert main(["train", *small_overrides(tmp_path)]) == 0
+    schedule = tmp_path / "run" / "schedule.jsonl"
+    header, first, *rest = schedule.read_text().splitlines()
+    line = json.loads(first)
+    fetched, ahead = line["takes"][0]["groups"], line["takes"][1]["groups"]
+    fetched[1], ahead[0] = ahead[0], fetched[1]
+    schedule.write_text("\n".join([header, json.dumps(line), *rest]) + "\n")
+    return ["replay", str(tmp_path / "run"), "--out", str(tmp_path / "replay")]
+
+
 IN_PROCESS = {
     0: finished,
     1: rollout_failed,
@@ -75,6 +89,7 @@ IN_PROCESS = {
     4: no_usable_checkpoint,
     5: cluster_unreachable,
     6: missing_data_file,
+    7: replay_differs,
     70: unexpected,
 }
 SIGNALS = {130: signal.SIGINT, 143: signal.SIGTERM}
@@ -107,9 +122,13 @@ def test_a_closed_stdout_is_141_without_a_traceback():
 @pytest.mark.parametrize("code", sorted(IN_PROCESS))
 def test_each_code_is_produced_by_its_case_with_one_line(code, tmp_path, monkeypatch, capsys):
     args = IN_PROCESS[code](tmp_path, monkeypatch)
-    assert main(["train", *args]) == code
-    err = [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("dppo: ")]
-    if code == 0:
+    command = [] if args[0] == "replay" else ["train"]
+    assert main([*command, *args]) == code
+    captured = capsys.readouterr()
+    err = [line for line in captured.err.strip().splitlines() if line.startswith("dppo: ")]
+    if code == 7:  # not an error of the command: the comparison's lines say where the replay differs
+        assert "weights: differ first at" in captured.out and "metrics: " in captured.out
+    if code in (0, 7):
         assert not any(line.startswith("dppo: error") for line in err)
     elif code == 70:
         assert err[-1].startswith("dppo: internal error: ZeroDivisionError")

@@ -52,6 +52,11 @@ class TrainerConfig:
     mode: str = "separate_async"
     """separate_async: rollout workers generate while the trainer trains; sync: rollout and training in lockstep."""
 
+    record_samples: bool = False
+    """Store every trigger's groups (token ids, behaviour log-probs, versions, rewards; compressed, one file per
+    trigger in output_dir/samples/) beside the schedule every run records (schedule.jsonl): `dppo replay RUN_DIR
+    --samples key=value ...` then trains a fresh policy on exactly those samples under another loss (docs/replay.md)."""
+
     verify_old_log_prob: bool = False
     """Debug: compare the old log-probs with those of a deep copy of the anchor weights (debug/old_log_prob_max_abs_diff)."""
 

@@ -25,7 +25,7 @@ def groups_of(taken: tuple[list[StoredGroup], int] | None) -> tuple[list[Group],
     if taken is None:
         return None
     stored, dropped = taken
-    return [Group.from_arrays({**s.arrays, "index": s.index}) for s in stored], dropped
+    return [Group.from_arrays({**s.arrays, "index": s.index, "ticket": s.ticket}) for s in stored], dropped
 
 
 @dataclass(frozen=True)

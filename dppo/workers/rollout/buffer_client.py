@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Callable
+from functools import partial
 
 from dppo.workers.rollout.replay_buffer import Finished, Published, ReplayBufferCore, SyncCost, Ticket, map_weights
 from dppo.workers.rollout.worker import RolloutGenerator, StateDictWeights
@@ -62,7 +63,7 @@ def run_ticket(client: BufferClient, generator: RolloutGenerator, num_groups: in
         loads.load(ticket.publish)
     generator.seed_ticket(ticket.first)
     groups = generator.generate(ticket.num_groups, loads.look if client.looks_mid_ticket else None)
-    client.put(Finished(groups, ticket.first, loads.latest))
+    client.put(Finished(groups, ticket.first, loads.latest, tuple(loads.mid_ticket)))
     return len(groups)
 
 
@@ -74,11 +75,14 @@ def run_tickets(client: BufferClient, generator: RolloutGenerator, num_groups: i
 
 class _TicketLoads:
     """A ticket's weight loads: the one at its start and rollout.partial_rollout's mid-ticket ones. latest: what the
-    metrics get of the last (put reports it; None: none)."""
+    metrics get of the last (put reports it; None: none). mid_ticket: (look, version) of each mid-ticket load, look
+    the 1-based count of the engine's looks so far (what the run's schedule records, and a replay loads at)."""
 
     def __init__(self, client: BufferClient, generator: RolloutGenerator) -> None:
         self.client, self.generator = client, generator
         self.latest: SyncCost | None = None
+        self.looks = 0
+        self.mid_ticket: list[tuple[int, int]] = []
 
     def load(self, published: Published) -> int:
         self.latest = self.generator.load(published)
@@ -87,8 +91,14 @@ class _TicketLoads:
     def look(self) -> Callable[[], int] | None:
         """The engine's refresh: the client's look for a newer publish; a loader of it (the engine calls it once it is
         done with the old weights; it returns the version loaded), or None."""
+        self.looks += 1
         found = self.client.newer(self.generator.version)
-        return None if found is None else lambda: self.load(found)
+        return None if found is None else partial(self._load_mid_ticket, self.looks, found)
+
+    def _load_mid_ticket(self, look: int, published: Published) -> int:
+        version = self.load(published)
+        self.mid_ticket.append((look, version))
+        return version
 
 
 class InProcessClient(BufferClient):

@@ -55,6 +55,7 @@ class StoredGroup:
     arrays: dict[str, Any]
     version: int
     index: int = -1
+    ticket: dict | None = None  # as Group.ticket: set by the buffer's put
 
     @classmethod
     def of(cls, group: Group) -> StoredGroup:
@@ -127,6 +128,8 @@ class Finished:
     groups: list  # Groups; StoredGroups where they travel to another process (stored())
     first: int
     sync: SyncCost | None = None
+    # rollout.partial_rollout's mid-ticket loads: (the engine's look that loaded them, 1-based; their version)
+    looks: tuple[tuple[int, int], ...] = ()
 
     def stored(self) -> Finished:
         """These groups as the replay buffer's process holds them (StoredGroup: numpy arrays, no torch)."""
@@ -288,8 +291,12 @@ class ReplayBufferCore:
         del self._tickets[first]
         if finished.sync is not None:
             self._syncs[holder] = finished.sync
+        # what generated them, for the run's schedule (Group.ticket): enough to generate them again
+        looks = [[int(look), int(version)] for look, version in finished.looks]
+        ticket = {"first": first, "size": len(groups), "version": int(groups[0].version) if groups else -1}
         for index, group in enumerate(groups, first):
             group.index = index
+            group.ticket = {**ticket, "looks": [list(pair) for pair in looks]}
             self.groups[index] = group
 
     def release(self, holder: Any) -> int:

@@ -75,6 +75,13 @@ class StateDictWeights(Weights):
         return engine.load_weights(self.state_dict), None
 
 
+def ticket_seeds(seed: int, first: int) -> tuple[int, int]:
+    """(prompt seed, sample seed) of the ticket whose first group has grant index `first`, in a run of trainer.seed
+    `seed`: what it draws its prompts and its samples from."""
+    prompt_seed, sample_seed = np.random.SeedSequence([seed, _TICKET_STREAM, first]).generate_state(2)
+    return int(prompt_seed), int(sample_seed)
+
+
 class RolloutGenerator:
     """One worker's rollout engine, prompt sampler and sampling state; generate() returns scored groups."""
 
@@ -114,9 +121,9 @@ class RolloutGenerator:
         """Draw the next groups' prompts and samples from (trainer.seed, first), the grant index of the ticket's
         first group: what a ticket generates depends on the seed, its grant index and the weights only, not on
         the worker or the moment (a ticket granted again after its worker died; a resumed run)."""
-        prompt_seed, sample_seed = np.random.SeedSequence([self.seed, _TICKET_STREAM, first]).generate_state(2)
-        self.prompts.start_ticket(first, int(prompt_seed))
-        self.engine.seed(int(sample_seed))
+        prompt_seed, sample_seed = ticket_seeds(self.seed, first)
+        self.prompts.start_ticket(first, prompt_seed)
+        self.engine.seed(sample_seed)
 
     def load(self, published: Published) -> SyncCost | None:
         """Load a publish whose weights the worker's buffer client resolved (Weights): what the run's metrics get of

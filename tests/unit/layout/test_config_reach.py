@@ -21,6 +21,8 @@ ROOT_CONFIG_READERS = {
     "config/pi_old.py": "choose_pi_old: the one decision made from the config's pi_old keys (the config's own)",
     "config/rules.py": "the config's rules across its own sections",
     "commands/evaluate.py": "`dppo eval`, a command verb above dppo.launch: it resolves its config as launch does",
+    "commands/replay.py": "`dppo replay`, a command verb above dppo.launch: it builds the replay's config from the run's "
+    "(its steps per cycle, its checkpoint interval)",
     "data/__init__.py": "make_prompt_source(cfg), called at start-up only (launch, dppo eval, a trainer built without "
     "a source): it dispatches to the sources' from_config, which take their own sections; not moved to the driver yet "
     "(its ~65 call sites in 30 test files)",
