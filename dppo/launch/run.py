@@ -34,10 +34,13 @@ from dppo.trainer.trackers import check_installed
 RolloutOf = Callable[[DppoConfig, PromptSource], RolloutSource]
 
 
-def run(cfg: DppoConfig, out: TextIO | None = None, rollout_of: RolloutOf | None = None) -> RunResult:
+def run(
+    cfg: DppoConfig, out: TextIO | None = None, rollout_of: RolloutOf | None = None, stop_after: int | None = None
+) -> RunResult:
     """Train with cfg, print the summary and the output paths to out (default: the current sys.stdout), and
     shut down a Ray cluster we started (one the caller had connected to stays up). rollout_of(cfg, source): where the
-    groups come from instead of the rollout cfg asks for (`dppo replay`: a run's schedule).
+    groups come from instead of the rollout cfg asks for (`dppo replay`: a run's schedule); stop_after: end after this
+    global step, checkpointed there (`dppo replay --until`; trainer.total_steps, which the lr schedule counts with, stays).
 
     Before any Ray process starts: the output directory is written to, the model's training memory is checked
     against what is available, and the checkpoint to resume from (trainer.resume) is chosen and its trainer
@@ -72,7 +75,12 @@ def run(cfg: DppoConfig, out: TextIO | None = None, rollout_of: RolloutOf | None
         rollout = rollout_of(cfg, source) if rollout_of is not None else None
         try:
             trainer = ppo.PPOTrainer(
-                cfg, rollout=rollout, source=source, resume_point=resume_point, pi_old_choice=plan.pi_old_choice
+                cfg,
+                rollout=rollout,
+                source=source,
+                resume_point=resume_point,
+                pi_old_choice=plan.pi_old_choice,
+                stop_after=stop_after,
             )
         except BaseException:
             if rollout is not None:

@@ -135,14 +135,18 @@ class BaseTrainer:
         source: PromptSource | None = None,
         resume_point: ResumePoint | None = None,
         pi_old_choice: PiOldChoice | None = None,
+        stop_after: int | None = None,
     ):
         """source: the run's prompts, scorer and eval set (default: make_prompt_source(cfg)). rollout: where groups come
         from (default: started here, before the ranks, for a fresh run that has worker processes; else by fit()).
         resume_point: what trainer.resume=true continues from, if the caller found it already. pi_old_choice: which
         pi_old the run uses, as its plan chose it (dppo.launch.plan.RunPlan.pi_old_choice); default: chosen here from
-        cfg, for a trainer built without a plan. The ranks get it as it is."""
+        cfg, for a trainer built without a plan. The ranks get it as it is. stop_after: end after this global step,
+        checkpointed, although trainer.total_steps (which the lr schedule counts with) is more (`dppo replay --until`);
+        None: at total_steps."""
         require_resolved_precision(cfg)  # the ranks and engines take a dtype, not auto
         self.cfg, self.state = cfg, TrainerState()
+        self.stop_after = stop_after
         self.pi_old_choice = pi_old_choice if pi_old_choice is not None else choose_pi_old(cfg)
         torch.set_num_threads(cfg.trainer.num_threads)
         seed_all(cfg.trainer.seed)
@@ -269,14 +273,15 @@ class BaseTrainer:
 
     def _train(self) -> None:
         t, run = self.cfg.trainer, self.state
-        progress = make_progress(t.total_steps, run.global_step, t.progress_bar)
+        last = t.total_steps if self.stop_after is None else min(self.stop_after, t.total_steps)
+        progress = make_progress(last, run.global_step, t.progress_bar)
         self._early_rollout = False  # from here on fit() closes the rollout, whoever made it
         try:
             if self.rollout is None:
                 self.rollout = make_rollout(self.cfg, self.source, self.model_config, run.rollout_start)
             self.publish_start_weights()
             self.rollout.start()
-            while run.global_step < t.total_steps:
+            while run.global_step < last:
                 record = self.run_cycle()
                 if t.test_freq > 0 and run.global_step % t.test_freq == 0 and run.global_step < t.total_steps:
                     eval_start = time.perf_counter()
@@ -289,7 +294,7 @@ class BaseTrainer:
                     stale=f"{record['staleness/mean']:.2f}",
                     step_s=f"{record['timing_s/step']:.2f}",
                 )
-                if self.checkpoints.due(run.global_step):
+                if self.checkpoints.due(run.global_step) or run.global_step == self.stop_after:
                     self.checkpoints.save_due(self)
             self.published.pin()  # the final weights, before the ranks (which own them in Ray) go
         except RolloutFailedError as err:

@@ -313,10 +313,9 @@ class Schedule:
             )
         if until is not None:
             lines = [line for line in lines if line["step"] <= until]
-        takes, tickets, taken = [], {}, {}
+        tickets = {ticket["first"]: ticket for line in lines for ticket in line["tickets"]}
+        takes, taken = [], {}
         for line in lines:
-            for ticket in line["tickets"]:
-                tickets[ticket["first"]] = ticket
             for take in line["takes"]:
                 pairs = None if take["groups"] is None else [(int(i), int(f)) for i, f in take["groups"]]
                 s, t, v = line["step"], line["trigger"], line["version"]
@@ -324,8 +323,7 @@ class Schedule:
                 for index, first in pairs or []:
                     if first not in tickets:
                         raise ScheduleError(
-                            f"{str(path)!r} step {s}, trigger {t}: group {index}'s ticket {first} "
-                            "is named by no line before it"
+                            f"{str(path)!r} step {s}, trigger {t}: group {index}'s ticket {first} is named by no line"
                         )
                     taken.setdefault(first, set()).add(index)
         return cls(path, int(header["seed"]), lines, takes, tickets, taken)

@@ -42,7 +42,7 @@ def test_run_shuts_down_only_a_ray_cluster_it_started(small_cfg, monkeypatch, tm
     monkeypatch.setattr(ray, "shutdown", lambda: (calls.append("shutdown"), state.update(up=False)))
 
     class StandInTrainer:
-        def __init__(self, cfg, source=None, resume_point=None, pi_old_choice=None):
+        def __init__(self, cfg, source=None, resume_point=None, pi_old_choice=None, rollout=None, stop_after=None):
             self.output_dir, self.resumed_from, self.rollout = tmp_path, None, None
             self.actor_group = SimpleNamespace(describe=lambda: "actor: 1 rank(s), plain module: stand-in")
 

@@ -158,7 +158,8 @@ class ScheduledRollout(RolloutSource):
         """cfg: the replay's config (the run's, with the replay's overrides); schedule: the run's, read; samples: the
         run's samples directory (replay --samples: its groups are the takes'), or None (generate them)."""
         self.schedule = schedule
-        self._takes = iter(schedule.takes)
+        self._position = 0  # the run's next take to follow
+        self._stream: list[Group] = []  # --samples: the groups of the takes begun, not yet handed out
         self._samples = Path(samples) if samples is not None else None
         self._sample_groups: dict[tuple[int, int], list[Group]] = {}
         self.versions = VersionSlots(min(cfg.replay.max_off_policy_threshold, cfg.trainer.total_steps) + 1)
@@ -214,9 +215,15 @@ class ScheduledRollout(RolloutSource):
 
     # ---- the takes ----------------------------------------------------------------------------------------------
 
+    def _peek(self) -> Take | None:
+        """The run's next take, not yet followed (None: past its last)."""
+        takes = self.schedule.takes
+        return takes[self._position] if self._position < len(takes) else None
+
     def _take(self, call: str, num_groups: int, version: int) -> tuple[list[Group], int] | None:
-        take = next(self._takes, None)
-        asked = f"{call} of {num_groups} group(s) at version {version}"
+        if self._samples is not None:
+            return self._take_samples(call, num_groups)
+        take, asked = self._peek(), f"{call} of {num_groups} group(s) at version {version}"
         if take is None:
             raise ScheduleError(f"the replay asks for a {asked} after the schedule's last take ({self.schedule.path})")
         if (take.call, take.want, take.version) != (call, num_groups, version):
@@ -225,14 +232,43 @@ class ScheduledRollout(RolloutSource):
                 f"{take.version}: the replay no longer follows the run's schedule (a setting that changes it, or an "
                 "edited schedule)"
             )
+        self._position += 1
         if take.groups is None:
             return None
-        groups = self._recorded(take) if self._samples is not None else [self._group(i, f) for i, f in take.groups]
         self.dropped_total += take.dropped
-        return groups, take.dropped
+        return [self._group(i, f) for i, f in take.groups], take.dropped
+
+    def _take_samples(self, call: str, num_groups: int) -> tuple[list[Group], int] | None:
+        """--samples: the run's groups in the order it took them, num_groups at a time. Its looks ahead are followed
+        where the replay looks too (a look that found nothing finds nothing); a replay whose settings look where the
+        run did not (another prox method: score-ahead or not) finds nothing there and takes those groups at their
+        triggers, and one that does not look where the run did takes them all the same: each trigger trains on the
+        run's groups."""
+        while (take := self._peek()) is not None and take.call == "ready" and take.groups is None:
+            self._position += (
+                1  # the run looked and found nothing: so does a replay that looks; one that does not, skips it
+            )
+            if call == "ready":
+                return None
+        if call == "ready" and not self._stream and (take is None or take.call != "ready"):
+            return None
+        groups, dropped = [], 0
+        while len(groups) < num_groups:
+            if not self._stream:
+                take = self._peek()
+                if take is None:
+                    raise ScheduleError(f"the replay asks for more groups than the run took ({self._samples})")
+                self._position += 1
+                if take.groups is None:
+                    continue
+                self._stream.extend(self._recorded(take))
+                dropped += take.dropped
+            groups.append(self._stream.pop(0))
+        self.dropped_total += dropped
+        return groups, dropped
 
     def _recorded(self, take: Take) -> list[Group]:
-        """take's groups from the run's samples of its trigger (taken in order from its file)."""
+        """take's groups from the run's samples of its trigger (its file holds the trigger's takes' groups in order)."""
         key = (take.step, take.trigger)
         if key not in self._sample_groups:
             self._sample_groups = {key: read_samples(self._samples / samples_name(*key))}

@@ -354,7 +354,7 @@ def test_a_mid_cycle_checkpoint_keeps_a_half_drawn_mini_batch_and_the_resumed_ru
         assert torch.equal(tensor, expected_weights[name]), name
     records = read_metrics(f"{out}/metrics.jsonl")
     assert [r["snapshot/scored_ahead_frac"] for r in records] == [1.0, 0.5]  # step 2: trigger 1's of 2 (clean: both)
-    skip = ("timing_s/", "snapshot/scored_ahead_frac")
+    skip = ("timing_s/", "snapshot/scored_ahead_frac", "schedule/bytes")  # the staggered run took in other takes
     got, want = [
         [{k: v for k, v in r.items() if not k.startswith(skip)} for r in rs] for rs in (records, expected_records)
     ]
