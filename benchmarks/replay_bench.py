@@ -33,7 +33,13 @@ VARIANTS = {
     "decoupled": ["algorithm.rollout_correction.rollout_is_threshold=1e9"],
     "bypass": ["algorithm.rollout_correction.bypass_mode=true"],
 }
-CURVES = ("eval/accuracy", "actor/pg_clipfrac", "rollout_corr/weight_truncated_frac", "actor/ppo_kl")
+CURVES = (
+    "eval/accuracy",
+    "actor/pg_clipfrac",
+    "rollout_corr/weight_truncated_frac",
+    "rollout_corr/weight_zeroed_frac",
+    "actor/ppo_kl",
+)
 
 
 def dppo(*args: str) -> tuple[float, str]:
@@ -68,6 +74,7 @@ def cost(run_dir: Path, wall_s: float) -> dict:
         "schedule_frac_max": max(a / b for a, b in zip(schedule_s, step_s, strict=True)),
         "schedule_file_bytes_per_step": (run_dir / "schedule.jsonl").stat().st_size / steps,
         "sample_bytes_per_step": sample_bytes / steps,
+        "timing_s_step_total": sum(step_s),
     }
 
 
@@ -81,7 +88,7 @@ def plot(results: dict, out: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4.2 * len(CURVES), 3.4))
+    fig, axes = plt.subplots(1, len(CURVES), figsize=(3.6 * len(CURVES), 3.4))
     for name, data in results.items():
         for ax, key in zip(axes, CURVES, strict=True):
             points = data["curves"][key]

@@ -297,6 +297,7 @@ class BaseTrainer:
                 if self.checkpoints.due(run.global_step) or run.global_step == self.stop_after:
                     self.checkpoints.save_due(self)
             self.published.pin()  # the final weights, before the ranks (which own them in Ray) go
+            self.schedule.flush()  # every line written (trainer.record_samples: by its thread); its error, if any
         except RolloutFailedError as err:
             raise RolloutFailedError(f"{err}; {self.checkpoints.after_failure(self)}") from None
         except NothingKeptError as err:  # the filter's draw stopped before the trigger trained: the state is intact
@@ -307,6 +308,7 @@ class BaseTrainer:
         finally:
             progress.close()
             self.metrics.close()
+            self.schedule.settle()  # trainer.record_samples: its thread's lines written (never raises)
             try:
                 if self.rollout is not None:
                     self.rollout.close()

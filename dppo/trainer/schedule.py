@@ -24,8 +24,8 @@ at the checkpoint, and a resumed run starts from that copy and appends: the sche
 weights the run ends with. With trainer.record_samples the groups of each trigger are stored too (samples/, one
 compressed file per trigger, written before its line): `dppo replay --samples` trains on exactly them.
 
-The cost is measured per step: timing_s/schedule (recording, summed over the triggers) and schedule/bytes (the lines
-and sample files written).
+The cost is measured per step: timing_s/schedule (the trainer's time recording, summed over the triggers) and
+schedule/bytes (the lines written; the samples files are compressed and written by a thread of their own).
 """
 
 from __future__ import annotations
@@ -33,8 +33,11 @@ from __future__ import annotations
 import io
 import json
 import os
+import queue
 import shutil
+import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -76,6 +79,7 @@ class ScheduleRecorder:
         self.seed = seed
         self._pending = _Pending()
         self._named: set[int] = set()  # tickets a written line named already
+        self._writer = _Writer()
 
     def fresh(self) -> None:
         """A new run: the schedule starts empty (an earlier run's in the same directory is replaced)."""
@@ -104,7 +108,8 @@ class ScheduleRecorder:
         self._named = set()
 
     def save_into(self, directory: Path) -> None:
-        """The schedule as it is now, into a checkpoint's staging directory."""
+        """The schedule as it is now (every committed line written first), into a checkpoint's staging directory."""
+        self.flush()
         if self.path.is_file():
             shutil.copyfile(self.path, Path(directory) / SCHEDULE_FILE)
 
@@ -122,23 +127,36 @@ class ScheduleRecorder:
 
     def commit(self, step: int, trigger: int, version: int) -> dict[str, float]:
         """Write the line of the trigger just committed (global step `step`, 1-based; trigger 0-based; the trainer's
-        version), its samples first; its metrics: timing_s/schedule and schedule/bytes."""
+        version); its metrics: timing_s/schedule (this thread's time) and schedule/bytes (the line's). With samples,
+        the trigger's samples file is compressed and written first, then the line, by a thread of their own (in
+        commit order: a line never comes before its samples), so the step does not wait for the compression."""
         start = time.perf_counter()
         pending, self._pending = self._pending, _Pending()
-        written = 0
-        if self.samples_dir is not None and pending.groups:
-            written += write_samples(self.samples_dir / samples_name(step, trigger), pending.groups)
         line = {"step": step, "trigger": trigger, "version": version, "takes": pending.takes}
         line["tickets"] = self._new_tickets(pending.groups)
         data = (json.dumps(line, separators=(",", ":")) + "\n").encode()
+        if self.samples_dir is None:
+            self._append(data)
+        else:
+            path, groups = self.samples_dir / samples_name(step, trigger), pending.groups
+            self._writer.put(lambda: (groups and write_samples(path, groups), self._append(data)))
+        seconds = pending.seconds + time.perf_counter() - start
+        return {"timing_s/schedule": seconds, "schedule/bytes": float(len(data))}
+
+    def _append(self, data: bytes) -> None:
         fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         try:
             os.write(fd, data)  # one write: a SIGKILL leaves the line whole or absent
         finally:
             os.close(fd)
-        written += len(data)
-        seconds = pending.seconds + time.perf_counter() - start
-        return {"timing_s/schedule": seconds, "schedule/bytes": float(written)}
+
+    def flush(self) -> None:
+        """Wait until every committed line (and its samples) is written; ScheduleError if the writer failed."""
+        self._writer.flush()
+
+    def settle(self) -> None:
+        """flush, for a run that is ending anyway: never raises (an error was raised at the commit or flush before)."""
+        self._writer.wait()
 
     def _new_tickets(self, groups: list[Group]) -> list[dict]:
         """The tickets of groups that no line named yet, with their seeds and the token index of each switch."""
@@ -156,6 +174,45 @@ class ScheduleRecorder:
             seeds = list(ticket_seeds(self.seed, first))
             out.append({**ticket, "seed": seeds, "switches": switches})
         return out
+
+
+class _Writer:
+    """One thread that runs the jobs it is given in order (samples files, then their lines); started at the first."""
+
+    def __init__(self) -> None:
+        self._jobs: queue.Queue = queue.Queue()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+
+    def put(self, job: Callable[[], object]) -> None:
+        self._raise()
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dppo-schedule-writer", daemon=True)
+            self._thread.start()
+        self._jobs.put(job)
+
+    def _run(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if self._error is None:
+                    job()
+            except BaseException as err:  # noqa: BLE001  raised in the trainer's thread, at its next commit or flush
+                self._error = err
+            finally:
+                self._jobs.task_done()
+
+    def flush(self) -> None:
+        self.wait()
+        self._raise()
+
+    def wait(self) -> None:
+        if self._thread is not None:
+            self._jobs.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise ScheduleError(f"writing the run's samples failed: {type(self._error).__name__}: {self._error}")
 
 
 def _ticket_of(group: Group) -> dict:

@@ -4,6 +4,7 @@
     ray_source.py    RayRollout: rollout workers and the replay buffer as Ray actors (async or lockstep)
     local_source.py  LocalRollout: worker processes beside the trainer, the buffer in its process (no Ray)
     in_process.py    InProcessRollout: trainer.mode=sync without Ray, generated in the trainer's process
+    scheduled.py     ScheduledRollout: `dppo replay`'s, a run's schedule (dppo.trainer.schedule) followed take by take
     supervised.py    what RayRollout and LocalRollout share: the worker records, their checks and restarts,
                      the fetch that waits while it watches the workers
     common.py        RolloutFailedError, RolloutSettings, the replay buffer's start, groups_of, cloned_state
