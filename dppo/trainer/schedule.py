@@ -244,23 +244,27 @@ def samples_name(step: int, trigger: int) -> str:
 
 def write_samples(path: Path, groups: list[Group]) -> int:
     """groups (a trigger's, in the order taken) into one compressed file at path (written whole, then renamed); its
-    bytes. Every tensor a group holds, and its plain fields as JSON."""
-    arrays: dict[str, np.ndarray] = {}
+    bytes. Each tensor field of all the groups as one flat array (a few entries, not one per group: the zip's cost is
+    per entry), their shapes and plain fields as JSON."""
+    flat: dict[str, list[np.ndarray]] = {}
     meta = []
-    for i, group in enumerate(groups):
-        for name in _TENSORS:
-            value = getattr(group, name)
+    for group in groups:
+        tensors = {name: getattr(group, name) for name in _TENSORS}
+        tensors.update({f"extra/{key}": values for key, values in group.reward_extra.items()})
+        shapes = {}
+        for name, value in tensors.items():
             if value is not None:
-                arrays[f"{i}/{name}"] = value.detach().cpu().numpy()
-        for key, values in group.reward_extra.items():
-            arrays[f"{i}/extra/{key}"] = values.detach().cpu().numpy()
+                array = value.detach().cpu().numpy()
+                flat.setdefault(name, []).append(array.reshape(-1))
+                shapes[name] = list(array.shape)
         meta.append({
             "version": int(group.version),
             "index": int(group.index),
             "baseline_score": float(group.baseline_score),
             "ticket": group.ticket,
-            "extra": sorted(group.reward_extra),
+            "shapes": shapes,
         })  # fmt: skip
+    arrays = {name: np.concatenate(parts) for name, parts in flat.items()}
     arrays["meta"] = np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)
     buffer = io.BytesIO()
     np.savez_compressed(buffer, **arrays)
@@ -278,26 +282,24 @@ def read_samples(path: Path) -> list[Group]:
             arrays = {name: stored[name] for name in stored.files}
     except (OSError, ValueError) as err:
         raise ScheduleError(f"the samples file {str(path)!r} cannot be read: {err}") from None
-    meta = json.loads(arrays["meta"].tobytes().decode())
+    meta = json.loads(arrays.pop("meta").tobytes().decode())
+    offsets = dict.fromkeys(arrays, 0)
     groups = []
-    for i, fields_ in enumerate(meta):
-
-        def tensor(name: str, i: int = i) -> torch.Tensor | None:
-            value = arrays.get(f"{i}/{name}")
-            return None if value is None else torch.from_numpy(value.copy())
-
+    for fields_ in meta:
+        tensors = {}
+        for name, shape in fields_["shapes"].items():
+            size = int(np.prod(shape))
+            start, offsets[name] = offsets[name], offsets[name] + size
+            tensors[name] = torch.from_numpy(arrays[name][start : start + size].copy()).reshape(shape)
+        extra = {name.split("/", 1)[1]: t for name, t in tensors.items() if name.startswith("extra/")}
         groups.append(
             Group(
-                tensor("prompt"),
-                tensor("responses"),
-                tensor("response_mask"),
-                tensor("behav_logp"),
-                tensor("scores"),
+                *(tensors[name] for name in _TENSORS[:5]),
                 fields_["version"],
                 fields_["index"],
-                {key: tensor(f"extra/{key}") for key in fields_["extra"]},
+                extra,
                 fields_["baseline_score"],
-                tensor("token_versions"),
+                tensors.get("token_versions"),
                 fields_["ticket"],
             )
         )
