@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
+import ray
 import torch
 
 from dppo.batch import Group
@@ -107,10 +108,9 @@ class VersionSlots:
 
 
 def plain_weights(weights):
-    """What a rank published, as this process holds it: Ray's [ObjectRef] fetched (a state dict, or a LoRA publish)."""
-    if isinstance(weights, list) and len(weights) == 1 and type(weights[0]).__name__ == "ObjectRef":
-        import ray
-
+    """What a rank published, as this process holds it: a Ray rank's [ObjectRef, (a delta,) (a fingerprint)] read from
+    the object store (a state dict, or a LoRA publish)."""
+    if isinstance(weights, list) and weights and isinstance(weights[0], ray.ObjectRef):
         fetched = ray.get(weights[0])
         return fetched if isinstance(fetched, LoraPublish) else as_state_dict(fetched)
     return weights
@@ -188,7 +188,10 @@ class ScheduledRollout(RolloutSource):
     def publish(self, weights, version: int) -> None:
         weights = plain_weights(weights)
         self.versions.keep(version, weights)
-        self._published = (version, weights if isinstance(weights, LoraPublish) else cloned_state(weights))
+        if isinstance(weights, LoraPublish):  # the base is the run's one copy; the adapter copied
+            self._published = (version, dataclasses.replace(weights, adapter=cloned_state(weights.adapter)))
+        else:
+            self._published = (version, cloned_state(weights))
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         return as_state_dict(self._published[1])
