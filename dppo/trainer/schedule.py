@@ -120,7 +120,7 @@ class ScheduleRecorder:
             self._pending.takes.append({"call": call, "want": want, "groups": None, "dropped": 0})
         else:
             groups, dropped = got
-            pairs = [[int(g.index), _ticket_of(g)["first"]] for g in groups]
+            pairs = [[int(g.index), None if g.ticket is None else g.ticket["first"]] for g in groups]
             self._pending.takes.append({"call": call, "want": want, "groups": pairs, "dropped": int(dropped)})
             self._pending.groups.extend(groups)
         self._pending.seconds += time.perf_counter() - start
@@ -163,7 +163,9 @@ class ScheduleRecorder:
         tickets: dict[int, dict] = {}
         members: dict[int, list[Group]] = {}
         for group in groups:
-            ticket = _ticket_of(group)
+            ticket = group.ticket
+            if ticket is None:  # not through a replay buffer (a rollout of a test's own): its line cannot replay it
+                continue
             members.setdefault(ticket["first"], []).append(group)
             if ticket["first"] not in self._named:
                 tickets.setdefault(ticket["first"], ticket)
@@ -213,12 +215,6 @@ class _Writer:
     def _raise(self) -> None:
         if self._error is not None:
             raise ScheduleError(f"writing the run's samples failed: {type(self._error).__name__}: {self._error}")
-
-
-def _ticket_of(group: Group) -> dict:
-    if group.ticket is None:
-        raise ScheduleError(f"group {group.index} carries no ticket: it did not come through the replay buffer")
-    return group.ticket
 
 
 def switch_token(groups: list[Group], version: int) -> int | None:
@@ -341,7 +337,9 @@ class Take:
     version: int
     call: str
     want: int
-    groups: list[tuple[int, int]] | None  # (grant index, ticket's first grant index); None: not all there
+    groups: (
+        list[tuple[int, int | None]] | None
+    )  # (grant index, its ticket's first; None: no ticket); None: not all there
     dropped: int
 
     def where(self) -> str:
@@ -376,10 +374,12 @@ class Schedule:
         takes, taken = [], {}
         for line in lines:
             for take in line["takes"]:
-                pairs = None if take["groups"] is None else [(int(i), int(f)) for i, f in take["groups"]]
+                pairs = None if take["groups"] is None else [(int(i), f) for i, f in take["groups"]]
                 s, t, v = line["step"], line["trigger"], line["version"]
                 takes.append(Take(s, t, v, take["call"], int(take["want"]), pairs, int(take["dropped"])))
                 for index, first in pairs or []:
+                    if first is None:  # a group that came through no replay buffer: --samples only
+                        continue
                     if first not in tickets:
                         raise ScheduleError(
                             f"{str(path)!r} step {s}, trigger {t}: group {index}'s ticket {first} is named by no line"

@@ -1,6 +1,6 @@
 """`dppo train` as a process, stopped: SIGTERM ends a run and its Ray cluster (or, without Ray, its local rollout
 worker processes) within 5 s and the run resumes; a sync run SIGKILLed and resumed ends bitwise as if never
-interrupted."""
+interrupted; an async run SIGKILLed and resumed is replayed (`dppo replay`) to its final weights bitwise."""
 
 import json
 import os
@@ -12,6 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from dppo.cli import main
+from dppo.commands.replay import replay
+from dppo.trainer.schedule import SCHEDULE_FILE
 
 from tiny_run import THRESHOLD, tiny_run  # tests/tiny_run.py (tests/conftest.py puts tests/ on sys.path)
 
@@ -319,3 +323,31 @@ def test_a_run_killed_inside_a_partial_ticket_resumes_and_counts_nothing_twice(t
     assert final["rollout"]["next_grant"] == total * groups and final["rollout"]["dropped_total"] == 0
     for r in steps:
         assert r["staleness/token_max"] <= r["staleness/max"] <= THRESHOLD and r["replay/dropped_total"] == 0
+
+
+def test_a_run_killed_and_resumed_replays_to_the_resumed_runs_weights(tmp_path):
+    """SIGKILL mid-step 3 (after step 2's checkpoint, with step 3's first lines in the schedule), then
+    trainer.resume=true: the schedule is the checkpoint's copy plus the resumed run's lines, and the replay ends where
+    the resumed run did."""
+    run = tmp_path / "run"
+    # the demo (`make demo`: separate_async, a local worker process), its evaluation left out
+    args = [f"trainer.output_dir={run}", "trainer.total_steps=5", "trainer.checkpoint_every=2",
+            "trainer.progress_bar=false", "trainer.eval_prompts=0"]  # fmt: skip
+    proc = subprocess.Popen([sys.executable, "-m", "dppo", "train", *args], cwd=REPO, env=ENV,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)  # fmt: skip
+
+    def recorded_steps() -> list[int]:
+        text = (run / SCHEDULE_FILE).read_text() if (run / SCHEDULE_FILE).exists() else ""
+        return [json.loads(line)["step"] for line in text.splitlines()[1:] if line.endswith("}")]
+
+    deadline = time.monotonic() + 120
+    while 3 not in recorded_steps() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr.read()[-2000:]
+    assert 3 in recorded_steps() and not (run / "checkpoints" / "step_00000004").exists()
+    assert main(["train", *args, "trainer.resume=true"]) == 0
+    assert recorded_steps() == [s for s in (1, 2, 3, 4, 5) for _ in range(4)]  # step 3's first lines: the resumed run's
+    result = replay(run, out=tmp_path / "replay")
+    assert result.weights_equal and result.metric_differences == [], result.lines()

@@ -285,7 +285,11 @@ class ScheduledRollout(RolloutSource):
             )
         return groups
 
-    def _group(self, index: int, first: int) -> Group:
+    def _group(self, index: int, first: int | None) -> Group:
+        if first is None:
+            raise ScheduleError(
+                f"group {index} came from no ticket (not through a replay buffer): it cannot be generated"
+            )
         if first not in self._generated:
             self._generated[first] = self._generate(self.schedule.tickets[first])
         groups = self._generated[first]
