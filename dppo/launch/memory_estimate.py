@@ -23,7 +23,9 @@ Every process of a CPU run and what it holds at its peak (W: the model's bytes i
 LoRA (model.lora_rank > 0; A: the adapter's bytes, counted from a meta model by dppo.launch.plan): a rank holds the
 frozen base and the adapter (W + A, its 1/ws), the gradients, AdamW's moments and a snapshot slot of the adapter alone
 (A/ws each); a publish puts the base once and the adapter every time, so the object store (or the local workers'
-shared memory) holds W + 2 A. A rollout worker holds merged weights, W, as without LoRA.
+shared memory) holds W + 2 A. A rollout worker holds merged weights, W, as without LoRA, and at each load merges its
+targets W_t + (alpha / r) B A in fp32 from the base (4 bytes per target weight, for the load's duration); an in-process
+rollout's last publish is its adapter alone (the base is the rank's frozen tensors).
 
 Calibrated on benchmarks/memory_bench.py's measurements of this machine (summed PSS of every process) and, by process,
 on benchmarks/real_run_bench.py's of issue 35's run (SmolLM2-135M: within 12% for the driver and 3% for the rollout
@@ -164,9 +166,18 @@ def _tied(shape: RunShape) -> bool:
 
 
 def rollout_worker(plan: RunPlan) -> dict[str, int]:
-    """What one rollout worker (on the CPU) holds: its engine spec's count where it has one (worker_bytes: vLLM's
-    counts the KV cache the engine sizes), else that of a worker holding a transformers model copy (the hf engine):
-    its weights and the larger of its batch's KV cache and its scoring pass's logits."""
+    """What one rollout worker (on the CPU) holds (engine_parts), and with LoRA its fp32 merge of the targets at each
+    load."""
+    parts = engine_parts(plan)
+    if plan.shape.target_params:
+        parts["lora merge"] = 4 * plan.shape.target_params
+    return parts
+
+
+def engine_parts(plan: RunPlan) -> dict[str, int]:
+    """What a rollout worker's engine holds: its engine spec's count where it has one (worker_bytes: vLLM's counts the
+    KV cache the engine sizes), else that of a worker holding a transformers model copy (the hf engine): its weights
+    and the larger of its batch's KV cache and its scoring pass's logits."""
     shape, b = plan.shape, DTYPE_BYTES[plan.engine_dtype]
     length = shape.prompt_length + shape.response_length
     if plan.engine.worker_bytes is not None:
@@ -213,7 +224,12 @@ def eval_engine(plan: RunPlan) -> dict[str, int]:
     if plan.eval_engine != "rollout":
         return {}
     parts = rollout_worker(plan)
-    extra = {f"eval engine {key}": value for key, value in parts.items() if key not in ("process", "delta copy")}
+    # not its LoRA merge: a transient at each load, as the rollout worker's own (counted there)
+    extra = {
+        f"eval engine {key}": value
+        for key, value in parts.items()
+        if key not in ("process", "delta copy", "lora merge")
+    }
     if parts["process"] > PROCESS_BYTES:
         extra["eval engine import"] = parts["process"] - PROCESS_BYTES
     return extra
@@ -226,7 +242,7 @@ def estimate(plan: RunPlan) -> MemoryEstimate:
         in_process = plan.mode == "sync"  # and the generator; else local worker processes beside it
         merged = {"process": PROCESS_BYTES, "policy": w, **eval_engine(plan)}
         if in_process:  # the in-process rollout keeps the last publish (pi_old for a checkpoint without an anchor)
-            merged["published copy"] = w
+            merged["published copy"] = plan.adapter_bytes or w  # LoRA: the adapter copied, the base the rank's
         for key, value in [*actor_rank(plan).items(), *(rollout_worker(plan).items() if in_process else ())]:
             if key != "process":
                 merged[key] = merged.get(key, 0) + value

@@ -35,6 +35,7 @@ class RunShape:
     intermediate: int = 0  # the MLP's width
     embedding_params: int = 0  # the input embeddings, and the lm_head where it is not tied to them
     adapter_params: int = 0  # LoRA's adapters (model.lora_rank > 0), beside params; 0 without LoRA
+    target_params: int = 0  # the weights LoRA's adapters sit on (their base layers'), merged at each rollout load
 
     @property
     def trainable_params(self) -> int:
@@ -172,7 +173,7 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
     if agent is not None and agent.enabled:
         prompt_length, response_length = agent.max_prompt_length, source.response_length
     lora = LoraSpec.of(m)
-    adapter_params = 0
+    adapter_params = target_params = 0
     if m.path is None:
         config = tiny_model_config(source.vocab_size, 8, 1, 1, 8)  # any sizes: for its max_position_embeddings
         if lora is not None:
@@ -180,7 +181,7 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
                 source.vocab_size, m.hidden_size, m.num_hidden_layers, m.num_attention_heads, m.intermediate_size
             )
             with torch.device("meta"):
-                adapter_params = adapter_parameters(AutoModelForCausalLM.from_config(tiny), lora)
+                adapter_params, target_params = adapter_parameters(AutoModelForCausalLM.from_config(tiny), lora)
         params = tiny_model_parameters(source.vocab_size, m.hidden_size, m.num_hidden_layers, m.intermediate_size)
         vocab_size = source.vocab_size
         layers, hidden, kv_width, intermediate = m.num_hidden_layers, m.hidden_size, m.hidden_size, m.intermediate_size
@@ -196,7 +197,7 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
         embeddings = (model.get_input_embeddings().weight, model.get_output_embeddings().weight)
         embedding_params = sum(p.numel() for p in {id(p): p for p in embeddings}.values())
         if lora is not None:
-            adapter_params = adapter_parameters(model, lora)
+            adapter_params, target_params = adapter_parameters(model, lora)
     return RunShape(
         params,
         vocab_size,
@@ -209,16 +210,21 @@ def run_shape(m, max_new_tokens: int | None, source, agent=None) -> RunShape:
         intermediate,
         embedding_params,
         adapter_params,
+        target_params,
     )
 
 
-def adapter_parameters(model: torch.nn.Module, spec: LoraSpec) -> int:
-    """The parameters of spec's adapters in model (a meta model: nothing allocated), r x (in + out) per target linear;
-    LoraError naming a target module the model lacks. peft's initialisation draws from torch's global generator even
-    on the meta device: forked, so the run's seeded weights are what they would be without this count."""
+def adapter_parameters(model: torch.nn.Module, spec: LoraSpec) -> tuple[int, int]:
+    """The parameters of spec's adapters in model (a meta model: nothing allocated), r x (in + out) per target linear,
+    and those of the target linears' own weights; LoraError naming a target module the model lacks. peft's
+    initialisation draws from torch's global generator even on the meta device: forked, so the run's seeded weights
+    are what they would be without this count."""
     with torch.random.fork_rng(devices=[]):
         model = apply_lora(model, spec)
-    return sum(p.numel() for p in model.parameters() if p.requires_grad)
+    targets = [
+        m.base_layer.weight for m in model.modules() if isinstance(getattr(m, "base_layer", None), torch.nn.Linear)
+    ]
+    return sum(p.numel() for p in model.parameters() if p.requires_grad), sum(w.numel() for w in targets)
 
 
 def _widths(config) -> tuple[int, int, int]:

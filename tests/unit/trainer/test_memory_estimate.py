@@ -308,11 +308,29 @@ def test_lora_counts_the_adapters_gradients_optimizer_and_slot_alone(small_cfg, 
     assert rank["weights"] == w + adapter
     assert rank["grads"] == rank["snapshot slot"] == adapter and rank["optimizer"] == 2 * adapter
     assert roles(with_lora)["object store"]["published weights"] == w + 2 * adapter
-    assert roles(with_lora)["rollout worker"] == roles(without)["rollout worker"]  # merged weights: W
+    # merged weights, W, and the fp32 merge of the targets at each load (the target linears' weights, by hand)
+    target_weights = {"q_proj": h * h, "k_proj": h * h, "v_proj": h * h, "o_proj": h * h}
+    target_weights |= {"gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
+    merge = 4 * sum(target_weights[name] for name in named)
+    worker = dict(roles(with_lora)["rollout worker"])
+    assert worker.pop("lora merge") == merge and worker == roles(without)["rollout worker"]
     # lower by the gradients', AdamW's and the slot's share of the base (4 (W - A)), less the adapter the rank holds
-    # beside the base (A), and by the object store's second base (W - 2 A)
-    saved = 4 * (w - adapter) - adapter + (w - 2 * adapter)
+    # beside the base (A), and by the object store's second base (W - 2 A); higher by each worker's merge
+    workers = next(role.count for role in with_lora.roles if role.name == "rollout worker")
+    saved = 4 * (w - adapter) - adapter + (w - 2 * adapter) - workers * merge
     assert without.total_bytes - with_lora.total_bytes == saved
+
+
+def test_a_sync_lora_run_keeps_the_adapter_alone_as_its_last_publish(small_cfg):
+    """trainer.mode=sync without Ray: the in-process rollout's copy of the last publish is the adapter (the base is
+    the rank's own frozen tensors), where a full run's is the whole weights."""
+    from dppo.launch.memory_estimate import estimate
+
+    full, lora = small_cfg(), small_cfg(**{"model.lora_rank": 4})
+    source = make_prompt_source(full)
+    plan_full, plan_lora = plan_run(full, source), plan_run(lora, source)
+    copies = [estimate(p).roles[0].parts["published copy"] for p in (plan_full, plan_lora)]
+    assert copies == [plan_full.weight_bytes, plan_lora.adapter_bytes] and 0 < copies[1] < copies[0]
 
 
 def test_a_lora_target_the_model_lacks_is_one_line_exit_2_before_anything_starts(small_args, monkeypatch, capsys):
