@@ -126,9 +126,9 @@ def replay(
     out_dir = Path(out) if out is not None else run_dir / ("replay_samples" if samples else "replay")
     if out_dir.resolve() == run_dir.resolve():
         raise ConfigError(f"dppo replay: --out {str(out_dir)!r} is the run's own directory; pick another")
-    run_cfg = load_config([], config_file=run_dir / "config.yaml") if (run_dir / "config.yaml").is_file() else None
-    if run_cfg is None:
+    if not (run_dir / "config.yaml").is_file():
         raise ScheduleError(f"{str(run_dir)!r} has no config.yaml: not a dppo run directory")
+    run_cfg = load_config([], config_file=run_dir / "config.yaml")
     whole = complete_steps(Schedule.read(run_dir), run_cfg.trainer.parameter_sync_step)
     if whole == 0:
         raise ScheduleError(f"{str(run_dir / 'schedule.jsonl')!r} holds no whole step: nothing to replay")

@@ -4,11 +4,13 @@ Groups, and a copy of published weights that later steps do not reach."""
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from dppo.batch import Group
+from dppo.lora import LoraPublish
 from dppo.trainer.state import RolloutStart
 from dppo.config import DppoConfig, ReplayConfig, RolloutConfig
 from dppo.workers.rollout.replay_buffer import ReplayBufferCore, StoredGroup
@@ -69,3 +71,11 @@ def cloned_state(state_dict: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]
             copies[ident] = tensor.detach().clone()
         out[name] = copies[ident]
     return out
+
+
+def published_copy(weights):
+    """What a source that keeps a publish keeps of it: a copy of the state dict (cloned_state), or of a LoRA publish the
+    adapter copied and the base as it is (the run's one copy, frozen)."""
+    if isinstance(weights, LoraPublish):
+        return dataclasses.replace(weights, adapter=cloned_state(weights.adapter))
+    return cloned_state(weights)

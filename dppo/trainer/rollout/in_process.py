@@ -4,16 +4,14 @@ through the same worker loop (dppo.workers.rollout.buffer_client.run_ticket, ove
 
 from __future__ import annotations
 
-import dataclasses
 
 import torch
 
 from dppo.batch import Group
-from dppo.lora import LoraPublish
 from dppo.models import as_state_dict
 from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
-from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, cloned_state
+from dppo.trainer.rollout.common import RolloutFailedError, RolloutSettings, buffer_core, published_copy
 from dppo.trainer.rollout.settings import worker_settings
 from dppo.trainer.rollout.source import RolloutSource
 from dppo.workers.rollout.buffer_client import InProcessClient, run_ticket
@@ -44,10 +42,7 @@ class InProcessRollout(RolloutSource):
         """A copy of state_dict (the rank's CPU state dict: the live tensors, which the cycle's steps move) is what the
         worker loads at its next ticket and, once the buffer has it, what published_weights() gives back (a publish
         that failed leaves the last one's)."""
-        if isinstance(state_dict, LoraPublish):  # the base is the run's one copy; the adapter copied
-            published = dataclasses.replace(state_dict, adapter=cloned_state(state_dict.adapter))
-        else:
-            published = cloned_state(state_dict)
+        published = published_copy(state_dict)
         self.buffer.publish(published, version, fingerprint_for(published, self._print_dtype))
         self._published = published
 

@@ -38,7 +38,7 @@ from dppo.models import as_state_dict
 from dppo.snapshot import SnapshotPool
 from dppo.config import DppoConfig
 from dppo.data.source import PromptSource
-from dppo.trainer.rollout.common import cloned_state
+from dppo.trainer.rollout.common import cloned_state, published_copy
 from dppo.trainer.rollout.settings import worker_settings
 from dppo.trainer.rollout.source import RolloutSource
 from dppo.trainer.schedule import (
@@ -102,9 +102,6 @@ class VersionSlots:
         view = self.pool.view(slot)
         tensors = {name: view[staged] for name, staged in self._names.items()}
         return tensors if self._lora is None else dataclasses.replace(self._lora, adapter=tensors)
-
-    def nbytes(self) -> int:
-        return 0 if self.pool is None else self.pool.nbytes()
 
 
 def plain_weights(weights):
@@ -188,10 +185,7 @@ class ScheduledRollout(RolloutSource):
     def publish(self, weights, version: int) -> None:
         weights = plain_weights(weights)
         self.versions.keep(version, weights)
-        if isinstance(weights, LoraPublish):  # the base is the run's one copy; the adapter copied
-            self._published = (version, dataclasses.replace(weights, adapter=cloned_state(weights.adapter)))
-        else:
-            self._published = (version, cloned_state(weights))
+        self._published = (version, published_copy(weights))
 
     def published_weights(self) -> dict[str, torch.Tensor]:
         return as_state_dict(self._published[1])
