@@ -141,9 +141,13 @@ def split_state(state: Mapping[str, torch.Tensor]) -> tuple[dict[str, torch.Tens
     return base, adapter
 
 
-def merge(weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
-    """weight + scaling * b @ a, computed in fp32 from the base weight and rounded once to its dtype."""
-    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype)
+def merge(
+    weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float, dtype: torch.dtype | None = None
+) -> torch.Tensor:
+    """weight + scaling * b @ a, computed in fp32 from the base weight and rounded once to dtype (None: the weight's).
+    A rollout engine's merge is rounded straight to the dtype it holds (bfloat16 for vLLM in bf16): the same bits as
+    the fp32 merge cast afterwards, at half the bytes of an fp32 base's and with no second copy."""
+    return (weight.float() + scaling * (b.float() @ a.float())).to(weight.dtype if dtype is None else dtype)
 
 
 def merged_state(
@@ -156,9 +160,12 @@ def merged_state(
 
 
 def merged_targets(
-    base: Mapping[str, torch.Tensor], adapter: Mapping[str, torch.Tensor], scaling: float
+    base: Mapping[str, torch.Tensor],
+    adapter: Mapping[str, torch.Tensor],
+    scaling: float,
+    dtype: torch.dtype | None = None,
 ) -> dict[str, torch.Tensor]:
-    """{transformers name of each target's weight: its merge}."""
+    """{transformers name of each target's weight: its merge} (in dtype; None: the base's)."""
     pairs: dict[str, dict[str, torch.Tensor]] = {}
     for name, t in adapter.items():
         module, which = adapter_target(name)
@@ -170,7 +177,7 @@ def merged_targets(
         weight = module + ".weight"
         if weight not in base:
             raise KeyError(f"the adapter targets {module}, whose weight {weight} the base does not hold")
-        out[weight] = merge(base[weight], ab["A"], ab["B"], scaling)
+        out[weight] = merge(base[weight], ab["A"], ab["B"], scaling, dtype)
     return out
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from dppo.data import make_prompt_source
-from dppo.lora import LoraPublish, LoraSpec, apply_lora, is_adapter
+from dppo.lora import LoraPublish, LoraSpec, apply_lora, is_adapter, merged_targets
 from dppo.workers.actor.lora_publish import LoraPublisher
 from dppo.models import build_model, tied_aliases
 from dppo.trainer.rollout.settings import worker_settings
@@ -60,11 +60,11 @@ def adapter_bytes(model: torch.nn.Module) -> int:
 
 
 def assert_holds(held: dict[str, torch.Tensor], merged: dict[str, torch.Tensor]) -> None:
-    """The engine's weights are bitwise the merged model's (every tensor of it)."""
+    """The engine's weights are bitwise the merged model's (every tensor of it, fp32) rounded to the engine's dtype."""
     assert held.keys() >= merged.keys(), sorted(merged.keys() - held.keys())[:3]
     for name, want in merged.items():
-        got = held[name].to(want.dtype)
-        assert got.shape == want.shape and torch.equal(got, want), name
+        got = held[name]
+        assert got.shape == want.shape and torch.equal(got, want.to(got.dtype)), name
 
 
 def assert_lora_loads(cfg, engine_weights: EngineWeights) -> None:
@@ -74,12 +74,18 @@ def assert_lora_loads(cfg, engine_weights: EngineWeights) -> None:
     assert dtype is not None  # rollout.verify_sync on: the check below runs
 
     def load(delivered: LoraPublish, version: int, published: LoraPublish):
-        return generator.load(Published(version, StateDictWeights(delivered), fingerprint_for(published, dtype)))
+        cost = generator.load(Published(version, StateDictWeights(delivered), fingerprint_for(published, dtype)))
+        assert generator.last_sync.targets is None  # the merge (every target's weight) let go of once checked
+        return cost
 
     first = publish(model, publisher)
     merged = first.state_dict()
     cost = load(first, 0, first)
-    assert cost.bytes == sum(t.numel() * t.element_size() for t in merged.values())  # the whole merged model
+    # the whole merged model: the base as published, the targets' merges in the dtype the engine holds
+    targets = merged_targets(first.base_state(), first.adapter, first.scaling).keys()
+    held = generator.engine.held_dtype or torch.float32
+    width = {name: held.itemsize if name in targets else t.element_size() for name, t in merged.items()}
+    assert cost.bytes == sum(t.numel() * width[name] for name, t in merged.items())
     assert generator.loaded_publish == holds_id(first)
     assert_holds(engine_weights(generator, merged), merged)
 

@@ -24,8 +24,9 @@ LoRA (model.lora_rank > 0; A: the adapter's bytes, counted from a meta model by 
 frozen base and the adapter (W + A, its 1/ws), the gradients, AdamW's moments and a snapshot slot of the adapter alone
 (A/ws each); a publish puts the base once and the adapter every time, so the object store (or the local workers'
 shared memory) holds W + 2 A. A rollout worker holds merged weights, W, as without LoRA, and at each load merges its
-targets W_t + (alpha / r) B A in fp32 from the base (4 bytes per target weight, for the load's duration); an in-process
-rollout's last publish is its adapter alone (the base is the rank's frozen tensors).
+targets W_t + (alpha / r) B A from the base, rounded to the engine's dtype (its bytes per target weight, for the load
+and its check: let go of afterwards); an in-process rollout's last publish is its adapter alone (the base is the
+rank's frozen tensors), and its evaluation engine's loads merge the same way, one load at a time.
 
 Calibrated on benchmarks/memory_bench.py's measurements of this machine (summed PSS of every process) and, by process,
 on benchmarks/real_run_bench.py's of issue 35's run (SmolLM2-135M: within 12% for the driver and 3% for the rollout
@@ -166,11 +167,11 @@ def _tied(shape: RunShape) -> bool:
 
 
 def rollout_worker(plan: RunPlan) -> dict[str, int]:
-    """What one rollout worker (on the CPU) holds (engine_parts), and with LoRA its fp32 merge of the targets at each
-    load."""
+    """What one rollout worker (on the CPU) holds (engine_parts), and with LoRA its merge of the targets at each load,
+    in the engine's dtype."""
     parts = engine_parts(plan)
     if plan.shape.target_params:
-        parts["lora merge"] = 4 * plan.shape.target_params
+        parts["lora merge"] = DTYPE_BYTES[plan.engine_dtype] * plan.shape.target_params
     return parts
 
 

@@ -25,6 +25,9 @@ import torch
 from dppo.data.source import PromptSource, Prompts, Scores
 from dppo.generation import sample_responses
 from dppo.batch import left_pad
+from dppo.lora import LoraPublish
+from dppo.models import as_state_dict
+from dppo.workers.rollout.lora_sync import load_lora
 
 EVAL_BATCH = 512  # prompts decoded at once
 # (prompts of a batch, n) -> responses (len x n, R) and their mask, prompt-major; on the host
@@ -155,17 +158,23 @@ class EngineEvaluation:
         self.engine = None
         self.agents = None
         self.version: int | None = None
+        self.holds: str | None = None  # the LoRA base the engine holds merged (lora_sync.holds_id), None: none
 
-    def __call__(
-        self, source: PromptSource, weights: Callable[[], dict[str, torch.Tensor]], version: int
-    ) -> dict[str, float]:
-        """Greedy metrics of the weights of version (weights() gives their state dict, asked for only when new)."""
+    def __call__(self, source: PromptSource, weights: Callable[[], object], version: int) -> dict[str, float]:
+        """Greedy metrics of the weights of version (weights() gives what their publish carries: a state dict,
+        SharedWeights or a LoRA policy's LoraPublish; asked for only when new). A LoRA publish loads as a rollout
+        worker's does (dppo.workers.rollout.lora_sync): the merged model once, then the adapter's targets alone."""
         if len(source.eval_prompts()) == 0:
             return {}
         if self.engine is None:
             self.engine = self._make()
         if self.version != version:
-            self.engine.load_weights(weights())
+            published, self.version = weights(), None  # known again once the load has succeeded
+            if isinstance(published, LoraPublish):
+                self.holds = load_lora(self.engine, published, self.holds)[1]
+            else:
+                self.holds = None
+                self.engine.load_weights(as_state_dict(published))
             self.version = version
         if self._make_agents is None:
             return score_engine(self.engine, source)

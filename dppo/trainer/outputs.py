@@ -75,13 +75,19 @@ class PublishedPolicy:
             self.weights = ray.get(self.weights[0])
 
     @staticmethod
-    def state_dict_of(weights) -> dict[str, torch.Tensor]:
+    def published(weights):
+        """What a publish carries (a state dict, SharedWeights or a LoraPublish), read from the object store where it
+        is [ObjectRef]."""
+        return ray.get(weights[0]) if isinstance(weights, list) else weights
+
+    @classmethod
+    def state_dict_of(cls, weights) -> dict[str, torch.Tensor]:
         """A state dict from what a publish carries: a state dict, SharedWeights or [ObjectRef] of them."""
-        return as_state_dict(ray.get(weights[0]) if isinstance(weights, list) else weights)
+        return as_state_dict(cls.published(weights))
 
     def lora(self) -> LoraPublish | None:
         """The last publish where it is a LoRA policy's (its base and adapter), else None."""
-        weights = ray.get(self.weights[0]) if isinstance(self.weights, list) else self.weights
+        weights = self.published(self.weights)
         return weights if isinstance(weights, LoraPublish) else None
 
     def model(self) -> torch.nn.Module:
@@ -100,7 +106,7 @@ class PublishedPolicy:
         if len(self.source.eval_prompts()) == 0 or self.weights is None:
             return {}
         if self.engine is not None:
-            return self.engine(self.source, lambda: self.state_dict_of(self.weights), self.version)
+            return self.engine(self.source, lambda: self.published(self.weights), self.version)
         return score_policy(self.model(), self.source, response_length, self.device, batch_size=batch_size)
 
     def close(self) -> None:

@@ -13,6 +13,10 @@ from it, against the whole merged model (MergedPrints: the base's prints taken o
 load). The whole model, not the targets alone: an engine that reloads a fused layer whole (vLLM's qkv_proj under a
 q_proj-only adapter) rewrites tensors that were not sent, and reads back every parameter it has by name, which only
 the whole model's shapes map.
+
+The merge is rounded straight to the dtype the engine holds (RolloutEngine.held_dtype: bf16 targets for vLLM in bf16,
+not fp32 ones cast afterwards), and the worker lets go of it once the check is done (LoraLoad.release): between loads
+a worker holds its engine's weights and nothing of the merge.
 """
 
 from __future__ import annotations
@@ -43,12 +47,16 @@ class LoraLoad(WeightSync):
     base: dict[str, torch.Tensor] | None = None  # the base the merge was computed from (transformers names)
     base_id: str | None = None  # LoraPublish.base_id of that base
 
+    def release(self) -> None:
+        """Let go of the tensors the check compared (the merge: every target's weight), keeping what the load cost."""
+        self.adapter = self.targets = self.base = None
+
 
 def load_lora(engine: RolloutEngine, publish: LoraPublish, holds: str | None) -> tuple[WeightSync, str]:
     """Load publish into engine, which holds the publish of id `holds`: the adapter's targets alone where it holds this
     base already and takes partial loads, else the whole merged model. (what it cost, the id it holds now)."""
     base = publish.base_state()
-    targets = merged_targets(base, publish.adapter, publish.scaling)
+    targets = merged_targets(base, publish.adapter, publish.scaling, engine.held_dtype)
     if holds == holds_id(publish) and engine.loads_partial:
         sync = engine.load_partial(targets, base)
         moved = publish.nbytes  # what travelled: the adapter (the base's views are read where they lie)

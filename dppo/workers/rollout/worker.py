@@ -132,6 +132,8 @@ class RolloutGenerator:
         holds, self.loaded_publish = self.loaded_publish, None  # known again only once the load has succeeded
         sync, self.loaded_publish = published.weights.load_into(self.engine, holds)
         self.last_sync = self.check_load(sync, published.fingerprint, published.version)
+        if isinstance(self.last_sync, LoraLoad):
+            self.last_sync.release()  # the merge's tensors (every target's weight): checked, not kept
         self.version = published.version
         return self.reported()
 

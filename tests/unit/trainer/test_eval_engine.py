@@ -54,6 +54,54 @@ def test_the_trainers_evaluation_decodes_with_the_rollouts_engine_given_each_eva
     assert trainer.published.engine.engine is None  # closed with the run
 
 
+def test_a_lora_runs_evaluation_engine_loads_the_adapters_targets_merged_in_its_dtype(small_cfg, monkeypatch):
+    """model.lora_rank with rollout.dtype=bfloat16: the evaluation engine loads as a rollout worker does, the whole
+    merged model at the first evaluation and the adapter's targets alone after it, each merge computed in fp32 and
+    rounded once to the engine's bfloat16 (never an fp32 copy of the targets); the engine then holds the final
+    merged policy rounded to bfloat16, bitwise, and the final figures are that model's greedy decoding."""
+    from dppo.lora import is_adapter
+
+    built, whole, partial, held = [], [], [], []
+
+    def make_engine(*args, **kwargs):
+        engine = base_make_engine(*args, **kwargs)
+        load, load_partial = engine.load_weights, engine.load_partial
+        engine.load_weights = lambda weights: (whole.append(dict(weights)), load(weights))[1]
+        engine.load_partial = lambda tensors, held: (partial.append(dict(tensors)), load_partial(tensors, held))[1]
+        close = engine.close  # the engine's weights read as the run closes it
+        engine.close = lambda: (held.append(dict(engine.model.state_dict())), close())[1]
+        built.append(engine)
+        return engine
+
+    base_make_engine = base.make_engine
+    monkeypatch.setattr(base, "make_engine", make_engine)
+    cfg = small_cfg(
+        **{
+            "trainer.total_steps": 3,
+            "trainer.test_freq": 1,
+            "trainer.eval_engine": "rollout",
+            "rollout.dtype": "bfloat16",
+            "model.lora_rank": 4,
+            "model.lora_alpha": 16,
+            "actor.lr": 0.05,
+        }
+    )
+    trainer = PPOTrainer(cfg)
+    result = trainer.fit()
+    assert len(built) == 1 and len(whole) == 1 and len(partial) == 2  # versions 1 (whole), 2 and 3 (targets)
+    final = trainer.published.model().state_dict()  # the merged policy, fp32
+    targets = partial[-1]
+    assert targets and all(t.dtype == torch.bfloat16 for t in targets.values())
+    assert all(torch.equal(t, final[name].to(torch.bfloat16)) for name, t in targets.items())
+    assert set(targets) < set(final) and all(name.endswith("_proj.weight") for name in targets)
+    assert all(torch.equal(held[0][name], t.to(torch.bfloat16)) for name, t in final.items())
+    assert not any(is_adapter(name) for name in held[0])
+    rounded = model_from_config(trainer.model_config, "bfloat16")
+    rounded.load_state_dict(final)
+    expected = score_policy(rounded, trainer.source, trainer.response_length, torch.device("cpu"))
+    assert result.evaluation == expected
+
+
 def test_a_run_that_raises_after_an_evaluation_closes_the_evaluation_engine(small_cfg, monkeypatch):
     """trainer.eval_engine=rollout: step 1's evaluation builds the engine, step 2's trigger raises; fit() re-raises
     with the engine closed (vLLM's processes and temporary directory go then, not at the process's exit), and close()

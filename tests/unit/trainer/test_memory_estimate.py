@@ -278,15 +278,16 @@ def test_an_eval_engine_is_counted_in_the_driver_as_a_rollout_workers_engine(sma
     assert added == expected > 0
 
 
-@pytest.mark.parametrize("targets", ["all-linear", "[q_proj,v_proj]"])
-def test_lora_counts_the_adapters_gradients_optimizer_and_slot_alone(small_cfg, targets):
+@pytest.mark.parametrize("targets, engine_dtype", [("all-linear", "float32"), ("[q_proj,v_proj]", "bfloat16")])
+def test_lora_counts_the_adapters_gradients_optimizer_and_slot_alone(small_cfg, targets, engine_dtype):
     """model.lora_rank: a rank holds the frozen base and the adapter, the gradients, AdamW's moments and the snapshot
     slot of the adapter alone, and the object store the base once and two adapters; the adapter's size is r x
     (in + out) per target linear, counted by hand for the tiny model (32 wide, an MLP of 64, one layer, key/value as
-    wide as the queries)."""
+    wide as the queries); a worker's merge of the targets is in the engine's dtype (rollout.dtype)."""
     from dppo.launch.memory_estimate import estimate
 
     keys = {"ray.enabled": True, "trainer.device": "cpu", "trainer.mode": "separate_async"}
+    keys["rollout.dtype"] = engine_dtype
     full = small_cfg(**keys)
     lora = small_cfg(**keys, **{"model.lora_rank": 4, "model.target_modules": targets})
     source = make_prompt_source(full)
@@ -308,10 +309,11 @@ def test_lora_counts_the_adapters_gradients_optimizer_and_slot_alone(small_cfg, 
     assert rank["weights"] == w + adapter
     assert rank["grads"] == rank["snapshot slot"] == adapter and rank["optimizer"] == 2 * adapter
     assert roles(with_lora)["object store"]["published weights"] == w + 2 * adapter
-    # merged weights, W, and the fp32 merge of the targets at each load (the target linears' weights, by hand)
+    # merged weights, W, and the merge of the targets at each load in the engine's dtype (the target linears'
+    # weights, by hand)
     target_weights = {"q_proj": h * h, "k_proj": h * h, "v_proj": h * h, "o_proj": h * h}
     target_weights |= {"gate_proj": h * i, "up_proj": h * i, "down_proj": i * h}
-    merge = 4 * sum(target_weights[name] for name in named)
+    merge = {"float32": 4, "bfloat16": 2}[engine_dtype] * sum(target_weights[name] for name in named)
     worker = dict(roles(with_lora)["rollout worker"])
     assert worker.pop("lora merge") == merge and worker == roles(without)["rollout worker"]
     # lower by the gradients', AdamW's and the slot's share of the base (4 (W - A)), less the adapter the rank holds

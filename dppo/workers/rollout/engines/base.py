@@ -176,6 +176,10 @@ class RolloutEngine(ABC):
     def load_weights(self, state_dict: dict[str, torch.Tensor]) -> WeightSync:
         """Make the engine sample from these weights (transformers names, the trainer's dtype) from now on."""
 
+    # The dtype every weight the engine holds has (a LoRA merge is rounded straight to it, never kept in the trainer's
+    # wider dtype first: dppo.workers.rollout.lora_sync); None: unknown, the merge keeps the base's dtype.
+    held_dtype: torch.dtype | None = None
+
     # Whether load_partial may be called: a LoRA publish then loads the adapter's target modules alone
     # (dppo.workers.rollout.lora_sync); an engine without it loads the whole merged model every time.
     loads_partial: bool = False

@@ -55,6 +55,7 @@ class HFEngine(RolloutEngine):
         two calls of a sample's refresh (rollout.partial_chunk)."""
         self.device = torch.device(device)
         self.model = model_from_config(model_config, dtype).requires_grad_(False).to(self.device)
+        self.held_dtype = next(self.model.parameters()).dtype
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.eos_token, self.pad_token, self.micro_batch_size = eos_token, pad_token, micro_batch_size
         self.generator = torch.Generator(device=self.device)

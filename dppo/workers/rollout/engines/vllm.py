@@ -193,6 +193,7 @@ class VLLMEngine(RolloutEngine):
         self.temperature, self.max_new_tokens = temperature, max_new_tokens
         self.eos_token, self.pad_token = eos_token, pad_token
         self.dtype = DTYPES[dtype]
+        self.held_dtype = self.dtype
         self.delta = DeltaTracker() if weight_sync == "delta" else None
         self._config_dir = tempfile.TemporaryDirectory(prefix="dppo-vllm-")
         with_architecture(model_config).save_pretrained(self._config_dir.name)  # config.json only: weights by sync
