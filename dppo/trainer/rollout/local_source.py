@@ -17,7 +17,9 @@ per role, each importing torch and transformers: about 8-10 s before the first s
   it and every worker has unmapped it.
 - Faults (dppo.trainer.rollout.supervised): a worker whose process dies is restarted up to rollout.max_restarts
   times, its outstanding tickets granted again (rollout/worker_restarts); a worker that raises ends the run with
-  RolloutFailedError naming the error. The workers die with this process (PR_SET_PDEATHSIG), however it ends.
+  RolloutFailedError naming the error, and so does a failure of the thread here that answers a worker's pipe (the
+  worker, which would wait for its answer for ever, is stopped). The workers die with this process
+  (PR_SET_PDEATHSIG), however it ends.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from typing import Any
 import cloudpickle
 import torch
 
+from dppo._text import one_line
 from dppo.lora import LoraPublish
 from dppo.trainer.state import RolloutStart
 from dppo.data.source import PromptSource
@@ -56,6 +59,7 @@ class LocalWorker(WorkerRecord):
     process: Any = None
     conn: Any = None
     error: tuple[str, str] | None = None  # what it reported before exiting with an error: (type name, message)
+    served_error: str | None = None  # what failed in the thread here that answers it ("TypeName: message")
     server: threading.Thread | None = field(default=None, repr=False)
 
 
@@ -118,9 +122,14 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         worker.server.start()
 
     def _serve(self, worker: LocalWorker) -> None:
-        """Answer worker's calls until its pipe closes (it exited, or close() closed it)."""
+        """Answer worker's calls until its pipe closes (it exited, or close() closed it). Where answering fails here
+        (the buffer raised, an answer could not be sent), the worker would wait for its answer for ever: it is
+        stopped, and the trainer's next look at it ends the run naming what failed."""
         try:
             worker.error = answer_calls(worker.conn, self.buffer, worker.holder, worker.process.pid)
+        except Exception as err:  # noqa: BLE001  raised in the trainer by _ended, not lost with this thread
+            worker.served_error = f"{type(err).__name__}: {one_line(err)}"
+            worker.process.kill()
         finally:
             self.buffer.wake()  # a fetch waiting on this worker looks at it now
 
@@ -164,6 +173,8 @@ class LocalRollout(SupervisedRollout[LocalWorker]):
         # its pipe is closed: the thread reads what the worker sent last, unless it waits for a ticket for the
         # dead worker (it then sends the stop ticket that _restart's release makes, into a closed pipe)
         worker.server.join(timeout=1.0)
+        if worker.served_error is not None:
+            return WorkerEnd("unserved", worker.served_error)
         if worker.error is not None:
             type_name, message = worker.error
             if type_name == WeightSyncMismatchError.__name__:

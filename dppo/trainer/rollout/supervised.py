@@ -47,11 +47,12 @@ class WorkerRecord:
 @dataclass(frozen=True)
 class WorkerEnd:
     """How a worker's incarnation ended: it died (its process is gone) or its engine failed its weight sync check
-    (mismatch: WeightSyncMismatchError), both restarted while restarts are left; raised, or stopped on its own (both
-    end the rollout). detail: how it died in words ("was killed by SIGKILL", "died"), or what it raised
-    ("RuntimeError: ...", for mismatch the error's message)."""
+    (mismatch: WeightSyncMismatchError), both restarted while restarts are left; raised, stopped on its own, or
+    unserved: the trainer's side of its channel failed to answer it (the worker was stopped; all three end the
+    rollout). detail: how it died in words ("was killed by SIGKILL", "died"), or what was raised ("RuntimeError: ...",
+    for mismatch the error's message)."""
 
-    kind: Literal["died", "mismatch", "raised", "stopped"]
+    kind: Literal["died", "mismatch", "raised", "stopped", "unserved"]
     detail: str = ""
 
 
@@ -139,6 +140,10 @@ class SupervisedRollout(RolloutSource, Generic[W]):
         self._check_buffer()
         if end.kind == "raised":
             raise RolloutFailedError(f"rollout worker {worker.index} raised {end.detail}")
+        if end.kind == "unserved":
+            raise RolloutFailedError(
+                f"the trainer failed to answer rollout worker {worker.index} ({end.detail}); the worker was stopped"
+            )
         raise RolloutFailedError(f"rollout worker {worker.index} stopped before the trainer finished")
 
     def _restart(self, worker: W, how: str) -> None:

@@ -171,6 +171,30 @@ def test_a_worker_that_raises_fails_the_rollout_with_its_error(tmp_path):
         local.close()
 
 
+def test_a_failure_answering_a_worker_ends_the_rollout_instead_of_leaving_it_waiting(tmp_path):
+    """The trainer's thread that answers a worker's pipe raises (here the buffer's put): the worker, which would wait
+    for that answer for ever, is stopped and the next fetch fails naming what was raised; not restarted (the same
+    answer would fail again)."""
+    cfg, source, model_config, model = _setup(tmp_path)
+    local = LocalRollout(cfg, source, model_config, RolloutStart(), fork=True)
+
+    def put(*args, **kwargs):
+        raise RuntimeError("the buffer cannot take this group")
+
+    local.buffer.put = put  # what answer_calls calls for a worker's "put"
+    try:
+        local.publish({k: v.detach().clone() for k, v in model.state_dict().items()}, 0)
+        with pytest.raises(
+            RolloutFailedError,
+            match=r"the trainer failed to answer rollout worker 0 \(RuntimeError: the buffer cannot take this "
+            r"group\); the worker was stopped",
+        ):
+            local.fetch(cfg.groups_per_trigger, 0)
+        assert local.worker_restarts == 0 and not local.workers[0].process.is_alive()
+    finally:
+        local.close()
+
+
 def test_the_workers_die_with_a_killed_trainer(tmp_path):
     """SIGKILL the trainer's process: its workers (forked, waiting for weights) are gone within seconds."""
     overrides = small_overrides(
