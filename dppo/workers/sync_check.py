@@ -29,19 +29,22 @@ class WeightFingerprint:
 class WeightSyncMismatchError(RuntimeError):
     """A rollout engine does not hold the weights it was given: the first tensor that differs, and the versions."""
 
-    def __init__(self, tensor: str, version: int, detail: str):
-        super().__init__(f"after loading version {version}, the rollout engine's {tensor} {detail}")
-        self.tensor, self.version, self.detail = tensor, version, detail
+    def __init__(self, tensor: str, version: int, detail: str, whose: str = "the rollout engine's"):
+        """whose: what holds the tensor, as the message names it (a LoRA load's adapter: "the received adapter's")."""
+        super().__init__(f"after loading version {version}, {whose} {tensor} {detail}")
+        self.tensor, self.version, self.detail, self.whose = tensor, version, detail, whose
 
     def __reduce__(self):  # pickled across Ray and the local workers' pipes by its fields
-        return type(self), (self.tensor, self.version, self.detail)
+        return type(self), (self.tensor, self.version, self.detail, self.whose)
 
 
 class WeightSyncUnverifiableError(TypeError):
     """A tensor an engine holds could not be mapped back to a checkpoint name: its weights cannot be verified."""
 
 
-def verify(expected: WeightFingerprint, held: dict[str, TensorPrint], version: int) -> None:
+def verify(
+    expected: WeightFingerprint, held: dict[str, TensorPrint], version: int, whose: str = "the rollout engine's"
+) -> None:
     """WeightSyncMismatchError naming the first tensor (in the checkpoint's order) whose held print differs from the
     expected one, or that the engine does not hold; held: what the engine reported, by checkpoint name (an engine
     that keeps its own layout maps it back first: vLLM's fused q/k/v and gate/up, its stacked experts). Compared by
@@ -55,20 +58,23 @@ def verify(expected: WeightFingerprint, held: dict[str, TensorPrint], version: i
         if got is None and any(tied in held for tied in _tied_with(expected.aliases, name)):
             continue
         if got is None:
-            raise WeightSyncMismatchError(name, version, "is missing: the engine reported no such tensor")
+            raise WeightSyncMismatchError(name, version, "is missing: the engine reported no such tensor", whose)
         if got.shape != want.shape:
-            raise WeightSyncMismatchError(name, version, f"has shape {list(got.shape)}; published: {list(want.shape)}")
+            raise WeightSyncMismatchError(
+                name, version, f"has shape {list(got.shape)}; published: {list(want.shape)}", whose
+            )
         if got.checksum != want.checksum:
             raise WeightSyncMismatchError(
                 name,
                 version,
                 f"differs from the published tensor (checksum {got.checksum:#x} in {expected.dtype}, "
                 f"published {want.checksum:#x})",
+                whose,
             )
     extra = sorted(held.keys() - expected.tensors.keys())
     if extra:
         raise WeightSyncMismatchError(
-            extra[0], version, "was not published (the engine holds a tensor the trainer has none of)"
+            extra[0], version, "was not published (the engine holds a tensor the trainer has none of)", whose
         )
 
 

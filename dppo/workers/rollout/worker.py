@@ -164,7 +164,8 @@ class RolloutGenerator:
                 # the adapter that arrived is the one the trainer published (expected: its adapter's fingerprint),
                 # and the engine holds the merge computed from it
                 # (the whole of it: every tensor the engine holds, whether this load wrote it or not)
-                verify(expected, prints_of(sync.adapter, getattr(torch, expected.dtype)), version)
+                adapter = prints_of(sync.adapter, getattr(torch, expected.dtype))
+                verify(expected, adapter, version, whose="the received adapter's")
                 merged = self._merged_prints.of(sync, getattr(torch, expected.dtype))
                 verify(merged, self.engine.held_prints(merged), version)
             else:

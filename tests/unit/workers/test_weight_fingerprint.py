@@ -127,6 +127,8 @@ def test_the_error_survives_pickling_with_its_fields():
     err = pickle.loads(pickle.dumps(WeightSyncMismatchError("a.weight", 7, "differs")))
     assert isinstance(err, WeightSyncMismatchError) and (err.tensor, err.version) == ("a.weight", 7)
     assert str(err) == "after loading version 7, the rollout engine's a.weight differs"
+    err = pickle.loads(pickle.dumps(WeightSyncMismatchError("a.lora_A", 7, "differs", "the received adapter's")))
+    assert str(err) == "after loading version 7, the received adapter's a.lora_A differs"
 
 
 def test_a_checksum_in_bf16_of_fp32_weights_is_that_of_torchs_bf16_rounding_nans_and_infs_included():
