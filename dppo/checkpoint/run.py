@@ -205,7 +205,8 @@ class RunCheckpoints:
         measured = self.store.newest_bytes()
         if measured is not None or self._trainer is None:
             return measured or 0
-        weight_bytes = sum(self._trainer.actor_group.parameter_bytes())  # every rank's shards: the model once
+        # every rank's shards of what it trains: the model once (LoRA: the adapter; its base is never saved)
+        weight_bytes = sum(self._trainer.actor_group.trainable_bytes())
         return checkpoint_bytes_estimate(weight_bytes, 1, self.settings.reference)
 
     def save_due(self, trainer: Checkpointed) -> None:

@@ -182,9 +182,10 @@ class ActorRank:
         self.setup_update(pi_old_choice)
 
     @register(ALL)
-    def parameter_bytes(self) -> int:
-        """The bytes of the policy's parameters this rank holds (its shards; the whole model at world size 1)."""
-        return sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters())
+    def trainable_bytes(self) -> int:
+        """The bytes of the parameters this rank trains (its shards; the whole model at world size 1): what a
+        checkpoint holds of the model, beside their optimizer state (LoRA's adapter, the frozen base not saved)."""
+        return sum(local_tensor(p).numel() * p.element_size() for p in self.model.parameters() if p.requires_grad)
 
     @register(RANK0)
     def model_config(self):

@@ -9,6 +9,7 @@ import torch
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from dppo.checkpoint import store as ckpt
+from dppo.checkpoint.failure import checkpoint_bytes_estimate
 from dppo.checkpoint.layout import ACTOR_DIR, PI_OLD_FILE, TRAINER_FILE
 from dppo.checkpoint.shards import safe_reader_classes
 from dppo.cli import main
@@ -142,6 +143,9 @@ def test_a_lora_checkpoint_holds_the_adapter_and_its_optimizer_state_and_no_base
     expected |= {f"optimizer.state.{n}.{m}": b for n, b in adapter.items() for m in ("exp_avg", "exp_avg_sq")}
     assert {n: b for n, b in saved.items() if not n.endswith(".step")} == expected
     assert set(state["lora"]) == {"base_hash", "vocab_size"}
+    # the free-disk message's estimate of a checkpoint before any is on disk: these bytes too
+    estimate = checkpoint_bytes_estimate(sum(lora.actor_group.trainable_bytes()), 1, with_reference=False)
+    assert estimate == sum(b for n, b in saved.items() if not n.endswith(".step"))
 
     full = PPOTrainer(small_cfg(**{**one_step, "actor.lr": 0.05, "trainer.output_dir": tmp_path / "full"}))
     full.fit()
