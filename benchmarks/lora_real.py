@@ -2,7 +2,7 @@
 `benchmarks/real_run.py` of its own (base measurement, then `dppo train`), one after the other.
 
     .venv/bin/python benchmarks/lora_real.py [--rank 16] [--alpha 32] [--lora-lr 2e-4] [--steps 120] [--out DIR]
-                                             [key=value ...]
+                                             [--only lora|full] [key=value ...]
 
 Per variant: held-out greedy accuracy over time (the time to 0.5 and 0.7, the final), pi_old's slot bytes
 (snapshot/bytes), the bytes of each weight sync after the first (rollout/weight_sync_bytes: the full model, or LoRA's
@@ -131,14 +131,27 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--lora-lr", type=float, default=2e-4, help="LoRA's actor.lr (full keeps the YAML's)")
     parser.add_argument("--steps", type=int, default=120)
     parser.add_argument("--out", default=str(REPO / "outputs" / "lora_real"))
+    parser.add_argument(
+        "--only",
+        choices=("lora", "full"),
+        help="run this variant alone (the other's OUT/<variant>/variant.json, if there, fills the table)",
+    )
     parser.add_argument("overrides", nargs="*", metavar="key=value", help="config overrides for both variants")
     args = parser.parse_intermixed_args(argv)
     out = Path(args.out)
     common = [f"trainer.total_steps={args.steps}", *args.overrides]
     lora = [f"model.lora_rank={args.rank}", f"model.lora_alpha={args.alpha}", f"actor.lr={args.lora_lr}"]
-    # LoRA first: a failure there costs no full run
-    runs = {"lora": run_variant(f"LoRA r={args.rank}", out / "lora", [*common, *lora])}
-    runs["full"] = run_variant("full fine-tuning", out / "full", common)
+    variants = {"lora": (f"LoRA r={args.rank}", [*common, *lora]), "full": ("full fine-tuning", common)}
+    runs = {}
+    for key, (name, overrides) in variants.items():  # LoRA first: a failure there costs no full run
+        if args.only in (None, key):
+            runs[key] = run_variant(name, out / key, overrides)
+        elif (out / key / "variant.json").is_file():
+            runs[key] = json.loads((out / key / "variant.json").read_text())
+            print(f"== {name}: kept from {out / key / 'variant.json'} (not run: --only {args.only})", flush=True)
+    if len(runs) < 2:
+        print(f"\n{args.only}: {json.dumps(runs[args.only], indent=1)}")
+        return 0
     full, lo = runs["full"], runs["lora"]
     rows = [
         ("snapshot bytes (pi_old's slot)", full["snapshot_bytes"], lo["snapshot_bytes"]),
